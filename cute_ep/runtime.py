@@ -1,0 +1,209 @@
+"""Load AOT-compiled cubins with the CUDA driver API and launch them on torch tensors.
+
+Never imports the DSL. A module is loaded once per process and device, a kernel is looked up by
+its config key, its arguments are checked against the manifest's parameter ABI before every
+launch, and launches go to torch's current stream (so they are captured by `torch.cuda.graph`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import torch
+
+from cute_ep.abi import KernelSpec
+from cute_ep.library import Entry, Manifest
+
+try:  # cuda-python >= 12.6 ships the driver bindings as cuda.bindings
+    from cuda.bindings import driver
+except ImportError:  # pragma: no cover - older cuda-python layout
+    from cuda import cuda as driver
+
+ARCH_OF_CAPABILITY = {(9, 0): "sm_90a", (10, 0): "sm_100a"}
+_DEFAULT_DYNAMIC_SMEM_LIMIT = 48 * 1024
+_INT_RANGES = {"i32": (-(1 << 31), (1 << 31) - 1), "i64": (-(1 << 63), (1 << 63) - 1)}
+_CTYPES = {"ptr": ctypes.c_uint64, "i32": ctypes.c_int32, "i64": ctypes.c_int64}
+
+
+class CudaError(RuntimeError):
+    pass
+
+
+def check(result):
+    """Unwrap a cuda-python driver call's (error, *values) tuple, raising on error."""
+    err, *values = result if isinstance(result, tuple) else (result,)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        _, name = driver.cuGetErrorName(err)
+        _, text = driver.cuGetErrorString(err)
+        raise CudaError(f"{name.decode() if name else err}: {text.decode() if text else ''}")
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+def device_arch(device: torch.device) -> str:
+    """The library architecture that runs on `device` (sm_90a for Hopper, sm_100a for Blackwell)."""
+    cap = torch.cuda.get_device_capability(device)
+    arch = ARCH_OF_CAPABILITY.get(cap)
+    if arch is None:
+        raise RuntimeError(
+            f"{torch.cuda.get_device_name(device)} (compute capability {cap[0]}.{cap[1]}) is not "
+            f"supported: cute-ep runs on {', '.join(ARCH_OF_CAPABILITY.values())}")
+    return arch
+
+
+class Kernel:
+    """One compiled kernel loaded on one device."""
+
+    def __init__(self, entry: Entry, function, device_index: int):
+        self.entry = entry
+        self.spec: KernelSpec = entry.spec
+        self.function = function
+        self.device_index = device_index
+        self._scalars = [p.name for p in self.spec.params if p.kind != "ptr"]
+        # Parameter storage and the void** array pointing into it, built once and refilled per
+        # launch: cuLaunchKernel copies the values, so reuse is safe (also under graph capture).
+        self._slots = [_CTYPES[p.kind]() for p in self.spec.params]
+        self._argv = (ctypes.c_void_p * len(self._slots))(
+            *[ctypes.addressof(s) for s in self._slots])
+        self._lock = threading.Lock()
+
+    def check_args(self, args) -> dict[str, int]:
+        """Validate launch arguments against the manifest's ABI; returns the scalar values."""
+        spec = self.spec
+        if len(args) != len(spec.params):
+            raise TypeError(f"{spec.key} takes {len(spec.params)} arguments "
+                            f"({', '.join(p.name for p in spec.params)}), got {len(args)}")
+        scalars = {}
+        for p, a in zip(spec.params, args):
+            if p.kind != "ptr":
+                if isinstance(a, bool) or not isinstance(a, int):
+                    raise TypeError(f"{spec.key}: {p.name} must be an int, got {type(a).__name__}")
+                lo, hi = _INT_RANGES[p.kind]
+                if not lo <= a <= hi:
+                    raise ValueError(f"{spec.key}: {p.name}={a} does not fit {p.kind}")
+                scalars[p.name] = a
+        for p, a in zip(spec.params, args):
+            if p.kind == "ptr":
+                check_tensor(a, name=f"{spec.key}: {p.name}", dtype=p.dtype, align=p.align,
+                             device_index=self.device_index)
+                if p.min_elements:
+                    scalar, factor = p.min_elements
+                    need = scalars[scalar] * factor
+                    if a.numel() < need:
+                        raise ValueError(f"{spec.key}: {p.name} holds {a.numel()} elements, "
+                                         f"{scalar}={scalars[scalar]} needs {need}")
+        return scalars
+
+    def launch(self, *args) -> None:
+        scalars = self.check_args(args)
+        grid = tuple(rule.evaluate(scalars) for rule in self.spec.grid)
+        if 0 in grid:
+            return
+        stream = torch.cuda.current_stream(self.device_index).cuda_stream
+        with self._lock:
+            for slot, p, a in zip(self._slots, self.spec.params, args):
+                slot.value = a.data_ptr() if p.kind == "ptr" else a
+            check(driver.cuLaunchKernel(
+                self.function, *grid, *self.spec.block, self.spec.smem_bytes,
+                driver.CUstream(stream), ctypes.addressof(self._argv), 0))
+
+
+def check_tensor(t, *, name: str, dtype: str | None, align: int = 1,
+                 device_index: int | None = None):
+    """Raise a clear error unless `t` is a contiguous CUDA tensor of `dtype` (None: any) aligned
+    to `align` bytes."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cuda":
+        raise ValueError(f"{name} must be a CUDA tensor, got one on {t.device}")
+    if device_index is not None and t.device.index != device_index:
+        raise ValueError(f"{name} is on cuda:{t.device.index}, the kernel runs on cuda:{device_index}")
+    if dtype is not None and t.dtype != getattr(torch, dtype):
+        raise TypeError(f"{name} must be {getattr(torch, dtype)}, got {t.dtype}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (stride {tuple(t.stride())})")
+    if t.numel() and t.data_ptr() % align:
+        raise ValueError(f"{name} must be {align}-byte aligned, its address is "
+                         f"{t.data_ptr() % align} bytes past a multiple of {align}")
+
+
+class Runtime:
+    """Per-process cache of loaded modules and kernels, keyed by device."""
+
+    def __init__(self, manifest: Manifest | None = None):
+        self._manifest = manifest
+        self._contexts: dict[int, object] = {}
+        self._modules: dict[tuple[int, str], object] = {}
+        self._kernels: dict[tuple[int, str], Kernel] = {}
+        self._selected: dict[tuple, Kernel] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def manifest(self) -> Manifest:
+        if self._manifest is None:
+            self._manifest = Manifest.load()
+        return self._manifest
+
+    def kernel(self, key: str, device: torch.device | int | None = None) -> Kernel:
+        """The kernel for config `key` on `device` (default: the current CUDA device)."""
+        index = _device_index(device)
+        cached = self._kernels.get((index, key))
+        if cached is not None:
+            return cached
+        with self._lock:
+            if (index, key) not in self._kernels:
+                self._kernels[(index, key)] = self._load(key, index)
+        return self._kernels[(index, key)]
+
+    def select(self, family: str, device=None, **fields) -> Kernel:
+        """The kernel of `family` whose config has `fields` (see `Manifest.select`)."""
+        index = _device_index(device)
+        cache_key = (index, family, tuple(sorted(fields.items())))
+        kernel = self._selected.get(cache_key)
+        if kernel is None:
+            arch = device_arch(torch.device("cuda", index))
+            kernel = self.kernel(self.manifest.select(family, arch, **fields).key, index)
+            self._selected[cache_key] = kernel
+        return kernel
+
+    def _load(self, key: str, index: int) -> Kernel:
+        entry = self.manifest.lookup(key, device_arch(torch.device("cuda", index)))
+        with torch.cuda.device(index):
+            # torch owns the device's primary context; make sure it exists and is current.
+            torch.cuda.current_stream(index)
+            if index not in self._contexts:
+                self._contexts[index] = check(driver.cuDevicePrimaryCtxRetain(
+                    check(driver.cuDeviceGet(index))))
+            check(driver.cuCtxSetCurrent(self._contexts[index]))
+            module_key = (index, str(entry.cubin))
+            module = self._modules.get(module_key)
+            if module is None:
+                module = check(driver.cuModuleLoadData(entry.cubin.read_bytes()))
+                self._modules[module_key] = module
+            function = check(driver.cuModuleGetFunction(module, entry.symbol.encode()))
+            if entry.spec.smem_bytes > _DEFAULT_DYNAMIC_SMEM_LIMIT:
+                check(driver.cuFuncSetAttribute(
+                    function,
+                    driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    entry.spec.smem_bytes))
+        return Kernel(entry, function, index)
+
+
+def _device_index(device) -> int:
+    if device is None:
+        return torch.cuda.current_device()
+    device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+_runtime: Runtime | None = None
+
+
+def runtime() -> Runtime:
+    """The process-wide runtime over the default library ($CUTE_EP_LIBRARY or the package's)."""
+    global _runtime
+    if _runtime is None:
+        _runtime = Runtime()
+    return _runtime

@@ -1,0 +1,296 @@
+"""Ahead-of-time build: compile the kernel matrix into cubins and a manifest, no GPU needed.
+
+    python -m kernels.build [--ci] [--out DIR] [--arch sm_90a --arch sm_100a] [--force]
+
+(also `cute-ep build`). Every configuration is compiled for every architecture with the CuTe DSL,
+its PTX signature is checked against the kernel's declared parameter ABI, and the cubin is
+written next to a `manifest.json` that the runtime reads. A configuration whose build key (kernel
+source, layouts, ABI, DSL version, arch, config) is unchanged and whose cubin is intact is not
+rebuilt. A configuration that fails is reported and the others still build.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import inspect
+import json
+import re
+import sys
+import tempfile
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.runtime import make_ptr
+from rich.markup import escape
+
+from cute_ep import __version__
+from cute_ep.abi import ARCHES, KernelSpec
+from cute_ep.library import MANIFEST, MANIFEST_FORMAT, library_dir
+
+REPO_FILES = Path(__file__).resolve().parent.parent
+
+DSL_TYPES = {
+    "uint8": cutlass.Uint8,
+    "int8": cutlass.Int8,
+    "float8_e4m3fn": cutlass.Float8E4M3FN,
+    "bfloat16": cutlass.BFloat16,
+    "float16": cutlass.Float16,
+    "int32": cutlass.Int32,
+    "uint32": cutlass.Uint32,
+    "float32": cutlass.Float32,
+    "int64": cutlass.Int64,
+    "uint64": cutlass.Uint64,
+}
+SCALAR_TYPES = {"i32": cutlass.Int32, "i64": cutlass.Int64}
+
+
+class BuildError(RuntimeError):
+    pass
+
+
+@dataclass
+class Result:
+    key: str
+    arch: str
+    status: str  # "built", "unchanged" or "failed"
+    seconds: float = 0.0
+    error: str = ""
+
+
+@dataclass
+class Report:
+    results: list[Result] = field(default_factory=list)
+
+    def count(self, status: str) -> int:
+        return sum(r.status == status for r in self.results)
+
+    @property
+    def failed(self) -> list[Result]:
+        return [r for r in self.results if r.status == "failed"]
+
+
+def dsl_version() -> str:
+    from importlib.metadata import version
+
+    return version("nvidia-cutlass-dsl")
+
+
+def source_digest(kernel) -> str:
+    """Hash of every source file a kernel's cubin depends on, beside the DSL itself."""
+    files = [Path(inspect.getsourcefile(type(kernel))), Path(__file__)]
+    files += sorted((REPO_FILES / "layouts").glob("*.py"))
+    files.append(REPO_FILES / "cute_ep" / "abi.py")
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def build_key(kernel, spec: KernelSpec, arch: str) -> str:
+    h = hashlib.sha256()
+    for part in (source_digest(kernel), dsl_version(), arch,
+                 json.dumps(spec.to_json(), sort_keys=True)):
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def compile_args(spec: KernelSpec) -> list:
+    """Placeholder arguments with the types, and alignments the kernel may assume."""
+    import cuda.bindings.driver as driver
+
+    args = []
+    for p in spec.params:
+        if p.kind == "ptr":
+            args.append(make_ptr(DSL_TYPES[p.dtype], 1 << 20, cute.AddressSpace.gmem,
+                                 assumed_align=p.align))
+        else:
+            args.append(SCALAR_TYPES[p.kind](0))
+    args.append(driver.CUstream(0))
+    return args
+
+
+_ENTRY = re.compile(r"\.visible\s+\.entry\s+(\w+)\s*\((.*?)\)", re.S)
+_PARAM_ARRAY = re.compile(r"\.param\s+\.align\s+\d+\s+\.b8\s+\w+\[(\d+)\]")
+_PARAM_SCALAR = re.compile(r"\.param\s+\.[usbf](\d+)\b")
+
+
+def ptx_signature(ptx: str) -> tuple[str, list[int]]:
+    """The kernel symbol and the byte size of each parameter, read from PTX."""
+    entries = _ENTRY.findall(ptx)
+    if len(entries) != 1:
+        raise BuildError(f"expected one kernel entry in the PTX, found {len(entries)}")
+    symbol, body = entries[0]
+    sizes = []
+    for line in (s.strip() for s in body.split(",")):
+        if not line:
+            continue
+        if m := _PARAM_ARRAY.search(line):
+            sizes.append(int(m.group(1)))
+        elif m := _PARAM_SCALAR.search(line):
+            sizes.append(int(m.group(1)) // 8)
+        else:
+            raise BuildError(f"unrecognised PTX parameter: {line}")
+    return symbol, sizes
+
+
+def compile_kernel(kernel, spec: KernelSpec, arch: str) -> tuple[str, bytes]:
+    """Compile one configuration for one arch; returns (symbol, cubin)."""
+    with tempfile.TemporaryDirectory(prefix="cute-ep-build-") as tmp:
+        compiled = cute.compile(
+            kernel, *compile_args(spec),
+            options=f"--gpu-arch {arch} --keep-ptx --keep-cubin --dump-dir {tmp}")
+        compiled.artifacts  # materialises the dumped files
+        ptx_files = list(Path(tmp).glob("*.ptx"))
+        cubin_files = list(Path(tmp).glob("*.cubin"))
+        if len(ptx_files) != 1 or len(cubin_files) != 1:
+            raise BuildError(f"expected one PTX and one cubin from the DSL, got "
+                             f"{[p.name for p in Path(tmp).iterdir()]}")
+        ptx = ptx_files[0].read_text()
+        cubin = cubin_files[0].read_bytes()
+    symbol, sizes = ptx_signature(ptx)
+    declared = [p.size for p in spec.params]
+    if sizes != declared:
+        raise BuildError(
+            f"PTX parameters of {symbol} have byte sizes {sizes}, the declared ABI "
+            f"{[(p.name, p.kind) for p in spec.params]} has {declared}")
+    return symbol, cubin
+
+
+def _cubin_name(key: str, arch: str) -> str:
+    family = key.split("[", 1)[0]
+    return f"{arch}/{family}-{hashlib.sha256(key.encode()).hexdigest()[:12]}.cubin"
+
+
+def _load_existing(out: Path) -> dict[tuple[str, str], dict]:
+    file = out / MANIFEST
+    if not file.is_file():
+        return {}
+    try:
+        data = json.loads(file.read_text())
+    except json.JSONDecodeError:
+        return {}
+    if data.get("format") != MANIFEST_FORMAT:
+        return {}
+    return {(e["spec"]["key"], e["arch"]): e for e in data.get("kernels", [])}
+
+
+def _intact(out: Path, entry: dict) -> bool:
+    path = out / entry["cubin"]
+    return path.is_file() and hashlib.sha256(path.read_bytes()).hexdigest() == entry["sha256"]
+
+
+def build(kernels: list, out: Path, arches=ARCHES, force: bool = False,
+          progress: bool = True) -> Report:
+    """Compile `kernels` x `arches` into `out`, keeping the unchanged entries already there."""
+    import time
+
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    out.mkdir(parents=True, exist_ok=True)
+    existing = _load_existing(out)
+    entries: dict[tuple[str, str], dict] = {}
+    report = Report()
+    jobs = [(k, k.spec(), arch) for k in kernels for arch in arches]
+    keys = [(spec.key, arch) for _, spec, arch in jobs]
+    if len(set(keys)) != len(keys):
+        raise BuildError("the kernel matrix declares the same configuration twice")
+
+    console = Console(stderr=True)
+    with Progress(TextColumn("[bold]building[/] {task.description}"), BarColumn(),
+                  MofNCompleteColumn(), TimeElapsedColumn(), console=console,
+                  disable=not progress, transient=False) as bar:
+        task = bar.add_task("", total=len(jobs))
+        for kernel, spec, arch in jobs:
+            bar.update(task, description=f"{escape(spec.key)} {arch}")
+            key = build_key(kernel, spec, arch)
+            old = existing.get((spec.key, arch))
+            if not force and old and old.get("build_key") == key and _intact(out, old):
+                entries[(spec.key, arch)] = old
+                report.results.append(Result(spec.key, arch, "unchanged"))
+                bar.advance(task)
+                continue
+            start = time.perf_counter()
+            try:
+                symbol, cubin = compile_kernel(kernel, spec, arch)
+            except Exception as exc:  # one bad config must not stop the others
+                detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+                report.results.append(Result(spec.key, arch, "failed", error=detail))
+                console.print(f"[red]failed[/] {escape(spec.key)} {arch}: "
+                              f"{escape(detail.splitlines()[0][:300])}")
+                bar.advance(task)
+                continue
+            rel = _cubin_name(spec.key, arch)
+            (out / rel).parent.mkdir(parents=True, exist_ok=True)
+            (out / rel).write_bytes(cubin)
+            entries[(spec.key, arch)] = {
+                "arch": arch,
+                "symbol": symbol,
+                "cubin": rel,
+                "sha256": hashlib.sha256(cubin).hexdigest(),
+                "build_key": key,
+                "spec": spec.to_json(),
+            }
+            report.results.append(
+                Result(spec.key, arch, "built", seconds=time.perf_counter() - start))
+            bar.advance(task)
+
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        "cute_ep_version": __version__,
+        "dsl_version": dsl_version(),
+        "kernels": [entries[k] for k in sorted(entries)],
+    }
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    return report
+
+
+def print_report(report: Report, out: Path) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"kernel library at {out}")
+    for col in ("config", "arch", "status", "seconds"):
+        table.add_column(col)
+    style = {"built": "green", "unchanged": "dim", "failed": "red"}
+    for r in report.results:
+        table.add_row(escape(r.key), r.arch, f"[{style[r.status]}]{r.status}[/]",
+                      f"{r.seconds:.1f}" if r.status == "built" else "")
+    console = Console()
+    console.print(table)
+    console.print(f"{report.count('built')} built, {report.count('unchanged')} unchanged, "
+                  f"{report.count('failed')} failed")
+    for r in report.failed:
+        console.print(f"[red]{escape(r.key)} {r.arch}[/]\n{escape(r.error)}")
+
+
+def main(argv=None) -> int:
+    from kernels.matrix import ci_matrix, full_matrix
+
+    parser = argparse.ArgumentParser(prog="cute-ep build", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=None,
+                        help="library folder (default: $CUTE_EP_LIBRARY, else inside the package)")
+    parser.add_argument("--arch", action="append", choices=ARCHES,
+                        help="target architecture (repeatable; default: all)")
+    parser.add_argument("--ci", action="store_true",
+                        help="one config of every kernel family only")
+    parser.add_argument("--force", action="store_true", help="rebuild unchanged configs too")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+
+    out = library_dir(args.out)
+    kernels = ci_matrix() if args.ci else full_matrix()
+    report = build(kernels, out, arches=tuple(args.arch or ARCHES), force=args.force,
+                   progress=not args.no_progress)
+    print_report(report, out)
+    return 1 if report.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
