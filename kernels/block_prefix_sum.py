@@ -70,7 +70,7 @@ class BlockPrefixSum:
         tidx, _, _ = cute.arch.thread_idx()
         warp = tidx // WARP
         lane = tidx % WARP
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         s_warp = smem.allocate_tensor(Int32, cute.make_layout(self.warps + 1), byte_alignment=16)
 
         layout = cute.make_layout(n)

@@ -115,6 +115,7 @@ def compile_args(spec: KernelSpec) -> list:
     return args
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _ENTRY = re.compile(r"\.visible\s+\.entry\s+(\w+)\s*\((.*?)\)", re.S)
 _PARAM_ARRAY = re.compile(r"\.param\s+\.align\s+\d+\s+\.b8\s+\w+\[(\d+)\]")
 _PARAM_SCALAR = re.compile(r"\.param\s+\.[usbf](\d+)\b")
@@ -220,10 +221,11 @@ def build(kernels: list, out: Path, arches=ARCHES, force: bool = False,
             try:
                 symbol, cubin = compile_kernel(kernel, spec, arch)
             except Exception as exc:  # one bad config must not stop the others
-                detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+                detail = _ANSI.sub("", "".join(traceback.format_exception_only(type(exc), exc)))
+                detail = "\n".join(line for line in detail.splitlines() if line.strip())
                 report.results.append(Result(spec.key, arch, "failed", error=detail))
                 console.print(f"[red]failed[/] {escape(spec.key)} {arch}: "
-                              f"{escape(detail.splitlines()[0][:300])}")
+                              f"{escape(' '.join(detail.splitlines()[:2])[:300])}")
                 bar.advance(task)
                 continue
             rel = _cubin_name(spec.key, arch)

@@ -1,0 +1,109 @@
+"""The AOT build on a machine without a GPU: manifest, ABI check, incremental rebuilds, failures."""
+
+import hashlib
+import json
+
+import pytest
+
+pytestmark = pytest.mark.build
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    from kernels.build import build
+    from kernels.matrix import ci_matrix
+
+    out = tmp_path_factory.mktemp("library")
+    report = build(ci_matrix(), out, progress=False)
+    return out, report
+
+
+def _manifest(out):
+    return json.loads((out / "manifest.json").read_text())
+
+
+def test_ci_subset_has_every_family_for_both_arches(built):
+    from kernels.matrix import full_matrix
+
+    out, report = built
+    assert not report.failed
+    entries = _manifest(out)["kernels"]
+    families = {k.spec().family for k in full_matrix()}
+    assert {(e["spec"]["family"], e["arch"]) for e in entries} == \
+        {(f, a) for f in families for a in ("sm_90a", "sm_100a")}
+    for e in entries:
+        cubin = (out / e["cubin"]).read_bytes()
+        assert cubin[:4] == b"\x7fELF"
+        assert hashlib.sha256(cubin).hexdigest() == e["sha256"]
+        assert e["symbol"].encode() in cubin
+        assert [p["name"] for p in e["spec"]["params"]]  # the ABI is recorded
+        assert e["spec"]["block"][0] > 0
+
+
+def test_unchanged_configs_are_not_rebuilt_and_damaged_ones_are(built):
+    from kernels.build import build
+    from kernels.matrix import ci_matrix
+
+    out, _ = built
+    again = build(ci_matrix(), out, progress=False)
+    assert again.count("unchanged") == len(again.results) and not again.failed
+
+    victim = _manifest(out)["kernels"][0]
+    (out / victim["cubin"]).write_bytes(b"damaged")
+    repaired = build(ci_matrix(), out, progress=False)
+    rebuilt = [(r.key, r.arch) for r in repaired.results if r.status == "built"]
+    assert rebuilt == [(victim["spec"]["key"], victim["arch"])]
+    assert hashlib.sha256((out / victim["cubin"]).read_bytes()).hexdigest() == victim["sha256"]
+
+
+def _broken_kernel():
+    """A kernel whose compilation fails: the build must report it and carry on."""
+    import cutlass.cute as cute
+
+    from cute_ep.abi import GridRule, KernelSpec, Param
+
+    class Broken:
+        def spec(self):
+            return KernelSpec(family="broken", config={}, params=(Param("n", "i32"),),
+                              block=(32, 1, 1), grid=(GridRule(constant=1),) * 3)
+
+        @cute.jit
+        def __call__(self, n, stream):
+            raise RuntimeError("this kernel does not compile")
+
+    return Broken()
+
+
+def test_a_failed_config_does_not_stop_the_others(tmp_path):
+    from kernels.build import build
+    from kernels.matrix import ci_matrix
+
+    report = build([_broken_kernel(), *ci_matrix()], tmp_path, arches=("sm_90a",), progress=False)
+    assert [(r.key, r.status) for r in report.failed] == [("broken[]", "failed")]
+    assert "does not compile" in report.failed[0].error
+    assert report.count("built") == len(ci_matrix())
+    assert "broken" not in {e["spec"]["family"] for e in _manifest(tmp_path)["kernels"]}
+
+
+def test_ptx_signature_is_checked_against_the_declared_abi():
+    from kernels.build import BuildError, ptx_signature
+
+    ptx = """.visible .entry k_0(
+        .param .u64 .ptr .global .align 16 k_0_param_0,
+        .param .align 8 .b8 k_0_param_1[16],
+        .param .u32 k_0_param_2
+    )"""
+    assert ptx_signature(ptx) == ("k_0", [8, 16, 4])
+    with pytest.raises(BuildError, match="one kernel entry"):
+        ptx_signature(ptx + ptx.replace("k_0", "k_1"))
+
+
+def test_cli_writes_the_ci_subset_where_asked(tmp_path):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "cute_ep.cli", "build", "--ci", "--no-progress",
+                           "--out", str(tmp_path / "lib")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert len(_manifest(tmp_path / "lib")["kernels"]) == 2 * 2
+    assert "4 built, 0 unchanged, 0 failed" in done.stdout

@@ -1,0 +1,113 @@
+"""The manifest, config keys and argument checks: everything of the runtime that needs no GPU."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from cute_ep.abi import GridRule, KernelSpec, Param, config_key
+from cute_ep.library import KernelNotBuilt, Manifest, library_dir
+from cute_ep.runtime import Kernel, check_tensor
+
+
+def _library_or_skip() -> Manifest:
+    try:
+        return Manifest.load()
+    except KernelNotBuilt as exc:
+        if os.environ.get("CI"):
+            raise  # CI builds the library before the tests: a missing one is a failure there
+        pytest.skip(str(exc))
+
+
+def test_config_key_is_canonical():
+    assert config_key("f", {"b": True, "a": 3}) == "f[a=3,b=1]"
+    assert config_key("f", {"a": 3, "b": True}) == config_key("f", {"b": 1, "a": 3})
+
+
+def test_grid_rules():
+    assert GridRule(constant=1).evaluate({}) == 1
+    assert GridRule(ceil_div=("n", 1024)).evaluate({"n": 0}) == 0
+    assert GridRule(ceil_div=("n", 1024)).evaluate({"n": 1025}) == 2
+    assert GridRule(ceil_div=("n", 1), max=1).evaluate({"n": 7}) == 1
+
+
+def test_spec_round_trips_through_json():
+    spec = KernelSpec(
+        family="f", config={"x": 2},
+        params=(Param("out", "ptr", "int32", align=16, min_elements=("n", 4), writes=True),
+                Param("n", "i32")),
+        block=(128, 1, 1), grid=(GridRule(ceil_div=("n", 8), max=4), GridRule(constant=1),
+                                 GridRule(constant=1)),
+        smem_bytes=64, sizes={"tile": 8})
+    assert KernelSpec.from_json(json.loads(json.dumps(spec.to_json()))) == spec
+
+
+def test_param_rejects_unknown_types():
+    with pytest.raises(ValueError, match="unknown element type"):
+        Param("x", "ptr", "complex64")
+    with pytest.raises(ValueError, match="unknown kind"):
+        Param("n", "u16")
+
+
+def test_the_built_library_lists_every_kernel_for_both_arches():
+    manifest = _library_or_skip()
+    families = {e.spec.family for e in manifest.entries.values()}
+    assert {"block_memcpy", "block_prefix_sum"} <= families
+    for family in families:
+        assert {a for (k, a), e in manifest.entries.items() if e.spec.family == family} == \
+            {"sm_90a", "sm_100a"}, family
+    for entry in manifest.entries.values():
+        assert entry.cubin.read_bytes()[:4] == b"\x7fELF"
+        assert entry.symbol.encode() in entry.cubin.read_bytes()
+
+
+def test_missing_library_names_the_build_command(tmp_path):
+    with pytest.raises(KernelNotBuilt, match=f"cute-ep build --out {tmp_path}"):
+        Manifest.load(tmp_path)
+
+
+def test_missing_config_names_the_config_and_the_build_command():
+    manifest = _library_or_skip()
+    with pytest.raises(KernelNotBuilt, match=r"block_memcpy\[threads=3\].*sm_90a.*cute-ep build"):
+        manifest.lookup("block_memcpy[threads=3]", "sm_90a")
+    with pytest.raises(KernelNotBuilt, match="block_prefix_sum.*'exclusive': 7"):
+        manifest.select("block_prefix_sum", "sm_90a", exclusive=7)
+
+
+def test_library_dir_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("CUTE_EP_LIBRARY", str(tmp_path))
+    assert library_dir() == tmp_path
+    assert library_dir("elsewhere") == library_dir("elsewhere")
+
+
+def test_launch_arguments_are_checked_against_the_abi():
+    manifest = _library_or_skip()
+    entry = manifest.select("block_prefix_sum", "sm_90a", exclusive=False)
+    kernel = Kernel(entry, function=None, device_index=0)
+    x = torch.zeros(8, dtype=torch.int32)
+    with pytest.raises(TypeError, match="takes 3 arguments"):
+        kernel.check_args((x, x))
+    with pytest.raises(ValueError, match="does not fit i32"):
+        kernel.check_args((x, x, 1 << 31))
+    with pytest.raises(TypeError, match="n must be an int"):
+        kernel.check_args((x, x, 2.0))
+    with pytest.raises(ValueError, match="must be a CUDA tensor"):
+        kernel.check_args((x, x, 8))
+
+
+def test_tensor_checks_name_what_is_wrong():
+    with pytest.raises(TypeError, match="must be a torch.Tensor"):
+        check_tensor([1, 2], name="x", dtype="int32")
+    with pytest.raises(ValueError, match="x must be a CUDA tensor"):
+        check_tensor(torch.zeros(4), name="x", dtype="float32")
+
+
+def test_import_needs_neither_the_dsl_nor_a_gpu():
+    code = ("import sys, cute_ep; assert 'cutlass' not in sys.modules, 'runtime imported the DSL'; "
+            "print(cute_ep.__version__)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == __import__("cute_ep").__version__
