@@ -35,11 +35,11 @@ def _info(argv) -> int:
     gpus = _visible_gpus()
     table = Table(title=f"kernel library at {library_dir(args.library)} "
                         f"(DSL {manifest.data['dsl_version']})")
-    for col in ("config", "arch", "symbol", "runs here"):
-        table.add_column(col)
+    for col in ("config", "arch", "cubin bytes", "runs here"):
+        table.add_column(col, overflow="fold")
     for (key, arch), entry in sorted(manifest.entries.items()):
         here = ", ".join(f"cuda:{i}" for i, a in gpus if a == arch) or "-"
-        table.add_row(escape(key), arch, entry.symbol[:48] + ("…" if len(entry.symbol) > 48 else ""), here)
+        table.add_row(escape(key), arch, str(entry.cubin.stat().st_size), here)
     console.print(table)
     if not gpus:
         console.print("no supported CUDA GPU visible: the library can be built and inspected here, "
