@@ -47,6 +47,62 @@ def _info(argv) -> int:
     return 0
 
 
+def _layouts(argv) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from layouts import FORMATS, EPConfig, buffer_sizes
+    from layouts.buffers import group_offsets, total_bytes
+
+    parser = argparse.ArgumentParser(
+        prog="cute-ep layouts",
+        description="Print the token message byte map and the buffer sizes of one EP layer.")
+    parser.add_argument("--format", choices=sorted(FORMATS), default="bf16")
+    parser.add_argument("--hidden", type=int, default=7168, help="H (default: DeepSeek-V3's)")
+    parser.add_argument("--topk", type=int, default=8, help="K")
+    parser.add_argument("--experts", type=int, default=256, help="E")
+    parser.add_argument("--ranks", type=int, default=8, help="R")
+    parser.add_argument("--max-tokens", type=int, default=4096, help="max tokens per rank")
+    parser.add_argument("--shared-expert", action="store_true", help="fused shared expert")
+    args = parser.parse_args(argv)
+    console = Console()
+    try:
+        cfg = EPConfig(args.hidden, args.topk, args.experts, args.ranks, args.max_tokens,
+                       args.format, args.shared_expert)
+    except ValueError as exc:
+        console.print(f"[red]invalid config:[/] {exc}")
+        return 2
+    msg = cfg.message
+    table = Table(title=f"{cfg.format} message: H={cfg.hidden}, K={cfg.topk} "
+                        f"({msg.size} bytes, 16-byte aligned segments)")
+    for col in ("segment", "bytes", "offset", "elements x bytes"):
+        table.add_column(col, justify="right" if col != "segment" else "left")
+    end = 0
+    for seg in msg.segments:
+        if seg.offset > end:
+            table.add_row("[dim]padding[/]", str(seg.offset - end), str(end), "")
+        table.add_row(seg.name, str(seg.nbytes), str(seg.offset),
+                      f"{seg.elements} x {seg.element_bytes}")
+        end = seg.offset + seg.nbytes
+    if msg.size > end:
+        table.add_row("[dim]padding[/]", str(msg.size - end), str(end), "")
+    console.print(table)
+
+    sizes = Table(title=f"buffers: E={cfg.experts} over R={cfg.ranks} ranks "
+                        f"({cfg.local_experts} local), max {cfg.max_tokens_per_rank} tokens "
+                        f"per rank, up to {cfg.max_recv} received rows")
+    for col in ("where", "buffer", "bytes", "MiB"):
+        sizes.add_column(col, justify="right" if col in ("bytes", "MiB") else "left")
+    for where, buffers in buffer_sizes(cfg).items():
+        for name, nbytes in buffers.items():
+            sizes.add_row(where, name, f"{nbytes:,}", f"{nbytes / 2**20:.1f}")
+    console.print(sizes)
+    console.print(f"GPU memory per rank for this layer: {total_bytes(cfg) / 2**20:.1f} MiB "
+                  f"(two buffer groups of {group_offsets(cfg)['group_bytes'] / 2**20:.1f} MiB, "
+                  "local buffers and dispatch outputs)")
+    return 0
+
+
 def _visible_gpus() -> list[tuple[int, str]]:
     import torch
 
@@ -58,15 +114,16 @@ def _visible_gpus() -> list[tuple[int, str]]:
             for i in range(torch.cuda.device_count())]
 
 
-COMMANDS = {"build": _build, "info": _info}
+COMMANDS = {"build": _build, "info": _info, "layouts": _layouts}
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print("usage: cute-ep {build,info} [options]\n\n"
-              "  build   compile the kernel library (needs the build extra; no GPU needed)\n"
-              "  info    list the library's configs and the GPUs that can run them",
+        print("usage: cute-ep {build,info,layouts} [options]\n\n"
+              "  build     compile the kernel library (needs the build extra; no GPU needed)\n"
+              "  info      list the library's configs and the GPUs that can run them\n"
+              "  layouts   the token message byte map and buffer sizes of one EP layer",
               file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     return COMMANDS[argv[0]](argv[1:])

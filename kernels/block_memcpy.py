@@ -62,7 +62,7 @@ class BlockMemcpy:
                tiled_copy: cute.TiledCopy):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
-        layout = byte_vectors(num_vectors)
+        layout = byte_vectors(num_vectors).to_cute()
         tiler = (self.rows_per_tile, VECTOR_BYTES)
         tile = ((None, None), bidx)
         g_dst = cute.zipped_divide(cute.make_tensor(dst, layout), tiler)[tile]

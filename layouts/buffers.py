@@ -1,0 +1,237 @@
+"""Every buffer of one expert-parallel layer, as a layout over its elements.
+
+`EPConfig` holds the parameters (H, K, E, R, max_tokens_per_rank, format, fused shared expert)
+and checks them; the functions below derive each buffer from it:
+
+- peer-visible (written by other ranks over NVLink), one copy per buffer group, two groups so a
+  fast rank's next layer never overwrites data still being read:
+  dispatch receive buffer, receive counts, combine receive buffer, arrival flags;
+- local: the dispatch send buffer (each token's message, quantized once), per-expert counters;
+- dispatch outputs: expert-grouped rows, scales, row_offsets, expert_ids, src_info, counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from layouts.algebra import Layout, align_up
+from layouts.formats import ALIGN, MessageLayout, message_layout, token_format
+from layouts.scales import scale_layout, scale_rows_capacity
+
+ELEMENT_BYTES = {"uint8": 1, "bfloat16": 2, "int32": 4, "uint32": 4, "float32": 4, "uint64": 8}
+FP8_ROW_ALIGN = 4  # FP8 output pads every expert segment to 4 rows
+BUFFER_GROUPS = 2
+
+
+@dataclass(frozen=True)
+class EPConfig:
+    hidden: int
+    topk: int
+    experts: int
+    ranks: int
+    max_tokens_per_rank: int
+    format: str = "bf16"
+    fused_shared_expert: bool = False
+
+    def __post_init__(self):
+        fmt = token_format(self.format)
+        if self.ranks < 1:
+            raise ValueError(f"ranks must be at least 1, got {self.ranks}")
+        if self.experts < 1 or self.experts % self.ranks:
+            raise ValueError(f"experts ({self.experts}) must be a positive multiple of ranks "
+                             f"({self.ranks}): E must be divisible by R")
+        if not 1 <= self.topk <= self.experts:
+            raise ValueError(f"top-k ({self.topk}) must be between 1 and the number of experts "
+                             f"({self.experts}): K <= E")
+        if self.max_tokens_per_rank < 1:
+            raise ValueError(f"max_tokens_per_rank must be positive, got {self.max_tokens_per_rank}")
+        fmt.validate_hidden(self.hidden)
+
+    @property
+    def local_experts(self) -> int:
+        return self.experts // self.ranks
+
+    @property
+    def segments(self) -> int:
+        """Grouped-GEMM segments on a rank: the local experts, plus the shared expert if fused."""
+        return self.local_experts + int(self.fused_shared_expert)
+
+    @property
+    def message(self) -> MessageLayout:
+        return message_layout(self.format, self.hidden, self.topk)
+
+    @property
+    def max_recv(self) -> int:
+        """Rows a rank can receive: every token of every rank, once per expert it routes here."""
+        rows = self.max_tokens_per_rank * min(self.experts, self.ranks * self.topk)
+        return rows + self.max_tokens_per_rank * int(self.fused_shared_expert)
+
+    @property
+    def row_align(self) -> int:
+        return FP8_ROW_ALIGN if self.format == "fp8" else 1
+
+    @property
+    def row_capacity(self) -> int:
+        """Output rows including each segment's alignment padding."""
+        return self.max_recv + (self.row_align - 1) * self.segments
+
+
+@dataclass(frozen=True)
+class Buffer:
+    name: str
+    dtype: str
+    layout: Layout  # coordinate -> element offset
+    description: str
+
+    @property
+    def nbytes(self) -> int:
+        return align_up(self.layout.cosize() * ELEMENT_BYTES[self.dtype], ALIGN)
+
+
+# Peer-visible ------------------------------------------------------------------------------
+
+
+def dispatch_recv_buffer(cfg: EPConfig) -> Buffer:
+    """(message byte, token slot, source rank): a slot per token of every source rank."""
+    msg, t = cfg.message.size, cfg.max_tokens_per_rank
+    return Buffer("dispatch_recv", "uint8", Layout((msg, t, cfg.ranks), (1, msg, msg * t)),
+                  "each source rank's token messages, written by that rank")
+
+
+def recv_counts(cfg: EPConfig) -> Buffer:
+    """(source rank): tokens that rank sent here this round (written with the arrival signal)."""
+    return Buffer("recv_counts", "uint64", Layout(cfg.ranks, 1),
+                  "tokens received from each source rank")
+
+
+def combine_recv_buffer(cfg: EPConfig) -> Buffer:
+    """(hidden, k slot, token): a row per (token, k), so unreduced [T, K, H] output fits too;
+    with weights, a rank's pre-reduced partial sum goes to the slot of its first expert."""
+    h, k = cfg.hidden, cfg.topk
+    return Buffer("combine_recv", "bfloat16",
+                  Layout((h, k, cfg.max_tokens_per_rank), (1, h, h * k)),
+                  "expert outputs returning to this rank's tokens")
+
+
+def arrival_flags(cfg: EPConfig) -> Buffer:
+    """(phase, source rank): dispatch (0) and combine (1) arrival flags, one per pair."""
+    return Buffer("arrival_flags", "uint64", Layout((2, cfg.ranks), (cfg.ranks, 1)),
+                  "per-source arrival flags of the dispatch and combine phases")
+
+
+def peer_buffers(cfg: EPConfig) -> list[Buffer]:
+    return [dispatch_recv_buffer(cfg), recv_counts(cfg), combine_recv_buffer(cfg),
+            arrival_flags(cfg)]
+
+
+def group_offsets(cfg: EPConfig) -> dict[str, int]:
+    """Byte offset of each peer-visible buffer inside one buffer group (16-byte aligned)."""
+    offsets, at = {}, 0
+    for b in peer_buffers(cfg):
+        offsets[b.name] = at
+        at += b.nbytes
+    offsets["group_bytes"] = at
+    return offsets
+
+
+def buffer_groups(cfg: EPConfig) -> Layout:
+    """(byte in group, group): the symmetric allocation holding both buffer groups."""
+    size = group_offsets(cfg)["group_bytes"]
+    return Layout((size, BUFFER_GROUPS), (1, size))
+
+
+# Local -------------------------------------------------------------------------------------
+
+
+def dispatch_send_buffer(cfg: EPConfig) -> Buffer:
+    """(message byte, token): each local token's message, encoded once for every destination."""
+    msg = cfg.message.size
+    return Buffer("dispatch_send", "uint8", Layout((msg, cfg.max_tokens_per_rank), (1, msg)),
+                  "this rank's token messages, encoded once")
+
+
+def expert_counters(cfg: EPConfig) -> Buffer:
+    """(segment, source rank): rows each local segment receives from each source."""
+    return Buffer("expert_counters", "int32", Layout((cfg.segments, cfg.ranks), (cfg.ranks, 1)),
+                  "per (segment, source) received rows; reset by their consumer")
+
+
+# Dispatch outputs --------------------------------------------------------------------------
+
+
+def output_tokens(cfg: EPConfig) -> Buffer:
+    """(element, row): received rows grouped by segment, in the format's element type."""
+    fmt = token_format(cfg.format)
+    if fmt.payload_bits == 16:
+        return Buffer("tokens", "bfloat16", Layout((cfg.hidden, cfg.row_capacity),
+                                                   (1, cfg.hidden)), "expert-grouped rows")
+    width = fmt.payload_bytes(cfg.hidden)
+    return Buffer("tokens", "uint8", Layout((width, cfg.row_capacity), (1, width)),
+                  "expert-grouped rows (quantized codes)")
+
+
+def output_scales(cfg: EPConfig) -> Buffer | None:
+    fmt = token_format(cfg.format)
+    if cfg.format == "fp8":
+        blocks = cfg.hidden // fmt.block
+        return Buffer("scales", "float32", Layout((cfg.row_capacity, blocks), (1, cfg.row_capacity)),
+                      "fp32 scales, transposed [H/128, rows]")
+    if fmt.block > 1:
+        rows = scale_rows_capacity(cfg.max_recv, cfg.segments)
+        return Buffer("scales", "uint8", scale_layout(rows, cfg.hidden, fmt.block),
+                      f"{cfg.format} scales in 128x4 blocks, each segment on its own block")
+    return None
+
+
+def output_metadata(cfg: EPConfig) -> list[Buffer]:
+    out = [
+        Buffer("row_offsets", "uint32", Layout(cfg.segments + 1, 1), "segment boundaries"),
+        Buffer("expert_ids", "int32", Layout(cfg.segments, 1), "local expert id per segment"),
+        Buffer("src_info", "int32", Layout((cfg.row_capacity, 2), (2, 1)),
+               "(source token index, k slot) per row"),
+        Buffer("recv_counts_per_expert", "int32", Layout(cfg.segments, 1),
+               "rows received per segment"),
+    ]
+    if token_format(cfg.format).payload_bits == 4:
+        out.append(Buffer("scales_offsets", "int32", Layout(cfg.segments, 1),
+                          "extra 128-row scale blocks before each segment"))
+    return out
+
+
+def dispatch_outputs(cfg: EPConfig) -> list[Buffer]:
+    scales = output_scales(cfg)
+    return [output_tokens(cfg), *([scales] if scales else []), *output_metadata(cfg)]
+
+
+def dispatch_rows(counts: list[list[int]], row_align: int = 1) -> tuple[list[int], dict]:
+    """Row order of dispatch output from counts[segment][source].
+
+    Rows are grouped by segment, inside a segment by source rank, inside (segment, source) by
+    arrival index j (the source-token order). Segments start on multiples of `row_align`.
+    Returns (row_offsets, {(segment, source, j): row}).
+    """
+    offsets, rows, row = [0], {}, 0
+    for g, per_source in enumerate(counts):
+        for s, n in enumerate(per_source):
+            for j in range(n):
+                rows[(g, s, j)] = row + j
+            row += n
+        row = align_up(row, row_align)
+        offsets.append(row)
+    return offsets, rows
+
+
+def buffer_sizes(cfg: EPConfig) -> dict[str, dict[str, int]]:
+    """Bytes of every buffer, by where it lives (peer-visible ones: per buffer group)."""
+    return {
+        "peer-visible (per group)": {b.name: b.nbytes for b in peer_buffers(cfg)},
+        "local": {b.name: b.nbytes for b in (dispatch_send_buffer(cfg), expert_counters(cfg))},
+        "dispatch outputs": {b.name: b.nbytes for b in dispatch_outputs(cfg)},
+    }
+
+
+def total_bytes(cfg: EPConfig) -> int:
+    """GPU memory one rank needs for a layer: both buffer groups, local buffers, outputs."""
+    sizes = buffer_sizes(cfg)
+    return (buffer_groups(cfg).cosize() + sum(sizes["local"].values())
+            + sum(sizes["dispatch outputs"].values()))

@@ -1,0 +1,119 @@
+"""EP buffers and dispatch outputs against plain formulas, at model shapes and R = 2, 4, 8."""
+
+import pytest
+
+from layouts.buffers import (
+    EPConfig, arrival_flags, buffer_groups, buffer_sizes, combine_recv_buffer, dispatch_outputs,
+    dispatch_recv_buffer, dispatch_rows, dispatch_send_buffer, expert_counters, group_offsets,
+    output_scales, output_tokens, peer_buffers, total_bytes,
+)
+
+from .conftest import MODELS, RANKS
+
+FORMATS = ["bf16", "fp8", "nvfp4", "mxfp4"]
+
+
+def configs():
+    for name, h, k, e in MODELS:
+        for r in RANKS:
+            for fmt in FORMATS:
+                block = {"bf16": 1, "fp8": 128, "nvfp4": 16, "mxfp4": 32}[fmt]
+                if h % block == 0 and e % r == 0:
+                    yield pytest.param(EPConfig(h, k, e, r, 4096, fmt), id=f"{name}-R{r}-{fmt}")
+
+
+@pytest.mark.parametrize("cfg", list(configs()))
+def test_buffers_at_model_shapes(cfg, rng):
+    msg, t, r, h, k = cfg.message.size, cfg.max_tokens_per_rank, cfg.ranks, cfg.hidden, cfg.topk
+    assert cfg.max_recv == t * min(cfg.experts, r * k)
+    recv = dispatch_recv_buffer(cfg).layout
+    send = dispatch_send_buffer(cfg).layout
+    comb = combine_recv_buffer(cfg).layout
+    for _ in range(500):
+        b, tok, src, kk = rng.randrange(msg), rng.randrange(t), rng.randrange(r), rng.randrange(k)
+        assert recv((b, tok, src)) == (src * t + tok) * msg + b
+        assert send((b, tok)) == tok * msg + b
+        hh = rng.randrange(h)
+        assert comb((hh, kk, tok)) == (tok * k + kk) * h + hh
+    assert dispatch_recv_buffer(cfg).nbytes == r * t * msg
+    assert combine_recv_buffer(cfg).nbytes == t * k * h * 2
+
+    tokens = output_tokens(cfg)
+    width = {"bf16": h, "fp8": h, "nvfp4": h // 2, "mxfp4": h // 2}[cfg.format]
+    row = rng.randrange(cfg.row_capacity)
+    assert tokens.layout((3, row)) == row * width + 3
+    assert tokens.nbytes == -(-cfg.row_capacity * width * (2 if cfg.format == "bf16" else 1)
+                               // 16) * 16
+    scales = output_scales(cfg)
+    if cfg.format == "fp8":
+        assert cfg.row_capacity == cfg.max_recv + 3 * cfg.local_experts
+        assert scales.layout((row, 5)) == 5 * cfg.row_capacity + row  # transposed [H/128, rows]
+    elif cfg.format in ("nvfp4", "mxfp4"):
+        vector = 16 if cfg.format == "nvfp4" else 32
+        assert scales.layout.mode(0).size() >= cfg.max_recv + 128 * cfg.local_experts
+        assert scales.nbytes == scales.layout.mode(0).size() * -(-h // (4 * vector)) * 4
+    else:
+        assert scales is None
+
+    offsets = group_offsets(cfg)
+    names = [b.name for b in peer_buffers(cfg)]
+    for a, b in zip(names, names[1:]):
+        assert offsets[a] % 16 == 0 and offsets[b] >= offsets[a]
+    assert buffer_groups(cfg)((5, 1)) == offsets["group_bytes"] + 5
+    sizes = buffer_sizes(cfg)
+    assert sum(sizes["peer-visible (per group)"].values()) == offsets["group_bytes"]
+    assert total_bytes(cfg) == 2 * offsets["group_bytes"] + sum(sizes["local"].values()) + \
+        sum(sizes["dispatch outputs"].values())
+
+
+def test_small_buffers_at_every_coordinate():
+    cfg = EPConfig(hidden=128, topk=2, experts=6, ranks=3, max_tokens_per_rank=5,
+                   format="nvfp4", fused_shared_expert=True)
+    assert cfg.segments == 3 and cfg.max_recv == 5 * 6 + 5
+    for (seg, src), off in zip(expert_counters(cfg).layout.coordinates(),
+                               expert_counters(cfg).layout.offsets()):
+        assert off == seg * 3 + src
+    assert arrival_flags(cfg).layout.offsets() == [0, 3, 1, 4, 2, 5]
+    assert sorted(dispatch_recv_buffer(cfg).layout.offsets()) == \
+        list(range(cfg.message.size * 5 * 3))
+    names = [b.name for b in dispatch_outputs(cfg)]
+    assert names == ["tokens", "scales", "row_offsets", "expert_ids", "src_info",
+                     "recv_counts_per_expert", "scales_offsets"]
+    src_info = dispatch_outputs(cfg)[4].layout
+    assert [src_info((r, f)) for r in range(3) for f in range(2)] == list(range(6))
+
+
+@pytest.mark.parametrize("align", [1, 4])
+@pytest.mark.parametrize("counts", [
+    [[0, 0], [0, 0]],
+    [[3, 0, 1], [0, 0, 0], [5, 2, 7]],
+    [[4096, 4096, 4096, 4096]] + [[0] * 4] * 3,  # one hot expert
+])
+def test_expert_major_rows_are_a_bijection_onto_valid_rows(counts, align):
+    row_offsets, rows = dispatch_rows(counts, align)
+    assert row_offsets[0] == 0
+    valid = set()
+    for g, per_source in enumerate(counts):
+        assert row_offsets[g] % align == 0
+        start = row_offsets[g]
+        for s, n in enumerate(per_source):
+            for j in range(n):
+                assert rows[(g, s, j)] == start + sum(per_source[:s]) + j
+        valid |= set(range(start, start + sum(per_source)))
+        assert row_offsets[g + 1] - start == -(-sum(per_source) // align) * align
+    assert sorted(rows.values()) == sorted(valid)
+    assert len(set(rows.values())) == len(rows)
+
+
+@pytest.mark.parametrize("kwargs,constraint", [
+    (dict(experts=10, ranks=4), "E must be divisible by R"),
+    (dict(topk=9, experts=8, ranks=2), "K <= E"),
+    (dict(hidden=2880, format="fp8"), "multiple of the 128-element scale block"),
+    (dict(hidden=4100, format="nvfp4"), "multiple of the 16-element scale block"),
+    (dict(max_tokens_per_rank=0), "max_tokens_per_rank must be positive"),
+    (dict(ranks=0), "ranks must be at least 1"),
+])
+def test_bad_parameters_name_the_constraint(kwargs, constraint):
+    base = dict(hidden=4096, topk=2, experts=8, ranks=2, max_tokens_per_rank=128, format="bf16")
+    with pytest.raises(ValueError, match=constraint):
+        EPConfig(**{**base, **kwargs})

@@ -1,0 +1,23 @@
+"""The command line, in-process."""
+
+from cute_ep.cli import main
+
+
+def test_layouts_prints_the_byte_map_and_sizes(capsys):
+    assert main(["layouts", "--format", "nvfp4", "--hidden", "7168", "--ranks", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "4112 bytes" in out  # 3584 payload + 448 scales + 68 metadata, 16-byte aligned
+    for name in ("payload", "scales", "expert_ids", "dispatch_recv", "combine_recv",
+                 "row_offsets", "scales_offsets", "GPU memory per rank"):
+        assert name in out
+
+
+def test_layouts_refuses_a_bad_config(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # keep rich from wrapping the message
+    assert main(["layouts", "--format", "fp8", "--hidden", "2880"]) == 2
+    assert "multiple of the 128-element scale block" in capsys.readouterr().out
+
+
+def test_unknown_command_prints_usage(capsys):
+    assert main(["frobnicate"]) == 2
+    assert "usage: cute-ep" in capsys.readouterr().err
