@@ -10,27 +10,16 @@ Both sides describe a kernel with the same `KernelSpec`; the build writes it int
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import asdict, dataclass, field
+
+from layouts.buffers import ELEMENT_BYTES
 
 # Scalar kinds and their byte sizes in the kernel parameter buffer.
 SCALAR_SIZES = {"i32": 4, "i64": 8}
 POINTER_SIZE = 8
 
-# Element types a pointer parameter may carry, with their byte sizes. The names are torch's.
-ELEMENT_SIZES = {
-    "uint8": 1,
-    "int8": 1,
-    "float8_e4m3fn": 1,
-    "bfloat16": 2,
-    "float16": 2,
-    "int32": 4,
-    "uint32": 4,
-    "float32": 4,
-    "int64": 8,
-    "uint64": 8,
-}
+# Element types a pointer parameter may carry (torch's names), with their byte sizes.
+ELEMENT_SIZES = ELEMENT_BYTES
 
 ARCHES = ("sm_90a", "sm_100a")
 
@@ -141,8 +130,3 @@ def _canonical(v) -> str:
     if isinstance(v, bool):
         return str(int(v))
     return str(v)
-
-
-def spec_digest(spec: KernelSpec) -> str:
-    """A hash of everything in the spec, part of the incremental-build key."""
-    return hashlib.sha256(json.dumps(spec.to_json(), sort_keys=True).encode()).hexdigest()[:16]

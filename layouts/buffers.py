@@ -18,7 +18,11 @@ from layouts.algebra import Layout, align_up
 from layouts.formats import ALIGN, MessageLayout, message_layout, token_format
 from layouts.scales import scale_layout, scale_rows_capacity
 
-ELEMENT_BYTES = {"uint8": 1, "bfloat16": 2, "int32": 4, "uint32": 4, "float32": 4, "uint64": 8}
+# Byte size of each element type, by torch's name.
+ELEMENT_BYTES = {
+    "uint8": 1, "int8": 1, "float8_e4m3fn": 1, "bfloat16": 2, "float16": 2, "int32": 4,
+    "uint32": 4, "float32": 4, "int64": 8, "uint64": 8,
+}
 FP8_ROW_ALIGN = 4  # FP8 output pads every expert segment to 4 rows
 BUFFER_GROUPS = 2
 
