@@ -1,0 +1,202 @@
+"""Dispatch and combine in plain torch, for R ranks emulated in one process.
+
+The specification the kernels are tested against, written independently of them: no kernel,
+no peer memory, just the definitions. Rank r holds `x[r]: [T_r, H]` bf16 and
+`topk_ids[r]: [T_r, K]`; `EPConfig` (from `layouts`) gives E, R, the token format and the
+output buffer sizes.
+
+Dispatch output on each rank (SPEC section 3):
+- rows grouped by segment (local expert, or the shared expert first when fused), inside a segment
+  by source rank, inside (segment, source) by source token index;
+- `row_offsets[g]` the first row of segment g (FP8 aligns segments to 4 rows), `expert_ids`,
+  `src_info[row] = (source token, k slot)` (k = -1 for shared-expert rows, -1/-1 for padding),
+  `counts[g]` the rows of segment g;
+- FP8 blockwise: per token and 128-element block, `s = max(amax, 1e-4) / 448` and
+  `q = e4m3(clamp(x / s, -448, 448))` in fp32 (a true division, so kernels can match bit for bit),
+  scales transposed to `[H / 128, rows]`. Padding rows are zero in tokens and scales.
+
+Combine on each rank: `out[t] = sum_k w[t, k] * y[t, k]` in fp32, then bf16 (plus the shared
+expert's row, unweighted), or the unreduced `[T, K, H]` when no weights are given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from layouts import EPConfig
+from layouts.buffers import FP8_ROW_ALIGN
+
+FP8_MAX = 448.0
+FP8_MIN_AMAX = 1e-4
+FP8_BLOCK = 128
+SHARED_K = -1  # k slot recorded for shared-expert rows
+PAD = -1  # src_info of padding rows
+
+
+@dataclass
+class DispatchResult:
+    """One rank's dispatch output."""
+
+    tokens: torch.Tensor  # [row_capacity, H] bf16, or float8_e4m3fn for fp8
+    scales: torch.Tensor | None  # fp8: [H / 128, row_capacity] float32
+    row_offsets: torch.Tensor  # int64 [segments + 1]
+    expert_ids: torch.Tensor  # int32 [segments]
+    src_info: torch.Tensor  # int32 [row_capacity, 2]
+    counts: torch.Tensor  # int32 [segments]
+    source_rank: torch.Tensor  # int32 [row_capacity]: which rank each row came from (PAD: none)
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.row_offsets[-1])
+
+
+def quantize_fp8_blockwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, H] -> (e4m3 [T, H], fp32 scales [T, H / 128]) per SPEC section 4."""
+    t, h = x.shape
+    blocks = x.float().reshape(t, h // FP8_BLOCK, FP8_BLOCK)
+    amax = blocks.abs().amax(dim=-1)
+    scale = torch.clamp(amax, min=FP8_MIN_AMAX) / FP8_MAX
+    q = torch.clamp(blocks / scale.unsqueeze(-1), -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.reshape(t, h), scale
+
+
+def dequantize_fp8_blockwise(q: torch.Tensor, scales_t: torch.Tensor) -> torch.Tensor:
+    """Rows of fp8 tokens and their transposed scales back to fp32 [rows, H]."""
+    rows, h = q.shape
+    scale = scales_t[:, :rows].t().repeat_interleave(FP8_BLOCK, dim=1)
+    return q.float() * scale
+
+
+def check_inputs(cfg: EPConfig, x: list[torch.Tensor], topk_ids: list[torch.Tensor],
+                 topk_weights: list[torch.Tensor] | None = None) -> None:
+    """The checks every dispatch makes, with errors that say what was expected."""
+    if len(x) != cfg.ranks or len(topk_ids) != cfg.ranks:
+        raise ValueError(f"expected inputs for {cfg.ranks} ranks, got {len(x)} x and "
+                         f"{len(topk_ids)} topk_ids")
+    for r, (xr, ids) in enumerate(zip(x, topk_ids)):
+        if xr.dtype != torch.bfloat16 or xr.dim() != 2 or xr.shape[1] != cfg.hidden:
+            raise ValueError(f"rank {r}: x must be bf16 [T, {cfg.hidden}], got {xr.dtype} "
+                             f"{tuple(xr.shape)}")
+        if xr.shape[0] > cfg.max_tokens_per_rank:
+            raise ValueError(f"rank {r}: {xr.shape[0]} tokens exceeds max_tokens_per_rank="
+                             f"{cfg.max_tokens_per_rank}")
+        if ids.dtype not in (torch.int32, torch.int64) or tuple(ids.shape) != (xr.shape[0], cfg.topk):
+            raise ValueError(f"rank {r}: topk_ids must be int32/int64 [{xr.shape[0]}, {cfg.topk}], "
+                             f"got {ids.dtype} {tuple(ids.shape)}")
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= cfg.experts):
+            raise ValueError(f"rank {r}: expert ids must be in [0, {cfg.experts}), got "
+                             f"[{int(ids.min())}, {int(ids.max())}]")
+        if ids.numel() and cfg.topk > 1:
+            s = ids.sort(dim=1).values
+            if bool((s[:, 1:] == s[:, :-1]).any()):
+                raise ValueError(f"rank {r}: a token lists the same expert twice")
+        if topk_weights is not None:
+            w = topk_weights[r]
+            if w.dtype != torch.float32 or tuple(w.shape) != tuple(ids.shape):
+                raise ValueError(f"rank {r}: topk_weights must be float32 {tuple(ids.shape)}, "
+                                 f"got {w.dtype} {tuple(w.shape)}")
+
+
+def dispatch(cfg: EPConfig, x: list[torch.Tensor], topk_ids: list[torch.Tensor],
+             skip_a2a: bool = False) -> list[DispatchResult]:
+    """Every rank's dispatch output.
+
+    With `skip_a2a` (allreduce mode) every rank holds all tokens (x[r] equal on all ranks) and
+    keeps only the pairs routed to its own experts; a fused shared expert's tokens are split in
+    contiguous chunks of ceil(T / R) across ranks, so the caller's allreduce adds it once.
+    """
+    if cfg.format not in ("bf16", "fp8"):
+        raise NotImplementedError(f"the reference dispatches bf16 and fp8, not {cfg.format}")
+    check_inputs(cfg, x, topk_ids)
+    e_loc, shared = cfg.local_experts, int(cfg.fused_shared_expert)
+    results = []
+    for r in range(cfg.ranks):
+        tokens = x[r].shape[0]
+        if skip_a2a:
+            chunk = -(-tokens // cfg.ranks)
+            shared_tokens = range(r * chunk, min(tokens, (r + 1) * chunk))
+        else:
+            shared_tokens = range(tokens)
+        sources = [r] if skip_a2a else range(cfg.ranks)
+        results.append(_dispatch_to(cfg, x, topk_ids, r, sources, e_loc, shared,
+                                    shared_tokens if shared else ()))
+    return results
+
+
+def _dispatch_to(cfg, x, topk_ids, dest, sources, e_loc, shared, shared_tokens) -> DispatchResult:
+    # Every (segment, source, token, k) that lands on `dest`, sorted into the output order.
+    entries = [(0, dest, t, SHARED_K) for t in shared_tokens]  # (segment, source, token, k)
+    for s in sources:
+        ids = topk_ids[s].long()
+        t_idx, k_idx = torch.nonzero((ids // e_loc) == dest, as_tuple=True)
+        for t, k in zip(t_idx.tolist(), k_idx.tolist()):
+            entries.append((int(ids[t, k]) - dest * e_loc + shared, s, t, k))
+    entries.sort()
+
+    segments = cfg.segments
+    align = FP8_ROW_ALIGN if cfg.format == "fp8" else 1
+    counts = [0] * segments
+    for g, *_ in entries:
+        counts[g] += 1
+    row_offsets = [0]
+    for n in counts:
+        row_offsets.append(row_offsets[-1] + -(-n // align) * align)
+
+    h, cap = cfg.hidden, cfg.row_capacity
+    rows_bf16 = torch.zeros(cap, h, dtype=torch.bfloat16)
+    src_info = torch.full((cap, 2), PAD, dtype=torch.int32)
+    source_rank = torch.full((cap,), PAD, dtype=torch.int32)
+    filled = [0] * segments
+    for g, s, t, k in entries:
+        row = row_offsets[g] + filled[g]
+        filled[g] += 1
+        rows_bf16[row] = x[s][t]
+        src_info[row] = torch.tensor([t, k], dtype=torch.int32)
+        source_rank[row] = s
+
+    valid = source_rank != PAD
+    if cfg.format == "fp8":
+        q, scale = quantize_fp8_blockwise(rows_bf16)
+        q.view(torch.uint8)[~valid] = 0
+        scale[~valid] = 0
+        tokens, scales = q, scale.t().contiguous()
+    else:
+        tokens, scales = rows_bf16, None
+    return DispatchResult(
+        tokens=tokens, scales=scales,
+        row_offsets=torch.tensor(row_offsets, dtype=torch.int64),
+        expert_ids=torch.arange(segments, dtype=torch.int32) - shared,
+        src_info=src_info, counts=torch.tensor(counts, dtype=torch.int32),
+        source_rank=source_rank)
+
+
+def combine(cfg: EPConfig, y: list[torch.Tensor], dispatched: list[DispatchResult],
+            num_tokens: list[int], topk_weights: list[torch.Tensor] | None) -> list[torch.Tensor]:
+    """Every rank's combine output from the expert outputs `y[r]` ([rows, H] bf16 in rank r's
+    dispatch row order). With weights: `[T, H]` bf16; without: the unreduced `[T, K, H]`."""
+    h, k = cfg.hidden, cfg.topk
+    if topk_weights is None:
+        acc = [torch.zeros(t, k, h, dtype=torch.float32) for t in num_tokens]
+    else:
+        acc = [torch.zeros(t, h, dtype=torch.float32) for t in num_tokens]
+    for r, (yr, d) in enumerate(zip(y, dispatched)):
+        if yr.dtype != torch.bfloat16 or yr.shape[1] != h or yr.shape[0] < d.num_rows:
+            raise ValueError(f"rank {r}: expert outputs must be bf16 [>= {d.num_rows}, {h}], got "
+                             f"{yr.dtype} {tuple(yr.shape)}")
+        rows = torch.nonzero(d.source_rank != PAD).flatten().tolist()
+        for row in rows:
+            s = int(d.source_rank[row])
+            t, slot = (int(v) for v in d.src_info[row])
+            value = yr[row].float()
+            if slot == SHARED_K:
+                if topk_weights is None:
+                    raise ValueError("the unreduced [T, K, H] output has no place for the shared "
+                                     "expert: pass topk_weights with fused_shared_expert")
+                acc[s][t] += value
+            elif topk_weights is None:
+                acc[s][t, slot] = value
+            else:
+                acc[s][t] += topk_weights[s][t, slot] * value
+    return [a.to(torch.bfloat16) for a in acc]

@@ -1,0 +1,175 @@
+"""The plain-torch reference of dispatch and combine, for emulated ranks, on the CPU."""
+
+import pytest
+import torch
+
+from cute_ep import reference as ref
+from layouts import EPConfig
+
+H = 256  # small hidden size: two FP8 blocks
+
+
+def _inputs(cfg, tokens_per_rank, gen, hot_expert=None):
+    x, ids, w = [], [], []
+    for t in tokens_per_rank:
+        x.append(torch.randn(t, cfg.hidden, generator=gen).to(torch.bfloat16))
+        if hot_expert is not None:
+            # every token routes to experts hot_expert .. hot_expert+K-1 (all on one rank)
+            row = torch.arange(hot_expert, hot_expert + cfg.topk)
+            ids.append(row.repeat(t, 1).int())
+        else:
+            ids.append(torch.stack([torch.randperm(cfg.experts, generator=gen)[:cfg.topk]
+                                    for _ in range(t)]).int() if t else
+                       torch.zeros(0, cfg.topk, dtype=torch.int32))
+        w.append(torch.rand(t, cfg.topk, generator=gen))
+    return x, ids, w
+
+
+def _independent_order_check(cfg, out, ids, dest, skip_a2a=False):
+    """Rows of each segment, read back, list the routed (source, token, k) in sorted order."""
+    e_loc, shared = cfg.local_experts, int(cfg.fused_shared_expert)
+    for g in range(cfg.segments):
+        start, n = int(out.row_offsets[g]), int(out.counts[g])
+        got = [(int(out.source_rank[r]), *map(int, out.src_info[r])) for r in range(start, start + n)]
+        if shared and g == 0:
+            assert all(k == ref.SHARED_K and s == dest for s, _, k in got)
+            continue
+        expert = dest * e_loc + g - shared
+        sources = [dest] if skip_a2a else range(cfg.ranks)
+        want = sorted((s, t, k) for s in sources
+                      for t, k in zip(*torch.nonzero(ids[s] == expert, as_tuple=True)))
+        assert got == [(s, int(t), int(k)) for s, t, k in want]
+        assert int(out.row_offsets[g + 1]) - start == -(-n // (4 if cfg.format == "fp8" else 1)) * \
+            (4 if cfg.format == "fp8" else 1)
+    assert out.expert_ids.tolist() == [g - shared for g in range(cfg.segments)]
+
+
+@pytest.mark.parametrize("ranks", [2, 4, 8])
+@pytest.mark.parametrize("shape", [(8, 32), (2, 8)], ids=["K8-E32", "K2-E8"])
+@pytest.mark.parametrize("case", ["uneven", "hot", "empty"])
+def test_bf16_round_trip_gives_x_times_sum_of_weights(ranks, shape, case):
+    topk, experts = shape
+    cfg = EPConfig(H, topk, experts, ranks, max_tokens_per_rank=33)
+    gen = torch.Generator().manual_seed(ranks * 100 + topk)
+    tokens = {"uneven": [33, 0, 1, 17, 5, 33, 2, 9][:ranks], "hot": [20] * ranks,
+              "empty": [0] * ranks}[case]
+    x, ids, w = _inputs(cfg, tokens, gen, hot_expert=0 if case == "hot" else None)
+    out = ref.dispatch(cfg, x, ids)
+    for r in range(ranks):
+        _independent_order_check(cfg, out[r], ids, r)
+        assert torch.equal(out[r].tokens[out[r].num_rows:], torch.zeros_like(out[r].tokens[out[r].num_rows:]))
+    if case == "hot":
+        busy = -(-topk // cfg.local_experts)  # experts 0..K-1 live on the first ranks only
+        assert all(int(o.counts.sum()) == 20 * ranks * cfg.local_experts for o in out[:busy - 1])
+        assert all(int(o.counts.sum()) == 0 for o in out[busy:])
+    y = [o.tokens for o in out]  # identity experts
+    combined = ref.combine(cfg, y, out, tokens, w)
+    for r in range(ranks):
+        want = (x[r].float() * w[r].sum(dim=1, keepdim=True)).to(torch.bfloat16)
+        torch.testing.assert_close(combined[r], want, rtol=2 ** -7, atol=1e-6)
+    unreduced = ref.combine(cfg, y, out, tokens, None)
+    for r in range(ranks):
+        assert torch.equal(unreduced[r], x[r].unsqueeze(1).expand(-1, topk, -1))
+
+
+def test_fused_shared_expert_adds_the_token_unweighted():
+    cfg = EPConfig(H, 4, 16, 4, 12, fused_shared_expert=True)
+    gen = torch.Generator().manual_seed(7)
+    tokens = [12, 3, 0, 7]
+    x, ids, w = _inputs(cfg, tokens, gen)
+    out = ref.dispatch(cfg, x, ids)
+    for r in range(4):
+        _independent_order_check(cfg, out[r], ids, r)
+        assert int(out[r].counts[0]) == tokens[r]
+    combined = ref.combine(cfg, [o.tokens for o in out], out, tokens, w)
+    for r in range(4):
+        want = (x[r].float() * (1 + w[r].sum(dim=1, keepdim=True))).to(torch.bfloat16)
+        torch.testing.assert_close(combined[r], want, rtol=2 ** -7, atol=1e-6)
+    with pytest.raises(ValueError, match="shared expert"):
+        ref.combine(cfg, [o.tokens for o in out], out, tokens, None)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_skip_a2a_local_slots_then_allreduce(shared):
+    ranks = 4
+    cfg = EPConfig(H, 4, 16, ranks, 10, fused_shared_expert=shared)
+    gen = torch.Generator().manual_seed(3)
+    x1, ids1, w1 = _inputs(cfg, [10], gen)
+    x, ids, w = x1 * ranks, ids1 * ranks, w1 * ranks  # every rank holds all tokens
+    out = ref.dispatch(cfg, x, ids, skip_a2a=True)
+    for r in range(ranks):
+        assert set(out[r].source_rank[: out[r].num_rows].tolist()) <= {r}
+    partial = ref.combine(cfg, [o.tokens for o in out], out, [10] * ranks, w)
+    total = sum(p.float() for p in partial)  # the caller's allreduce
+    want = x1[0].float() * (int(shared) + w1[0].sum(dim=1, keepdim=True))
+    torch.testing.assert_close(total, want, rtol=2 ** -6, atol=1e-5)
+
+
+def test_fp8_quantization_matches_the_formula_element_by_element():
+    gen = torch.Generator().manual_seed(11)
+    x = (torch.randn(3, 256, generator=gen) * torch.tensor([1e-6, 1.0, 300.0]).unsqueeze(1))
+    x = x.to(torch.bfloat16)
+    q, scale = ref.quantize_fp8_blockwise(x)
+    for t in range(3):
+        for b in range(2):
+            block = [float(v) for v in x[t, b * 128:(b + 1) * 128].float()]
+            s = torch.tensor(max(max(abs(v) for v in block), 1e-4), dtype=torch.float32) / 448.0
+            assert scale[t, b] == s
+            for i, v in enumerate(block):
+                ratio = torch.tensor(v, dtype=torch.float32) / s  # a true fp32 division
+                code = ratio.clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+                assert q[t, b * 128 + i].view(torch.uint8) == code.view(torch.uint8)
+
+
+def test_fp8_dispatch_transposes_scales_and_zeroes_padding():
+    cfg = EPConfig(H, 2, 8, 2, 9, format="fp8")
+    gen = torch.Generator().manual_seed(5)
+    tokens = [9, 4]
+    x, ids, w = _inputs(cfg, tokens, gen)
+    out = ref.dispatch(cfg, x, ids)
+    for r in range(2):
+        o = out[r]
+        _independent_order_check(cfg, o, ids, r)
+        assert o.scales.shape == (H // 128, cfg.row_capacity)
+        valid = o.source_rank != ref.PAD
+        assert torch.all(o.scales[:, ~valid] == 0)
+        assert torch.all(o.tokens[~valid].view(torch.uint8) == 0)
+        for row in torch.nonzero(valid).flatten().tolist():
+            s, (t, _) = int(o.source_rank[row]), o.src_info[row].tolist()
+            q, scale = ref.quantize_fp8_blockwise(x[s][t:t + 1])
+            assert torch.equal(o.tokens[row].view(torch.uint8), q[0].view(torch.uint8))
+            assert torch.equal(o.scales[:, row], scale[0])
+        deq = ref.dequantize_fp8_blockwise(o.tokens[: o.num_rows], o.scales)
+        rows_x = torch.stack([x[int(o.source_rank[i])][int(o.src_info[i, 0])].float()
+                              if valid[i] else torch.zeros(H) for i in range(o.num_rows)]) \
+            if o.num_rows else torch.zeros(0, H)
+        torch.testing.assert_close(deq, rows_x, rtol=2 ** -3, atol=1e-3)
+
+
+@pytest.mark.parametrize("bad,match", [
+    ("id_range", r"expert ids must be in \[0, 8\)"),
+    ("negative", r"expert ids must be in \[0, 8\)"),
+    ("duplicate", "same expert twice"),
+    ("too_many", "exceeds max_tokens_per_rank=4"),
+    ("dtype", "x must be bf16"),
+    ("ranks", "expected inputs for 2 ranks"),
+])
+def test_bad_inputs_name_what_is_wrong(bad, match):
+    cfg = EPConfig(H, 2, 8, 2, 4)
+    x = [torch.zeros(3, H, dtype=torch.bfloat16)] * 2
+    ids = [torch.tensor([[0, 1], [2, 3], [4, 5]], dtype=torch.int32)] * 2
+    if bad == "id_range":
+        ids = [ids[0], torch.tensor([[0, 8], [2, 3], [4, 5]], dtype=torch.int32)]
+    elif bad == "negative":
+        ids = [torch.tensor([[0, -1], [2, 3], [4, 5]], dtype=torch.int32), ids[1]]
+    elif bad == "duplicate":
+        ids = [torch.tensor([[0, 0], [2, 3], [4, 5]], dtype=torch.int32), ids[1]]
+    elif bad == "too_many":
+        x = [torch.zeros(5, H, dtype=torch.bfloat16)] * 2
+        ids = [torch.zeros(5, 2, dtype=torch.int32)] * 2
+    elif bad == "dtype":
+        x = [torch.zeros(3, H)] * 2
+    elif bad == "ranks":
+        x, ids = x[:1], ids[:1]
+    with pytest.raises(ValueError, match=match):
+        ref.dispatch(cfg, x, ids)
