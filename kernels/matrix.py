@@ -7,6 +7,9 @@ for a CPU-only CI run.
 
 from kernels.block_memcpy import BlockMemcpy
 from kernels.block_prefix_sum import BlockPrefixSum
+from kernels.peer_exchange import PeerExchange
+
+RANK_COUNTS = (2, 4, 8)
 
 
 def full_matrix() -> list:
@@ -14,6 +17,7 @@ def full_matrix() -> list:
         BlockMemcpy(),
         BlockPrefixSum(exclusive=False),
         BlockPrefixSum(exclusive=True),
+        *(PeerExchange(ranks) for ranks in RANK_COUNTS),
     ]
 
 

@@ -1,0 +1,68 @@
+"""Run a function on every visible GPU, one process each, with a hard time limit."""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+
+# NVLink multicast stays off: it can take a shared host's GPUs out of service.
+SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+            "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn, rank, world, port, results, kwargs):
+    import torch.distributed as dist
+
+    os.environ.update(SAFE_ENV)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world,
+                            device_id=torch.device("cuda", rank))
+    try:
+        results.put((rank, True, fn(rank, world, **kwargs)))
+    except BaseException as exc:  # report everything, the parent decides
+        results.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn, world: int | None = None, limit_s: float = 180.0, **kwargs) -> list:
+    """`fn(rank, world, **kwargs)` on each rank; returns the per-rank results, or raises with every
+    failing rank's error. Processes still running after `limit_s` are killed: a hang fails."""
+    os.environ.update(SAFE_ENV)
+    world = world or torch.cuda.device_count()
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, results, kwargs), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    got = {}
+    try:
+        for _ in range(world):
+            rank, ok, value = results.get(timeout=limit_s)
+            got[rank] = (ok, value)
+    except queue.Empty:
+        raise AssertionError(f"ranks {sorted(set(range(world)) - set(got))} did not finish within "
+                             f"{limit_s} s (hang)") from None
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    failed = {r: v for r, (ok, v) in got.items() if not ok}
+    if failed:
+        raise AssertionError("\n".join(f"rank {r}: {v}" for r, v in sorted(failed.items())))
+    return [got[r][1] for r in range(world)]
