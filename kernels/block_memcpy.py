@@ -6,11 +6,11 @@ strided by `threads` so that a warp's accesses are contiguous, all loads issued 
 store. Rows past the end are predicated off, so any multiple of 16 bytes is copied exactly.
 """
 
-import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
 from cute_ep.abi import GridRule, KernelSpec, Param
+from kernels.copy import copy_rows, vector_tiled_copy
 from layouts import VECTOR_BYTES, byte_vectors
 
 FAMILY = "block_memcpy"
@@ -42,14 +42,7 @@ class BlockMemcpy:
 
     @cute.jit
     def __call__(self, dst: cute.Pointer, src: cute.Pointer, num_vectors: Int32, stream):
-        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Uint8,
-                                   num_bits_per_copy=VECTOR_BYTES * 8)
-        tiled_copy = cute.make_tiled_copy_tv(
-            atom,
-            cute.make_layout((self.threads, 1), stride=(1, 0)),
-            cute.make_layout((1, VECTOR_BYTES), stride=(0, 1)),
-        )
-        self.kernel(dst, src, num_vectors, tiled_copy).launch(
+        self.kernel(dst, src, num_vectors, vector_tiled_copy(self.threads)).launch(
             grid=(cute.ceil_div(num_vectors, self.rows_per_tile), 1, 1),
             block=(self.threads, 1, 1),
             stream=stream,
@@ -65,23 +58,8 @@ class BlockMemcpy:
         layout = byte_vectors(num_vectors).to_cute()
         tiler = (self.rows_per_tile, VECTOR_BYTES)
         tile = ((None, None), bidx)
-        g_dst = cute.zipped_divide(cute.make_tensor(dst, layout), tiler)[tile]
-        g_src = cute.zipped_divide(cute.make_tensor(src, layout), tiler)[tile]
-        g_coord = cute.zipped_divide(cute.make_identity_tensor(layout.shape), tiler)[tile]
-
-        thr_copy = tiled_copy.get_slice(tidx)
-        t_src = thr_copy.partition_S(g_src)
-        t_dst = thr_copy.partition_D(g_dst)
-        t_coord = thr_copy.partition_S(g_coord)
-
-        # One predicate per 128-bit access: profile (ATOM_REST, REST...) of the partition.
-        pred = cute.make_rmem_tensor(
-            cute.make_layout((1, cute.size(t_src, mode=[1]), cute.size(t_src, mode=[2]))),
-            cutlass.Boolean,
-        )
-        for i in cutlass.range_constexpr(cute.size(pred, mode=[1])):
-            pred[0, i, 0] = cute.elem_less(t_coord[(0, 0), i, 0][0], num_vectors)
-
-        regs = cute.make_fragment_like(t_src)
-        cute.copy(tiled_copy, t_src, regs, pred=pred)
-        cute.copy(tiled_copy, regs, t_dst, pred=pred)
+        copy_rows(tiled_copy, tidx,
+                  cute.zipped_divide(cute.make_tensor(src, layout), tiler)[tile],
+                  cute.zipped_divide(cute.make_tensor(dst, layout), tiler)[tile],
+                  cute.zipped_divide(cute.make_identity_tensor(layout.shape), tiler)[tile],
+                  num_vectors)

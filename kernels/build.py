@@ -81,7 +81,9 @@ def dsl_version() -> str:
 
 def source_digest(kernel) -> str:
     """Hash of every source file a kernel's cubin depends on, beside the DSL itself."""
-    files = [Path(inspect.getsourcefile(type(kernel))), Path(__file__)]
+    source = Path(inspect.getsourcefile(type(kernel)))
+    helpers = re.findall(r"^from kernels\.(\w+) import", source.read_text(), re.M)
+    files = [source, Path(__file__), *(Path(__file__).with_name(f"{h}.py") for h in helpers)]
     files += sorted((REPO_FILES / "layouts").glob("*.py"))
     files.append(REPO_FILES / "cute_ep" / "abi.py")
     h = hashlib.sha256()

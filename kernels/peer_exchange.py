@@ -20,6 +20,7 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64
 
 from cute_ep.abi import GridRule, KernelSpec, Param
+from kernels.copy import copy_rows, vector_tiled_copy
 from layouts import VECTOR_BYTES, byte_vectors
 from layouts.transport import FLAG_BYTES, Mailbox
 
@@ -60,13 +61,8 @@ class PeerExchange:
     def __call__(self, peer_table: cute.Pointer, mailbox: cute.Pointer, payload: cute.Pointer,
                  num_vectors: Int32, ranks: Int32, my_rank: Int32, epochs: cute.Pointer,
                  timeout_ns: Int64, error: cute.Pointer, stream):
-        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Uint8,
-                                   num_bits_per_copy=VECTOR_BYTES * 8)
-        tiled_copy = cute.make_tiled_copy_tv(
-            atom, cute.make_layout((self.threads, 1), stride=(1, 0)),
-            cute.make_layout((1, VECTOR_BYTES), stride=(0, 1)))
         self.kernel(peer_table, mailbox, payload, num_vectors, ranks, my_rank, epochs, timeout_ns,
-                    error, tiled_copy).launch(grid=(self.ranks, 1, 1), block=(self.threads, 1, 1),
+                    error, vector_tiled_copy(self.threads)).launch(grid=(self.ranks, 1, 1), block=(self.threads, 1, 1),
                                               stream=stream)
 
     @cute.kernel
@@ -88,19 +84,9 @@ class PeerExchange:
         g_src = cute.zipped_divide(cute.make_tensor(payload, layout), tiler)
         g_dst = cute.zipped_divide(cute.make_tensor(slot, layout), tiler)
         g_coord = cute.zipped_divide(cute.make_identity_tensor(layout.shape), tiler)
-        thr_copy = tiled_copy.get_slice(tidx)
         for tile in cutlass.range(cute.ceil_div(num_vectors, self.rows_per_tile)):
-            t_src = thr_copy.partition_S(g_src[((None, None), tile)])
-            t_dst = thr_copy.partition_D(g_dst[((None, None), tile)])
-            t_coord = thr_copy.partition_S(g_coord[((None, None), tile)])
-            pred = cute.make_rmem_tensor(
-                cute.make_layout((1, cute.size(t_src, mode=[1]), cute.size(t_src, mode=[2]))),
-                cutlass.Boolean)
-            for i in cutlass.range_constexpr(cute.size(pred, mode=[1])):
-                pred[0, i, 0] = cute.elem_less(t_coord[(0, 0), i, 0][0], num_vectors)
-            regs = cute.make_fragment_like(t_src)
-            cute.copy(tiled_copy, t_src, regs, pred=pred)
-            cute.copy(tiled_copy, regs, t_dst, pred=pred)
+            copy_rows(tiled_copy, tidx, g_src[((None, None), tile)], g_dst[((None, None), tile)],
+                      g_coord[((None, None), tile)], num_vectors)
 
         # Signal: every thread's writes are ordered before the flag by the barrier, the
         # system-scope fence and the release store.
