@@ -126,35 +126,45 @@ def dispatch(cfg: EPConfig, x: list[torch.Tensor], topk_ids: list[torch.Tensor],
 
 
 def _dispatch_to(cfg, x, topk_ids, dest, sources, e_loc, shared, shared_tokens) -> DispatchResult:
-    # Every (segment, source, token, k) that lands on `dest`, sorted into the output order.
-    entries = [(0, dest, t, SHARED_K) for t in shared_tokens]  # (segment, source, token, k)
+    # Every (segment, source, token, k) that lands on `dest`, as columns.
+    device = x[dest].device
+    seg, src, tok, slot = [], [], [], []
+    if len(shared_tokens):
+        tokens = torch.tensor(list(shared_tokens), dtype=torch.int64, device=device)
+        seg.append(torch.zeros_like(tokens))
+        src.append(torch.full_like(tokens, dest))
+        tok.append(tokens)
+        slot.append(torch.full_like(tokens, SHARED_K))
     for s in sources:
-        ids = topk_ids[s].long()
+        ids = topk_ids[s].to(device).long()
         t_idx, k_idx = torch.nonzero((ids // e_loc) == dest, as_tuple=True)
-        for t, k in zip(t_idx.tolist(), k_idx.tolist()):
-            entries.append((int(ids[t, k]) - dest * e_loc + shared, s, t, k))
-    entries.sort()
+        seg.append(ids[t_idx, k_idx] - dest * e_loc + shared)
+        src.append(torch.full_like(t_idx, s))
+        tok.append(t_idx)
+        slot.append(k_idx)
+    seg, src, tok, slot = (torch.cat(c) if c else torch.zeros(0, dtype=torch.int64, device=device)
+                           for c in (seg, src, tok, slot))
+    # The output order: segment, then source rank, then source token.
+    order = torch.argsort((seg * cfg.ranks + src) * cfg.max_tokens_per_rank + tok, stable=True)
+    seg, src, tok, slot = seg[order], src[order], tok[order], slot[order]
 
     segments = cfg.segments
     align = FP8_ROW_ALIGN if cfg.format == "fp8" else 1
-    counts = [0] * segments
-    for g, *_ in entries:
-        counts[g] += 1
-    row_offsets = [0]
-    for n in counts:
-        row_offsets.append(row_offsets[-1] + -(-n // align) * align)
+    counts = torch.bincount(seg, minlength=segments)
+    padded = (counts + align - 1) // align * align
+    row_offsets = torch.cat([torch.zeros(1, dtype=torch.int64, device=device),
+                             torch.cumsum(padded, 0)])
+    first_of_segment = torch.cumsum(counts, 0) - counts
+    rows = row_offsets[seg] + torch.arange(len(seg), device=device) - first_of_segment[seg]
 
     h, cap = cfg.hidden, cfg.row_capacity
-    rows_bf16 = torch.zeros(cap, h, dtype=torch.bfloat16)
-    src_info = torch.full((cap, 2), PAD, dtype=torch.int32)
-    source_rank = torch.full((cap,), PAD, dtype=torch.int32)
-    filled = [0] * segments
-    for g, s, t, k in entries:
-        row = row_offsets[g] + filled[g]
-        filled[g] += 1
-        rows_bf16[row] = x[s][t]
-        src_info[row] = torch.tensor([t, k], dtype=torch.int32)
-        source_rank[row] = s
+    starts = torch.tensor([0] + [xr.shape[0] for xr in x], device=device).cumsum(0)
+    rows_bf16 = torch.zeros(cap, h, dtype=torch.bfloat16, device=device)
+    rows_bf16[rows] = torch.cat([xr.to(device) for xr in x])[starts[src] + tok]
+    src_info = torch.full((cap, 2), PAD, dtype=torch.int32, device=device)
+    src_info[rows] = torch.stack([tok, slot], dim=1).int()
+    source_rank = torch.full((cap,), PAD, dtype=torch.int32, device=device)
+    source_rank[rows] = src.int()
 
     valid = source_rank != PAD
     if cfg.format == "fp8":
@@ -165,11 +175,9 @@ def _dispatch_to(cfg, x, topk_ids, dest, sources, e_loc, shared, shared_tokens) 
     else:
         tokens, scales = rows_bf16, None
     return DispatchResult(
-        tokens=tokens, scales=scales,
-        row_offsets=torch.tensor(row_offsets, dtype=torch.int64),
-        expert_ids=torch.arange(segments, dtype=torch.int32) - shared,
-        src_info=src_info, counts=torch.tensor(counts, dtype=torch.int32),
-        source_rank=source_rank)
+        tokens=tokens, scales=scales, row_offsets=row_offsets,
+        expert_ids=torch.arange(segments, dtype=torch.int32, device=device) - shared,
+        src_info=src_info, counts=counts.int(), source_rank=source_rank)
 
 
 def combine(cfg: EPConfig, y: list[torch.Tensor], dispatched: list[DispatchResult],
@@ -177,26 +185,27 @@ def combine(cfg: EPConfig, y: list[torch.Tensor], dispatched: list[DispatchResul
     """Every rank's combine output from the expert outputs `y[r]` ([rows, H] bf16 in rank r's
     dispatch row order). With weights: `[T, H]` bf16; without: the unreduced `[T, K, H]`."""
     h, k = cfg.hidden, cfg.topk
-    if topk_weights is None:
-        acc = [torch.zeros(t, k, h, dtype=torch.float32) for t in num_tokens]
-    else:
-        acc = [torch.zeros(t, h, dtype=torch.float32) for t in num_tokens]
+    device = y[0].device if y else torch.device("cpu")
+    shape = (lambda t: (t, k, h)) if topk_weights is None else (lambda t: (t, h))
+    acc = [torch.zeros(shape(t), dtype=torch.float32, device=device) for t in num_tokens]
     for r, (yr, d) in enumerate(zip(y, dispatched)):
         if yr.dtype != torch.bfloat16 or yr.shape[1] != h or yr.shape[0] < d.num_rows:
             raise ValueError(f"rank {r}: expert outputs must be bf16 [>= {d.num_rows}, {h}], got "
                              f"{yr.dtype} {tuple(yr.shape)}")
-        rows = torch.nonzero(d.source_rank != PAD).flatten().tolist()
-        for row in rows:
-            s = int(d.source_rank[row])
-            t, slot = (int(v) for v in d.src_info[row])
-            value = yr[row].float()
-            if slot == SHARED_K:
-                if topk_weights is None:
-                    raise ValueError("the unreduced [T, K, H] output has no place for the shared "
-                                     "expert: pass topk_weights with fused_shared_expert")
-                acc[s][t] += value
-            elif topk_weights is None:
-                acc[s][t, slot] = value
+        rows = torch.nonzero(d.source_rank != PAD).flatten()
+        sources, tokens, slots = (d.source_rank[rows].long(), d.src_info[rows, 0].long(),
+                                  d.src_info[rows, 1].long())
+        values = yr[rows].float()
+        shared = slots == SHARED_K
+        if topk_weights is None and bool(shared.any()):
+            raise ValueError("the unreduced [T, K, H] output has no place for the shared expert: "
+                             "pass topk_weights with fused_shared_expert")
+        for s in range(cfg.ranks):
+            mine = sources == s
+            t, k, v = tokens[mine], slots[mine], values[mine]
+            if topk_weights is None:
+                acc[s][t, k] = v
             else:
-                acc[s][t] += topk_weights[s][t, slot] * value
+                w = torch.where(k == SHARED_K, 1.0, topk_weights[s].to(device)[t, k.clamp(min=0)])
+                acc[s].index_add_(0, t, w.unsqueeze(1) * v)
     return [a.to(torch.bfloat16) for a in acc]
