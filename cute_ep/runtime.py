@@ -83,6 +83,11 @@ class Kernel:
                 lo, hi = _INT_RANGES[p.kind]
                 if not lo <= a <= hi:
                     raise ValueError(f"{spec.key}: {p.name}={a} does not fit {p.kind}")
+                # A scalar that repeats a compile-time constant (e.g. ranks) must agree with it:
+                # the kernel was built for that value and sizes its accesses by it.
+                if p.name in spec.config and a != spec.config[p.name]:
+                    raise ValueError(f"{spec.key}: {p.name}={a}, the kernel was built for "
+                                     f"{p.name}={spec.config[p.name]}")
                 scalars[p.name] = a
         for p, a in zip(spec.params, args):
             if p.kind == "ptr":

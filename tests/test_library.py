@@ -98,6 +98,19 @@ def test_launch_arguments_are_checked_against_the_abi():
         kernel.check_args((x, x, 8))
 
 
+def test_scalars_must_match_the_compiled_config():
+    manifest = _library_or_skip()
+    entry = next(e for (k, a), e in manifest.entries.items()
+                 if e.spec.family == "peer_exchange" and a == "sm_90a")
+    built = entry.spec.config["ranks"]
+    kernel = Kernel(entry, function=None, device_index=0)
+    table = torch.zeros(2 * built, dtype=torch.int64)
+    x = torch.zeros(16, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=f"ranks={2 * built}, the kernel was built for ranks={built}"):
+        kernel.check_args((table, x, x, 1, 2 * built, 0, table, 10**9,
+                           torch.zeros(4, dtype=torch.int32)))
+
+
 def test_tensor_checks_name_what_is_wrong():
     with pytest.raises(TypeError, match="must be a torch.Tensor"):
         check_tensor([1, 2], name="x", dtype="int32")
