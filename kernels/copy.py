@@ -1,4 +1,4 @@
-"""Copy building blocks shared by the kernels: 128-bit tiled copies over rows of 16 bytes."""
+"""Copy building blocks shared by the kernels: 128-bit tiled copies over rows of vectors."""
 
 import cutlass
 import cutlass.cute as cute
@@ -6,12 +6,30 @@ import cutlass.cute as cute
 from layouts import VECTOR_BYTES
 
 
+def row_tiled_copy(threads: int, dtype, elements: int) -> cute.TiledCopy:
+    """One row of `elements` values of `dtype` per thread per access, the row moved by one
+    `CopyUniversalOp` access (128 bits for 16 bytes); call in `@cute.jit`."""
+    atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype,
+                               num_bits_per_copy=elements * dtype.width)
+    return cute.make_tiled_copy_tv(atom, cute.make_layout((threads, 1), stride=(1, 0)),
+                                   cute.make_layout((1, elements), stride=(0, 1)))
+
+
 def vector_tiled_copy(threads: int) -> cute.TiledCopy:
     """One 16-byte row per thread per access (`CopyUniversalOp`, 128 bits); call in `@cute.jit`."""
-    atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Uint8,
-                               num_bits_per_copy=VECTOR_BYTES * 8)
-    return cute.make_tiled_copy_tv(atom, cute.make_layout((threads, 1), stride=(1, 0)),
-                                   cute.make_layout((1, VECTOR_BYTES), stride=(0, 1)))
+    return row_tiled_copy(threads, cutlass.Uint8, VECTOR_BYTES)
+
+
+@cute.jit
+def row_predicate(t_coord: cute.Tensor, num_rows):
+    """One predicate per access of a thread's partition: its row is below `num_rows`.
+    Profile (ATOM_REST, REST...) of the partition."""
+    pred = cute.make_rmem_tensor(
+        cute.make_layout((1, cute.size(t_coord, mode=[1]), cute.size(t_coord, mode=[2]))),
+        cutlass.Boolean)
+    for i in cutlass.range_constexpr(cute.size(pred, mode=[1])):
+        pred[0, i, 0] = cute.elem_less(t_coord[(0, 0), i, 0][0], num_rows)
+    return pred
 
 
 @cute.jit
@@ -25,13 +43,7 @@ def copy_rows(tiled_copy: cute.TiledCopy, tidx, src: cute.Tensor, dst: cute.Tens
     thr_copy = tiled_copy.get_slice(tidx)
     t_src = thr_copy.partition_S(src)
     t_dst = thr_copy.partition_D(dst)
-    t_coord = thr_copy.partition_S(coord)
-    # One predicate per 128-bit access: profile (ATOM_REST, REST...) of the partition.
-    pred = cute.make_rmem_tensor(
-        cute.make_layout((1, cute.size(t_src, mode=[1]), cute.size(t_src, mode=[2]))),
-        cutlass.Boolean)
-    for i in cutlass.range_constexpr(cute.size(pred, mode=[1])):
-        pred[0, i, 0] = cute.elem_less(t_coord[(0, 0), i, 0][0], num_rows)
+    pred = row_predicate(thr_copy.partition_S(coord), num_rows)
     regs = cute.make_fragment_like(t_src)
     cute.copy(tiled_copy, t_src, regs, pred=pred)
     cute.copy(tiled_copy, regs, t_dst, pred=pred)

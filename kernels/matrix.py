@@ -7,6 +7,7 @@ for a CPU-only CI run.
 
 from kernels.block_memcpy import BlockMemcpy
 from kernels.block_prefix_sum import BlockPrefixSum
+from kernels.ep import ep_kernels
 from kernels.peer_exchange import PeerExchange
 
 RANK_COUNTS = (2, 4, 8)
@@ -18,6 +19,7 @@ def full_matrix() -> list:
         BlockPrefixSum(exclusive=False),
         BlockPrefixSum(exclusive=True),
         *(PeerExchange(ranks) for ranks in RANK_COUNTS),
+        *ep_kernels(),
     ]
 
 

@@ -103,9 +103,11 @@ def dispatch_recv_buffer(cfg: EPConfig) -> Buffer:
 
 
 def recv_counts(cfg: EPConfig) -> Buffer:
-    """(source rank): tokens that rank sent here this round (written with the arrival signal)."""
-    return Buffer("recv_counts", "uint64", Layout(cfg.ranks, 1),
-                  "tokens received from each source rank")
+    """(entry, source rank): what each source sent here this round, written before its arrival
+    signal. Entry 0 is the number of token messages, entry 1 + g the rows for segment g."""
+    entries = 1 + cfg.segments
+    return Buffer("recv_counts", "int32", Layout((entries, cfg.ranks), (1, entries)),
+                  "messages and rows per segment received from each source rank")
 
 
 def combine_recv_buffer(cfg: EPConfig) -> Buffer:

@@ -3,7 +3,8 @@
 A message is `[payload][scales][metadata]`, each segment starting on a 16-byte boundary and the
 whole message a multiple of 16 bytes, so every segment moves with 128-bit accesses. Metadata is
 what a receiver needs to place and later return the token: its index on the source rank, its K
-expert ids, and its K router weights.
+expert ids, its K router weights, and its K positions (the token's index among this source's
+tokens routed to that expert, counted by the sender, so the receiver places rows without a scan).
 
 Each segment is a layout from (byte within element, element) to the byte offset in the message.
 """
@@ -121,4 +122,5 @@ def message_layout(fmt: TokenFormat | str, hidden: int, topk: int) -> MessageLay
     add("src_token", 1, 4)
     add("expert_ids", topk, 4, aligned=False)
     add("weights", topk, 4, aligned=False)
+    add("positions", topk, 4, aligned=False)
     return MessageLayout(fmt, hidden, topk, tuple(segments), align_up(offset, ALIGN))

@@ -1,0 +1,374 @@
+"""Intranode expert parallelism over NVLink: one `Buffer` per EP group.
+
+One process per GPU under `torch.distributed`. A `Buffer` allocates the peer-visible buffers of
+both buffer groups once from torch symmetric memory (sized by `layouts`), checks that every rank
+asked for the same configuration, and launches the kernels of `kernels/ep.py` on the current
+stream:
+
+    buf = Buffer(EPConfig(hidden=7168, topk=8, experts=256, ranks=4, max_tokens_per_rank=4096))
+    out = buf.dispatch(x, topk_ids, topk_weights)       # expert-grouped rows + handle
+    y = experts(out.tokens[: ...], out.row_offsets)       # grouped GEMM, rows in dispatch order
+    combined = buf.combine(y, out.handle)                # [T, H] bf16
+    buf.check()                                          # raises a timeout or bad input
+
+Nothing synchronises with the host, so a whole layer can be captured in a CUDA graph. Errors
+found on the device (a rank that did not arrive within `timeout_s`, an expert id out of range)
+are latched in a device flag and raised by `check()`; the outputs of such a call are empty or
+partial, never out of bounds. A Buffer that timed out must be recreated.
+
+What crosses NVLink per token: one message per destination rank that hosts at least one of its
+experts (payload + 16-byte-aligned metadata: source index, K ids, K weights, K positions), not
+one per expert; the receiver expands it into expert rows. Combine returns one bf16 row per
+(token, destination rank): the rank's weighted partial sum over its local experts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from cute_ep.comm import ConfigMismatch, PeerTimeout, agree_on_config
+from cute_ep.runtime import check_tensor, runtime
+from layouts import EPConfig
+from layouts.buffers import BUFFER_GROUPS, buffer_sizes, group_offsets, total_bytes
+
+DEFAULT_TIMEOUT_S = 5.0
+# Limits of the compiled kernels (kernels/ep.py: shared-memory tables and per-k scratch).
+MAX_RANKS = 8
+MAX_TOPK = 16
+MAX_SEGMENTS = 271
+FORMATS = ("bf16", "fp8")
+PHASES = {1: "dispatch", 2: "combine"}
+DISPATCH, COMBINE = 0, 1
+
+__all__ = ["Buffer", "DispatchOutput", "DispatchHandle", "ConfigMismatch", "PeerTimeout"]
+
+
+@dataclass
+class DispatchHandle:
+    """What combine needs from a dispatch (device tensors, valid until two dispatches later)."""
+
+    group: int
+    num_tokens: int
+    weighted: bool
+    skip_a2a: bool
+    shared_begin: int
+    shared_end: int
+    topk_ids: torch.Tensor  # int32 [T, K], this rank's routing
+    rows: torch.Tensor  # int32 [R, max_tokens, K]: row of (source, message, k) here, or -1
+    weights: torch.Tensor  # float32 [R, max_tokens, K]
+    tokens: torch.Tensor  # int32 [R, max_tokens]: source token index of each message
+    messages: torch.Tensor  # int32 [R]: messages received from each source
+
+
+@dataclass
+class DispatchOutput:
+    """One rank's dispatch result (SPEC section 3). Rows past `row_offsets[-1]` are undefined."""
+
+    tokens: torch.Tensor  # [row_capacity, H] bf16 or float8_e4m3fn
+    scales: torch.Tensor | None  # fp8: float32 [H / 128, row_capacity]
+    row_offsets: torch.Tensor  # int32 [segments + 1]
+    expert_ids: torch.Tensor  # int32 [segments]
+    src_info: torch.Tensor  # int32 [row_capacity, 2]: (source token, k slot; -1 = shared)
+    counts: torch.Tensor  # int32 [segments]: rows received per segment
+    handle: DispatchHandle
+
+
+@dataclass
+class _PendingDispatch:
+    group: int
+    num_tokens: int
+    weighted: bool
+    skip_a2a: bool
+    shared_begin: int
+    shared_end: int
+    topk_ids: torch.Tensor
+    ctas_per_source: int
+
+
+@dataclass
+class _PendingCombine:
+    group: int
+    handle: DispatchHandle
+    y: torch.Tensor
+
+
+class Buffer:
+    """Peer-mapped buffers and kernels for one EP group (every rank of `group`)."""
+
+    def __init__(self, cfg: EPConfig, group=None, timeout_s: float = DEFAULT_TIMEOUT_S):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.group = group or dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        world = dist.get_world_size(self.group)
+        self.cfg = cfg
+        self.timeout_s = float(timeout_s)
+        _check_config(cfg, world)
+        agree_on_config({"kind": "ep", "config": repr(cfg), "timeout_s": self.timeout_s},
+                        self.group)
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        dev = self.device
+        r, t, k = cfg.ranks, cfg.max_tokens_per_rank, cfg.topk
+        self.msg = cfg.message
+        self.entries = 1 + cfg.segments
+        self.offsets = group_offsets(cfg)
+        self.group_bytes = self.offsets["group_bytes"]
+
+        rt = runtime()
+        self.k_plan = rt.select("ep_plan", dev)
+        self.k_encode = rt.select("ep_encode", dev, format=cfg.format)
+        self.k_send = rt.select("ep_send", dev)
+        self.k_recv = rt.select("ep_recv", dev, format=cfg.format)
+        self.k_combine_send = rt.select("ep_combine_send", dev)
+        self.k_combine_recv = rt.select("ep_combine_recv", dev)
+        self.send_tokens_per_cta = self.k_send.spec.sizes["tokens_per_cta"]
+        self.combine_tokens_per_cta = self.k_combine_recv.spec.sizes["tokens_per_cta"]
+        self.max_ctas = 2 * torch.cuda.get_device_properties(dev).multi_processor_count
+
+        self.sym = symm_mem.empty(BUFFER_GROUPS * self.group_bytes, dtype=torch.uint8, device=dev)
+        self.sym.zero_()
+        torch.cuda.synchronize(dev)
+        dist.barrier(self.group)
+        handle = symm_mem.rendezvous(self.sym, self.group.group_name)
+        bases = torch.tensor(handle.buffer_ptrs, dtype=torch.int64)
+        self.peer_bases = torch.stack([bases + g * self.group_bytes
+                                       for g in range(BUFFER_GROUPS)]).to(dev)
+
+        self.send_buf = torch.empty(t * self.msg.size, dtype=torch.uint8, device=dev)
+        self.dest_slot = torch.empty(r * t, dtype=torch.int32, device=dev)
+        self.positions = torch.empty(t * k, dtype=torch.int32, device=dev)
+        self.send_counts = torch.zeros(r * self.entries, dtype=torch.int32, device=dev)
+        self.rounds = torch.zeros(2, BUFFER_GROUPS, dtype=torch.int64, device=dev)
+        self.done = torch.zeros(2, r + 1, dtype=torch.int32, device=dev)
+        self.error = torch.zeros(4, dtype=torch.int32, device=dev)
+        self._no_f32 = torch.zeros(4, dtype=torch.float32, device=dev)
+        self.dispatch_round = 0
+        self.combine_round = 0
+        dist.barrier(self.group)
+
+    # Sizes -------------------------------------------------------------------------------
+
+    def buffer_bytes(self) -> dict[str, dict[str, int]]:
+        """Bytes of every buffer of this config (peer-visible ones per buffer group)."""
+        return buffer_sizes(self.cfg)
+
+    @property
+    def nbytes(self) -> int:
+        """GPU memory this rank needs for the layer, outputs of one dispatch included."""
+        return total_bytes(self.cfg)
+
+    # Views of the symmetric allocation ----------------------------------------------------
+
+    def _view(self, group: int, name: str, dtype: torch.dtype, count: int,
+              skip: int = 0) -> torch.Tensor:
+        size = torch.tensor([], dtype=dtype).element_size()
+        start = group * self.group_bytes + self.offsets[name] + skip * size
+        return self.sym[start:start + count * size].view(dtype)
+
+    # Dispatch -----------------------------------------------------------------------------
+
+    def dispatch_async(self, x: torch.Tensor, topk_ids: torch.Tensor,
+                       topk_weights: torch.Tensor | None = None, *, skip_a2a: bool = False,
+                       num_input_tokens: int | None = None) -> _PendingDispatch:
+        """Plan, encode and send this rank's tokens; returns what `dispatch_wait` needs.
+
+        x: bf16 [T, H], T <= max_tokens_per_rank; topk_ids: int32/int64 [T, K];
+        topk_weights: float32 [T, K] or None (combine then returns the unreduced [T, K, H]).
+        skip_a2a: every rank holds all tokens and keeps only its own experts (allreduce mode).
+        num_input_tokens: an upper bound on T over all ranks, sizing the receive grid (decode).
+        """
+        cfg = self.cfg
+        num_tokens = self._check_dispatch_inputs(x, topk_ids, topk_weights)
+        ids = topk_ids.to(torch.int32).contiguous()
+        weighted = topk_weights is not None
+        if cfg.fused_shared_expert and not weighted:
+            raise ValueError("fused_shared_expert needs topk_weights: the unreduced [T, K, H] "
+                             "combine output has no slot for the shared expert")
+        if skip_a2a:
+            chunk = -(-num_tokens // cfg.ranks)
+            shared_begin = min(num_tokens, self.rank * chunk)
+            shared_end = min(num_tokens, shared_begin + chunk)
+        else:
+            shared_begin, shared_end = 0, num_tokens
+        group = self.dispatch_round % BUFFER_GROUPS
+        self.dispatch_round += 1
+
+        self.k_plan.launch(ids, self.dest_slot, self.positions, self.send_counts, self.error,
+                           num_tokens, cfg.max_tokens_per_rank, cfg.topk, cfg.local_experts,
+                           cfg.ranks, self.rank, int(cfg.fused_shared_expert), int(skip_a2a),
+                           shared_begin, shared_end, cfg.ranks + cfg.experts)
+        scales = self.msg.segment("scales").offset if cfg.format != "bf16" else 0
+        self.k_encode.launch(self.send_buf, x, ids, topk_weights if weighted else self._no_f32,
+                             self.positions, num_tokens, cfg.hidden, cfg.topk, self.msg.size,
+                             scales, self.msg.segment("src_token").offset, int(weighted))
+        chunks = max(1, -(-num_tokens // self.send_tokens_per_cta))
+        self.k_send.launch(self.peer_bases[group], self.send_buf, self.dest_slot,
+                           self.send_counts, self.done[DISPATCH], self.rounds[DISPATCH, group:group + 1],
+                           num_tokens, cfg.max_tokens_per_rank, cfg.ranks, self.rank,
+                           self.msg.size // 16, self.entries, self.offsets["dispatch_recv"],
+                           self.offsets["recv_counts"], self.offsets["arrival_flags"], chunks)
+        hint = cfg.max_tokens_per_rank if num_input_tokens is None else int(num_input_tokens)
+        if not 0 <= hint:
+            raise ValueError(f"num_input_tokens must be non-negative, got {num_input_tokens}")
+        ctas = max(1, min(self.max_ctas // cfg.ranks, -(-hint // 4)))
+        return _PendingDispatch(group, num_tokens, weighted, skip_a2a, shared_begin, shared_end,
+                                ids, ctas)
+
+    def dispatch_wait(self, pending: _PendingDispatch) -> DispatchOutput:
+        """Wait for every rank's tokens (bounded) and expand them into expert-grouped rows."""
+        cfg, dev, g = self.cfg, self.device, pending.group
+        r, t, k, cap, h = cfg.ranks, cfg.max_tokens_per_rank, cfg.topk, cfg.row_capacity, cfg.hidden
+        if cfg.format == "fp8":
+            tokens = torch.empty(cap, h, dtype=torch.float8_e4m3fn, device=dev)
+            scales = torch.empty(h // 128, cap, dtype=torch.float32, device=dev)
+        else:
+            tokens = torch.empty(cap, h, dtype=torch.bfloat16, device=dev)
+            scales = None
+        segs = cfg.segments
+        row_offsets = torch.empty(segs + 1, dtype=torch.int32, device=dev)
+        expert_ids = torch.empty(segs, dtype=torch.int32, device=dev)
+        counts = torch.empty(segs, dtype=torch.int32, device=dev)
+        src_info = torch.empty(cap, 2, dtype=torch.int32, device=dev)
+        handle = DispatchHandle(
+            group=g, num_tokens=pending.num_tokens, weighted=pending.weighted,
+            skip_a2a=pending.skip_a2a, shared_begin=pending.shared_begin,
+            shared_end=pending.shared_end, topk_ids=pending.topk_ids,
+            rows=torch.empty(r, t, k, dtype=torch.int32, device=dev),
+            weights=torch.empty(r, t, k, dtype=torch.float32, device=dev),
+            tokens=torch.empty(r, t, dtype=torch.int32, device=dev),
+            messages=torch.empty(r, dtype=torch.int32, device=dev))
+        payload = self.msg.segment("payload").nbytes
+        scales_at = self.msg.segment("scales").offset if cfg.format != "bf16" else 0
+        self.k_recv.launch(
+            self._view(g, "dispatch_recv", torch.uint8, r * t * self.msg.size),
+            self._view(g, "recv_counts", torch.int32, r * self.entries),
+            self._view(g, "arrival_flags", torch.int64, r),
+            self.rounds[DISPATCH, g:g + 1], self.error, tokens.view(torch.uint8),
+            scales if scales is not None else self._no_f32, row_offsets, expert_ids, counts,
+            src_info, handle.rows, handle.weights, handle.tokens, handle.messages,
+            r, self.rank, t, k, cfg.local_experts, int(cfg.fused_shared_expert),
+            pending.shared_begin, pending.shared_end, self.msg.size, payload // 16, scales_at,
+            self.msg.segment("src_token").offset, cap, int(self.timeout_s * 1e9),
+            pending.ctas_per_source)
+        return DispatchOutput(tokens, scales, row_offsets, expert_ids, src_info, counts, handle)
+
+    def dispatch(self, x, topk_ids, topk_weights=None, *, skip_a2a=False,
+                 num_input_tokens=None) -> DispatchOutput:
+        """`dispatch_async` then `dispatch_wait` (see both)."""
+        return self.dispatch_wait(self.dispatch_async(
+            x, topk_ids, topk_weights, skip_a2a=skip_a2a, num_input_tokens=num_input_tokens))
+
+    # Combine ------------------------------------------------------------------------------
+
+    def combine_async(self, y: torch.Tensor, handle: DispatchHandle) -> _PendingCombine:
+        """Send each token's partial sum over this rank's experts home (bf16 `y` [rows, H] in
+        dispatch's row order)."""
+        cfg = self.cfg
+        check_tensor(y, name="y", dtype="bfloat16", align=16, device_index=self.device.index)
+        if y.dim() != 2 or y.shape[1] != cfg.hidden:
+            raise ValueError(f"y must be bf16 [rows, {cfg.hidden}], got {tuple(y.shape)}")
+        if y.shape[0] < cfg.row_capacity:
+            raise ValueError(f"y has {y.shape[0]} rows; dispatch's outputs have row_capacity="
+                             f"{cfg.row_capacity} rows (pass the full expert output buffer)")
+        group = self.combine_round % BUFFER_GROUPS
+        self.combine_round += 1
+        hint = max(1, cfg.max_tokens_per_rank)
+        ctas = max(1, min(self.max_ctas // cfg.ranks, -(-hint // 4)))
+        self.k_combine_send.launch(
+            self.peer_bases[group], y, handle.rows, handle.weights, handle.tokens,
+            handle.messages, self.done[COMBINE], self.rounds[COMBINE, group:group + 1],
+            cfg.max_tokens_per_rank, cfg.ranks, self.rank, cfg.topk, cfg.hidden,
+            int(handle.weighted), self.offsets["combine_recv"],
+            self.offsets["arrival_flags"] + 8 * cfg.ranks, ctas)
+        return _PendingCombine(group, handle, y)
+
+    def combine_wait(self, pending: _PendingCombine) -> torch.Tensor:
+        """Wait for every rank's partial sums (bounded) and reduce: bf16 [T, H], or the
+        unreduced [T, K, H] when dispatch had no weights."""
+        cfg, h, g = self.cfg, pending.handle, pending.group
+        t, k, hidden = h.num_tokens, cfg.topk, cfg.hidden
+        shape = (t, hidden) if h.weighted else (t, k, hidden)
+        out = torch.empty(shape, dtype=torch.bfloat16, device=self.device)
+        chunks = max(1, -(-t // self.combine_tokens_per_cta))
+        self.k_combine_recv.launch(
+            self._view(g, "combine_recv", torch.bfloat16,
+                       cfg.max_tokens_per_rank * k * hidden),
+            self._view(g, "arrival_flags", torch.int64, cfg.ranks, skip=cfg.ranks),
+            self.rounds[COMBINE, g:g + 1], self.error, out if t else self._no_bf16(), pending.y,
+            h.topk_ids if t else self._no_i32(), t, cfg.ranks, self.rank, k, hidden,
+            cfg.local_experts, int(h.weighted), int(h.skip_a2a), int(cfg.fused_shared_expert),
+            h.shared_begin, h.shared_end, int(self.timeout_s * 1e9), chunks)
+        return out
+
+    def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        """`combine_async` then `combine_wait` (see both)."""
+        return self.combine_wait(self.combine_async(y, handle))
+
+    # Errors -------------------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Synchronise the current stream and raise what the kernels recorded: a rank that did
+        not arrive (PeerTimeout, naming phase and rank), or bad input seen on the device."""
+        torch.cuda.current_stream(self.device).synchronize()
+        missing, phase, bad_id, bad_counts = self.error.tolist()
+        if missing:
+            raise PeerTimeout(f"{PHASES.get(phase, 'unknown phase')}: rank {self.rank} timed out "
+                              f"after {self.timeout_s:g} s waiting for rank {missing - 1}")
+        if bad_id:
+            raise ValueError(f"topk_ids held an expert id outside [0, {self.cfg.experts}); "
+                             f"those (token, k) pairs were dropped")
+        if bad_counts:
+            raise RuntimeError("received counts or positions were inconsistent; the affected "
+                               "rows were dropped")
+
+    # Internals ----------------------------------------------------------------------------
+
+    def _no_bf16(self):
+        return self._no_f32.view(torch.bfloat16)
+
+    def _no_i32(self):
+        return self._no_f32.view(torch.int32)
+
+    def _check_dispatch_inputs(self, x, topk_ids, topk_weights) -> int:
+        cfg, dev = self.cfg, self.device.index
+        check_tensor(x, name="x", dtype="bfloat16", align=16, device_index=dev)
+        if x.dim() != 2 or x.shape[1] != cfg.hidden:
+            raise ValueError(f"x must be bf16 [T, {cfg.hidden}], got {tuple(x.shape)}")
+        num_tokens = x.shape[0]
+        if num_tokens > cfg.max_tokens_per_rank:
+            raise ValueError(f"{num_tokens} tokens exceeds max_tokens_per_rank="
+                             f"{cfg.max_tokens_per_rank}")
+        check_tensor(topk_ids, name="topk_ids", dtype=None, device_index=dev)
+        if topk_ids.dtype not in (torch.int32, torch.int64) or \
+                tuple(topk_ids.shape) != (num_tokens, cfg.topk):
+            raise ValueError(f"topk_ids must be int32/int64 [{num_tokens}, {cfg.topk}], got "
+                             f"{topk_ids.dtype} {tuple(topk_ids.shape)}")
+        if topk_weights is not None:
+            check_tensor(topk_weights, name="topk_weights", dtype="float32", align=4,
+                         device_index=dev)
+            if tuple(topk_weights.shape) != (num_tokens, cfg.topk):
+                raise ValueError(f"topk_weights must be float32 [{num_tokens}, {cfg.topk}], got "
+                                 f"{tuple(topk_weights.shape)}")
+        if num_tokens == 0:
+            return 0
+        return num_tokens
+
+
+def _check_config(cfg: EPConfig, world: int) -> None:
+    if cfg.ranks != world:
+        raise ValueError(f"the config has ranks={cfg.ranks}, the process group has {world}")
+    if cfg.format not in FORMATS:
+        raise NotImplementedError(f"dispatch formats: {FORMATS}, not {cfg.format!r}")
+    if cfg.ranks > MAX_RANKS:
+        raise ValueError(f"at most {MAX_RANKS} ranks per host, got {cfg.ranks}")
+    if cfg.topk > MAX_TOPK:
+        raise ValueError(f"top-k at most {MAX_TOPK}, got {cfg.topk}")
+    if cfg.segments > MAX_SEGMENTS:
+        raise ValueError(f"at most {MAX_SEGMENTS} segments (local experts + shared) per rank, "
+                         f"got {cfg.segments}")
+    if cfg.hidden % 8:
+        raise ValueError(f"hidden size must be a multiple of 8 (16-byte bf16 rows), got "
+                         f"{cfg.hidden}")

@@ -1,0 +1,289 @@
+"""Dispatch and combine between GPUs of one host, against `cute_ep.reference`.
+
+Every rank generates every rank's inputs from the same seeds, runs the kernels on its own share,
+and checks its outputs against the reference computed for all ranks: dispatch exactly (rows,
+offsets, ids, src_info, counts, FP8 bytes and scales), combine within bf16 rounding (each rank's
+partial sum is rounded to bf16 once before the home rank adds them in fp32).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from .harness import run_ranks
+
+pytestmark = pytest.mark.multigpu
+
+# (hidden, topk, experts): DeepSeek-V3, Qwen3-style, gpt-oss-style, Mixtral-style.
+SHAPES = [(7168, 8, 256), (4096, 8, 128), (2880, 4, 128), (4096, 2, 8)]
+MAX_TOKENS = 4096
+
+
+def _inputs(cfg, seed, tokens, routing="uniform", same_everywhere=False):
+    """Every rank's (x, topk_ids, topk_weights), identical on every process."""
+    xs, ids, ws = [], [], []
+    for r in range(cfg.ranks):
+        gen = torch.Generator(device="cuda").manual_seed(
+            seed * 7919 + (0 if same_everywhere else r))
+        t = tokens[r]
+        xs.append(torch.randn(t, cfg.hidden, device="cuda", generator=gen).to(torch.bfloat16))
+        if routing == "hot":  # every token to experts of rank ranks - 1
+            pool = torch.arange(cfg.local_experts, device="cuda") + (cfg.ranks - 1) * cfg.local_experts
+        elif routing == "sparse":  # half the experts receive nothing
+            pool = torch.arange(0, cfg.experts, 2, device="cuda")
+        else:
+            pool = torch.arange(cfg.experts, device="cuda")
+        if cfg.topk > len(pool):
+            pool = torch.arange(cfg.experts, device="cuda")
+        pick = torch.rand(t, len(pool), device="cuda", generator=gen).argsort(dim=1)[:, :cfg.topk]
+        ids.append(pool[pick].to(torch.int64 if seed % 2 else torch.int32))
+        ws.append(torch.rand(t, cfg.topk, device="cuda", generator=gen))
+    return xs, ids, ws
+
+
+def _expert_outputs(cfg, result, num_rows):
+    """A stand-in for the experts: row -> dequantized row * (1 + segment / 8), bf16, with the
+    buffer's full row capacity. Applied identically to the kernel's and the reference's rows."""
+    if cfg.format == "fp8":
+        from cute_ep.reference import dequantize_fp8_blockwise
+
+        rows = dequantize_fp8_blockwise(result.tokens[:num_rows], result.scales)
+    else:
+        rows = result.tokens[:num_rows].float()
+    offsets = result.row_offsets.long().cpu()
+    seg = torch.bucketize(torch.arange(num_rows), offsets[1:], right=True).to(rows.device)
+    y = torch.zeros(cfg.row_capacity, cfg.hidden, dtype=torch.bfloat16, device=rows.device)
+    y[:num_rows] = (rows * (1 + seg.float() / 8).unsqueeze(1)).to(torch.bfloat16)
+    return y
+
+
+def _check_dispatch(cfg, got, want, what):
+    n = want.num_rows
+    assert got.row_offsets.tolist() == want.row_offsets.tolist(), f"{what}: row_offsets"
+    assert got.expert_ids.tolist() == want.expert_ids.tolist(), f"{what}: expert_ids"
+    assert got.counts.tolist() == want.counts.tolist(), f"{what}: counts"
+    assert torch.equal(got.src_info[:n], want.src_info[:n]), f"{what}: src_info"
+    gt, wt = got.tokens[:n].view(torch.uint8), want.tokens[:n].view(torch.uint8)
+    if not torch.equal(gt, wt):
+        bad = (gt != wt).any(dim=1).nonzero().flatten()
+        raise AssertionError(f"{what}: {len(bad)} of {n} rows differ, first {bad[:8].tolist()}")
+    if cfg.format == "fp8":
+        assert torch.equal(got.scales[:, :n], want.scales[:, :n]), f"{what}: fp8 scales"
+
+
+def _check_combine(got, want, bound, what):
+    err = (got.float() - want.float()).abs()
+    worst = (err - bound).max().item() if err.numel() else 0.0
+    assert worst <= 0, f"{what}: combine off by {err.max().item():g} beyond the bf16 bound"
+
+
+def _one_layer(buf, cfg, rank, seed, tokens, routing="uniform", weighted=True, skip_a2a=False):
+    from cute_ep import reference
+
+    xs, ids, ws = _inputs(cfg, seed, tokens, routing, same_everywhere=skip_a2a)
+    out = buf.dispatch(xs[rank], ids[rank], ws[rank] if weighted else None, skip_a2a=skip_a2a)
+    refs = reference.dispatch(cfg, xs, ids, skip_a2a=skip_a2a)
+    what = f"{cfg.format} H={cfg.hidden} K={cfg.topk} E={cfg.experts} T={tokens} {routing}" \
+           f"{' skip_a2a' if skip_a2a else ''}{'' if weighted else ' unweighted'} seed={seed}"
+    _check_dispatch(cfg, out, refs[rank], what)
+    ys = [_expert_outputs(cfg, d, d.num_rows) for d in refs]
+    y = ys[rank].clone()
+    combined = buf.combine(y, out.handle)
+    buf.check()
+    w = ws if weighted else None
+    want = reference.combine(cfg, ys, refs, tokens, w)[rank]
+    if weighted:
+        abs_ys = [t.abs() for t in ys]
+        scale = reference.combine(cfg, abs_ys, refs, tokens, [t.abs() for t in ws])[rank]
+        _check_combine(combined, want, scale.float() * 2.0 ** -6, what)
+    else:
+        assert torch.equal(combined, want), f"{what}: unreduced combine differs"
+    return refs[rank].num_rows
+
+
+def _shape_cases(rank, world, hidden, topk, experts, fmt):
+    from cute_ep.ep import Buffer
+    from layouts import EPConfig
+
+    cfg = EPConfig(hidden, topk, experts, world, MAX_TOKENS, fmt)
+    buf = Buffer(cfg)
+    rows = []
+    seed = 0
+    for t in (0, 1, 127, MAX_TOKENS):
+        seed += 1
+        rows.append(_one_layer(buf, cfg, rank, seed, [t] * world))
+    uneven = [(0, 1, 127, MAX_TOKENS)[r % 4] for r in range(world)]
+    for routing in ("uniform", "hot", "sparse"):
+        seed += 1
+        rows.append(_one_layer(buf, cfg, rank, seed, uneven, routing))
+    seed += 1
+    rows.append(_one_layer(buf, cfg, rank, seed, [300] * world, weighted=False))
+    return rows
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "H{}-K{}-E{}".format(*s))
+def test_dispatch_and_combine_match_the_reference(shape, fmt):
+    hidden, topk, experts = shape
+    if fmt == "fp8" and hidden % 128:
+        pytest.skip("FP8 blockwise needs H to be a multiple of 128")
+    rows = run_ranks(_shape_cases, hidden=hidden, topk=topk, experts=experts, fmt=fmt,
+                     limit_s=300)
+    assert all(len(r) == 8 for r in rows)
+
+
+def _options(rank, world, fmt):
+    from cute_ep.ep import Buffer
+    from layouts import EPConfig
+
+    cfg = EPConfig(2048, 4, 16 * world, world, 512, fmt, fused_shared_expert=True)
+    buf = Buffer(cfg)
+    for seed, tokens in enumerate(([512] * world, [0] * world, [(37 * r) % 512 for r in range(world)])):
+        _one_layer(buf, cfg, rank, seed + 1, tokens)
+    plain = Buffer(EPConfig(2048, 4, 16 * world, world, 512, fmt))
+    for seed, t in enumerate((512, 5, 0)):
+        _one_layer(plain, plain.cfg, rank, 10 + seed, [t] * world, skip_a2a=True)
+        _one_layer(buf, cfg, rank, 20 + seed, [t] * world, skip_a2a=True)
+    return True
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_fused_shared_expert_and_skip_a2a(fmt):
+    assert all(run_ranks(_options, fmt=fmt, limit_s=300))
+
+
+def _many_rounds(rank, world, rounds):
+    """Back-to-back layers with changing inputs and token counts, two configs alternating."""
+    from cute_ep.ep import Buffer
+    from layouts import EPConfig
+
+    bufs = [Buffer(EPConfig(4096, 8, 128, world, 256, "bf16")),
+            Buffer(EPConfig(4096, 8, 128, world, 256, "fp8"))]
+    for i in range(rounds):
+        buf = bufs[i % 2]
+        tokens = [(i * 53 + 17 * r) % 257 for r in range(world)]
+        _one_layer(buf, buf.cfg, rank, 1000 + i, tokens, ("uniform", "hot", "sparse")[i % 3])
+    return [b.rounds.tolist() for b in bufs]
+
+
+def test_200_back_to_back_rounds_stay_exact():
+    world = torch.cuda.device_count()
+    rounds = run_ranks(_many_rounds, rounds=200, limit_s=600)
+    # 100 layers per buffer, alternating groups: 50 rounds per (phase, group).
+    assert rounds == [[[[50, 50], [50, 50]]] * 2] * world
+
+
+def _graph(rank, world, fmt, replays):
+    import torch.distributed as dist
+
+    from cute_ep import reference
+    from cute_ep.ep import Buffer
+    from layouts import EPConfig
+
+    cfg = EPConfig(4096, 8, 128, world, 256, fmt)
+    buf = Buffer(cfg)
+    tokens = [256 - 3 * r for r in range(world)]
+    xs, ids, ws = _inputs(cfg, 1, tokens)
+    x, i_, w = xs[rank].clone(), ids[rank].clone(), ws[rank].clone()
+    y = torch.zeros(cfg.row_capacity, cfg.hidden, dtype=torch.bfloat16, device="cuda")
+
+    def layer():
+        out = buf.dispatch(x, i_, w)
+        y.copy_(_stand_in(out.tokens, out.scales, cfg))
+        return out, buf.combine(y, out.handle)
+
+    layer()  # warm-up: modules load outside the capture
+    torch.cuda.synchronize()
+    dist.barrier()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, combined = layer()
+    for k in range(replays):
+        xs, ids, ws = _inputs(cfg, 100 + k, tokens)
+        x.copy_(xs[rank])
+        i_.copy_(ids[rank])
+        w.copy_(ws[rank])
+        graph.replay()
+        torch.cuda.synchronize()
+        refs = reference.dispatch(cfg, xs, ids)
+        _check_dispatch(cfg, out, refs[rank], f"graph replay {k}")
+        ys = [_stand_in(d.tokens, d.scales, cfg) for d in refs]
+        want = reference.combine(cfg, ys, refs, tokens, ws)[rank]
+        scale = reference.combine(cfg, [t.abs() for t in ys], refs, tokens, ws)[rank]
+        _check_combine(combined, want, scale.float() * 2.0 ** -6, f"graph replay {k}")
+    buf.check()
+    return True
+
+
+def _stand_in(tokens, scales, cfg):
+    """Expert outputs that need no row count: every row (padding and beyond included)."""
+    if cfg.format == "fp8":
+        from cute_ep.reference import dequantize_fp8_blockwise
+
+        rows = dequantize_fp8_blockwise(tokens.view(torch.uint8).view(torch.float8_e4m3fn),
+                                        scales)
+    else:
+        rows = tokens.float()
+    return (rows * 0.5).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_cuda_graph_replays_stay_exact(fmt):
+    assert all(run_ranks(_graph, fmt=fmt, replays=20, limit_s=300))
+
+
+def _absent_rank(rank, world, phase):
+    import time
+
+    from cute_ep.comm import PeerTimeout
+    from cute_ep.ep import Buffer
+    from layouts import EPConfig
+
+    cfg = EPConfig(1024, 2, 4 * world, world, 64)
+    buf = Buffer(cfg, timeout_s=1.0)
+    xs, ids, ws = _inputs(cfg, 1, [64] * world)
+    if rank == world - 1 and phase == "dispatch":
+        return "absent"
+    start = time.monotonic()
+    out = buf.dispatch(xs[rank], ids[rank], ws[rank])
+    if phase == "combine":
+        buf.check()
+        if rank == world - 1:
+            return "absent"
+        buf.combine(torch.zeros(cfg.row_capacity, cfg.hidden, dtype=torch.bfloat16,
+                                device="cuda"), out.handle)
+    try:
+        buf.check()
+    except PeerTimeout as e:
+        return (str(e), time.monotonic() - start)
+    return "no error"
+
+
+@pytest.mark.parametrize("phase", ["dispatch", "combine"])
+def test_a_rank_that_never_arrives_raises_a_named_timeout(phase):
+    world = torch.cuda.device_count()
+    results = run_ranks(_absent_rank, phase=phase, limit_s=120)
+    for rank, res in enumerate(results[:-1]):
+        msg, seconds = res
+        assert msg.startswith(f"{phase}: rank {rank} timed out after 1 s waiting for rank "
+                              f"{world - 1}"), msg
+        assert seconds < 10
+    assert results[-1] == "absent"
+
+
+def _mismatch(rank, world):
+    from cute_ep.comm import ConfigMismatch
+    from cute_ep.ep import Buffer
+    from layouts import EPConfig
+
+    try:
+        Buffer(EPConfig(1024 if rank else 2048, 2, 4 * world, world, 64))
+    except ConfigMismatch as e:
+        return str(e)
+    return "no error"
+
+
+def test_mismatched_config_fails_on_every_rank():
+    for msg in run_ranks(_mismatch, limit_s=120):
+        assert "disagree" in msg
