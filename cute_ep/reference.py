@@ -57,7 +57,9 @@ def quantize_fp8_blockwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     t, h = x.shape
     blocks = x.float().reshape(t, h // FP8_BLOCK, FP8_BLOCK)
     amax = blocks.abs().amax(dim=-1)
-    scale = torch.clamp(amax, min=FP8_MIN_AMAX) / FP8_MAX
+    # Divide by a tensor, not a Python number: for a scalar divisor torch on CUDA multiplies by
+    # the rounded reciprocal, which is not the correctly rounded quotient the kernels compute.
+    scale = torch.clamp(amax, min=FP8_MIN_AMAX) / torch.full_like(amax, FP8_MAX)
     q = torch.clamp(blocks / scale.unsqueeze(-1), -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q.reshape(t, h), scale
 

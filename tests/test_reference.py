@@ -121,6 +121,24 @@ def test_fp8_quantization_matches_the_formula_element_by_element():
                 assert q[t, b * 128 + i].view(torch.uint8) == code.view(torch.uint8)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_fp8_scale_is_the_correctly_rounded_quotient(device):
+    # amax / 448 rounded once, as the kernels' div.rn.f32 does; the fp64 quotient of two fp32
+    # numbers rounded to fp32 is the correctly rounded fp32 quotient (53 >= 2 * 24 + 2 bits).
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(64, 1024, generator=gen) * torch.rand(64, 1, generator=gen) * 8
+    x[0, 5] = 2.625  # 2.625 / 448 = 3 / 512 exactly
+    x = x.to(torch.bfloat16).to(device)
+    q, scale = ref.quantize_fp8_blockwise(x)
+    amax = x.float().reshape(64, 8, 128).abs().amax(-1).clamp(min=1e-4)
+    want = (amax.double() / 448.0).float()
+    assert torch.equal(scale, want)
+    assert scale[0, 0].item() == 3 / 512
+    ratio = (x.float().reshape(64, 8, 128).double() / scale.double().unsqueeze(-1)).float()
+    codes = ratio.clamp(-448, 448).to(torch.float8_e4m3fn).reshape(64, 1024)
+    assert torch.equal(q.view(torch.uint8), codes.view(torch.uint8))
+
+
 def test_fp8_dispatch_transposes_scales_and_zeroes_padding():
     cfg = EPConfig(H, 2, 8, 2, 9, format="fp8")
     gen = torch.Generator().manual_seed(5)
