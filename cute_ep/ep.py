@@ -43,20 +43,28 @@ FORMATS = ("bf16", "fp8")
 PHASES = {1: "dispatch", 2: "combine"}
 DISPATCH, COMBINE = 0, 1
 
-__all__ = ["Buffer", "DispatchOutput", "DispatchHandle", "ConfigMismatch", "PeerTimeout"]
+__all__ = ["Buffer", "DispatchOutput", "DispatchHandle", "Routing", "ConfigMismatch",
+           "PeerTimeout"]
+
+
+@dataclass
+class Routing:
+    """This rank's side of one dispatch, as combine needs it."""
+
+    group: int  # buffer group the dispatch used
+    num_tokens: int
+    weighted: bool  # topk_weights given: combine reduces; otherwise [T, K, H]
+    skip_a2a: bool
+    shared_begin: int  # this rank's shared-expert tokens [begin, end)
+    shared_end: int
+    topk_ids: torch.Tensor  # int32 [T, K]
 
 
 @dataclass
 class DispatchHandle:
     """What combine needs from a dispatch (device tensors, valid until two dispatches later)."""
 
-    group: int
-    num_tokens: int
-    weighted: bool
-    skip_a2a: bool
-    shared_begin: int
-    shared_end: int
-    topk_ids: torch.Tensor  # int32 [T, K], this rank's routing
+    routing: Routing
     rows: torch.Tensor  # int32 [R, max_tokens, K]: row of (source, message, k) here, or -1
     weights: torch.Tensor  # float32 [R, max_tokens, K]
     tokens: torch.Tensor  # int32 [R, max_tokens]: source token index of each message
@@ -78,13 +86,7 @@ class DispatchOutput:
 
 @dataclass
 class _PendingDispatch:
-    group: int
-    num_tokens: int
-    weighted: bool
-    skip_a2a: bool
-    shared_begin: int
-    shared_end: int
-    topk_ids: torch.Tensor
+    routing: Routing
     ctas_per_source: int
 
 
@@ -214,12 +216,13 @@ class Buffer:
         if not 0 <= hint:
             raise ValueError(f"num_input_tokens must be non-negative, got {num_input_tokens}")
         ctas = max(1, min(self.max_ctas // cfg.ranks, -(-hint // 4)))
-        return _PendingDispatch(group, num_tokens, weighted, skip_a2a, shared_begin, shared_end,
-                                ids, ctas)
+        return _PendingDispatch(Routing(group, num_tokens, weighted, skip_a2a, shared_begin,
+                                        shared_end, ids), ctas)
 
     def dispatch_wait(self, pending: _PendingDispatch) -> DispatchOutput:
         """Wait for every rank's tokens (bounded) and expand them into expert-grouped rows."""
-        cfg, dev, g = self.cfg, self.device, pending.group
+        cfg, dev, route = self.cfg, self.device, pending.routing
+        g = route.group
         r, t, k, cap, h = cfg.ranks, cfg.max_tokens_per_rank, cfg.topk, cfg.row_capacity, cfg.hidden
         if cfg.format == "fp8":
             tokens = torch.empty(cap, h, dtype=torch.float8_e4m3fn, device=dev)
@@ -233,9 +236,7 @@ class Buffer:
         counts = torch.empty(segs, dtype=torch.int32, device=dev)
         src_info = torch.empty(cap, 2, dtype=torch.int32, device=dev)
         handle = DispatchHandle(
-            group=g, num_tokens=pending.num_tokens, weighted=pending.weighted,
-            skip_a2a=pending.skip_a2a, shared_begin=pending.shared_begin,
-            shared_end=pending.shared_end, topk_ids=pending.topk_ids,
+            routing=route,
             rows=torch.empty(r, t, k, dtype=torch.int32, device=dev),
             weights=torch.empty(r, t, k, dtype=torch.float32, device=dev),
             tokens=torch.empty(r, t, dtype=torch.int32, device=dev),
@@ -250,7 +251,7 @@ class Buffer:
             scales if scales is not None else self._no_f32, row_offsets, expert_ids, counts,
             src_info, handle.rows, handle.weights, handle.tokens, handle.messages,
             r, self.rank, t, k, cfg.local_experts, int(cfg.fused_shared_expert),
-            pending.shared_begin, pending.shared_end, self.msg.size, payload // 16, scales_at,
+            route.shared_begin, route.shared_end, self.msg.size, payload // 16, scales_at,
             self.msg.segment("src_token").offset, cap, int(self.timeout_s * 1e9),
             pending.ctas_per_source)
         return DispatchOutput(tokens, scales, row_offsets, expert_ids, src_info, counts, handle)
@@ -281,14 +282,14 @@ class Buffer:
             self.peer_bases[group], y, handle.rows, handle.weights, handle.tokens,
             handle.messages, self.done[COMBINE], self.rounds[COMBINE, group:group + 1],
             cfg.max_tokens_per_rank, cfg.ranks, self.rank, cfg.topk, cfg.hidden,
-            int(handle.weighted), self.offsets["combine_recv"],
+            int(handle.routing.weighted), self.offsets["combine_recv"],
             self.offsets["arrival_flags"] + 8 * cfg.ranks, ctas)
         return _PendingCombine(group, handle, y)
 
     def combine_wait(self, pending: _PendingCombine) -> torch.Tensor:
         """Wait for every rank's partial sums (bounded) and reduce: bf16 [T, H], or the
         unreduced [T, K, H] when dispatch had no weights."""
-        cfg, h, g = self.cfg, pending.handle, pending.group
+        cfg, h, g = self.cfg, pending.handle.routing, pending.group
         t, k, hidden = h.num_tokens, cfg.topk, cfg.hidden
         shape = (t, hidden) if h.weighted else (t, k, hidden)
         out = torch.empty(shape, dtype=torch.bfloat16, device=self.device)
@@ -297,8 +298,7 @@ class Buffer:
             self._view(g, "combine_recv", torch.bfloat16,
                        cfg.max_tokens_per_rank * k * hidden),
             self._view(g, "arrival_flags", torch.int64, cfg.ranks, skip=cfg.ranks),
-            self.rounds[COMBINE, g:g + 1], self.error, out if t else self._no_bf16(), pending.y,
-            h.topk_ids if t else self._no_i32(), t, cfg.ranks, self.rank, k, hidden,
+            self.rounds[COMBINE, g:g + 1], self.error, out, pending.y, h.topk_ids, t, cfg.ranks, self.rank, k, hidden,
             cfg.local_experts, int(h.weighted), int(h.skip_a2a), int(cfg.fused_shared_expert),
             h.shared_begin, h.shared_end, int(self.timeout_s * 1e9), chunks)
         return out
@@ -326,12 +326,6 @@ class Buffer:
 
     # Internals ----------------------------------------------------------------------------
 
-    def _no_bf16(self):
-        return self._no_f32.view(torch.bfloat16)
-
-    def _no_i32(self):
-        return self._no_f32.view(torch.int32)
-
     def _check_dispatch_inputs(self, x, topk_ids, topk_weights) -> int:
         cfg, dev = self.cfg, self.device.index
         check_tensor(x, name="x", dtype="bfloat16", align=16, device_index=dev)
@@ -352,8 +346,6 @@ class Buffer:
             if tuple(topk_weights.shape) != (num_tokens, cfg.topk):
                 raise ValueError(f"topk_weights must be float32 [{num_tokens}, {cfg.topk}], got "
                                  f"{tuple(topk_weights.shape)}")
-        if num_tokens == 0:
-            return 0
         return num_tokens
 
 

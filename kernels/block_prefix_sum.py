@@ -13,10 +13,10 @@ import cutlass.cute as cute
 from cutlass import Int32
 
 from cute_ep.abi import GridRule, KernelSpec, Param
+from kernels.scan import WARP, warp_inclusive_sum
 
 FAMILY = "block_prefix_sum"
 VALUES_PER_THREAD = 4  # 4 x int32 = one 128-bit access
-WARP = 32
 
 
 class BlockPrefixSum:
@@ -96,11 +96,7 @@ class BlockPrefixSum:
                 scanned[i] = running
 
             # Inclusive scan of the thread totals across the warp.
-            warp_incl = running
-            for shift in cutlass.range_constexpr(5):
-                up = cute.arch.shuffle_sync_up(warp_incl, 1 << shift)
-                if lane >= (1 << shift):
-                    warp_incl = warp_incl + up
+            warp_incl = warp_inclusive_sum(running, lane)
             if lane == WARP - 1:
                 s_warp[warp] = warp_incl
             cute.arch.sync_threads()
@@ -110,11 +106,7 @@ class BlockPrefixSum:
                 total = Int32(0)
                 if lane < self.warps:
                     total = s_warp[lane]
-                incl = total
-                for shift in cutlass.range_constexpr(5):
-                    up = cute.arch.shuffle_sync_up(incl, 1 << shift)
-                    if lane >= (1 << shift):
-                        incl = incl + up
+                incl = warp_inclusive_sum(total, lane)
                 tile_total = cute.arch.shuffle_sync(incl, WARP - 1)
                 if lane < self.warps:
                     s_warp[lane] = incl - total

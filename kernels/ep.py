@@ -38,6 +38,7 @@ from cutlass import BFloat16, Float32, Float8E4M3FN, Int32, Int64
 
 from cute_ep.abi import GridRule, KernelSpec, Param
 from kernels.copy import copy_rows, row_predicate, row_tiled_copy, vector_tiled_copy
+from kernels.scan import warp_inclusive_sum
 from layouts import VECTOR_BYTES
 from layouts.buffers import FP8_ROW_ALIGN
 
@@ -604,11 +605,7 @@ class EpRecv:
                 v = Int32(0)
                 if g < segments:
                     v = s_tot[g]
-                incl = v
-                for shift in cutlass.range_constexpr(5):
-                    up = cute.arch.shuffle_sync_up(incl, 1 << shift)
-                    if lane >= (1 << shift):
-                        incl = incl + up
+                incl = warp_inclusive_sum(v, lane)
                 if g < segments:
                     s_off[g] = carry + incl - v
                 carry = carry + cute.arch.shuffle_sync(incl, WARP - 1)

@@ -1,0 +1,88 @@
+"""The Buffer on a one-rank group: bad input gives clear errors, one rank equals the reference."""
+
+import pytest
+import torch
+
+from tests.multigpu.harness import run_ranks
+
+pytestmark = pytest.mark.gpu
+
+
+def _bad_inputs(rank, world):
+    from cute_ep.ep import Buffer
+    from layouts import EPConfig
+
+    cfg = EPConfig(1024, 2, 8, 1, 16)
+    buf = Buffer(cfg)
+    x = torch.randn(16, 1024, device="cuda").to(torch.bfloat16)
+    ids = torch.randint(0, 8, (16, 1), device="cuda").repeat(1, 2)
+    ids[:, 1] = (ids[:, 0] + 1) % 8
+    w = torch.rand(16, 2, device="cuda")
+    errors = {}
+
+    def expect(name, fn):
+        try:
+            fn()
+        except (TypeError, ValueError, NotImplementedError) as e:
+            errors[name] = str(e)
+        else:
+            errors[name] = "no error"
+
+    expect("dtype", lambda: buf.dispatch(x.float(), ids, w))
+    expect("hidden", lambda: buf.dispatch(x[:, :512].contiguous(), ids, w))
+    expect("too many", lambda: buf.dispatch(torch.cat([x, x]), torch.cat([ids, ids]), w))
+    expect("ids shape", lambda: buf.dispatch(x, ids[:, :1].contiguous(), w))
+    expect("ids dtype", lambda: buf.dispatch(x, ids.float(), w))
+    expect("weights dtype", lambda: buf.dispatch(x, ids, w.half()))
+    expect("cpu", lambda: buf.dispatch(x.cpu(), ids, w))
+    expect("strided", lambda: buf.dispatch(x.t().contiguous().t(), ids, w))
+    out = buf.dispatch(x, ids, w)
+    expect("short y", lambda: buf.combine(torch.zeros(4, 1024, dtype=torch.bfloat16,
+                                                      device="cuda"), out.handle))
+    buf.check()
+    bad = ids.clone()
+    bad[3, 1] = 8
+    buf.dispatch(x, bad, w)
+    expect("id range", buf.check)
+    expect("config", lambda: Buffer(EPConfig(1024, 2, 8, 2, 16)))
+    expect("format", lambda: Buffer(EPConfig(1024, 2, 8, 1, 16, "nvfp4")))
+    shared = Buffer(EPConfig(1024, 2, 8, 1, 16, fused_shared_expert=True))
+    expect("shared unweighted", lambda: shared.dispatch(x, ids))
+    return errors
+
+
+def test_bad_input_is_refused_with_a_message_that_says_what_was_expected():
+    errors = run_ranks(_bad_inputs, world=1, limit_s=120)[0]
+    expected = {
+        "dtype": "must be torch.bfloat16",
+        "hidden": "must be bf16 [T, 1024]",
+        "too many": "exceeds max_tokens_per_rank=16",
+        "ids shape": "topk_ids must be int32/int64 [16, 2]",
+        "ids dtype": "topk_ids must be int32/int64",
+        "weights dtype": "must be torch.float32",
+        "cpu": "must be a CUDA tensor",
+        "strided": "must be contiguous",
+        "short y": "row_capacity",
+        "id range": "expert id outside [0, 8)",
+        "config": "ranks=2, the process group has 1",
+        "format": "dispatch formats",
+        "shared unweighted": "fused_shared_expert needs topk_weights",
+    }
+    for name, fragment in expected.items():
+        assert fragment in errors[name], f"{name}: {errors[name]!r}"
+
+
+def _one_rank(rank, world, fmt):
+    from tests.multigpu.test_ep import _one_layer
+    from cute_ep.ep import Buffer
+    from layouts import EPConfig
+
+    cfg = EPConfig(2048, 4, 16, 1, 256, fmt, fused_shared_expert=True)
+    buf = Buffer(cfg)
+    return [_one_layer(buf, cfg, rank, seed, [t]) for seed, t in enumerate((256, 0, 1, 77))]
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_one_rank_layer_matches_the_reference(fmt):
+    rows = run_ranks(_one_rank, world=1, fmt=fmt, limit_s=120)[0]
+    assert rows[1] == 0 and rows[0] > 256
