@@ -1,0 +1,124 @@
+"""NVFP4 quantization in plain torch: the definition the kernels are tested against.
+
+Written from SPEC section 4, independently of the kernels (which encode e2m1 with threshold
+comparisons; this module searches the nearest representable value and breaks ties to even):
+
+- e2m1 magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6}, round to nearest, ties to the even code,
+  saturating at 6 (`satfinite`); the sign bit is the input's (so -0.0 encodes as 0x8).
+  NaN encodes as a signed zero magnitude.
+- A block holding a NaN gets the NaN scale 0x7F and zero codes (it reads back as NaN); an
+  infinity saturates its scale to 448 and its own code to +-6.
+- Per 16 elements: `sf = e4m3_rne_satfinite(gs * amax / 6)`, `q = e2m1(x * gs / f32(sf))`,
+  codes 0 where sf is 0. Element 2i goes to the low nibble of byte i.
+- Scales either linear `[M, K / 16]` or in the 128x4 layout of `layouts.scales`, each segment
+  (expert) starting on a fresh 128-row block; padding bytes zero.
+
+Every fp32 operation is the one the kernels perform, in the same order, with divisions by tensors
+(torch on CUDA turns a division by a Python number into a multiplication by its reciprocal).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from layouts.scales import ATOM_ROWS, scale_layout
+
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+NVFP4_BLOCK = 16
+E4M3_MAX = 448.0
+
+
+def e2m1_encode(v: torch.Tensor) -> torch.Tensor:
+    """fp32 -> 4-bit codes (uint8 0..15): nearest magnitude, ties to even, saturating."""
+    v = v.float()
+    mags = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=v.device)
+    a = torch.nan_to_num(v.abs(), nan=0.0).clamp(max=6.0)
+    dist = (a.unsqueeze(-1) - mags).abs()
+    best = dist.min(dim=-1, keepdim=True).values
+    candidates = dist == best  # one or two (a tie) codes
+    codes = torch.arange(8, device=v.device)
+    # Among the nearest, prefer an even code, then the smaller one.
+    rank = torch.where(candidates, (codes % 2) * 8 + codes, torch.full_like(codes, 99))
+    code = rank.argmin(dim=-1).to(torch.uint8)
+    return code | (torch.signbit(v).to(torch.uint8) << 3)
+
+
+def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
+    mags = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
+    value = mags[(codes & 7).long()]
+    return torch.where((codes & 8) != 0, -value, value)
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """[..., 2n] codes -> [..., n] bytes, element 2i in the low nibble."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    return torch.stack([packed & 15, packed >> 4], dim=-1).flatten(-2)
+
+
+def quantize_nvfp4(x: torch.Tensor, gs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (any float dtype, taken as fp32), gs fp32 [M] per-row global scale ->
+    (codes uint8 [M, K / 2], scales as e4m3 bytes uint8 [M, K / 16], linear)."""
+    m, k = x.shape
+    if k % NVFP4_BLOCK:
+        raise ValueError(f"K={k} must be a multiple of {NVFP4_BLOCK}")
+    blocks = x.float().reshape(m, k // NVFP4_BLOCK, NVFP4_BLOCK)
+    g = gs.float().reshape(m, 1)
+    amax = blocks.abs().amax(dim=-1)
+    sf = (g * amax) / torch.full_like(amax, 6.0)
+    sf8 = sf.clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+    sf32 = sf8.float().unsqueeze(-1)
+    scaled = (blocks * g.unsqueeze(-1)) / torch.where(sf32 > 0, sf32, torch.ones_like(sf32))
+    codes = torch.where(sf32 > 0, e2m1_encode(scaled), torch.zeros_like(scaled, dtype=torch.uint8))
+    return pack_nibbles(codes.reshape(m, k)), sf8.view(torch.uint8)
+
+
+def dequantize_nvfp4(codes: torch.Tensor, scales: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
+    """Inverse of `quantize_nvfp4` (linear scales) up to the rounding: fp32 [M, K]."""
+    m = codes.shape[0]
+    values = e2m1_decode(unpack_nibbles(codes)).reshape(m, -1, NVFP4_BLOCK)
+    sf = scales.view(torch.float8_e4m3fn).float().unsqueeze(-1)
+    return (values * sf / gs.float().reshape(m, 1, 1)).reshape(m, -1)
+
+
+def segment_scale_blocks(row_offsets: list[int]) -> list[int]:
+    """First 128-row scale block of each segment: every segment starts a fresh block."""
+    first, block = [], 0
+    for g in range(len(row_offsets) - 1):
+        first.append(block)
+        block += -(-(row_offsets[g + 1] - row_offsets[g]) // ATOM_ROWS)
+    return first + [block]
+
+
+def quantize_nvfp4_segments(x: torch.Tensor, row_offsets: list[int], gs: torch.Tensor,
+                            scale_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows grouped in segments (experts) with one global scale each (`gs[g]`): codes
+    [M, K / 2] for the valid rows and the 128x4 scale buffer for `scale_rows` rows (each
+    segment on a fresh 128-row block, padding zero)."""
+    m, k = x.shape
+    nseg = len(row_offsets) - 1
+    counts = torch.tensor([row_offsets[g + 1] - row_offsets[g] for g in range(nseg)])
+    per_row = torch.repeat_interleave(gs.float().cpu(), counts).to(x.device)
+    valid = row_offsets[-1]
+    codes, linear = quantize_nvfp4(x[:valid], per_row)
+    layout = scale_layout(scale_rows, k, NVFP4_BLOCK)
+    out = torch.zeros(layout.cosize(), dtype=torch.uint8, device=x.device)
+    first = segment_scale_blocks(row_offsets)
+    if valid:
+        rows = torch.cat([first[g] * ATOM_ROWS + torch.arange(int(counts[g]))
+                          for g in range(nseg)]).long()
+        kb = torch.arange(k // NVFP4_BLOCK)
+        index = _scale_offsets(rows, kb, k)
+        out[index.to(x.device).flatten()] = linear.flatten()
+    return codes, out
+
+
+def _scale_offsets(rows: torch.Tensor, kb: torch.Tensor, k: int) -> torch.Tensor:
+    """SPEC section 4's closed form of the 128x4 layout: [rows, K/16] byte offsets."""
+    rk = -(-(k // NVFP4_BLOCK) // 4)
+    r = rows.unsqueeze(1)
+    c = kb.unsqueeze(0)
+    return ((r // 128) * rk * 512 + (c // 4) * 512 + (r % 32) * 16 + ((r // 32) % 4) * 4
+            + (c % 4))
