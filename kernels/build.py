@@ -144,6 +144,12 @@ def ptx_signature(ptx: str) -> tuple[str, list[int]]:
 
 def compile_kernel(kernel, spec: KernelSpec, arch: str) -> tuple[str, bytes]:
     """Compile one configuration for one arch; returns (symbol, cubin)."""
+    symbol, cubin, _ = compile_with_ptx(kernel, spec, arch)
+    return symbol, cubin
+
+
+def compile_with_ptx(kernel, spec: KernelSpec, arch: str) -> tuple[str, bytes, str]:
+    """Compile one configuration for one arch; returns (symbol, cubin, PTX)."""
     with tempfile.TemporaryDirectory(prefix="cute-ep-build-") as tmp:
         compiled = cute.compile(
             kernel, *compile_args(spec),
@@ -162,7 +168,7 @@ def compile_kernel(kernel, spec: KernelSpec, arch: str) -> tuple[str, bytes]:
         raise BuildError(
             f"PTX parameters of {symbol} have byte sizes {sizes}, the declared ABI "
             f"{[(p.name, p.kind) for p in spec.params]} has {declared}")
-    return symbol, cubin
+    return symbol, cubin, ptx
 
 
 def _cubin_name(key: str, arch: str) -> str:
@@ -200,7 +206,10 @@ def build(kernels: list, out: Path, arches=ARCHES, force: bool = False,
     existing = _load_existing(out)
     entries: dict[tuple[str, str], dict] = {}
     report = Report()
-    jobs = [(k, k.spec(), arch) for k in kernels for arch in arches]
+    # A kernel may declare the architectures it is for (e.g. one that uses an sm_100a-only
+    # instruction); the others are built for every requested architecture.
+    jobs = [(k, k.spec(), arch) for k in kernels for arch in arches
+            if arch in getattr(k, "arches", ARCHES)]
     keys = [(spec.key, arch) for _, spec, arch in jobs]
     if len(set(keys)) != len(keys):
         raise BuildError("the kernel matrix declares the same configuration twice")

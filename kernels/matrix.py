@@ -8,6 +8,7 @@ for a CPU-only CI run.
 from kernels.block_memcpy import BlockMemcpy
 from kernels.block_prefix_sum import BlockPrefixSum
 from kernels.ep import ep_kernels
+from kernels.nvfp4 import QuantizeNvfp4
 from kernels.peer_exchange import PeerExchange
 
 RANK_COUNTS = (2, 4, 8)
@@ -20,14 +21,20 @@ def full_matrix() -> list:
         BlockPrefixSum(exclusive=True),
         *(PeerExchange(ranks) for ranks in RANK_COUNTS),
         *ep_kernels(),
+        *(QuantizeNvfp4(scales, e2m1) for scales in ("linear", "128x4")
+          for e2m1 in ("software", "hardware")),
     ]
 
 
 def ci_matrix() -> list:
+    """The first configuration of every family for each architecture it is built for."""
+    from cute_ep.abi import ARCHES
+
     seen, subset = set(), []
     for kernel in full_matrix():
         family = kernel.spec().family
-        if family not in seen:
-            seen.add(family)
+        new = {(family, a) for a in getattr(kernel, "arches", ARCHES)} - seen
+        if new:
+            seen |= new
             subset.append(kernel)
     return subset

@@ -5,6 +5,8 @@ import json
 
 import pytest
 
+from cute_ep.abi import ARCHES
+
 pytestmark = pytest.mark.build
 
 
@@ -81,7 +83,7 @@ def test_a_failed_config_does_not_stop_the_others(tmp_path):
     report = build([_broken_kernel(), *ci_matrix()], tmp_path, arches=("sm_90a",), progress=False)
     assert [(r.key, r.status) for r in report.failed] == [("broken[]", "failed")]
     assert "does not compile" in report.failed[0].error
-    assert report.count("built") == len(ci_matrix())
+    assert report.count("built") == _jobs(ci_matrix(), ("sm_90a",))
     assert "broken" not in {e["spec"]["family"] for e in _manifest(tmp_path)["kernels"]}
 
 
@@ -107,6 +109,24 @@ def test_cli_writes_the_ci_subset_where_asked(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     from kernels.matrix import ci_matrix
 
-    expected = 2 * len(ci_matrix())
+    expected = _jobs(ci_matrix(), ARCHES)
     assert len(_manifest(tmp_path / "lib")["kernels"]) == expected
     assert f"{expected} built, 0 unchanged, 0 failed" in done.stdout
+
+
+@pytest.mark.build
+def test_nvfp4_uses_the_hardware_e2m1_conversion_only_on_sm_100a():
+    from kernels.build import compile_with_ptx
+    from kernels.nvfp4 import QuantizeNvfp4
+
+    instr = "cvt.rn.satfinite.e2m1x2.f32"
+    hw = QuantizeNvfp4("128x4", "hardware")
+    sw = QuantizeNvfp4("128x4", "software")
+    assert hw.arches == ("sm_100a",) and sw.arches == ("sm_90a",)
+    assert instr in compile_with_ptx(hw, hw.spec(), "sm_100a")[2]
+    assert instr not in compile_with_ptx(sw, sw.spec(), "sm_90a")[2]
+
+
+def _jobs(kernels, arches) -> int:
+    """Configurations x architectures the build compiles (a kernel may name its arches)."""
+    return sum(a in getattr(k, "arches", ARCHES) for k in kernels for a in arches)

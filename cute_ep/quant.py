@@ -1,0 +1,72 @@
+"""Standalone quantization kernels on torch tensors (no process group needed)."""
+
+from __future__ import annotations
+
+import torch
+
+from cute_ep.runtime import check_tensor, runtime
+from layouts.scales import scale_layout, scale_rows_capacity
+
+NVFP4_BLOCK = 16
+_SOFTWARE_E2M1 = {"sm_90a": "software", "sm_100a": "hardware"}
+
+__all__ = ["quantize_nvfp4"]
+
+
+def quantize_nvfp4(x: torch.Tensor, global_scales: torch.Tensor | float,
+                   row_offsets: torch.Tensor | None = None, *, scales: str = "128x4",
+                   scale_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 rows -> (NVFP4 codes uint8 [M, K / 2], e4m3 scales uint8).
+
+    x: bf16 [M, K], K a multiple of 16. row_offsets: int32 [S + 1] on the device grouping the
+    rows into S segments (experts); only rows below `row_offsets[S]` are read and written, so M
+    may be a capacity. None means one segment of all M rows. global_scales: fp32 [S] (or one
+    number), the `gs` of `sf = e4m3(gs * amax / 6)`, `q = e2m1(x * gs / sf)`.
+    scales: "linear" -> [M, K / 16]; "128x4" -> the block-scaled MMA layout of
+    `layouts.scales` for `scale_rows` rows (default M + 128 * S), each segment on a fresh 128-row
+    block, padding zero. sm_90a encodes e2m1 in software, sm_100a with the hardware conversion;
+    both give the same bytes.
+    """
+    device = x.device
+    check_tensor(x, name="x", dtype="bfloat16", align=16)
+    if x.dim() != 2 or x.shape[1] % NVFP4_BLOCK:
+        raise ValueError(f"x must be bf16 [M, K] with K a multiple of {NVFP4_BLOCK}, got "
+                         f"{tuple(x.shape)}")
+    m, k = x.shape
+    if row_offsets is None:
+        row_offsets = torch.tensor([0, m], dtype=torch.int32, device=device)
+    check_tensor(row_offsets, name="row_offsets", dtype="int32", align=4,
+                 device_index=device.index)
+    segments = row_offsets.numel() - 1
+    if segments < 1:
+        raise ValueError("row_offsets needs at least 2 entries")
+    if not isinstance(global_scales, torch.Tensor):
+        global_scales = torch.full((segments,), float(global_scales), dtype=torch.float32,
+                                   device=device)
+    check_tensor(global_scales, name="global_scales", dtype="float32", align=4,
+                 device_index=device.index)
+    if global_scales.numel() != segments:
+        raise ValueError(f"global_scales has {global_scales.numel()} entries for {segments} "
+                         f"segments")
+    if scales not in ("linear", "128x4"):
+        raise ValueError(f"scales must be 'linear' or '128x4', got {scales!r}")
+    rt = runtime()
+    from cute_ep.runtime import device_arch
+
+    kernel = rt.select("quantize_nvfp4", device, scales=scales,
+                       e2m1=_SOFTWARE_E2M1[device_arch(device)])
+    if segments > kernel.spec.sizes["max_segments"]:
+        raise ValueError(f"at most {kernel.spec.sizes['max_segments']} segments, got {segments}")
+    codes = torch.empty(m, k // 2, dtype=torch.uint8, device=device)
+    if scales == "linear":
+        out_scales = torch.empty(m, k // NVFP4_BLOCK, dtype=torch.uint8, device=device)
+        units = m
+    else:
+        rows = scale_rows if scale_rows is not None else scale_rows_capacity(m, segments)
+        out_scales = torch.empty(scale_layout(rows, k, NVFP4_BLOCK).cosize(), dtype=torch.uint8,
+                                 device=device)
+        units = rows
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    grid = max(1, min(units, 8 * sms))
+    kernel.launch(x, row_offsets, global_scales, codes, out_scales, segments, k, grid)
+    return codes, out_scales

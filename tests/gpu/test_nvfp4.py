@@ -1,0 +1,93 @@
+"""`quantize_nvfp4` on the GPU against `cute_ep.reference_fp4`, byte for byte."""
+
+import pytest
+import torch
+
+from cute_ep import reference_fp4 as fp4
+
+pytestmark = pytest.mark.gpu
+
+
+def _rows(m, k, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(m + 3, k, device="cuda", generator=gen)
+    x *= torch.exp2(torch.randint(-12, 12, (m + 3, 1), device="cuda", generator=gen).float())
+    if m > 2:
+        x[1, :16] = 0  # a zero block
+        x[2, 16:32] *= 1e-30  # a block whose scale underflows to zero
+    return x.to(torch.bfloat16)
+
+
+def _offsets(m):
+    # Five experts, two of them empty, the rest splitting m unevenly.
+    a, b = m // 3, (2 * m) // 3 + (m > 0)
+    return [0, a, a, min(b, m), m, m]
+
+
+@pytest.mark.parametrize("scales", ["linear", "128x4"])
+@pytest.mark.parametrize("k", [1536, 2048, 2880, 7168])
+@pytest.mark.parametrize("m", [0, 1, 127, 128, 129, 4096])
+def test_quantize_nvfp4_matches_the_reference(m, k, scales):
+    from cute_ep.quant import quantize_nvfp4
+
+    x = _rows(m, k, m * 31 + k)
+    offsets = _offsets(m)
+    gs = torch.tensor([1.0, 0.5, 3.0, 2.0 ** 10, 1e-3], device="cuda")
+    codes, sc = quantize_nvfp4(x, gs, torch.tensor(offsets, dtype=torch.int32, device="cuda"),
+                               scales=scales)
+    counts = [offsets[g + 1] - offsets[g] for g in range(5)]
+    per_row = torch.repeat_interleave(gs, torch.tensor(counts, device="cuda"))
+    if scales == "linear":
+        want_codes, want_scales = fp4.quantize_nvfp4(x[:m], per_row)
+        assert torch.equal(sc[:m], want_scales)
+    else:
+        rows = m + 5 * 128
+        want_codes, want_scales = fp4.quantize_nvfp4_segments(x, offsets, gs, rows)
+        used = fp4.segment_scale_blocks(offsets)[-1] * 512 * (-(-(k // 16) // 4))
+        assert torch.equal(sc[:used], want_scales[:used])
+    assert torch.equal(codes[:m], want_codes)
+
+
+def test_e2m1_edge_values_through_the_kernel():
+    """With gs = 1 and a block amax of 6 the scale is exactly 1, so each code is e2m1(x)."""
+    from cute_ep.quant import quantize_nvfp4
+
+    edges = [6.0, 0.25, 0.251953125, 0.5, 0.75, 1.25, 1.2578125, 1.75, 2.5, 2.515625, 3.5, 5.0,
+             5.03125, -0.0, -0.75, 2 ** -130]
+    x = torch.tensor([edges, [-v for v in edges]], device="cuda").to(torch.bfloat16)
+    codes, sc = quantize_nvfp4(x, 1.0, scales="linear")
+    assert sc[:, 0].tolist() == [0x38, 0x38]  # e4m3 1.0
+    want_codes, _ = fp4.quantize_nvfp4(x, torch.ones(2, device="cuda"))
+    assert torch.equal(codes, want_codes)
+    got = fp4.unpack_nibbles(codes[0]).tolist()
+    assert got == [7, 0, 1, 1, 2, 2, 3, 4, 4, 5, 6, 6, 7, 8, 10, 0]
+
+
+def test_saturation_nan_and_infinity():
+    from cute_ep.quant import quantize_nvfp4
+
+    x = torch.zeros(3, 32, device="cuda")
+    x[0, :16] = torch.linspace(-3, 3, 16)  # gs huge: the scale saturates at 448, codes at 6
+    x[1, 5] = float("nan")
+    x[2, 16] = float("inf")
+    x[2, 17] = 1.0
+    x = x.to(torch.bfloat16)
+    gs = torch.tensor([1e6], device="cuda")
+    codes, sc = quantize_nvfp4(x, gs, scales="linear")
+    want_codes, want_scales = fp4.quantize_nvfp4(x, gs.repeat(3))
+    assert torch.equal(codes, want_codes) and torch.equal(sc, want_scales)
+    assert sc[0, 0] == 0x7E and sc[1, 0] == 0x7F
+
+
+def test_bad_arguments_are_refused():
+    from cute_ep.quant import quantize_nvfp4
+
+    x = torch.zeros(4, 24, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(ValueError, match="multiple of 16"):
+        quantize_nvfp4(x, 1.0)
+    with pytest.raises(TypeError, match="bfloat16"):
+        quantize_nvfp4(torch.zeros(4, 32, device="cuda"), 1.0)
+    with pytest.raises(ValueError, match="segments"):
+        quantize_nvfp4(torch.zeros(4, 32, dtype=torch.bfloat16, device="cuda"),
+                       torch.ones(3, device="cuda"),
+                       torch.tensor([0, 4], dtype=torch.int32, device="cuda"))
