@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
+import shutil
+import tempfile
 import traceback
 
 import torch
@@ -15,20 +16,14 @@ SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
             "NVSHMEM_DISABLE_NVLS": "1"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(fn, rank, world, port, results, kwargs):
+def _entry(fn, rank, world, store_path, results, kwargs):
     import torch.distributed as dist
 
     os.environ.update(SAFE_ENV)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world,
-                            device_id=torch.device("cuda", rank))
+    # A file store: no TCP port to race for between back-to-back tests.
+    dist.init_process_group("nccl", init_method=f"file://{store_path}", rank=rank,
+                            world_size=world, device_id=torch.device("cuda", rank))
     try:
         results.put((rank, True, fn(rank, world, **kwargs)))
     except BaseException as exc:  # report everything, the parent decides
@@ -44,9 +39,10 @@ def run_ranks(fn, world: int | None = None, limit_s: float = 180.0, **kwargs) ->
     world = world or torch.cuda.device_count()
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, results, kwargs), daemon=True)
-             for r in range(world)]
+    store_dir = tempfile.mkdtemp(prefix="cute-ep-ranks-")
+    store_path = os.path.join(store_dir, "store")
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, store_path, results, kwargs),
+                         daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     got = {}
@@ -62,6 +58,7 @@ def run_ranks(fn, world: int | None = None, limit_s: float = 180.0, **kwargs) ->
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
+        shutil.rmtree(store_dir, ignore_errors=True)
     failed = {r: v for r, (ok, v) in got.items() if not ok}
     if failed:
         raise AssertionError("\n".join(f"rank {r}: {v}" for r, v in sorted(failed.items())))
