@@ -116,6 +116,9 @@ class Buffer:
         r, t, k = cfg.ranks, cfg.max_tokens_per_rank, cfg.topk
         self.msg = cfg.message
         self.entries = 1 + cfg.segments
+        # Byte offsets inside one token message (layouts.formats).
+        self.scales_at = self.msg.segment("scales").offset if cfg.format != "bf16" else 0
+        self.meta_at = self.msg.segment("src_token").offset
         self.offsets = group_offsets(cfg)
         self.group_bytes = self.offsets["group_bytes"]
 
@@ -184,6 +187,9 @@ class Buffer:
         """
         cfg = self.cfg
         num_tokens = self._check_dispatch_inputs(x, topk_ids, topk_weights)
+        hint = cfg.max_tokens_per_rank if num_input_tokens is None else int(num_input_tokens)
+        if not 0 <= hint:
+            raise ValueError(f"num_input_tokens must be non-negative, got {num_input_tokens}")
         ids = topk_ids.to(torch.int32).contiguous()
         weighted = topk_weights is not None
         if cfg.fused_shared_expert and not weighted:
@@ -202,20 +208,16 @@ class Buffer:
                            num_tokens, cfg.max_tokens_per_rank, cfg.topk, cfg.local_experts,
                            cfg.ranks, self.rank, int(cfg.fused_shared_expert), int(skip_a2a),
                            shared_begin, shared_end, cfg.ranks + cfg.experts)
-        scales = self.msg.segment("scales").offset if cfg.format != "bf16" else 0
         self.k_encode.launch(self.send_buf, x, ids, topk_weights if weighted else self._no_f32,
                              self.positions, num_tokens, cfg.hidden, cfg.topk, self.msg.size,
-                             scales, self.msg.segment("src_token").offset, int(weighted))
+                             self.scales_at, self.meta_at, int(weighted))
         chunks = max(1, -(-num_tokens // self.send_tokens_per_cta))
         self.k_send.launch(self.peer_bases[group], self.send_buf, self.dest_slot,
                            self.send_counts, self.done[DISPATCH], self.rounds[DISPATCH, group:group + 1],
                            num_tokens, cfg.max_tokens_per_rank, cfg.ranks, self.rank,
                            self.msg.size // 16, self.entries, self.offsets["dispatch_recv"],
                            self.offsets["recv_counts"], self.offsets["arrival_flags"], chunks)
-        hint = cfg.max_tokens_per_rank if num_input_tokens is None else int(num_input_tokens)
-        if not 0 <= hint:
-            raise ValueError(f"num_input_tokens must be non-negative, got {num_input_tokens}")
-        ctas = max(1, min(self.max_ctas // cfg.ranks, -(-hint // 4)))
+        ctas = self._ctas_per_rank(hint)
         return _PendingDispatch(Routing(group, num_tokens, weighted, skip_a2a, shared_begin,
                                         shared_end, ids), ctas)
 
@@ -242,7 +244,6 @@ class Buffer:
             tokens=torch.empty(r, t, dtype=torch.int32, device=dev),
             messages=torch.empty(r, dtype=torch.int32, device=dev))
         payload = self.msg.segment("payload").nbytes
-        scales_at = self.msg.segment("scales").offset if cfg.format != "bf16" else 0
         self.k_recv.launch(
             self._view(g, "dispatch_recv", torch.uint8, r * t * self.msg.size),
             self._view(g, "recv_counts", torch.int32, r * self.entries),
@@ -251,8 +252,8 @@ class Buffer:
             scales if scales is not None else self._no_f32, row_offsets, expert_ids, counts,
             src_info, handle.rows, handle.weights, handle.tokens, handle.messages,
             r, self.rank, t, k, cfg.local_experts, int(cfg.fused_shared_expert),
-            route.shared_begin, route.shared_end, self.msg.size, payload // 16, scales_at,
-            self.msg.segment("src_token").offset, cap, int(self.timeout_s * 1e9),
+            route.shared_begin, route.shared_end, self.msg.size, payload // 16, self.scales_at,
+            self.meta_at, cap, int(self.timeout_s * 1e9),
             pending.ctas_per_source)
         return DispatchOutput(tokens, scales, row_offsets, expert_ids, src_info, counts, handle)
 
@@ -276,8 +277,7 @@ class Buffer:
                              f"{cfg.row_capacity} rows (pass the full expert output buffer)")
         group = self.combine_round % BUFFER_GROUPS
         self.combine_round += 1
-        hint = max(1, cfg.max_tokens_per_rank)
-        ctas = max(1, min(self.max_ctas // cfg.ranks, -(-hint // 4)))
+        ctas = self._ctas_per_rank(cfg.max_tokens_per_rank)
         self.k_combine_send.launch(
             self.peer_bases[group], y, handle.rows, handle.weights, handle.tokens,
             handle.messages, self.done[COMBINE], self.rounds[COMBINE, group:group + 1],
@@ -325,6 +325,11 @@ class Buffer:
                                "rows were dropped")
 
     # Internals ----------------------------------------------------------------------------
+
+    def _ctas_per_rank(self, tokens: int) -> int:
+        """CTAs per peer rank for a kernel that walks up to `tokens` messages from each rank."""
+        return max(1, min(self.max_ctas // self.cfg.ranks, -(-tokens // 4)))
+
 
     def _check_dispatch_inputs(self, x, topk_ids, topk_weights) -> int:
         cfg, dev = self.cfg, self.device.index

@@ -38,7 +38,7 @@ from cutlass import BFloat16, Float32, Float8E4M3FN, Int32, Int64
 
 from cute_ep.abi import GridRule, KernelSpec, Param
 from kernels.copy import copy_rows, row_predicate, row_tiled_copy, vector_tiled_copy
-from kernels.scan import warp_inclusive_sum
+from kernels.scan import warp_exclusive_scan
 from layouts import VECTOR_BYTES
 from layouts.buffers import FP8_ROW_ALIGN
 
@@ -599,18 +599,7 @@ class EpRecv:
             s_tot[g] = (total + self.row_align - 1) // self.row_align * self.row_align
         cute.arch.sync_threads()
         if warp == 0:
-            carry = Int32(0)
-            for b in cutlass.range(0, segments, WARP):
-                g = b + lane
-                v = Int32(0)
-                if g < segments:
-                    v = s_tot[g]
-                incl = warp_inclusive_sum(v, lane)
-                if g < segments:
-                    s_off[g] = carry + incl - v
-                carry = carry + cute.arch.shuffle_sync(incl, WARP - 1)
-            if lane == 0:
-                s_off[segments] = carry
+            warp_exclusive_scan(s_tot, s_off, segments, lane)
         cute.arch.sync_threads()
         # 5. First row of each (segment, source).
         for g in cutlass.range(tidx, segments, self.threads):

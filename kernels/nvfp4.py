@@ -21,7 +21,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from cute_ep.abi import GridRule, KernelSpec, Param
-from kernels.scan import WARP, warp_inclusive_sum
+from kernels.scan import WARP, warp_exclusive_scan
 
 BLOCK = 16
 ATOM_ROWS = 128
@@ -32,36 +32,37 @@ def _ptr(dtype, addr, align):
     return cute.make_ptr(dtype, addr, cute.AddressSpace.gmem, assumed_align=align)
 
 
+def _asm(result_type, args, text, constraints, loc, ip):
+    """One side-effect-free PTX snippet: `$0` the result, `$1...` the numeric args."""
+    return llvm.inline_asm(result_type, [a.ir_value(loc=loc, ip=ip) for a in args], text,
+                           constraints, has_side_effects=False, is_align_stack=False,
+                           asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
 @dsl_user_op
 def cvt_e4m3_byte(value: Float32, *, loc=None, ip=None) -> Int32:
     """e4m3 (round to nearest even, saturating to 448; NaN stays NaN) of `value`, in the low
     byte."""
-    return Int32(llvm.inline_asm(
-        T.i32(), [Float32(0.0).ir_value(loc=loc, ip=ip), Float32(value).ir_value(loc=loc, ip=ip)],
-        "{ .reg .b16 t; cvt.rn.satfinite.e4m3x2.f32 t, $1, $2; cvt.u32.u16 $0, t; }",
-        "=r,f,f", has_side_effects=False, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+    return Int32(_asm(T.i32(), [Float32(0.0), Float32(value)],
+                      "{ .reg .b16 t; cvt.rn.satfinite.e4m3x2.f32 t, $1, $2; cvt.u32.u16 $0, t; }",
+                      "=r,f,f", loc, ip))
 
 
 @dsl_user_op
 def e4m3_byte_to_f32(byte: Int32, *, loc=None, ip=None) -> Float32:
     """The exact fp32 value of the e4m3 code in the low byte of `byte`."""
-    return Float32(llvm.inline_asm(
-        T.f32(), [Int32(byte).ir_value(loc=loc, ip=ip)],
-        "{ .reg .b16 lo, a, b; .reg .b32 pair; cvt.u16.u32 lo, $1; "
-        "cvt.rn.f16x2.e4m3x2 pair, lo; mov.b32 {a, b}, pair; cvt.f32.f16 $0, a; }",
-        "=f,r", has_side_effects=False, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+    return Float32(_asm(T.f32(), [Int32(byte)],
+                        "{ .reg .b16 lo, a, b; .reg .b32 pair; cvt.u16.u32 lo, $1; "
+                        "cvt.rn.f16x2.e4m3x2 pair, lo; mov.b32 {a, b}, pair; cvt.f32.f16 $0, a; }",
+                        "=f,r", loc, ip))
 
 
 @dsl_user_op
 def cvt_e2m1x2(even: Float32, odd: Float32, *, loc=None, ip=None) -> Int32:
     """Hardware e2m1 pair (sm_100a): `even` in the low nibble, `odd` in the high one."""
-    return Int32(llvm.inline_asm(
-        T.i32(), [Float32(odd).ir_value(loc=loc, ip=ip), Float32(even).ir_value(loc=loc, ip=ip)],
-        "{ .reg .b8 t; cvt.rn.satfinite.e2m1x2.f32 t, $1, $2; cvt.u32.u8 $0, t; }",
-        "=r,f,f", has_side_effects=False, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+    return Int32(_asm(T.i32(), [Float32(odd), Float32(even)],
+                      "{ .reg .b8 t; cvt.rn.satfinite.e2m1x2.f32 t, $1, $2; cvt.u32.u8 $0, t; }",
+                      "=r,f,f", loc, ip))
 
 
 @cute.jit
@@ -145,19 +146,11 @@ class QuantizeNvfp4:
             s_off[g] = offsets[g]
         cute.arch.sync_threads()
         # First 128-row scale block of every segment (each segment starts a fresh block).
+        for g in cutlass.range(tidx, num_segments, self.threads):
+            s_first[g] = (s_off[g + 1] - s_off[g] + ATOM_ROWS - 1) // ATOM_ROWS
+        cute.arch.sync_threads()
         if tidx < WARP:
-            carry = Int32(0)
-            for b in cutlass.range(0, num_segments, WARP):
-                g = b + lane
-                v = Int32(0)
-                if g < num_segments:
-                    v = (s_off[g + 1] - s_off[g] + ATOM_ROWS - 1) // ATOM_ROWS
-                incl = warp_inclusive_sum(v, lane)
-                if g < num_segments:
-                    s_first[g] = carry + incl - v
-                carry = carry + cute.arch.shuffle_sync(incl, WARP - 1)
-            if lane == 0:
-                s_first[num_segments] = carry
+            warp_exclusive_scan(s_first, s_first, num_segments, lane)
         cute.arch.sync_threads()
 
         blocks = hidden // BLOCK

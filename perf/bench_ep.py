@@ -8,6 +8,8 @@ Each iteration starts after a device synchronisation and a barrier, then CUDA ev
 host launch time included. Reported per rank, median over the iterations:
 - DeepEP's metric: received token messages (own rank included) x bytes per token / time;
 - the expert rows produced, and the bytes that left this GPU for other GPUs.
+Baseline in the same run and the same way: NCCL `all_to_all_single` moving the same token
+payloads (each token's payload once to every rank hosting one of its experts), timed alone.
 """
 
 from __future__ import annotations
@@ -42,7 +44,28 @@ def _worker(rank, world, port, args, results):
     ids = ids.to(torch.int32)
     w = torch.rand(args.tokens, args.topk, device="cuda", generator=gen)
     y = torch.randn(cfg.row_capacity, args.hidden, device="cuda", generator=gen).to(torch.bfloat16)
-    times = {"dispatch": [], "combine": []}
+    payload = cfg.message.segment("payload").nbytes
+    dest_ranks = ids.long() // cfg.local_experts
+    to_rank = [(dest_ranks == d).any(1) for d in range(world)]
+    send_counts = torch.tensor([int(m.sum()) for m in to_rank], device="cuda")
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts)
+    wire = x.view(torch.uint8)[:, :payload]
+    a2a_in = torch.cat([wire[m] for m in to_rank]).contiguous()
+    a2a_out = torch.empty(int(recv_counts.sum()), payload, dtype=torch.uint8, device="cuda")
+    a2a_split = dict(output_split_sizes=[int(c) for c in recv_counts.tolist()],
+                     input_split_sizes=[int(c) for c in send_counts.tolist()])
+    times = {"dispatch": [], "combine": [], "nccl": []}
+    for i in range(args.iters + 5):
+        torch.cuda.synchronize()
+        dist.barrier()
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+        ev[0].record()
+        dist.all_to_all_single(a2a_out, a2a_in, **a2a_split)
+        ev[1].record()
+        torch.cuda.synchronize()
+        if i >= 5:
+            times["nccl"].append(ev[0].elapsed_time(ev[1]) * 1e3)
     for i in range(args.iters + 5):
         torch.cuda.synchronize()
         dist.barrier()
@@ -59,10 +82,9 @@ def _worker(rank, world, port, args, results):
     buf.check()
     messages = out.handle.messages.tolist()
     rows = int(out.row_offsets[-1])
-    dest_ranks = (ids.long() // cfg.local_experts)
-    sent_remote = sum(int((dest_ranks == d).any(1).sum()) for d in range(world) if d != rank)
+    sent_remote = sum(int(to_rank[d].sum()) for d in range(world) if d != rank)
     results.put((rank, {k: statistics.median(v) for k, v in times.items()}, sum(messages), rows,
-                 sent_remote, cfg.message.segment("payload").nbytes))
+                 sent_remote, payload))
     dist.destroy_process_group()
 
 
@@ -98,7 +120,8 @@ def main(argv=None) -> int:
               f"(DeepEP metric: {messages} received tokens x {payload} B)  "
               f"{sent * payload / d / 1e3:6.1f} GB/s to peers ({sent} messages); {rows} rows | "
               f"combine {c:8.1f} us  {messages * bf16_row / c / 1e3:7.1f} GB/s "
-              f"({messages} x {bf16_row} B)")
+              f"({messages} x {bf16_row} B) | NCCL all_to_all_single of the dispatch payloads "
+              f"{t['nccl']:8.1f} us  {messages * payload / t['nccl'] / 1e3:7.1f} GB/s")
     return 0
 
 
