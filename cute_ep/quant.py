@@ -13,6 +13,20 @@ _SOFTWARE_E2M1 = {"sm_90a": "software", "sm_100a": "hardware"}
 __all__ = ["quantize_nvfp4"]
 
 
+def segment_offsets(row_offsets: torch.Tensor | None, rows: int,
+                    device: torch.device) -> tuple[torch.Tensor, int]:
+    """(checked int32 row_offsets on `device`, number of segments); None: one segment of all
+    `rows` rows."""
+    if row_offsets is None:
+        row_offsets = torch.tensor([0, rows], dtype=torch.int32, device=device)
+    check_tensor(row_offsets, name="row_offsets", dtype="int32", align=4,
+                 device_index=device.index)
+    if row_offsets.dim() != 1 or row_offsets.numel() < 2:
+        raise ValueError(f"row_offsets must be 1-D with at least 2 entries, got "
+                         f"{tuple(row_offsets.shape)}")
+    return row_offsets, row_offsets.numel() - 1
+
+
 def quantize_nvfp4(x: torch.Tensor, global_scales: torch.Tensor | float,
                    row_offsets: torch.Tensor | None = None, *, scales: str = "128x4",
                    scale_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,13 +47,7 @@ def quantize_nvfp4(x: torch.Tensor, global_scales: torch.Tensor | float,
         raise ValueError(f"x must be bf16 [M, K] with K a multiple of {NVFP4_BLOCK}, got "
                          f"{tuple(x.shape)}")
     m, k = x.shape
-    if row_offsets is None:
-        row_offsets = torch.tensor([0, m], dtype=torch.int32, device=device)
-    check_tensor(row_offsets, name="row_offsets", dtype="int32", align=4,
-                 device_index=device.index)
-    segments = row_offsets.numel() - 1
-    if segments < 1:
-        raise ValueError("row_offsets needs at least 2 entries")
+    row_offsets, segments = segment_offsets(row_offsets, m, device)
     if not isinstance(global_scales, torch.Tensor):
         global_scales = torch.full((segments,), float(global_scales), dtype=torch.float32,
                                    device=device)

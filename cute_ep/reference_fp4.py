@@ -1,4 +1,4 @@
-"""NVFP4 quantization in plain torch: the definition the kernels are tested against.
+"""NVFP4 and MXFP4 quantization in plain torch: the definitions the kernels are tested against.
 
 Written from SPEC section 4, independently of the kernels (which encode e2m1 with threshold
 comparisons; this module searches the nearest representable value and breaks ties to even):
@@ -12,6 +12,10 @@ comparisons; this module searches the nearest representable value and breaks tie
   codes 0 where sf is 0. Element 2i goes to the low nibble of byte i.
 - Scales either linear `[M, K / 16]` or in the 128x4 layout of `layouts.scales`, each segment
   (expert) starting on a fresh 128-row block; padding bytes zero.
+
+MXFP4: per 32 elements an e8m0 scale `2^e`, e the smallest integer with `2^e >= fp32(amax / 6)`
+(round-up), clamped to [-127, 127] (codes 0..254; an infinite amax gives 254, a NaN block 255);
+`q = e2m1(x / 2^e)`, codes 0 where amax is 0 or NaN.
 
 Every fp32 operation is the one the kernels perform, in the same order, with divisions by tensors
 (torch on CUDA turns a division by a Python number into a multiplication by its reciprocal).
@@ -83,6 +87,48 @@ def dequantize_nvfp4(codes: torch.Tensor, scales: torch.Tensor, gs: torch.Tensor
     return (values * sf / gs.float().reshape(m, 1, 1)).reshape(m, -1)
 
 
+MXFP4_BLOCK = 32
+
+
+def e8m0_round_up(q: torch.Tensor) -> torch.Tensor:
+    """e8m0 code (uint8) of the smallest power of two >= q (q >= 0 fp32), clamped to
+    [2^-127, 2^127]; NaN -> 255. From `frexp` (q = m 2^e, m in [0.5, 1)), not from q's bits."""
+    m, e = torch.frexp(q.float())
+    up = torch.where(m == 0.5, e - 1, e)  # q = 2^(e-1) exactly, else 2^e is the next power
+    code = torch.clamp(up.to(torch.int32) + 127, 0, 254)
+    code = torch.where(q == 0, torch.zeros_like(code), code)
+    code = torch.where(torch.isinf(q), torch.full_like(code, 254), code)
+    code = torch.where(torch.isnan(q), torch.full_like(code, 255), code)
+    return code.to(torch.uint8)
+
+
+def e8m0_decode(codes: torch.Tensor) -> torch.Tensor:
+    c = codes.to(torch.float64)
+    value = torch.exp2(c - 127).float()
+    return torch.where(codes == 255, torch.full_like(value, float("nan")), value)
+
+
+def quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (taken as fp32) -> (codes uint8 [M, K / 2], e8m0 scales uint8 [M, K / 32])."""
+    m, k = x.shape
+    if k % MXFP4_BLOCK:
+        raise ValueError(f"K={k} must be a multiple of {MXFP4_BLOCK}")
+    blocks = x.float().reshape(m, k // MXFP4_BLOCK, MXFP4_BLOCK)
+    amax = blocks.abs().amax(dim=-1)  # NaN if the block holds one
+    scale_codes = e8m0_round_up(amax / torch.full_like(amax, 6.0))
+    scale = e8m0_decode(scale_codes).unsqueeze(-1)
+    usable = ((amax > 0) & (scale_codes != 255)).unsqueeze(-1)
+    scaled = blocks / torch.where(usable, scale, torch.ones_like(scale))
+    codes = torch.where(usable, e2m1_encode(scaled), torch.zeros_like(scaled, dtype=torch.uint8))
+    return pack_nibbles(codes.reshape(m, k)), scale_codes
+
+
+def dequantize_mxfp4(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    m = codes.shape[0]
+    values = e2m1_decode(unpack_nibbles(codes)).reshape(m, -1, MXFP4_BLOCK)
+    return (values * e8m0_decode(scales).unsqueeze(-1)).reshape(m, -1)
+
+
 def segment_scale_blocks(row_offsets: list[int]) -> list[int]:
     """First 128-row scale block of each segment: every segment starts a fresh block."""
     first, block = [], 0
@@ -97,27 +143,41 @@ def quantize_nvfp4_segments(x: torch.Tensor, row_offsets: list[int], gs: torch.T
     """Rows grouped in segments (experts) with one global scale each (`gs[g]`): codes
     [M, K / 2] for the valid rows and the 128x4 scale buffer for `scale_rows` rows (each
     segment on a fresh 128-row block, padding zero)."""
-    m, k = x.shape
     nseg = len(row_offsets) - 1
     counts = torch.tensor([row_offsets[g + 1] - row_offsets[g] for g in range(nseg)])
     per_row = torch.repeat_interleave(gs.float().cpu(), counts).to(x.device)
-    valid = row_offsets[-1]
-    codes, linear = quantize_nvfp4(x[:valid], per_row)
-    layout = scale_layout(scale_rows, k, NVFP4_BLOCK)
-    out = torch.zeros(layout.cosize(), dtype=torch.uint8, device=x.device)
+    codes, linear = quantize_nvfp4(x[:row_offsets[-1]], per_row)
+    return codes, place_segment_scales(linear, row_offsets, scale_rows, x.shape[1], NVFP4_BLOCK)
+
+
+def quantize_mxfp4_segments(x: torch.Tensor, row_offsets: list[int],
+                            scale_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP4 codes of the valid rows and their e8m0 scales in the 128x4 layout, each segment on
+    a fresh 128-row block, padding zero."""
+    codes, linear = quantize_mxfp4(x[:row_offsets[-1]])
+    return codes, place_segment_scales(linear, row_offsets, scale_rows, x.shape[1], MXFP4_BLOCK)
+
+
+def place_segment_scales(linear: torch.Tensor, row_offsets: list[int], scale_rows: int, k: int,
+                         block: int) -> torch.Tensor:
+    """Linear per-row scale bytes [rows, K / block] -> the zero-padded 128x4 buffer for
+    `scale_rows` rows in which segment g's rows start at scale row `first_block[g] * 128`."""
+    out = torch.zeros(scale_layout(scale_rows, k, block).cosize(), dtype=torch.uint8,
+                      device=linear.device)
+    nseg = len(row_offsets) - 1
     first = segment_scale_blocks(row_offsets)
-    if valid:
-        rows = torch.cat([first[g] * ATOM_ROWS + torch.arange(int(counts[g]))
+    if row_offsets[-1]:
+        rows = torch.cat([first[g] * ATOM_ROWS + torch.arange(row_offsets[g + 1] - row_offsets[g])
                           for g in range(nseg)]).long()
-        kb = torch.arange(k // NVFP4_BLOCK)
-        index = _scale_offsets(rows, kb, k)
-        out[index.to(x.device).flatten()] = linear.flatten()
-    return codes, out
+        index = _scale_offsets(rows, torch.arange(k // block), k, block)
+        out[index.to(linear.device).flatten()] = linear.flatten()
+    return out
 
 
-def _scale_offsets(rows: torch.Tensor, kb: torch.Tensor, k: int) -> torch.Tensor:
-    """SPEC section 4's closed form of the 128x4 layout: [rows, K/16] byte offsets."""
-    rk = -(-(k // NVFP4_BLOCK) // 4)
+def _scale_offsets(rows: torch.Tensor, kb: torch.Tensor, k: int,
+                   block: int = NVFP4_BLOCK) -> torch.Tensor:
+    """SPEC section 4's closed form of the 128x4 layout: [rows, K/block] byte offsets."""
+    rk = -(-(k // block) // 4)
     r = rows.unsqueeze(1)
     c = kb.unsqueeze(0)
     return ((r // 128) * rk * 512 + (c // 4) * 512 + (r % 32) * 16 + ((r // 32) % 4) * 4

@@ -10,6 +10,7 @@ from kernels.block_prefix_sum import BlockPrefixSum
 from kernels.ep import ep_kernels
 from kernels.nvfp4 import QuantizeNvfp4
 from kernels.peer_exchange import PeerExchange
+from kernels.silu import silu_kernels
 
 RANK_COUNTS = (2, 4, 8)
 
@@ -23,6 +24,7 @@ def full_matrix() -> list:
         *ep_kernels(),
         *(QuantizeNvfp4(scales, e2m1) for scales in ("linear", "128x4")
           for e2m1 in ("software", "hardware")),
+        *silu_kernels(),
     ]
 
 

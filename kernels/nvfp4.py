@@ -91,6 +91,46 @@ def e2m1_software(v: Float32) -> Int32:
     return code + sign
 
 
+@cute.jit
+def load_segment_blocks(row_offsets: cute.Pointer, num_segments, s_off: cute.Tensor,
+                        s_first: cute.Tensor, tidx, threads: cutlass.Constexpr):
+    """The whole CTA: `s_off[g] = row_offsets[g]` for g <= S, and `s_first[g]` = the first
+    128-row scale block of segment g (each segment starts a fresh block), `s_first[S]` the
+    blocks in all. Shared-memory tensors; ends with a barrier."""
+    offsets = cute.make_tensor(row_offsets, cute.make_layout(num_segments + 1))
+    for g in cutlass.range(tidx, num_segments + 1, threads):
+        s_off[g] = offsets[g]
+    cute.arch.sync_threads()
+    for g in cutlass.range(tidx, num_segments, threads):
+        s_first[g] = (s_off[g + 1] - s_off[g] + ATOM_ROWS - 1) // ATOM_ROWS
+    cute.arch.sync_threads()
+    if tidx < WARP:
+        warp_exclusive_scan(s_first, s_first, num_segments, tidx % WARP)
+    cute.arch.sync_threads()
+
+
+@cute.jit
+def e2m1_words(vals: cute.Tensor, gs: Float32, sf: Float32, usable, words: cute.Tensor,
+               e2m1: cutlass.Constexpr):
+    """words[w] = the 8 e2m1 codes of `(vals[8w + i] * gs) / sf` (true fp32 division), element
+    2i in the low nibble of byte i; all zero unless `usable`. `e2m1`: "software" | "hardware"."""
+    for w in cutlass.range_constexpr(cute.size(words)):
+        words[w] = Int32(0)
+    if usable:
+        for w in cutlass.range_constexpr(cute.size(words)):
+            word = Int32(0)
+            for p in cutlass.range_constexpr(4):
+                even = (vals[8 * w + 2 * p] * gs) / sf
+                odd = (vals[8 * w + 2 * p + 1] * gs) / sf
+                pair = Int32(0)
+                if cutlass.const_expr(e2m1 == "hardware"):
+                    pair = cvt_e2m1x2(even, odd)
+                else:
+                    pair = e2m1_software(even) + (e2m1_software(odd) << 4)
+                word = word | (pair << (8 * p))
+            words[w] = word
+
+
 class QuantizeNvfp4:
     def __init__(self, scales: str, e2m1: str, threads: int = 128):
         if scales not in ("linear", "128x4") or e2m1 not in ("software", "hardware"):
@@ -136,22 +176,11 @@ class QuantizeNvfp4:
                grid_ctas: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
-        lane = tidx % WARP
         smem = cutlass.memory.SmemAllocator()
         s_off = smem.allocate_tensor(Int32, cute.make_layout(MAX_SEGMENTS + 4), byte_alignment=16)
         s_first = smem.allocate_tensor(Int32, cute.make_layout(MAX_SEGMENTS + 4),
                                        byte_alignment=16)
-        offsets = cute.make_tensor(row_offsets, cute.make_layout(num_segments + 1))
-        for g in cutlass.range(tidx, num_segments + 1, self.threads):
-            s_off[g] = offsets[g]
-        cute.arch.sync_threads()
-        # First 128-row scale block of every segment (each segment starts a fresh block).
-        for g in cutlass.range(tidx, num_segments, self.threads):
-            s_first[g] = (s_off[g + 1] - s_off[g] + ATOM_ROWS - 1) // ATOM_ROWS
-        cute.arch.sync_threads()
-        if tidx < WARP:
-            warp_exclusive_scan(s_first, s_first, num_segments, lane)
-        cute.arch.sync_threads()
+        load_segment_blocks(row_offsets, num_segments, s_off, s_first, tidx, self.threads)
 
         blocks = hidden // BLOCK
         scale_cols = blocks
@@ -203,21 +232,7 @@ class QuantizeNvfp4:
         byte = cvt_e4m3_byte((gs * amax) / Float32(6.0))
         sf = e4m3_byte_to_f32(byte)
         words = cute.make_rmem_tensor(cute.make_layout(2), Int32)
-        words[0] = Int32(0)
-        words[1] = Int32(0)
-        if sf > 0.0:
-            for w in cutlass.range_constexpr(2):
-                word = Int32(0)
-                for p in cutlass.range_constexpr(4):
-                    even = (vals[8 * w + 2 * p] * gs) / sf
-                    odd = (vals[8 * w + 2 * p + 1] * gs) / sf
-                    pair = Int32(0)
-                    if cutlass.const_expr(self.e2m1 == "hardware"):
-                        pair = cvt_e2m1x2(even, odd)
-                    else:
-                        pair = e2m1_software(even) + (e2m1_software(odd) << 4)
-                    word = word | (pair << (8 * p))
-                words[w] = word
+        e2m1_words(vals, gs, sf, sf > 0.0, words, self.e2m1)
         out = cute.make_tensor(
             _ptr(Int32, codes.toint() + Int64(row) * Int64(hidden // 2) + Int64(kb) * 8, 8),
             cute.make_layout(2))

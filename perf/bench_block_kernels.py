@@ -6,26 +6,13 @@ Figure: GB/s = (bytes read + bytes written) / median time = 2 * nbytes / t.
 """
 
 import argparse
-import statistics
 
 import torch
 from rich.console import Console
 from rich.table import Table
+from timing import median_ms
 
 import cute_ep
-
-
-def median_ms(fn, reps: int, flush: torch.Tensor) -> float:
-    times = []
-    for _ in range(reps + 3):
-        flush.zero_()  # evict L2 between runs
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times[3:])
 
 
 def main():

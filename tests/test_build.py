@@ -127,6 +127,24 @@ def test_nvfp4_uses_the_hardware_e2m1_conversion_only_on_sm_100a():
     assert instr not in compile_with_ptx(sw, sw.spec(), "sm_90a")[2]
 
 
+@pytest.mark.build
+@pytest.mark.parametrize("out", ["nvfp4", "mxfp4"])
+def test_fused_silu_fp4_uses_the_hardware_e2m1_conversion_only_on_sm_100a(out):
+    from kernels.build import compile_with_ptx
+    from kernels.silu import FusedSilu
+
+    hw = FusedSilu(out, interleaved=True, e2m1="hardware")
+    sw = FusedSilu(out, interleaved=True, e2m1="software")
+    assert hw.arches == ("sm_100a",) and sw.arches == ("sm_90a",)
+    hw_ptx = compile_with_ptx(hw, hw.spec(), "sm_100a")[2]
+    sw_ptx = compile_with_ptx(sw, sw.spec(), "sm_90a")[2]
+    assert "cvt.rn.satfinite.e2m1x2.f32" in hw_ptx
+    assert "cvt.rn.satfinite.e2m1x2.f32" not in sw_ptx
+    # Every division is the correctly rounded one: the reference divides the same way.
+    for ptx in (hw_ptx, sw_ptx):
+        assert "div.rn.f32" in ptx and "div.approx" not in ptx and "div.full" not in ptx
+
+
 def _jobs(kernels, arches) -> int:
     """Configurations x architectures the build compiles (a kernel may name its arches)."""
     return sum(a in getattr(k, "arches", ARCHES) for k in kernels for a in arches)

@@ -80,10 +80,10 @@ def test_nan_block_gets_a_nan_scale_and_inf_saturates():
     assert codes[0, 8] & 15 == 0x7
 
 
-def _at(layout, r, k):
+def _at(layout, r, k, block=16):
     """Byte of (row r, element k) in the 128x4 layout, through its nested coordinate."""
-    kb = k // 16
-    return layout((((r % 32, (r // 32) % 4), r // 128), ((k % 16, kb % 4), kb // 4)))
+    kb = k // block
+    return layout((((r % 32, (r // 32) % 4), r // 128), ((k % block, kb % 4), kb // 4)))
 
 
 @pytest.mark.parametrize("k", [1536, 2880, 64])
@@ -116,3 +116,64 @@ def test_segments_start_on_fresh_blocks_and_padding_is_zero():
             for g, (a, b) in enumerate(zip(offsets, offsets[1:])) for i in range(b - a)
             for c in range(4)}
     assert all(scales[j] == 0 for j in range(scales.numel()) if j not in used)
+
+
+# (q = amax / 6, e8m0 code): exact powers, just above them, the subnormal corner, clamps, NaN.
+E8M0_EDGES = [
+    (1.0, 127), (1.0000001, 128), (0.75, 127), (0.5, 126), (6.0, 130), (2.0 ** 127, 254),
+    (3e38, 254), (math.inf, 254), (2.0 ** -126, 1), (1.5 * 2.0 ** -127, 1), (2.0 ** -127, 0),
+    (2.0 ** -140, 0), (0.0, 0), (math.nan, 255),
+]
+
+
+def test_e8m0_round_up_edge_values():
+    q = torch.tensor([v for v, _ in E8M0_EDGES], dtype=torch.float32)
+    assert fp4.e8m0_round_up(q).tolist() == [c for _, c in E8M0_EDGES]
+    # The decoded scale is the smallest power of two at or above q.
+    finite = q[(q > 2.0 ** -127) & (q < 2.0 ** 127)]
+    scale = fp4.e8m0_decode(fp4.e8m0_round_up(finite)).double()
+    assert (scale >= finite.double()).all() and (scale / 2 < finite.double()).all()
+
+
+def test_mxfp4_never_saturates_because_of_its_scale():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 256, generator=gen) * torch.exp2(torch.randint(-20, 20, (64, 1),
+                                                                       generator=gen).float())
+    codes, scales = fp4.quantize_mxfp4(x)
+    assert codes.shape == (64, 128) and scales.shape == (64, 8)
+    blocks = x.reshape(64, 8, 32)
+    scaled = blocks / fp4.e8m0_decode(scales).unsqueeze(-1)
+    assert scaled.abs().max() <= 6.0
+    # Each code is the nearest e2m1 value of x / scale, so dequantizing errs by <= half a step
+    # of the top binade (1.0) times the scale.
+    err = (fp4.dequantize_mxfp4(codes, scales) - x).reshape(64, 8, 32).abs()
+    assert (err <= fp4.e8m0_decode(scales).unsqueeze(-1)).all()
+
+
+def test_mxfp4_zero_and_nan_blocks():
+    x = torch.zeros(2, 64)
+    x[0, 0] = -0.0
+    x[0, 32:] = 3.0  # amax 3 -> q 0.5 -> scale 2^-1 -> every code is e2m1(6) = 7
+    x[1, 40] = float("nan")
+    codes, scales = fp4.quantize_mxfp4(x)
+    assert scales.tolist() == [[0, 126], [0, 255]]
+    assert (codes[0, :16] == 0).all() and (codes[0, 16:] == 0x77).all()
+    assert (codes[1] == 0).all()
+
+
+def test_mxfp4_segments_use_the_32_element_128x4_layout():
+    x = torch.randn(200, 64)
+    offsets = [0, 0, 130, 200]
+    codes, scales = fp4.quantize_mxfp4_segments(x, offsets, 200 + 3 * 128)
+    _, linear = fp4.quantize_mxfp4(x)
+    layout = scale_layout(200 + 3 * 128, 64, 32)
+    # Segment 1 starts at scale row 0, segment 2 on the fresh block at row 256.
+    for row, scale_row in ((0, 0), (129, 129), (130, 256), (199, 325)):
+        for kb in range(2):
+            assert scales[_at(layout, scale_row, 32 * kb, 32)] == linear[row, kb]
+    placed = torch.zeros_like(scales, dtype=torch.bool)
+    for scale_row in [*range(130), *range(256, 326)]:
+        for kb in range(2):
+            placed[_at(layout, scale_row, 32 * kb, 32)] = True
+    assert (scales[~placed] == 0).all()
+

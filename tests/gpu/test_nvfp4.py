@@ -91,3 +91,20 @@ def test_bad_arguments_are_refused():
         quantize_nvfp4(torch.zeros(4, 32, dtype=torch.bfloat16, device="cuda"),
                        torch.ones(3, device="cuda"),
                        torch.tensor([0, 4], dtype=torch.int32, device="cuda"))
+
+
+def test_every_bf16_value_up_to_6_encodes_as_the_reference():
+    """Exhaustive over bf16 magnitudes <= 6 (both signs, subnormals, zeros): each block holds
+    6.0 first so its scale is exactly 1 and every code is e2m1 of the value itself."""
+    from cute_ep.quant import quantize_nvfp4
+
+    bits = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    values = bits[bits.float().abs() <= 6.0].float()  # 2 x 16,257 values, NaN/inf excluded
+    values = torch.cat([values, torch.zeros(-values.numel() % 15)]).reshape(-1, 15)
+    blocks = torch.cat([torch.full((values.shape[0], 1), 6.0), values], dim=1)
+    blocks = torch.cat([blocks, torch.full((-blocks.shape[0] % 8, 16), 6.0)])
+    x = blocks.reshape(-1, 128).to(torch.bfloat16).cuda()
+    codes, sc = quantize_nvfp4(x, 1.0, scales="linear")
+    assert (sc == 0x38).all()
+    want = fp4.e2m1_encode(x.float())
+    assert torch.equal(codes, fp4.pack_nibbles(want))

@@ -1,0 +1,130 @@
+"""The fused SwiGLU kernels on torch tensors: `silu(gate) * up` of expert activations, quantized.
+
+Every function takes `x: bf16 [M, 2I]` (`[gate | up]`, or interleaved `gate_i, up_i` with
+`interleaved=True`) and `row_offsets: int32 [S + 1]` on the device (dispatch output's segment
+boundaries; None: one segment of all M rows). Only rows below `row_offsets[S]` are read and
+written, so M may be a capacity and nothing waits for the host; output rows past the valid ones
+are left as allocated (uninitialised). See `kernels/silu.py` for the exact fp32 arithmetic and
+`cute_ep.reference_silu` for its plain-torch definition.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cute_ep.quant import segment_offsets
+from cute_ep.runtime import check_tensor, device_arch, runtime
+from layouts.scales import scale_layout, scale_rows_capacity
+
+__all__ = ["fused_silu", "fused_silu_fp8", "fused_silu_nvfp4", "fused_silu_mxfp4"]
+
+_E2M1 = {"sm_90a": "software", "sm_100a": "hardware"}
+_VECTOR = {"bf16": 8, "fp8": 128, "nvfp4": 16, "mxfp4": 32}
+_FAMILY = {"bf16": "fused_silu", "fp8": "fused_silu_fp8", "nvfp4": "fused_silu_nvfp4",
+           "mxfp4": "fused_silu_mxfp4"}
+_GRID_PER_SM = 8
+
+
+def fused_silu(x: torch.Tensor, row_offsets: torch.Tensor | None = None, *,
+               interleaved: bool = False) -> torch.Tensor:
+    """bf16 [M, I]."""
+    out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=torch.bfloat16, device=x.device)
+    _run("bf16", x, row_offsets, interleaved, out.view(torch.uint8))
+    return out
+
+
+def fused_silu_fp8(x: torch.Tensor, row_offsets: torch.Tensor | None = None, *,
+                   interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 [M, I], fp32 scales transposed [I / 128, M]): per 128 elements
+    `s = max(amax, 1e-4) / 448`, `q = e4m3(clamp(z / s, +-448))`. I must be a multiple of 128."""
+    m, i = x.shape[0], x.shape[1] // 2
+    out = torch.empty(m, i, dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty(i // 128, m, dtype=torch.float32, device=x.device)
+    _run("fp8", x, row_offsets, interleaved, out.view(torch.uint8), scales.view(torch.uint8),
+         scale_stride=m)
+    return out, scales
+
+
+def fused_silu_nvfp4(x: torch.Tensor, input_scales: torch.Tensor | float,
+                     row_offsets: torch.Tensor | None = None, *, interleaved: bool = False,
+                     scale_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes uint8 [M, I / 2], e4m3 scales uint8 in the 128x4 layout of `layouts.scales`).
+
+    input_scales: fp32 [S] (or one number), segment g's global scale `gs`:
+    `sf = e4m3(gs * amax / 6)`, `q = e2m1(z * gs / sf)` per 16 elements. Each segment's scales
+    start on a fresh 128-row block; the buffer holds `scale_rows` rows (default M + 128 S) and
+    the padding of every used block is zero.
+    """
+    segments = _segments(x, row_offsets)
+    if not isinstance(input_scales, torch.Tensor):
+        input_scales = torch.full((segments,), float(input_scales), dtype=torch.float32,
+                                  device=x.device)
+    check_tensor(input_scales, name="input_scales", dtype="float32", align=4,
+                 device_index=x.device.index)
+    if input_scales.numel() != segments:
+        raise ValueError(f"input_scales has {input_scales.numel()} entries for {segments} "
+                         f"segments")
+    return _fp4("nvfp4", x, row_offsets, interleaved, scale_rows, input_scales=input_scales)
+
+
+def fused_silu_mxfp4(x: torch.Tensor, row_offsets: torch.Tensor | None = None, *,
+                     interleaved: bool = False, swiglu_limit: float | None = None,
+                     swiglu_alpha: float = 1.702,
+                     scale_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes uint8 [M, I / 2], e8m0 scales uint8 in the 128x4 layout).
+
+    Scale per 32 elements: the smallest power of two >= amax / 6 (round-up), so no element
+    saturates because of its scale. swiglu_limit: None for `silu(g) * u`; a positive number L for
+    the clamped SwiGLU-OAI `(clamp(u, -L, L) + 1) * g' * sigmoid(alpha * g')`, `g' = min(g, L)`.
+    """
+    params = None
+    if swiglu_limit is not None:
+        if not swiglu_limit > 0:
+            raise ValueError(f"swiglu_limit must be positive, got {swiglu_limit}")
+        params = torch.tensor([swiglu_limit, swiglu_alpha], dtype=torch.float32, device=x.device)
+    return _fp4("mxfp4", x, row_offsets, interleaved, scale_rows, activation_params=params)
+
+
+def _fp4(out_format, x, row_offsets, interleaved, scale_rows, **extra):
+    m, i = x.shape[0], x.shape[1] // 2
+    segments = _segments(x, row_offsets)
+    rows = scale_rows if scale_rows is not None else scale_rows_capacity(m, segments)
+    if rows < 1:
+        raise ValueError(f"scale_rows must be positive, got {scale_rows}")
+    codes = torch.empty(m, i // 2, dtype=torch.uint8, device=x.device)
+    scales = torch.empty(scale_layout(rows, i, _VECTOR[out_format]).cosize(), dtype=torch.uint8,
+                         device=x.device)
+    _run(out_format, x, row_offsets, interleaved, codes, scales, work_rows=rows, **extra)
+    return codes, scales
+
+
+def _segments(x, row_offsets) -> int:
+    return 1 if row_offsets is None else row_offsets.numel() - 1
+
+
+def _run(out_format, x, row_offsets, interleaved, out, scales=None, *, input_scales=None,
+         activation_params=None, scale_stride=0, work_rows=None):
+    device = x.device
+    check_tensor(x, name="x", dtype="bfloat16", align=16)
+    vector = _VECTOR[out_format]
+    if x.dim() != 2 or x.shape[1] % (2 * vector):
+        raise ValueError(f"x must be bf16 [M, 2I] with I a multiple of {vector} for "
+                         f"{_FAMILY[out_format]}, got {tuple(x.shape)}")
+    m, i = x.shape[0], x.shape[1] // 2
+    row_offsets, segments = segment_offsets(row_offsets, m, device)
+    arch = device_arch(device)
+    fields = {"interleaved": bool(interleaved),
+              "activation": "silu" if activation_params is None else "swiglu_oai"}
+    if out_format in ("nvfp4", "mxfp4"):
+        fields["e2m1"] = _E2M1[arch]
+    kernel = runtime().select(_FAMILY[out_format], device, **fields)
+    if segments > kernel.spec.sizes["max_segments"]:
+        raise ValueError(f"at most {kernel.spec.sizes['max_segments']} segments, got {segments}")
+    placeholder = torch.zeros(4, dtype=torch.float32, device=device)
+    items = -(-((work_rows or m) * i) // kernel.spec.sizes["vector"])
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    grid = max(1, min(-(-items // kernel.spec.block[0]), _GRID_PER_SM * sms))
+    kernel.launch(x, row_offsets, placeholder if input_scales is None else input_scales,
+                  placeholder if activation_params is None else activation_params, out,
+                  placeholder.view(torch.uint8) if scales is None else scales, segments, i,
+                  scale_stride, grid)

@@ -1,0 +1,100 @@
+"""Bandwidth of the quantize and fused SwiGLU kernels against a device-to-device copy of the same
+number of bytes, in the same run, on one GPU.
+
+    python perf/bench_quant.py [--rows 8192] [--intermediate 2048 --intermediate 7168]
+                               [--experts 8] [--reps 50] [--json FILE]
+
+For each kernel: bytes = what it must read (the bf16 input rows, row_offsets) + what it writes
+(codes or values, scales including the zero padding); GB/s = bytes / median time. The baseline
+copies bytes / 2 with `torch.Tensor.copy_` (so it too reads + writes `bytes`), timed the same way
+(CUDA events, L2 flushed before every repetition).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from rich.console import Console
+from rich.progress import track
+from rich.table import Table
+from timing import median_ms
+
+
+def cases(rows: int, i: int, experts: int):
+    """(name, callable, bytes moved) of every kernel at this size."""
+    from cute_ep.quant import quantize_nvfp4
+    from cute_ep.silu import fused_silu, fused_silu_fp8, fused_silu_mxfp4, fused_silu_nvfp4
+    from cute_ep.reference_fp4 import segment_scale_blocks
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(rows, 2 * i, device="cuda", generator=gen).to(torch.bfloat16)
+    offsets = torch.linspace(0, rows, experts + 1, device="cuda").round().to(torch.int32)
+    gs = torch.ones(experts, device="cuda")
+    read = x.numel() * 2 + offsets.numel() * 4
+    # The scale bytes written: every used 128-row block of every expert, padding included.
+    blocks = segment_scale_blocks(offsets.tolist())[-1]
+    fp4_scales = {v: blocks * 512 * (-(-(i // v) // 4)) for v in (16, 32)}
+    out = [
+        ("fused_silu (bf16)", lambda: fused_silu(x, offsets), read + rows * i * 2),
+        ("fused_silu interleaved (bf16)", lambda: fused_silu(x, offsets, interleaved=True),
+         read + rows * i * 2),
+        ("fused_silu_nvfp4", lambda: fused_silu_nvfp4(x, gs, offsets),
+         read + rows * i // 2 + fp4_scales[16]),
+        ("fused_silu_nvfp4 interleaved",
+         lambda: fused_silu_nvfp4(x, gs, offsets, interleaved=True),
+         read + rows * i // 2 + fp4_scales[16]),
+        ("fused_silu_mxfp4", lambda: fused_silu_mxfp4(x, offsets),
+         read + rows * i // 2 + fp4_scales[32]),
+        ("fused_silu_mxfp4 swiglu_oai", lambda: fused_silu_mxfp4(x, offsets, swiglu_limit=7.0),
+         read + rows * i // 2 + fp4_scales[32]),
+    ]
+    if i % 128 == 0:
+        out.insert(2, ("fused_silu_fp8", lambda: fused_silu_fp8(x, offsets),
+                       read + rows * i + rows * i // 128 * 4))
+    half = x[:, :i].contiguous()  # quantize_nvfp4 reads [rows, I]
+    out.append(("quantize_nvfp4 (128x4)", lambda: quantize_nvfp4(half, gs, offsets),
+                half.numel() * 2 + rows * i // 2 + fp4_scales[16]))
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", type=int, default=8192)
+    parser.add_argument("--intermediate", type=int, action="append")
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--json", help="also write the records to this file")
+    args = parser.parse_args()
+    sizes = args.intermediate or [2048, 7168]
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    records = []
+    for i in sizes:
+        for name, fn, nbytes in track(cases(args.rows, i, args.experts),
+                                      description=f"I={i}", transient=True):
+            fn()  # load the module before timing
+            src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
+            dst = torch.empty_like(src)
+            copy_ms = median_ms(lambda: dst.copy_(src), args.reps, flush)
+            ms = median_ms(fn, args.reps, flush)
+            records.append({"kernel": name, "rows": args.rows, "intermediate": i,
+                            "bytes": nbytes, "us": ms * 1e3, "gbps": nbytes / ms / 1e6,
+                            "copy_us": copy_ms * 1e3, "copy_gbps": nbytes / copy_ms / 1e6})
+    table = Table(title=f"{torch.cuda.get_device_name()}: {args.rows} rows over {args.experts} "
+                        f"experts, median of {args.reps}, L2 flushed; baseline: copy_ of bytes/2")
+    for col in ("kernel", "I", "MB moved", "time (us)", "GB/s", "copy (us)", "copy GB/s",
+                "of copy"):
+        table.add_column(col, justify="left" if col == "kernel" else "right")
+    for r in records:
+        table.add_row(r["kernel"], str(r["intermediate"]), f"{r['bytes'] / 1e6:.1f}",
+                      f"{r['us']:.1f}", f"{r['gbps']:.0f}", f"{r['copy_us']:.1f}",
+                      f"{r['copy_gbps']:.0f}", f"{r['gbps'] / r['copy_gbps']:.0%}")
+    Console(width=140).print(table)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "records": records}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

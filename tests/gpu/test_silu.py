@@ -1,0 +1,151 @@
+"""The fused SwiGLU kernels on the GPU against `cute_ep.reference_silu`, bit for bit.
+
+The reference runs on the same GPU (its `exp` is the CUDA math library's, as the kernels'), rows
+are spread over five experts of which two are empty, and the input holds rows past
+`row_offsets[-1]` that must not be read into the output.
+"""
+
+import pytest
+import torch
+
+from cute_ep import reference_fp4 as fp4
+from cute_ep import reference_silu as ref
+
+pytestmark = pytest.mark.gpu
+
+ROWS = [0, 1, 127, 128, 129, 4096]
+INTERMEDIATE = [1536, 2048, 2880, 7168]
+GS = [1.0, 0.5, 3.0, 2.0 ** 10, 1e-3]
+SENTINEL = 0xA5
+
+
+def _x(m, i, seed, interleaved=False):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(m + 3, 2 * i, device="cuda", generator=gen)
+    x *= torch.exp2(torch.randint(-6, 7, (m + 3, 1), device="cuda", generator=gen).float())
+    if m > 2:
+        x[1, :] = 0  # zero rows: zero scales and codes
+        x[2, : 2 * i : 7] = -0.0
+    return x.to(torch.bfloat16)
+
+
+def _offsets(m):
+    a, b = m // 3, (2 * m) // 3 + (m > 0)
+    return [0, a, a, min(b, m), m, m]
+
+
+def _device(offsets):
+    return torch.tensor(offsets, dtype=torch.int32, device="cuda")
+
+
+def _used_scale_bytes(offsets, i, block):
+    return fp4.segment_scale_blocks(offsets)[-1] * 512 * (-(-(i // block) // 4))
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["halves", "interleaved"])
+@pytest.mark.parametrize("i", INTERMEDIATE)
+@pytest.mark.parametrize("m", ROWS)
+def test_fused_silu_bf16(m, i, interleaved):
+    from cute_ep.silu import fused_silu
+
+    x, offsets = _x(m, i, m + i), _offsets(m)
+    out = fused_silu(x, _device(offsets), interleaved=interleaved)
+    assert out.shape == (m + 3, i) and out.dtype == torch.bfloat16
+    assert torch.equal(out[:m], ref.fused_silu(x, offsets, interleaved))
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["halves", "interleaved"])
+@pytest.mark.parametrize("i", INTERMEDIATE)
+@pytest.mark.parametrize("m", ROWS)
+def test_fused_silu_fp8(m, i, interleaved):
+    from cute_ep.silu import fused_silu_fp8
+
+    if i % 128:
+        pytest.skip("FP8 blockwise needs I to be a multiple of 128")
+    x, offsets = _x(m, i, 2 * m + i), _offsets(m)
+    q, scales = fused_silu_fp8(x, _device(offsets), interleaved=interleaved)
+    assert scales.shape == (i // 128, m + 3)
+    want_q, want_scales = ref.fused_silu_fp8(x, offsets, interleaved)
+    assert torch.equal(q[:m].view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(scales[:, :m], want_scales)
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["halves", "interleaved"])
+@pytest.mark.parametrize("i", INTERMEDIATE)
+@pytest.mark.parametrize("m", ROWS)
+def test_fused_silu_nvfp4(m, i, interleaved):
+    from cute_ep.silu import fused_silu_nvfp4
+
+    x, offsets = _x(m, i, 3 * m + i), _offsets(m)
+    gs = torch.tensor(GS, device="cuda")
+    codes, scales = fused_silu_nvfp4(x, gs, _device(offsets), interleaved=interleaved)
+    want_codes, want_scales = ref.fused_silu_nvfp4(x, offsets, gs, m + 3 + 5 * 128, interleaved)
+    used = _used_scale_bytes(offsets, i, 16)
+    assert torch.equal(codes[:m], want_codes)
+    assert torch.equal(scales[:used], want_scales[:used])
+
+
+@pytest.mark.parametrize("limit", [None, 7.0], ids=["silu", "swiglu_oai"])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["halves", "interleaved"])
+@pytest.mark.parametrize("i", INTERMEDIATE)
+@pytest.mark.parametrize("m", ROWS)
+def test_fused_silu_mxfp4(m, i, interleaved, limit):
+    from cute_ep.silu import fused_silu_mxfp4
+
+    x, offsets = _x(m, i, 4 * m + i), _offsets(m)
+    codes, scales = fused_silu_mxfp4(x, _device(offsets), interleaved=interleaved,
+                                     swiglu_limit=limit, swiglu_alpha=1.702)
+    want_codes, want_scales = ref.fused_silu_mxfp4(x, offsets, m + 3 + 5 * 128, interleaved,
+                                                   limit, 1.702)
+    used = _used_scale_bytes(offsets, i, 32)
+    assert torch.equal(codes[:m], want_codes)
+    assert torch.equal(scales[:used], want_scales[:used])
+
+
+@pytest.mark.parametrize("out_format", ["bf16", "fp8", "nvfp4", "mxfp4"])
+def test_rows_past_row_offsets_are_not_written(out_format):
+    """Outputs pre-filled with a sentinel keep it past the valid rows (and FP4 scale padding
+    past the used blocks); the rows in range are all written."""
+    from cute_ep.silu import _run
+
+    m, i = 200, 256
+    x, offsets = _x(m, i, 9), [0, 70, 70, 150]
+    width = {"bf16": 2 * i, "fp8": i, "nvfp4": i // 2, "mxfp4": i // 2}[out_format]
+    out = torch.full((m, width), SENTINEL, dtype=torch.uint8, device="cuda")
+    scales = None
+    extra = {}
+    if out_format == "fp8":
+        scales = torch.full((i // 128 * m * 4,), SENTINEL, dtype=torch.uint8, device="cuda")
+        extra["scale_stride"] = m
+    elif out_format in ("nvfp4", "mxfp4"):
+        scales = torch.full((1 << 16,), SENTINEL, dtype=torch.uint8, device="cuda")
+        extra["work_rows"] = m
+        if out_format == "nvfp4":
+            extra["input_scales"] = torch.ones(3, device="cuda")
+    _run(out_format, x, _device(offsets), False, out, scales, **extra)
+    assert (out[150:] == SENTINEL).all()
+    assert (out[:150] != SENTINEL).any(dim=1).all()
+    if out_format == "fp8":
+        per_block = scales.view(torch.float32).view(i // 128, m)
+        assert (per_block[:, 150:].view(torch.uint8) == SENTINEL).all()
+    elif out_format in ("nvfp4", "mxfp4"):
+        used = _used_scale_bytes(offsets, i, 16 if out_format == "nvfp4" else 32)
+        assert (scales[used:] == SENTINEL).all() and (scales[:used] != SENTINEL).all()
+
+
+def test_bad_arguments_are_refused():
+    from cute_ep.silu import fused_silu, fused_silu_fp8, fused_silu_mxfp4, fused_silu_nvfp4
+
+    x = torch.zeros(4, 2 * 2880, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(ValueError, match="multiple of 128"):
+        fused_silu_fp8(x)
+    with pytest.raises(TypeError, match="bfloat16"):
+        fused_silu(x.float())
+    with pytest.raises(ValueError, match="multiple of 32"):
+        fused_silu_mxfp4(torch.zeros(4, 2 * 48, dtype=torch.bfloat16, device="cuda"))
+    with pytest.raises(ValueError, match="segments"):
+        fused_silu_nvfp4(x, torch.ones(3, device="cuda"), _device([0, 4]))
+    with pytest.raises(ValueError, match="swiglu_limit"):
+        fused_silu_mxfp4(x, swiglu_limit=-1.0)
+    with pytest.raises(TypeError, match="int32"):
+        fused_silu(x, torch.tensor([0, 4], device="cuda"))
