@@ -20,6 +20,19 @@ What crosses NVLink per token: one message per destination rank that hosts at le
 experts (payload + 16-byte-aligned metadata: source index, K ids, K weights, K positions), not
 one per expert; the receiver expands it into expert rows. Combine returns one bf16 row per
 (token, destination rank): the rank's weighted partial sum over its local experts.
+
+Formats (`EPConfig.format`): "bf16", "fp8" (DeepSeek blockwise) and "nvfp4". An NVFP4 dispatch
+quantizes each token once on the sender under a global scale `gs` (fp32 tensor of one element,
+read on the device, so a CUDA graph picks up a new value written into it):
+
+    out = buf.dispatch(x, topk_ids, topk_weights, global_scale=gs)
+    # out.tokens: uint8 [rows, H / 2] e2m1 codes; out.scales: e4m3 bytes in the 128x4 layout,
+    # segment g's scale rows from 128-row block row_offsets[g] // 128 + out.scales_offsets[g]
+
+A segment holds rows from every source rank, and its GEMM dequantizes with one alpha
+(`1 / gs` times the weight's scale), so every rank should pass the same global scale (e.g. the
+calibrated activation scale of the layer); rows quantized under different scales would need
+per-row alphas. Expert outputs come back to combine in bf16 as for the other formats.
 """
 
 from __future__ import annotations
@@ -30,16 +43,19 @@ import torch
 import torch.distributed as dist
 
 from cute_ep.comm import ConfigMismatch, PeerTimeout, agree_on_config
-from cute_ep.runtime import check_tensor, runtime
+from cute_ep.runtime import check_tensor, device_arch, runtime
 from layouts import EPConfig
-from layouts.buffers import BUFFER_GROUPS, buffer_sizes, group_offsets, total_bytes
+from layouts.buffers import (BUFFER_GROUPS, buffer_sizes, group_offsets, output_scales,
+                             total_bytes)
 
 DEFAULT_TIMEOUT_S = 5.0
 # Limits of the compiled kernels (kernels/ep.py: shared-memory tables and per-k scratch).
 MAX_RANKS = 8
 MAX_TOPK = 16
 MAX_SEGMENTS = 271
-FORMATS = ("bf16", "fp8")
+FORMATS = ("bf16", "fp8", "nvfp4")
+# The NVFP4 encoder's e2m1 conversion by architecture (the hardware one is sm_100a only).
+E2M1_OF_ARCH = {"sm_90a": "software", "sm_100a": "hardware"}
 PHASES = {1: "dispatch", 2: "combine"}
 DISPATCH, COMBINE = 0, 1
 
@@ -75,13 +91,18 @@ class DispatchHandle:
 class DispatchOutput:
     """One rank's dispatch result (SPEC section 3). Rows past `row_offsets[-1]` are undefined."""
 
-    tokens: torch.Tensor  # [row_capacity, H] bf16 or float8_e4m3fn
-    scales: torch.Tensor | None  # fp8: float32 [H / 128, row_capacity]
+    tokens: torch.Tensor  # [row_capacity, H] bf16 or float8_e4m3fn; nvfp4: uint8 [.., H / 2]
+    # fp8: float32 [H / 128, row_capacity]; nvfp4: uint8 e4m3 bytes in the 128x4 layout for
+    # max_recv + 128 * segments rows (layouts.buffers.output_scales), padding of used blocks 0
+    scales: torch.Tensor | None
     row_offsets: torch.Tensor  # int32 [segments + 1]
     expert_ids: torch.Tensor  # int32 [segments]
     src_info: torch.Tensor  # int32 [row_capacity, 2]: (source token, k slot; -1 = shared)
     counts: torch.Tensor  # int32 [segments]: rows received per segment
     handle: DispatchHandle
+    # nvfp4: int32 [segments], segment g's scales start at 128-row block
+    # row_offsets[g] // 128 + scales_offsets[g]; None for the other formats
+    scales_offsets: torch.Tensor | None = None
 
 
 @dataclass
@@ -121,10 +142,14 @@ class Buffer:
         self.meta_at = self.msg.segment("src_token").offset
         self.offsets = group_offsets(cfg)
         self.group_bytes = self.offsets["group_bytes"]
+        # Bytes of the NVFP4 128x4 scale output, from its layout once (not on every dispatch).
+        self.nvfp4_scale_bytes = output_scales(cfg).layout.cosize() \
+            if cfg.format == "nvfp4" else 0
 
         rt = runtime()
         self.k_plan = rt.select("ep_plan", dev)
-        self.k_encode = rt.select("ep_encode", dev, format=cfg.format)
+        encode = {"e2m1": E2M1_OF_ARCH[device_arch(dev)]} if cfg.format == "nvfp4" else {}
+        self.k_encode = rt.select("ep_encode", dev, format=cfg.format, **encode)
         self.k_send = rt.select("ep_send", dev)
         self.k_recv = rt.select("ep_recv", dev, format=cfg.format)
         self.k_combine_send = rt.select("ep_combine_send", dev)
@@ -150,6 +175,7 @@ class Buffer:
         self.done = torch.zeros(2, r + 1, dtype=torch.int32, device=dev)
         self.error = torch.zeros(4, dtype=torch.int32, device=dev)
         self._no_f32 = torch.zeros(4, dtype=torch.float32, device=dev)
+        self._no_i32 = torch.zeros(4, dtype=torch.int32, device=dev)
         self.dispatch_round = 0
         self.combine_round = 0
         dist.barrier(self.group)
@@ -177,16 +203,20 @@ class Buffer:
 
     def dispatch_async(self, x: torch.Tensor, topk_ids: torch.Tensor,
                        topk_weights: torch.Tensor | None = None, *, skip_a2a: bool = False,
-                       num_input_tokens: int | None = None) -> _PendingDispatch:
+                       num_input_tokens: int | None = None,
+                       global_scale: torch.Tensor | None = None) -> _PendingDispatch:
         """Plan, encode and send this rank's tokens; returns what `dispatch_wait` needs.
 
         x: bf16 [T, H], T <= max_tokens_per_rank; topk_ids: int32/int64 [T, K];
         topk_weights: float32 [T, K] or None (combine then returns the unreduced [T, K, H]).
         skip_a2a: every rank holds all tokens and keeps only its own experts (allreduce mode).
         num_input_tokens: an upper bound on T over all ranks, sizing the receive grid (decode).
+        global_scale: nvfp4 only (and required there): fp32 CUDA tensor of one element, the
+        `gs` of `sf = e4m3(gs * amax / 6)`, `q = e2m1(x * gs / sf)`; the same on every rank.
         """
         cfg = self.cfg
         num_tokens = self._check_dispatch_inputs(x, topk_ids, topk_weights)
+        self._check_global_scale(global_scale)
         hint = cfg.max_tokens_per_rank if num_input_tokens is None else int(num_input_tokens)
         if not 0 <= hint:
             raise ValueError(f"num_input_tokens must be non-negative, got {num_input_tokens}")
@@ -209,8 +239,10 @@ class Buffer:
                            cfg.ranks, self.rank, int(cfg.fused_shared_expert), int(skip_a2a),
                            shared_begin, shared_end, cfg.ranks + cfg.experts)
         self.k_encode.launch(self.send_buf, x, ids, topk_weights if weighted else self._no_f32,
-                             self.positions, num_tokens, cfg.hidden, cfg.topk, self.msg.size,
-                             self.scales_at, self.meta_at, int(weighted))
+                             self.positions,
+                             global_scale if global_scale is not None else self._no_f32,
+                             num_tokens, cfg.hidden, cfg.topk, self.msg.size, self.scales_at,
+                             self.meta_at, int(weighted))
         chunks = max(1, -(-num_tokens // self.send_tokens_per_cta))
         self.k_send.launch(self.peer_bases[group], self.send_buf, self.dest_slot,
                            self.send_counts, self.done[DISPATCH], self.rounds[DISPATCH, group:group + 1],
@@ -226,13 +258,18 @@ class Buffer:
         cfg, dev, route = self.cfg, self.device, pending.routing
         g = route.group
         r, t, k, cap, h = cfg.ranks, cfg.max_tokens_per_rank, cfg.topk, cfg.row_capacity, cfg.hidden
+        segs = cfg.segments
+        scales_offsets = None
         if cfg.format == "fp8":
             tokens = torch.empty(cap, h, dtype=torch.float8_e4m3fn, device=dev)
             scales = torch.empty(h // 128, cap, dtype=torch.float32, device=dev)
+        elif cfg.format == "nvfp4":
+            tokens = torch.empty(cap, h // 2, dtype=torch.uint8, device=dev)
+            scales = torch.empty(self.nvfp4_scale_bytes, dtype=torch.uint8, device=dev)
+            scales_offsets = torch.empty(segs, dtype=torch.int32, device=dev)
         else:
             tokens = torch.empty(cap, h, dtype=torch.bfloat16, device=dev)
             scales = None
-        segs = cfg.segments
         row_offsets = torch.empty(segs + 1, dtype=torch.int32, device=dev)
         expert_ids = torch.empty(segs, dtype=torch.int32, device=dev)
         counts = torch.empty(segs, dtype=torch.int32, device=dev)
@@ -249,19 +286,22 @@ class Buffer:
             self._view(g, "recv_counts", torch.int32, r * self.entries),
             self._view(g, "arrival_flags", torch.int64, r),
             self.rounds[DISPATCH, g:g + 1], self.error, tokens.view(torch.uint8),
-            scales if scales is not None else self._no_f32, row_offsets, expert_ids, counts,
-            src_info, handle.rows, handle.weights, handle.tokens, handle.messages,
-            r, self.rank, t, k, cfg.local_experts, int(cfg.fused_shared_expert),
-            route.shared_begin, route.shared_end, self.msg.size, payload // 16, self.scales_at,
-            self.meta_at, cap, int(self.timeout_s * 1e9),
-            pending.ctas_per_source)
-        return DispatchOutput(tokens, scales, row_offsets, expert_ids, src_info, counts, handle)
+            scales if scales is not None else self._no_f32,
+            scales_offsets if scales_offsets is not None else self._no_i32, row_offsets,
+            expert_ids, counts, src_info, handle.rows, handle.weights, handle.tokens,
+            handle.messages, r, self.rank, t, k, cfg.local_experts, int(cfg.fused_shared_expert),
+            route.shared_begin, route.shared_end, self.msg.size,
+            payload // self.k_recv.spec.sizes["vector_bytes"], self.scales_at, self.meta_at, cap,
+            int(self.timeout_s * 1e9), pending.ctas_per_source)
+        return DispatchOutput(tokens, scales, row_offsets, expert_ids, src_info, counts, handle,
+                              scales_offsets)
 
     def dispatch(self, x, topk_ids, topk_weights=None, *, skip_a2a=False,
-                 num_input_tokens=None) -> DispatchOutput:
+                 num_input_tokens=None, global_scale=None) -> DispatchOutput:
         """`dispatch_async` then `dispatch_wait` (see both)."""
         return self.dispatch_wait(self.dispatch_async(
-            x, topk_ids, topk_weights, skip_a2a=skip_a2a, num_input_tokens=num_input_tokens))
+            x, topk_ids, topk_weights, skip_a2a=skip_a2a, num_input_tokens=num_input_tokens,
+            global_scale=global_scale))
 
     # Combine ------------------------------------------------------------------------------
 
@@ -352,6 +392,21 @@ class Buffer:
                 raise ValueError(f"topk_weights must be float32 [{num_tokens}, {cfg.topk}], got "
                                  f"{tuple(topk_weights.shape)}")
         return num_tokens
+
+    def _check_global_scale(self, global_scale) -> None:
+        if self.cfg.format != "nvfp4":
+            if global_scale is not None:
+                raise ValueError(f"global_scale is for nvfp4 dispatch only; this Buffer "
+                                 f"dispatches {self.cfg.format}")
+            return
+        if global_scale is None:
+            raise ValueError("nvfp4 dispatch needs global_scale: an fp32 CUDA tensor of one "
+                             "element (the same on every rank)")
+        check_tensor(global_scale, name="global_scale", dtype="float32", align=4,
+                     device_index=self.device.index)
+        if global_scale.numel() != 1:
+            raise ValueError(f"global_scale must hold one element, got shape "
+                             f"{tuple(global_scale.shape)}")
 
 
 def _check_config(cfg: EPConfig, world: int) -> None:

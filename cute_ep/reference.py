@@ -14,6 +14,11 @@ Dispatch output on each rank (SPEC section 3):
 - FP8 blockwise: per token and 128-element block, `s = max(amax, 1e-4) / 448` and
   `q = e4m3(clamp(x / s, -448, 448))` in fp32 (a true division, so kernels can match bit for bit),
   scales transposed to `[H / 128, rows]`. Padding rows are zero in tokens and scales.
+- NVFP4: each source rank's tokens quantized by `reference_fp4.quantize_nvfp4` under that rank's
+  global scale; rows as for bf16 (no padding), codes `[rows, H / 2]`; each row's H / 16 scale
+  bytes in the 128x4 layout (`layouts.scales`) where segment g starts on a fresh 128-row block,
+  `first_block[g]`, and `scales_offsets[g] = first_block[g] - row_offsets[g] // 128`; every other
+  byte of the scale buffer zero.
 
 Combine on each rank: `out[t] = sum_k w[t, k] * y[t, k]` in fp32, then bf16 (plus the shared
 expert's row, unweighted), or the unreduced `[T, K, H]` when no weights are given.
@@ -25,8 +30,10 @@ from dataclasses import dataclass
 
 import torch
 
+from cute_ep.reference_fp4 import NVFP4_BLOCK, _scale_offsets, quantize_nvfp4
 from layouts import EPConfig
-from layouts.buffers import FP8_ROW_ALIGN
+from layouts.buffers import FP8_ROW_ALIGN, output_scales
+from layouts.scales import ATOM_ROWS, expert_scale_blocks
 
 FP8_MAX = 448.0
 FP8_MIN_AMAX = 1e-4
@@ -39,13 +46,16 @@ PAD = -1  # src_info of padding rows
 class DispatchResult:
     """One rank's dispatch output."""
 
-    tokens: torch.Tensor  # [row_capacity, H] bf16, or float8_e4m3fn for fp8
-    scales: torch.Tensor | None  # fp8: [H / 128, row_capacity] float32
+    tokens: torch.Tensor  # [row_capacity, H] bf16, float8_e4m3fn for fp8, uint8 [.., H/2] nvfp4
+    # fp8: [H / 128, row_capacity] float32; nvfp4: uint8 e4m3 bytes, the 128x4 buffer of
+    # `layouts.buffers.output_scales`
+    scales: torch.Tensor | None
     row_offsets: torch.Tensor  # int64 [segments + 1]
     expert_ids: torch.Tensor  # int32 [segments]
     src_info: torch.Tensor  # int32 [row_capacity, 2]
     counts: torch.Tensor  # int32 [segments]
     source_rank: torch.Tensor  # int32 [row_capacity]: which rank each row came from (PAD: none)
+    scales_offsets: torch.Tensor | None = None  # nvfp4: int32 [segments]
 
     @property
     def num_rows(self) -> int:
@@ -102,16 +112,29 @@ def check_inputs(cfg: EPConfig, x: list[torch.Tensor], topk_ids: list[torch.Tens
 
 
 def dispatch(cfg: EPConfig, x: list[torch.Tensor], topk_ids: list[torch.Tensor],
-             skip_a2a: bool = False) -> list[DispatchResult]:
+             skip_a2a: bool = False,
+             global_scales: list[float] | None = None) -> list[DispatchResult]:
     """Every rank's dispatch output.
 
     With `skip_a2a` (allreduce mode) every rank holds all tokens (x[r] equal on all ranks) and
     keeps only the pairs routed to its own experts; a fused shared expert's tokens are split in
     contiguous chunks of ceil(T / R) across ranks, so the caller's allreduce adds it once.
+    `global_scales[r]` (nvfp4 only, required there) is rank r's global scale, taken as fp32.
     """
-    if cfg.format not in ("bf16", "fp8"):
-        raise NotImplementedError(f"the reference dispatches bf16 and fp8, not {cfg.format}")
+    if cfg.format not in ("bf16", "fp8", "nvfp4"):
+        raise NotImplementedError(f"the reference dispatches bf16, fp8 and nvfp4, not "
+                                  f"{cfg.format}")
     check_inputs(cfg, x, topk_ids)
+    if (cfg.format == "nvfp4") != (global_scales is not None):
+        raise ValueError("global_scales (one per rank) are required for nvfp4 and only there")
+    quantized = None
+    if global_scales is not None:
+        if len(global_scales) != cfg.ranks:
+            raise ValueError(f"expected {cfg.ranks} global scales, got {len(global_scales)}")
+        # Each token is quantized once, on its own rank, under that rank's scale.
+        quantized = [quantize_nvfp4(xr, torch.full((xr.shape[0],), float(gs),
+                                                   dtype=torch.float32, device=xr.device))
+                     for xr, gs in zip(x, global_scales)]
     e_loc, shared = cfg.local_experts, int(cfg.fused_shared_expert)
     results = []
     for r in range(cfg.ranks):
@@ -123,11 +146,12 @@ def dispatch(cfg: EPConfig, x: list[torch.Tensor], topk_ids: list[torch.Tensor],
             shared_tokens = range(tokens)
         sources = [r] if skip_a2a else range(cfg.ranks)
         results.append(_dispatch_to(cfg, x, topk_ids, r, sources, e_loc, shared,
-                                    shared_tokens if shared else ()))
+                                    shared_tokens if shared else (), quantized))
     return results
 
 
-def _dispatch_to(cfg, x, topk_ids, dest, sources, e_loc, shared, shared_tokens) -> DispatchResult:
+def _dispatch_to(cfg, x, topk_ids, dest, sources, e_loc, shared, shared_tokens,
+                 quantized) -> DispatchResult:
     # Every (segment, source, token, k) that lands on `dest`, as columns.
     device = x[dest].device
     seg, src, tok, slot = [], [], [], []
@@ -161,25 +185,42 @@ def _dispatch_to(cfg, x, topk_ids, dest, sources, e_loc, shared, shared_tokens) 
 
     h, cap = cfg.hidden, cfg.row_capacity
     starts = torch.tensor([0] + [xr.shape[0] for xr in x], device=device).cumsum(0)
-    rows_bf16 = torch.zeros(cap, h, dtype=torch.bfloat16, device=device)
-    rows_bf16[rows] = torch.cat([xr.to(device) for xr in x])[starts[src] + tok]
+    token_at = starts[src] + tok  # each row's token in the concatenation of all ranks' tokens
     src_info = torch.full((cap, 2), PAD, dtype=torch.int32, device=device)
     src_info[rows] = torch.stack([tok, slot], dim=1).int()
     source_rank = torch.full((cap,), PAD, dtype=torch.int32, device=device)
     source_rank[rows] = src.int()
 
-    valid = source_rank != PAD
-    if cfg.format == "fp8":
-        q, scale = quantize_fp8_blockwise(rows_bf16)
-        q.view(torch.uint8)[~valid] = 0
-        scale[~valid] = 0
-        tokens, scales = q, scale.t().contiguous()
+    scales_offsets = None
+    if cfg.format == "nvfp4":
+        codes = torch.cat([q.to(device) for q, _ in quantized])[token_at]
+        linear = torch.cat([sf.to(device) for _, sf in quantized])[token_at]
+        tokens = torch.zeros(cap, h // 2, dtype=torch.uint8, device=device)
+        tokens[rows] = codes
+        first, offsets = expert_scale_blocks(counts.tolist())
+        first = torch.tensor(first, dtype=torch.int64, device=device)
+        scale_rows = first[seg] * ATOM_ROWS + rows - row_offsets[seg]
+        scales = torch.zeros(output_scales(cfg).layout.cosize(), dtype=torch.uint8,
+                             device=device)
+        kb = torch.arange(h // NVFP4_BLOCK, device=device)
+        scales[_scale_offsets(scale_rows, kb, h).flatten()] = linear.flatten()
+        scales_offsets = torch.tensor(offsets, dtype=torch.int32, device=device)
     else:
-        tokens, scales = rows_bf16, None
+        rows_bf16 = torch.zeros(cap, h, dtype=torch.bfloat16, device=device)
+        rows_bf16[rows] = torch.cat([xr.to(device) for xr in x])[token_at]
+        valid = source_rank != PAD
+        if cfg.format == "fp8":
+            q, scale = quantize_fp8_blockwise(rows_bf16)
+            q.view(torch.uint8)[~valid] = 0
+            scale[~valid] = 0
+            tokens, scales = q, scale.t().contiguous()
+        else:
+            tokens, scales = rows_bf16, None
     return DispatchResult(
         tokens=tokens, scales=scales, row_offsets=row_offsets,
         expert_ids=torch.arange(segments, dtype=torch.int32, device=device) - shared,
-        src_info=src_info, counts=counts.int(), source_rank=source_rank)
+        src_info=src_info, counts=counts.int(), source_rank=source_rank,
+        scales_offsets=scales_offsets)
 
 
 def combine(cfg: EPConfig, y: list[torch.Tensor], dispatched: list[DispatchResult],

@@ -28,6 +28,7 @@ _GRID_PER_SM = 8
 def fused_silu(x: torch.Tensor, row_offsets: torch.Tensor | None = None, *,
                interleaved: bool = False) -> torch.Tensor:
     """bf16 [M, I]."""
+    _check_x("bf16", x)
     out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=torch.bfloat16, device=x.device)
     _run("bf16", x, row_offsets, interleaved, out.view(torch.uint8))
     return out
@@ -37,6 +38,7 @@ def fused_silu_fp8(x: torch.Tensor, row_offsets: torch.Tensor | None = None, *,
                    interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 [M, I], fp32 scales transposed [I / 128, M]): per 128 elements
     `s = max(amax, 1e-4) / 448`, `q = e4m3(clamp(z / s, +-448))`. I must be a multiple of 128."""
+    _check_x("fp8", x)
     m, i = x.shape[0], x.shape[1] // 2
     out = torch.empty(m, i, dtype=torch.float8_e4m3fn, device=x.device)
     scales = torch.empty(i // 128, m, dtype=torch.float32, device=x.device)
@@ -55,6 +57,7 @@ def fused_silu_nvfp4(x: torch.Tensor, input_scales: torch.Tensor | float,
     start on a fresh 128-row block; the buffer holds `scale_rows` rows (default M + 128 S) and
     the padding of every used block is zero.
     """
+    _check_x("nvfp4", x)
     segments = _segments(x, row_offsets)
     if not isinstance(input_scales, torch.Tensor):
         input_scales = torch.full((segments,), float(input_scales), dtype=torch.float32,
@@ -86,6 +89,7 @@ def fused_silu_mxfp4(x: torch.Tensor, row_offsets: torch.Tensor | None = None, *
 
 
 def _fp4(out_format, x, row_offsets, interleaved, scale_rows, **extra):
+    _check_x(out_format, x)
     m, i = x.shape[0], x.shape[1] // 2
     segments = _segments(x, row_offsets)
     rows = scale_rows if scale_rows is not None else scale_rows_capacity(m, segments)
@@ -102,14 +106,18 @@ def _segments(x, row_offsets) -> int:
     return 1 if row_offsets is None else row_offsets.numel() - 1
 
 
-def _run(out_format, x, row_offsets, interleaved, out, scales=None, *, input_scales=None,
-         activation_params=None, scale_stride=0, work_rows=None):
-    device = x.device
+def _check_x(out_format, x):
     check_tensor(x, name="x", dtype="bfloat16", align=16)
     vector = _VECTOR[out_format]
     if x.dim() != 2 or x.shape[1] % (2 * vector):
         raise ValueError(f"x must be bf16 [M, 2I] with I a multiple of {vector} for "
                          f"{_FAMILY[out_format]}, got {tuple(x.shape)}")
+
+
+def _run(out_format, x, row_offsets, interleaved, out, scales=None, *, input_scales=None,
+         activation_params=None, scale_stride=0, work_rows=None):
+    device = x.device
+    _check_x(out_format, x)
     m, i = x.shape[0], x.shape[1] // 2
     row_offsets, segments = segment_offsets(row_offsets, m, device)
     arch = device_arch(device)

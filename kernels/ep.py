@@ -6,8 +6,10 @@ Dispatch (`dispatch_async` = plan, encode, send; `dispatch_wait` = receive):
   routed to that expert (its *position*). Both in source-token order, so the receiver's row order
   is deterministic. The counts of each key go to `send_counts`.
 - `ep_encode`: one CTA per token writes its message once (`layouts.formats`): the payload (bf16
-  copied, or FP8 blockwise quantized with fp32 scales per 128), then the metadata (source token,
-  K expert ids, K weights, K positions).
+  copied, FP8 blockwise quantized with fp32 scales per 128, or NVFP4 with e4m3 scales per 16
+  under the rank's global scale, read on the device), then the metadata (source token, K expert
+  ids, K weights, K positions). The NVFP4 encoder exists twice, like `quantize_nvfp4`: software
+  e2m1 for sm_90a, the hardware conversion for sm_100a.
 - `ep_send`: CTA (destination d, chunk of tokens) copies each message routed to d, once per
   destination rank, into slot [me][slot] of d's receive buffer over NVLink with 128-bit tiled
   copies. The chunk that finishes last for d writes this rank's counts into d's `recv_counts`
@@ -15,7 +17,9 @@ Dispatch (`dispatch_async` = plan, encode, send; `dispatch_wait` = receive):
 - `ep_recv`: every CTA waits (bounded) for every source's flag, turns the received counts into
   segment offsets (each segment padded to the format's row alignment), and CTA (s, c) expands
   source s's messages c, c + C, ... into expert rows: row = base[segment][s] + position. It
-  records, per (source, message, k), the row and weight the combine needs.
+  records, per (source, message, k), the row and weight the combine needs. NVFP4 scales go to
+  the 128x4 layout (`layouts.scales`), each segment on a fresh 128-row block; all CTAs share the
+  zeroing of the padding rows of every segment's last block.
 
 Combine (`combine_async` = send; `combine_wait` = receive):
 - `ep_combine_send`: CTA (home rank s, chunk) sums, in fp32, the weighted rows of each token
@@ -36,11 +40,13 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Float8E4M3FN, Int32, Int64
 
-from cute_ep.abi import GridRule, KernelSpec, Param
+from cute_ep.abi import ARCHES, GridRule, KernelSpec, Param
 from kernels.copy import copy_rows, row_predicate, row_tiled_copy, vector_tiled_copy
+from kernels.nvfp4 import quantize_nvfp4_block
 from kernels.scan import warp_exclusive_scan
 from layouts import VECTOR_BYTES
 from layouts.buffers import FP8_ROW_ALIGN
+from layouts.scales import ATOM_BYTES, ATOM_ROWS
 
 WARP = 32
 MAX_RANKS = 8
@@ -51,18 +57,29 @@ FP8_BLOCK = 128
 FP8_MAX = 448.0
 FP8_MIN_AMAX = 1e-4
 BF16_PER_VECTOR = 8  # bf16 elements in one 128-bit access
+NVFP4_BLOCK = 16  # elements per e4m3 scale
+NVFP4_ROW_VECTOR = 8  # an NVFP4 row (H / 2 bytes) is a multiple of 8 bytes, not always of 16
 
 # error[0] = missing rank + 1, error[1] = phase, error[2] = bad expert id seen,
 # error[3] = inconsistent counts received.
 PHASE_DISPATCH = 1
 PHASE_COMBINE = 2
-FORMATS = ("bf16", "fp8")
+FORMATS = ("bf16", "fp8", "nvfp4")
+E2M1_ARCHES = {"software": ("sm_90a",), "hardware": ("sm_100a",)}
 
 LIMITS = {"max_ranks": MAX_RANKS, "max_topk": MAX_TOPK, "max_segments": MAX_ENTRIES - 1}
 
 
 def _ptr(dtype, addr, align):
     return cute.make_ptr(dtype, addr, cute.AddressSpace.gmem, assumed_align=align)
+
+
+@cute.jit
+def _scale_word_offset(srow, group, rk):
+    """Byte offset, in the 128x4 scale layout (`layouts.scales`), of scale row `srow`'s columns
+    4 group .. 4 group + 3: (r//128)*RK*512 + (kb//4)*512 + (r%32)*16 + ((r//32)%4)*4 + kb%4."""
+    return ((Int64(srow // ATOM_ROWS) * Int64(rk) + Int64(group)) * ATOM_BYTES
+            + Int64(srow % 32) * 16 + Int64((srow // 32) % 4) * 4)
 
 
 @cute.jit
@@ -274,17 +291,26 @@ class EpPlan:
 
 
 class EpEncode:
-    def __init__(self, fmt: str, threads: int = 128):
+    def __init__(self, fmt: str, e2m1: str | None = None, threads: int = 128):
+        """`e2m1` ("software" for sm_90a, "hardware" for sm_100a) is for NVFP4 only."""
         if fmt not in FORMATS:
             raise ValueError(f"ep_encode formats: {FORMATS}, not {fmt!r}")
+        if (fmt == "nvfp4") != (e2m1 is not None) or (e2m1 and e2m1 not in E2M1_ARCHES):
+            raise ValueError(f"ep_encode: nvfp4 needs e2m1 software|hardware, other formats "
+                             f"none; got {fmt}, {e2m1}")
         self.fmt = fmt
+        self.e2m1 = e2m1
         self.threads = threads
         self.vectors_per_thread = 4
+        self.arches = E2M1_ARCHES[e2m1] if e2m1 else ARCHES
 
     def spec(self) -> KernelSpec:
+        config = {"format": self.fmt, "threads": self.threads}
+        if self.e2m1:
+            config["e2m1"] = self.e2m1
         return KernelSpec(
             family="ep_encode",
-            config={"format": self.fmt, "threads": self.threads},
+            config=config,
             params=(
                 Param("send_buf", "ptr", "uint8", align=16, writes=True,
                       min_elements=("num_tokens", 16)),
@@ -292,6 +318,7 @@ class EpEncode:
                 Param("topk_ids", "ptr", "int32", align=4, min_elements=("num_tokens", 1)),
                 Param("topk_weights", "ptr", "float32", align=4),
                 Param("positions", "ptr", "int32", align=4, min_elements=("num_tokens", 1)),
+                Param("global_scale", "ptr", "float32", align=4),
                 Param("num_tokens", "i32"),
                 Param("hidden", "i32"),
                 Param("topk", "i32"),
@@ -308,11 +335,12 @@ class EpEncode:
 
     @cute.jit
     def __call__(self, send_buf: cute.Pointer, x: cute.Pointer, topk_ids: cute.Pointer,
-                 topk_weights: cute.Pointer, positions: cute.Pointer, num_tokens: Int32,
-                 hidden: Int32, topk: Int32, msg_bytes: Int32, scales_offset: Int32,
-                 meta_offset: Int32, has_weights: Int32, stream):
-        self.kernel(send_buf, x, topk_ids, topk_weights, positions, num_tokens, hidden, topk,
-                    msg_bytes, scales_offset, meta_offset, has_weights,
+                 topk_weights: cute.Pointer, positions: cute.Pointer,
+                 global_scale: cute.Pointer, num_tokens: Int32, hidden: Int32, topk: Int32,
+                 msg_bytes: Int32, scales_offset: Int32, meta_offset: Int32,
+                 has_weights: Int32, stream):
+        self.kernel(send_buf, x, topk_ids, topk_weights, positions, global_scale, num_tokens,
+                    hidden, topk, msg_bytes, scales_offset, meta_offset, has_weights,
                     vector_tiled_copy(self.threads),
                     row_tiled_copy(self.threads, BFloat16, BF16_PER_VECTOR),
                     row_tiled_copy(self.threads, Float8E4M3FN, BF16_PER_VECTOR)).launch(
@@ -320,10 +348,10 @@ class EpEncode:
 
     @cute.kernel
     def kernel(self, send_buf: cute.Pointer, x: cute.Pointer, topk_ids: cute.Pointer,
-               topk_weights: cute.Pointer, positions: cute.Pointer, num_tokens: Int32,
-               hidden: Int32, topk: Int32, msg_bytes: Int32, scales_offset: Int32,
-               meta_offset: Int32, has_weights: Int32, bytes_copy: cute.TiledCopy,
-               bf16_copy: cute.TiledCopy, fp8_copy: cute.TiledCopy):
+               topk_weights: cute.Pointer, positions: cute.Pointer, global_scale: cute.Pointer,
+               num_tokens: Int32, hidden: Int32, topk: Int32, msg_bytes: Int32,
+               scales_offset: Int32, meta_offset: Int32, has_weights: Int32,
+               bytes_copy: cute.TiledCopy, bf16_copy: cute.TiledCopy, fp8_copy: cute.TiledCopy):
         tidx, _, _ = cute.arch.thread_idx()
         t, _, _ = cute.arch.block_idx()
         msg = send_buf.toint() + Int64(t) * Int64(msg_bytes)
@@ -332,9 +360,13 @@ class EpEncode:
         if cutlass.const_expr(self.fmt == "bf16"):
             _copy_bytes(bytes_copy, tidx, row, msg, hidden * 2 // VECTOR_BYTES,
                         self.threads * self.vectors_per_thread)
-        else:
+        elif cutlass.const_expr(self.fmt == "fp8"):
             self._quantize_fp8(tidx, row, msg, msg + Int64(scales_offset), hidden, bf16_copy,
                                fp8_copy)
+        else:
+            gs = _load_f32(global_scale.toint())
+            for kb in cutlass.range(tidx, hidden // NVFP4_BLOCK, self.threads):
+                self._quantize_nvfp4_block(row, msg, msg + Int64(scales_offset), kb, gs)
 
         meta = msg + Int64(meta_offset)
         if tidx == 0:
@@ -348,6 +380,15 @@ class EpEncode:
             _store_f32(meta + 4 + Int64(topk + tidx) * 4, w)
             _store_i32(meta + 4 + Int64(2 * topk + tidx) * 4,
                        _load_i32(positions.toint() + k_at * 4))
+
+    @cute.jit
+    def _quantize_nvfp4_block(self, src_addr, codes_addr, scales_addr, kb, gs):
+        """Block kb (16 elements) of the token at `src_addr`: its 8 code bytes to `codes_addr`,
+        its e4m3 scale byte to `scales_addr`: the block quantizer `quantize_nvfp4` uses."""
+        byte = quantize_nvfp4_block(src_addr + Int64(kb) * NVFP4_BLOCK * 2,
+                                    codes_addr + Int64(kb) * 8, gs, self.e2m1)
+        cute.make_tensor(_ptr(cutlass.Uint8, scales_addr + Int64(kb), 1),
+                         cute.make_layout(1))[0] = cutlass.Uint8(byte)
 
     @cute.jit
     def _quantize_fp8(self, tidx, src_addr, dst_addr, scales_addr, hidden,
@@ -475,11 +516,14 @@ class EpRecv:
         self.threads = threads
         self.rows_per_tile = threads * 2
         self.row_align = FP8_ROW_ALIGN if fmt == "fp8" else 1
+        # Payload rows move in 16-byte vectors, NVFP4 rows (H / 2 bytes) in 8-byte ones.
+        self.vector_bytes = NVFP4_ROW_VECTOR if fmt == "nvfp4" else VECTOR_BYTES
 
     @property
     def smem_bytes(self) -> int:
-        words = 2 * MAX_RANKS * MAX_ENTRIES + 2 * (MAX_ENTRIES + 4) + MAX_RANKS + MAX_TOPK + 4
-        return words * 4 + 8 * 16  # allocator alignment padding
+        words = (2 * MAX_RANKS * MAX_ENTRIES + 3 * (MAX_ENTRIES + 4) + MAX_RANKS
+                 + 2 * (MAX_TOPK + 4))
+        return words * 4 + 10 * 16  # allocator alignment padding
 
     def spec(self) -> KernelSpec:
         return KernelSpec(
@@ -492,7 +536,9 @@ class EpRecv:
                 Param("rounds", "ptr", "int64", align=8),
                 Param("error", "ptr", "int32", align=4, writes=True),
                 Param("tokens", "ptr", "uint8", align=16, writes=True),
-                Param("scales", "ptr", "float32", align=4, writes=True),
+                Param("scales", "ptr", "uint8" if self.fmt == "nvfp4" else "float32", align=4,
+                      writes=True),
+                Param("scales_offsets", "ptr", "int32", align=4, writes=True),
                 Param("row_offsets", "ptr", "int32", align=4, writes=True),
                 Param("expert_ids", "ptr", "int32", align=4, writes=True),
                 Param("seg_counts", "ptr", "int32", align=4, writes=True),
@@ -522,34 +568,36 @@ class EpRecv:
             grid=(GridRule(ceil_div=("ranks", 1)), GridRule(ceil_div=("ctas_per_source", 1)),
                   GridRule(constant=1)),
             smem_bytes=self.smem_bytes,
-            sizes=dict(LIMITS, row_align=self.row_align),
+            sizes=dict(LIMITS, row_align=self.row_align, vector_bytes=self.vector_bytes),
         )
 
     @cute.jit
     def __call__(self, recv_buf: cute.Pointer, recv_counts: cute.Pointer, flags: cute.Pointer,
                  rounds: cute.Pointer, error: cute.Pointer, tokens: cute.Pointer,
-                 scales: cute.Pointer, row_offsets: cute.Pointer, expert_ids: cute.Pointer,
-                 seg_counts: cute.Pointer, src_info: cute.Pointer, comb_rows: cute.Pointer,
+                 scales: cute.Pointer, scales_offsets: cute.Pointer, row_offsets: cute.Pointer,
+                 expert_ids: cute.Pointer, seg_counts: cute.Pointer, src_info: cute.Pointer,
+                 comb_rows: cute.Pointer,
                  comb_weights: cute.Pointer, comb_tokens: cute.Pointer, comb_counts: cute.Pointer,
                  ranks: Int32, my_rank: Int32, max_tokens: Int32, topk: Int32,
                  local_experts: Int32, shared: Int32, shared_begin: Int32, shared_end: Int32,
                  msg_bytes: Int32, payload_vectors: Int32, scales_offset: Int32,
                  meta_offset: Int32, row_capacity: Int32, timeout_ns: Int64,
                  ctas_per_source: Int32, stream):
-        self.kernel(recv_buf, recv_counts, flags, rounds, error, tokens, scales, row_offsets,
-                    expert_ids, seg_counts, src_info, comb_rows, comb_weights, comb_tokens,
-                    comb_counts, ranks, my_rank, max_tokens, topk, local_experts, shared,
-                    shared_begin, shared_end, msg_bytes, payload_vectors, scales_offset,
+        self.kernel(recv_buf, recv_counts, flags, rounds, error, tokens, scales, scales_offsets,
+                    row_offsets, expert_ids, seg_counts, src_info, comb_rows, comb_weights,
+                    comb_tokens, comb_counts, ranks, my_rank, max_tokens, topk, local_experts,
+                    shared, shared_begin, shared_end, msg_bytes, payload_vectors, scales_offset,
                     meta_offset, row_capacity, timeout_ns, ctas_per_source,
-                    vector_tiled_copy(self.threads)).launch(
+                    row_tiled_copy(self.threads, cutlass.Uint8, self.vector_bytes)).launch(
             grid=(ranks, ctas_per_source, 1), block=(self.threads, 1, 1), smem=self.smem_bytes,
             stream=stream)
 
     @cute.kernel
     def kernel(self, recv_buf: cute.Pointer, recv_counts: cute.Pointer, flags: cute.Pointer,
                rounds: cute.Pointer, error: cute.Pointer, tokens: cute.Pointer,
-               scales: cute.Pointer, row_offsets: cute.Pointer, expert_ids: cute.Pointer,
-               seg_counts: cute.Pointer, src_info: cute.Pointer, comb_rows: cute.Pointer,
+               scales: cute.Pointer, scales_offsets: cute.Pointer, row_offsets: cute.Pointer,
+               expert_ids: cute.Pointer, seg_counts: cute.Pointer, src_info: cute.Pointer,
+               comb_rows: cute.Pointer,
                comb_weights: cute.Pointer, comb_tokens: cute.Pointer, comb_counts: cute.Pointer,
                ranks: Int32, my_rank: Int32, max_tokens: Int32, topk: Int32,
                local_experts: Int32, shared: Int32, shared_begin: Int32, shared_end: Int32,
@@ -562,16 +610,21 @@ class EpRecv:
         lane = tidx % WARP
         segments = local_experts + shared
         entries = 1 + segments
-        payload_bytes = Int64(payload_vectors) * VECTOR_BYTES
-        blocks = payload_vectors * VECTOR_BYTES // FP8_BLOCK  # fp8: one byte per element
+        payload_bytes = Int64(payload_vectors) * self.vector_bytes
+        blocks = payload_vectors * self.vector_bytes // FP8_BLOCK  # fp8: one byte per element
+        # nvfp4: H / 16 e4m3 scales per row (two codes a byte), in RK groups of 4 columns.
+        scale_cols = payload_vectors * self.vector_bytes * 2 // NVFP4_BLOCK
+        rk = (scale_cols + 3) // 4
 
         smem = cutlass.memory.SmemAllocator()
         s_cnt = smem.allocate_tensor(Int32, cute.make_layout(MAX_RANKS * MAX_ENTRIES), byte_alignment=16)
         s_base = smem.allocate_tensor(Int32, cute.make_layout(MAX_RANKS * MAX_ENTRIES), byte_alignment=16)
         s_tot = smem.allocate_tensor(Int32, cute.make_layout(MAX_ENTRIES + 4), byte_alignment=16)
         s_off = smem.allocate_tensor(Int32, cute.make_layout(MAX_ENTRIES + 4), byte_alignment=16)
+        s_first = smem.allocate_tensor(Int32, cute.make_layout(MAX_ENTRIES + 4), byte_alignment=16)
         s_arrived = smem.allocate_tensor(Int32, cute.make_layout(MAX_RANKS), byte_alignment=16)
         s_rows = smem.allocate_tensor(Int32, cute.make_layout(MAX_TOPK + 4), byte_alignment=16)
+        s_srow = smem.allocate_tensor(Int32, cute.make_layout(MAX_TOPK + 4), byte_alignment=16)
 
         # 1. Wait for every source, bounded.
         _wait_for_sources(tidx, ranks, flags, rounds, error, timeout_ns, Int32(PHASE_DISPATCH),
@@ -591,15 +644,20 @@ class EpRecv:
             s_cnt[i] = value
         cute.arch.sync_threads()
 
-        # 3. Rows of each segment, padded to the format's alignment; 4. their offsets.
+        # 3. Rows of each segment, padded to the format's alignment; 4. their offsets (nvfp4:
+        # also the first 128-row scale block of each segment, every segment on fresh blocks).
         for g in cutlass.range(tidx, segments, self.threads):
             total = Int32(0)
             for s in cutlass.range(ranks):
                 total = total + s_cnt[s * entries + 1 + g]
             s_tot[g] = (total + self.row_align - 1) // self.row_align * self.row_align
+            if cutlass.const_expr(self.fmt == "nvfp4"):
+                s_first[g] = (total + ATOM_ROWS - 1) // ATOM_ROWS
         cute.arch.sync_threads()
         if warp == 0:
             warp_exclusive_scan(s_tot, s_off, segments, lane)
+            if cutlass.const_expr(self.fmt == "nvfp4"):
+                warp_exclusive_scan(s_first, s_first, segments, lane)
         cute.arch.sync_threads()
         # 5. First row of each (segment, source).
         for g in cutlass.range(tidx, segments, self.threads):
@@ -620,6 +678,10 @@ class EpRecv:
                 cute.make_tensor(seg_counts, cute.make_layout(segments))[g] = s_tot[g]
             for s in cutlass.range(tidx, ranks, self.threads):
                 cute.make_tensor(comb_counts, cute.make_layout(ranks))[s] = s_cnt[s * entries]
+            if cutlass.const_expr(self.fmt == "nvfp4"):
+                for g in cutlass.range(tidx, segments, self.threads):
+                    cute.make_tensor(scales_offsets, cute.make_layout(segments))[g] = \
+                        s_first[g] - s_off[g] // ATOM_ROWS
             if cutlass.const_expr(self.row_align > 1):
                 for g in cutlass.range(segments):
                     pad_begin = s_off[g] + s_tot[g]
@@ -637,10 +699,15 @@ class EpRecv:
                     for i in cutlass.range(tidx, pad_rows, self.threads):
                         _store_i32(src_info.toint() + Int64(pad_begin + i) * 8, Int32(-1))
                         _store_i32(src_info.toint() + Int64(pad_begin + i) * 8 + 4, Int32(-1))
+        if cutlass.const_expr(self.fmt == "nvfp4"):
+            self._zero_scale_padding(tidx, source * ctas_per_source + cta,
+                                     ranks * ctas_per_source, scales, s_tot, s_first, segments,
+                                     rk)
 
         # 7. Expand this source's messages into expert rows.
-        layout = cute.make_layout((payload_vectors, VECTOR_BYTES), stride=(VECTOR_BYTES, 1))
-        tiler = (self.rows_per_tile, VECTOR_BYTES)
+        vec = self.vector_bytes
+        layout = cute.make_layout((payload_vectors, vec), stride=(vec, 1))
+        tiler = (self.rows_per_tile, vec)
         g_crd = cute.zipped_divide(cute.make_identity_tensor(layout.shape), tiler)
         thr = tiled_copy.get_slice(tidx)
         n = s_cnt[source * entries]
@@ -656,6 +723,8 @@ class EpRecv:
                     g = e + shared
                     if p >= 0 and p < s_cnt[source * entries + 1 + g]:
                         row = s_base[g * ranks + source] + p
+                        if cutlass.const_expr(self.fmt == "nvfp4"):
+                            s_srow[tidx] = row - s_off[g] + s_first[g] * ATOM_ROWS
                     else:
                         _store_i32(error.toint() + 12, Int32(1))
                 s_rows[tidx] = row
@@ -668,6 +737,8 @@ class EpRecv:
                 row = Int32(-1)
                 if shared != 0 and source == my_rank and tok >= shared_begin and tok < shared_end:
                     row = s_base[source] + tok - shared_begin
+                if cutlass.const_expr(self.fmt == "nvfp4"):
+                    s_srow[topk] = row  # segment 0 starts at row 0 and scale block 0
                 s_rows[topk] = row
                 s_rows[topk + 1] = tok
             cute.arch.sync_threads()
@@ -681,7 +752,7 @@ class EpRecv:
                     _store_i32(src_info.toint() + Int64(row) * 8, tok)
                     _store_i32(src_info.toint() + Int64(row) * 8 + 4, slot)
             g_src = cute.zipped_divide(
-                cute.make_tensor(_ptr(cutlass.Uint8, msg, 16), layout), tiler)
+                cute.make_tensor(_ptr(cutlass.Uint8, msg, vec), layout), tiler)
             for tile in cutlass.range(cute.ceil_div(payload_vectors, self.rows_per_tile)):
                 t_src = thr.partition_S(g_src[((None, None), tile)])
                 pred = row_predicate(thr.partition_S(g_crd[((None, None), tile)]),
@@ -692,7 +763,7 @@ class EpRecv:
                     row = s_rows[k]
                     if row >= 0:
                         g_dst = cute.zipped_divide(cute.make_tensor(
-                            _ptr(cutlass.Uint8, tokens.toint() + Int64(row) * payload_bytes, 16),
+                            _ptr(cutlass.Uint8, tokens.toint() + Int64(row) * payload_bytes, vec),
                             layout), tiler)
                         cute.copy(tiled_copy, regs, thr.partition_D(g_dst[((None, None), tile)]),
                                   pred=row_predicate(thr.partition_S(g_crd[((None, None), tile)]),
@@ -705,7 +776,36 @@ class EpRecv:
                     if row >= 0:
                         _store_f32(scales.toint() + (Int64(b) * Int64(row_capacity) + Int64(row)) * 4,
                                    _load_f32(msg + Int64(scales_offset) + Int64(b) * 4))
+            if cutlass.const_expr(self.fmt == "nvfp4"):
+                # A 32-bit word per (row, group of 4 scale columns); columns past H / 16 zero.
+                for i in cutlass.range(tidx, (topk + 1) * rk, self.threads):
+                    k = i // rk
+                    c = i - k * rk
+                    row = s_rows[k]
+                    if row >= 0:
+                        word = _load_i32(msg + Int64(scales_offset) + Int64(c) * 4)
+                        valid = scale_cols - c * 4
+                        if valid < 4:
+                            word = word & ((Int32(1) << (valid * 8)) - 1)
+                        _store_i32(scales.toint() + _scale_word_offset(s_srow[k], c, rk), word)
             cute.arch.sync_threads()
+
+    @cute.jit
+    def _zero_scale_padding(self, tidx, cta_rank, num_ctas, scales: cute.Pointer,
+                            s_tot: cute.Tensor, s_first: cute.Tensor, segments, rk):
+        """Zero the scale words of the rows past each segment's count in its last 128-row block,
+        the grid's threads striding over the block's words in address order (coalesced). The
+        rows below the count are written by the expansion, so the two never meet."""
+        first = cta_rank * self.threads + tidx
+        stride = num_ctas * self.threads
+        for g in cutlass.range(segments):
+            used = s_tot[g] - (s_first[g + 1] - s_first[g] - 1) * ATOM_ROWS  # rows in last block
+            if s_tot[g] > 0 and used < ATOM_ROWS:
+                base = scales.toint() + Int64(s_first[g + 1] - 1) * Int64(rk) * ATOM_BYTES
+                for i in cutlass.range(first, rk * (ATOM_BYTES // 4), stride):
+                    w = i % (ATOM_BYTES // 4)
+                    if w // 4 + 32 * (w % 4) >= used:  # word w of an atom holds row w/4 + 32 (w%4)
+                        _store_i32(base + Int64(i) * 4, Int32(0))
 
 
 class EpCombineSend:
@@ -987,5 +1087,6 @@ class EpCombineRecv:
 
 
 def ep_kernels() -> list:
-    return [EpPlan(), *(EpEncode(f) for f in FORMATS), EpSend(), *(EpRecv(f) for f in FORMATS),
+    return [EpPlan(), EpEncode("bf16"), EpEncode("fp8"), EpEncode("nvfp4", "software"),
+            EpEncode("nvfp4", "hardware"), EpSend(), *(EpRecv(f) for f in FORMATS),
             EpCombineSend(), EpCombineRecv()]

@@ -131,6 +131,27 @@ def e2m1_words(vals: cute.Tensor, gs: Float32, sf: Float32, usable, words: cute.
             words[w] = word
 
 
+@cute.jit
+def quantize_nvfp4_block(src_addr, codes_addr, gs: Float32, e2m1: cutlass.Constexpr):
+    """The 16 bf16 values at `src_addr` (16-byte aligned): write their 8 code bytes to
+    `codes_addr` (8-byte aligned) and return their e4m3 scale byte. `sf = e4m3(gs * amax / 6)`,
+    `q = e2m1((x * gs) / sf)`, true fp32 divisions, codes 0 where sf is not positive."""
+    src = cute.make_tensor(_ptr(BFloat16, src_addr, 16), cute.make_layout(BLOCK))
+    regs = cute.make_rmem_tensor(cute.make_layout(BLOCK), BFloat16)
+    cute.autovec_copy(src, regs)
+    vals = cute.make_rmem_tensor(cute.make_layout(BLOCK), Float32)
+    vals.store(regs.load().to(Float32))
+    amax = Float32(0.0)
+    for i in cutlass.range_constexpr(BLOCK):
+        amax = cute.arch.fmax(amax, cute.arch.fmax(vals[i], -vals[i], nan=True), nan=True)
+    byte = cvt_e4m3_byte((gs * amax) / Float32(6.0))
+    sf = e4m3_byte_to_f32(byte)
+    words = cute.make_rmem_tensor(cute.make_layout(2), Int32)
+    e2m1_words(vals, gs, sf, sf > 0.0, words, e2m1)
+    cute.autovec_copy(words, cute.make_tensor(_ptr(Int32, codes_addr, 8), cute.make_layout(2)))
+    return byte
+
+
 class QuantizeNvfp4:
     def __init__(self, scales: str, e2m1: str, threads: int = 128):
         if scales not in ("linear", "128x4") or e2m1 not in ("software", "hardware"):
@@ -219,22 +240,6 @@ class QuantizeNvfp4:
     @cute.jit
     def _quantize_block(self, x: cute.Pointer, codes: cute.Pointer, row, kb, hidden, gs):
         """Quantize block kb of `row`; write its 8 code bytes, return its e4m3 scale byte."""
-        src = cute.make_tensor(
-            _ptr(BFloat16, x.toint() + (Int64(row) * Int64(hidden) + Int64(kb) * BLOCK) * 2, 16),
-            cute.make_layout(BLOCK))
-        regs = cute.make_rmem_tensor(cute.make_layout(BLOCK), BFloat16)
-        cute.autovec_copy(src, regs)
-        vals = cute.make_rmem_tensor(cute.make_layout(BLOCK), Float32)
-        vals.store(regs.load().to(Float32))
-        amax = Float32(0.0)
-        for i in cutlass.range_constexpr(BLOCK):
-            amax = cute.arch.fmax(amax, cute.arch.fmax(vals[i], -vals[i], nan=True), nan=True)
-        byte = cvt_e4m3_byte((gs * amax) / Float32(6.0))
-        sf = e4m3_byte_to_f32(byte)
-        words = cute.make_rmem_tensor(cute.make_layout(2), Int32)
-        e2m1_words(vals, gs, sf, sf > 0.0, words, self.e2m1)
-        out = cute.make_tensor(
-            _ptr(Int32, codes.toint() + Int64(row) * Int64(hidden // 2) + Int64(kb) * 8, 8),
-            cute.make_layout(2))
-        cute.autovec_copy(words, out)
-        return byte
+        return quantize_nvfp4_block(
+            x.toint() + (Int64(row) * Int64(hidden) + Int64(kb) * BLOCK) * 2,
+            codes.toint() + Int64(row) * Int64(hidden // 2) + Int64(kb) * 8, gs, self.e2m1)

@@ -90,7 +90,7 @@ def e8m0_round_up(q: Float32) -> Int32:
 
 @cute.jit
 def e8m0_value(code: Int32) -> Float32:
-    """2^(code - 127) for codes 0..254 (code 0 is the subnormal 2^-127); NaN for 0xFF."""
+    """2^(code - 127) for codes 0..254 (code 0 is the subnormal 2^-127)."""
     bits = code << 23
     if code == 0:
         bits = Int32(0x400000)
@@ -322,9 +322,13 @@ class FusedSilu:
                 sf = e4m3_byte_to_f32(byte)
                 usable = sf > 0.0
             else:
+                # z / 2^e == z * 2^-e bit for bit (both round the exact product once, and 2^-e
+                # is representable for every e in [-127, 127]): multiply, divide by 1.
                 byte = e8m0_round_up(amax / Float32(6.0))
-                sf = e8m0_value(byte)
                 usable = byte != 0xFF and amax > 0.0
+                sf = Float32(1.0)
+                if usable:
+                    gs = e8m0_value(254 - byte)
             words = cute.make_rmem_tensor(cute.make_layout(n // 8), Int32)
             e2m1_words(z, gs, sf, usable, words, self.e2m1)
             dst = cute.make_tensor(

@@ -44,6 +44,9 @@ def _worker(rank, world, port, args, results):
     ids = ids.to(torch.int32)
     w = torch.rand(args.tokens, args.topk, device="cuda", generator=gen)
     y = torch.randn(cfg.row_capacity, args.hidden, device="cuda", generator=gen).to(torch.bfloat16)
+    # NVFP4: one global scale on every rank, mapping randn's amax (about 5) near e4m3's top.
+    quant = {"global_scale": torch.full((1,), 448.0, device="cuda")} \
+        if args.format == "nvfp4" else {}
     payload = cfg.message.segment("payload").nbytes
     dest_ranks = ids.long() // cfg.local_experts
     to_rank = [(dest_ranks == d).any(1) for d in range(world)]
@@ -71,7 +74,7 @@ def _worker(rank, world, port, args, results):
         dist.barrier()
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
         ev[0].record()
-        out = buf.dispatch(x, ids, w)
+        out = buf.dispatch(x, ids, w, **quant)
         ev[1].record()
         buf.combine(y, out.handle)
         ev[2].record()
@@ -94,7 +97,7 @@ def main(argv=None) -> int:
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--experts", type=int, default=256)
-    p.add_argument("--format", default="bf16", choices=["bf16", "fp8"])
+    p.add_argument("--format", default="bf16", choices=["bf16", "fp8", "nvfp4"])
     p.add_argument("--iters", type=int, default=50)
     args = p.parse_args(argv)
     os.environ.update(SAFE_ENV)

@@ -114,33 +114,32 @@ def test_cli_writes_the_ci_subset_where_asked(tmp_path):
     assert f"{expected} built, 0 unchanged, 0 failed" in done.stdout
 
 
-@pytest.mark.build
-def test_nvfp4_uses_the_hardware_e2m1_conversion_only_on_sm_100a():
-    from kernels.build import compile_with_ptx
+def _fp4_kernel(name, e2m1):
+    from kernels.ep import EpEncode
     from kernels.nvfp4 import QuantizeNvfp4
-
-    instr = "cvt.rn.satfinite.e2m1x2.f32"
-    hw = QuantizeNvfp4("128x4", "hardware")
-    sw = QuantizeNvfp4("128x4", "software")
-    assert hw.arches == ("sm_100a",) and sw.arches == ("sm_90a",)
-    assert instr in compile_with_ptx(hw, hw.spec(), "sm_100a")[2]
-    assert instr not in compile_with_ptx(sw, sw.spec(), "sm_90a")[2]
-
-
-@pytest.mark.build
-@pytest.mark.parametrize("out", ["nvfp4", "mxfp4"])
-def test_fused_silu_fp4_uses_the_hardware_e2m1_conversion_only_on_sm_100a(out):
-    from kernels.build import compile_with_ptx
     from kernels.silu import FusedSilu
 
-    hw = FusedSilu(out, interleaved=True, e2m1="hardware")
-    sw = FusedSilu(out, interleaved=True, e2m1="software")
+    return {"quantize_nvfp4": lambda: QuantizeNvfp4("128x4", e2m1),
+            "ep_encode_nvfp4": lambda: EpEncode("nvfp4", e2m1),
+            "fused_silu_nvfp4": lambda: FusedSilu("nvfp4", True, e2m1=e2m1),
+            "fused_silu_mxfp4": lambda: FusedSilu("mxfp4", True, "swiglu_oai", e2m1=e2m1)}[name]()
+
+
+@pytest.mark.build
+@pytest.mark.parametrize("name", ["quantize_nvfp4", "ep_encode_nvfp4", "fused_silu_nvfp4",
+                                  "fused_silu_mxfp4"])
+def test_fp4_kernels_use_the_hardware_e2m1_conversion_only_on_sm_100a(name):
+    from kernels.build import compile_with_ptx
+    from kernels.matrix import full_matrix
+
+    hw, sw = _fp4_kernel(name, "hardware"), _fp4_kernel(name, "software")
     assert hw.arches == ("sm_100a",) and sw.arches == ("sm_90a",)
+    assert {k.spec().key for k in full_matrix()} >= {hw.spec().key, sw.spec().key}
     hw_ptx = compile_with_ptx(hw, hw.spec(), "sm_100a")[2]
     sw_ptx = compile_with_ptx(sw, sw.spec(), "sm_90a")[2]
     assert "cvt.rn.satfinite.e2m1x2.f32" in hw_ptx
     assert "cvt.rn.satfinite.e2m1x2.f32" not in sw_ptx
-    # Every division is the correctly rounded one: the reference divides the same way.
+    # Every division is the correctly rounded one: the references divide the same way.
     for ptx in (hw_ptx, sw_ptx):
         assert "div.rn.f32" in ptx and "div.approx" not in ptx and "div.full" not in ptx
 

@@ -191,3 +191,104 @@ def test_bad_inputs_name_what_is_wrong(bad, match):
         x, ids = x[:1], ids[:1]
     with pytest.raises(ValueError, match=match):
         ref.dispatch(cfg, x, ids)
+
+
+def _spec_scale_offset(r, kb, hidden):
+    """SPEC section 4's byte offset of scale (row r, column kb) in the 128x4 layout."""
+    rk = -(-(hidden // 16) // 4)
+    return (r // 128) * rk * 512 + (kb // 4) * 512 + (r % 32) * 16 + ((r // 32) % 4) * 4 + kb % 4
+
+
+def _nvfp4_tokens(count, hidden, gs):
+    """Token t, block b: element 0 = 6 (1 + m/8) 2^-b / gs with m = t % 8, so its scale is
+    exactly (1 + m/8) 2^-b (e4m3 byte (7 - b) << 3 | m) and its code 6 (0x7); element 1 = 1.5
+    scale units (code 0x3); the rest 0."""
+    x = torch.zeros(count, hidden)
+    for t in range(count):
+        for b in range(hidden // 16):
+            sf = (1 + (t % 8) / 8) * 2.0 ** -b
+            x[t, 16 * b] = 6 * sf / gs
+            x[t, 16 * b + 1] = 1.5 * sf / gs
+    return x.to(torch.bfloat16)
+
+
+def test_nvfp4_dispatch_puts_each_segment_on_fresh_scale_blocks_padding_zero():
+    # H = 80: five scale columns, so RK = 2 and every row has three padding columns.
+    cfg = EPConfig(80, 1, 4, 2, 140, format="nvfp4")
+    gs = [1.0, 2.0]
+    x = [_nvfp4_tokens(130, 80, gs[0]), _nvfp4_tokens(5, 80, gs[1])]
+    ids = [torch.zeros(130, 1, dtype=torch.int32),  # rank 0: all to expert 0
+           torch.tensor([[1], [1], [1], [0], [0]], dtype=torch.int32)]
+    out = ref.dispatch(cfg, x, ids, global_scales=gs)
+    o = out[0]
+    # Expert 0: rank 0's 130 tokens then rank 1's tokens 3, 4 (rows 0..131, scale blocks 0, 1);
+    # expert 1: rank 1's tokens 0..2 at rows 132..134, scale rows 256..258 (block 2).
+    assert o.row_offsets.tolist() == [0, 132, 135] and o.counts.tolist() == [132, 3]
+    assert o.scales_offsets.tolist() == [0, 1]  # 2 - 132 // 128
+    assert o.tokens.shape == (cfg.row_capacity, 40)
+    assert o.scales.numel() == 5 * 2 * 512  # (280 + 2 * 128 rows -> 5 blocks) x RK x 512
+    assert [_spec_scale_offset(131, kb, 80) for kb in range(5)] == [1072, 1073, 1074, 1075, 1584]
+    assert [_spec_scale_offset(258, kb, 80) for kb in range(5)] == [2080, 2081, 2082, 2083, 2592]
+    # Row 131 is rank 1's token 4 (m = 4), row 134 its token 2 (m = 2), both under gs = 2.
+    assert o.scales[[1072, 1073, 1074, 1075, 1584]].tolist() == [0x3C, 0x34, 0x2C, 0x24, 0x1C]
+    assert o.scales[[2080, 2081, 2082, 2083, 2592]].tolist() == [0x3A, 0x32, 0x2A, 0x22, 0x1A]
+    assert o.tokens[134].tolist() == [0x37, 0, 0, 0, 0, 0, 0, 0] * 5
+    scale_row = {**{r: r for r in range(132)}, **{132 + j: 256 + j for j in range(3)}}
+    used = set()
+    for row, srow in scale_row.items():
+        s, t = int(o.source_rank[row]), int(o.src_info[row, 0])
+        assert (s, t) == ((0, row) if row < 130 else (1, [3, 4, 0, 1, 2][row - 130]))
+        assert o.tokens[row].tolist() == [0x37, 0, 0, 0, 0, 0, 0, 0] * 5
+        want = [(7 - b) << 3 | (t % 8) for b in range(5)]
+        assert [int(o.scales[_spec_scale_offset(srow, kb, 80)]) for kb in range(5)] == want
+        used |= {_spec_scale_offset(srow, kb, 80) for kb in range(5)}
+    assert all(o.scales[i] == 0 for i in range(o.scales.numel()) if i not in used)
+    # Rank 1 hosts experts 2, 3: nothing arrives, every scale byte stays zero.
+    assert out[1].row_offsets.tolist() == [0, 0, 0] and out[1].scales_offsets.tolist() == [0, 0]
+    assert not out[1].scales.any()
+
+
+@pytest.mark.parametrize("skip_a2a", [False, True])
+def test_nvfp4_dispatch_rows_dequantize_to_their_tokens(skip_a2a):
+    from cute_ep.reference_fp4 import dequantize_nvfp4
+
+    ranks, h = 4, 96
+    cfg = EPConfig(h, 4, 16, ranks, 200, format="nvfp4", fused_shared_expert=True)
+    gen = torch.Generator().manual_seed(9)
+    tokens = [200] * ranks if skip_a2a else [200, 0, 3, 131]
+    x, ids, _ = _inputs(cfg, tokens, gen)
+    if skip_a2a:
+        x, ids = [x[0]] * ranks, [ids[0]] * ranks
+    gs = [448 * 6 / 4.0, 100.0, 3.0, 0.5]
+    out = ref.dispatch(cfg, x, ids, skip_a2a=skip_a2a, global_scales=gs)
+    for r in range(ranks):
+        o = out[r]
+        _independent_order_check(cfg, o, ids, r, skip_a2a)
+        counts = o.counts.tolist()
+        first = [sum(-(-c // 128) for c in counts[:g]) for g in range(cfg.segments)]
+        assert o.scales_offsets.tolist() == [first[g] - int(o.row_offsets[g]) // 128
+                                             for g in range(cfg.segments)]
+        for g in range(cfg.segments):
+            for j in range(counts[g]):
+                row = int(o.row_offsets[g]) + j
+                s, t = int(o.source_rank[row]), int(o.src_info[row, 0])
+                sf = o.scales[[_spec_scale_offset(first[g] * 128 + j, kb, h)
+                               for kb in range(h // 16)]]
+                back = dequantize_nvfp4(o.tokens[row:row + 1], sf.unsqueeze(0),
+                                        torch.tensor([gs[s]]))
+                step = sf.view(torch.float8_e4m3fn).float().repeat_interleave(16) / gs[s]
+                assert ((back[0] - x[s][t].float()).abs() <= step * 1.0 + 1e-6).all()
+        assert not o.tokens[o.num_rows:].any()
+
+
+@pytest.mark.parametrize("fmt,scales,match", [
+    ("nvfp4", None, "global_scales"),
+    ("bf16", [1.0, 1.0], "global_scales"),
+    ("nvfp4", [1.0], "expected 2 global scales"),
+])
+def test_global_scales_are_for_nvfp4_and_one_per_rank(fmt, scales, match):
+    cfg = EPConfig(H, 2, 8, 2, 4, format=fmt)
+    x = [torch.zeros(3, H, dtype=torch.bfloat16)] * 2
+    ids = [torch.tensor([[0, 1], [2, 3], [4, 5]], dtype=torch.int32)] * 2
+    with pytest.raises(ValueError, match=match):
+        ref.dispatch(cfg, x, ids, global_scales=scales)

@@ -45,9 +45,18 @@ def _bad_inputs(rank, world):
     buf.dispatch(x, bad, w)
     expect("id range", buf.check)
     expect("config", lambda: Buffer(EPConfig(1024, 2, 8, 2, 16)))
-    expect("format", lambda: Buffer(EPConfig(1024, 2, 8, 1, 16, "nvfp4")))
+    expect("format", lambda: Buffer(EPConfig(1024, 2, 8, 1, 16, "mxfp4")))
     shared = Buffer(EPConfig(1024, 2, 8, 1, 16, fused_shared_expert=True))
     expect("shared unweighted", lambda: shared.dispatch(x, ids))
+    gs = torch.ones(1, device="cuda")
+    expect("scale for bf16", lambda: buf.dispatch(x, ids, w, global_scale=gs))
+    fp4 = Buffer(EPConfig(1024, 2, 8, 1, 16, "nvfp4"))
+    expect("no scale", lambda: fp4.dispatch(x, ids, w))
+    expect("scale dtype", lambda: fp4.dispatch(x, ids, w, global_scale=gs.double()))
+    expect("scale float", lambda: fp4.dispatch(x, ids, w, global_scale=1.0))
+    expect("scale cpu", lambda: fp4.dispatch(x, ids, w, global_scale=gs.cpu()))
+    expect("scale shape", lambda: fp4.dispatch(x, ids, w, global_scale=gs.repeat(2)))
+    fp4.check()
     return errors
 
 
@@ -67,6 +76,12 @@ def test_bad_input_is_refused_with_a_message_that_says_what_was_expected():
         "config": "ranks=2, the process group has 1",
         "format": "dispatch formats",
         "shared unweighted": "fused_shared_expert needs topk_weights",
+        "scale for bf16": "global_scale is for nvfp4 dispatch only",
+        "no scale": "nvfp4 dispatch needs global_scale",
+        "scale dtype": "global_scale must be torch.float32",
+        "scale float": "global_scale must be a torch.Tensor",
+        "scale cpu": "global_scale must be a CUDA tensor",
+        "scale shape": "global_scale must hold one element",
     }
     for name, fragment in expected.items():
         assert fragment in errors[name], f"{name}: {errors[name]!r}"
@@ -82,7 +97,7 @@ def _one_rank(rank, world, fmt):
     return [_one_layer(buf, cfg, rank, seed, [t]) for seed, t in enumerate((256, 0, 1, 77))]
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
 def test_one_rank_layer_matches_the_reference(fmt):
     rows = run_ranks(_one_rank, world=1, fmt=fmt, limit_s=120)[0]
     assert rows[1] == 0 and rows[0] > 256

@@ -2,8 +2,13 @@
 
 Every rank generates every rank's inputs from the same seeds, runs the kernels on its own share,
 and checks its outputs against the reference computed for all ranks: dispatch exactly (rows,
-offsets, ids, src_info, counts, FP8 bytes and scales), combine within bf16 rounding (each rank's
-partial sum is rounded to bf16 once before the home rank adds them in fp32).
+offsets, ids, src_info, counts, FP8 bytes and scales, NVFP4 codes, the used 128x4 scale blocks
+with their zero padding, and scales_offsets), combine within bf16 rounding (each rank's partial
+sum is rounded to bf16 once before the home rank adds them in fp32).
+
+NVFP4 runs on 2 GPUs and on all visible ones. Its layers give every rank a different global
+scale, so that a rank quantizing under another rank's scale cannot pass (a real model passes
+the same scale everywhere, see `cute_ep.ep`).
 """
 
 from __future__ import annotations
@@ -18,6 +23,20 @@ pytestmark = pytest.mark.multigpu
 # (hidden, topk, experts): DeepSeek-V3, Qwen3-style, gpt-oss-style, Mixtral-style.
 SHAPES = [(7168, 8, 256), (4096, 8, 128), (2880, 4, 128), (4096, 2, 8)]
 MAX_TOKENS = 4096
+ALL_GPUS = max(2, torch.cuda.device_count())
+NVFP4_WORLDS = sorted({2, ALL_GPUS})
+# (format, world): every format on all visible GPUs, NVFP4 on 2 of them too.
+FORMAT_WORLDS = [pytest.param(f, w, id=f"{f}-world{w}")
+                 for f, w in [("bf16", ALL_GPUS), ("fp8", ALL_GPUS),
+                              *(("nvfp4", w) for w in NVFP4_WORLDS)]]
+
+
+def _global_scales(cfg, seed):
+    """NVFP4: a different global scale per rank (None for the other formats), identical on every
+    process; scales up to ~430 keep randn blocks (amax < 6) mostly below e4m3 saturation."""
+    if cfg.format != "nvfp4":
+        return None
+    return [40.0 * (1 + 0.37 * r) * (1 + seed % 3) for r in range(cfg.ranks)]
 
 
 def _inputs(cfg, seed, tokens, routing="uniform", same_everywhere=False):
@@ -42,13 +61,36 @@ def _inputs(cfg, seed, tokens, routing="uniform", same_everywhere=False):
     return xs, ids, ws
 
 
-def _expert_outputs(cfg, result, num_rows):
+def _nvfp4_scales(cfg, out, rows):
+    """The linear scale bytes [rows, H / 16] of the first `rows` NVFP4 dispatch rows, gathered
+    from the 128x4 buffer: row_offsets[g] + j reads scale row
+    (row_offsets[g] // 128 + scales_offsets[g]) * 128 + j. Device ops only (graph-capturable);
+    rows past the last segment read inside the buffer too, at undefined values."""
+    from cute_ep.reference_fp4 import _scale_offsets
+
+    offsets = out.row_offsets.long()
+    row = torch.arange(rows, device=out.tokens.device)
+    seg = torch.bucketize(row, offsets[1:], right=True).clamp(max=cfg.segments - 1)
+    start = offsets[seg]
+    scale_row = (start // 128 + out.scales_offsets.long()[seg]) * 128 + row - start
+    kb = torch.arange(cfg.hidden // 16, device=row.device)
+    return out.scales[_scale_offsets(scale_row, kb, cfg.hidden)]
+
+
+def _expert_outputs(cfg, result, num_rows, global_scales=None):
     """A stand-in for the experts: row -> dequantized row * (1 + segment / 8), bf16, with the
-    buffer's full row capacity. Applied identically to the kernel's and the reference's rows."""
+    buffer's full row capacity. Applied identically to the kernel's and the reference's rows
+    (NVFP4: `result` is the reference's, whose `source_rank` picks each row's global scale)."""
     if cfg.format == "fp8":
         from cute_ep.reference import dequantize_fp8_blockwise
 
         rows = dequantize_fp8_blockwise(result.tokens[:num_rows], result.scales)
+    elif cfg.format == "nvfp4":
+        from cute_ep.reference_fp4 import dequantize_nvfp4
+
+        gs = torch.tensor(global_scales, dtype=torch.float32, device=result.tokens.device)
+        rows = dequantize_nvfp4(result.tokens[:num_rows], _nvfp4_scales(cfg, result, num_rows),
+                                gs[result.source_rank[:num_rows].long()])
     else:
         rows = result.tokens[:num_rows].float()
     offsets = result.row_offsets.long().cpu()
@@ -70,6 +112,18 @@ def _check_dispatch(cfg, got, want, what):
         raise AssertionError(f"{what}: {len(bad)} of {n} rows differ, first {bad[:8].tolist()}")
     if cfg.format == "fp8":
         assert torch.equal(got.scales[:, :n], want.scales[:, :n]), f"{what}: fp8 scales"
+    if cfg.format == "nvfp4":
+        assert got.scales.numel() == want.scales.numel(), f"{what}: nvfp4 scale buffer size"
+        assert got.scales_offsets.tolist() == want.scales_offsets.tolist(), \
+            f"{what}: scales_offsets"
+        # Every 128-row block a segment uses, its padding rows and columns included.
+        blocks = sum(-(-c // 128) for c in want.counts.tolist())
+        used = blocks * 512 * -(-(cfg.hidden // 16) // 4)
+        got_sc, want_sc = got.scales[:used], want.scales[:used]
+        if not torch.equal(got_sc, want_sc):
+            bad = (got_sc != want_sc).nonzero().flatten()
+            raise AssertionError(f"{what}: {len(bad)} of {used} used scale bytes differ, first "
+                                 f"at {bad[:8].tolist()}")
 
 
 def _check_combine(got, want, bound, what):
@@ -82,12 +136,17 @@ def _one_layer(buf, cfg, rank, seed, tokens, routing="uniform", weighted=True, s
     from cute_ep import reference
 
     xs, ids, ws = _inputs(cfg, seed, tokens, routing, same_everywhere=skip_a2a)
-    out = buf.dispatch(xs[rank], ids[rank], ws[rank] if weighted else None, skip_a2a=skip_a2a)
-    refs = reference.dispatch(cfg, xs, ids, skip_a2a=skip_a2a)
-    what = f"{cfg.format} H={cfg.hidden} K={cfg.topk} E={cfg.experts} T={tokens} {routing}" \
-           f"{' skip_a2a' if skip_a2a else ''}{'' if weighted else ' unweighted'} seed={seed}"
+    gs = _global_scales(cfg, seed)
+    quant = {} if gs is None else {
+        "global_scale": torch.tensor([gs[rank]], dtype=torch.float32, device="cuda")}
+    out = buf.dispatch(xs[rank], ids[rank], ws[rank] if weighted else None, skip_a2a=skip_a2a,
+                       **quant)
+    refs = reference.dispatch(cfg, xs, ids, skip_a2a=skip_a2a, global_scales=gs)
+    what = f"{cfg.format} R={cfg.ranks} H={cfg.hidden} K={cfg.topk} E={cfg.experts} T={tokens} " \
+           f"{routing}{' skip_a2a' if skip_a2a else ''}{'' if weighted else ' unweighted'} " \
+           f"seed={seed}"
     _check_dispatch(cfg, out, refs[rank], what)
-    ys = [_expert_outputs(cfg, d, d.num_rows) for d in refs]
+    ys = [_expert_outputs(cfg, d, d.num_rows, gs) for d in refs]
     y = ys[rank].clone()
     combined = buf.combine(y, out.handle)
     buf.check()
@@ -122,13 +181,24 @@ def _shape_cases(rank, world, hidden, topk, experts, fmt):
     return rows
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+@pytest.mark.parametrize("fmt,world", FORMAT_WORLDS)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "H{}-K{}-E{}".format(*s))
-def test_dispatch_and_combine_match_the_reference(shape, fmt):
+def test_dispatch_and_combine_match_the_reference(shape, fmt, world):
     hidden, topk, experts = shape
     if fmt == "fp8" and hidden % 128:
         pytest.skip("FP8 blockwise needs H to be a multiple of 128")
-    rows = run_ranks(_shape_cases, hidden=hidden, topk=topk, experts=experts, fmt=fmt,
+    if fmt == "nvfp4" and hidden % 16:
+        pytest.skip("NVFP4 needs H to be a multiple of 16")
+    rows = run_ranks(_shape_cases, world=world, hidden=hidden, topk=topk, experts=experts,
+                     fmt=fmt, limit_s=300)
+    assert all(len(r) == 8 for r in rows)
+
+
+@pytest.mark.parametrize("world", NVFP4_WORLDS, ids=lambda w: f"world{w}")
+def test_nvfp4_rows_that_are_not_a_multiple_of_16_bytes(world):
+    """H = 1040: 520-byte rows of codes (8-byte aligned only), 65 scale columns (the last 4-column
+    group holds one)."""
+    rows = run_ranks(_shape_cases, world=world, hidden=1040, topk=4, experts=32, fmt="nvfp4",
                      limit_s=300)
     assert all(len(r) == 8 for r in rows)
 
@@ -148,9 +218,9 @@ def _options(rank, world, fmt):
     return True
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
-def test_fused_shared_expert_and_skip_a2a(fmt):
-    assert all(run_ranks(_options, fmt=fmt, limit_s=300))
+@pytest.mark.parametrize("fmt,world", FORMAT_WORLDS)
+def test_fused_shared_expert_and_skip_a2a(fmt, world):
+    assert all(run_ranks(_options, world=world, fmt=fmt, limit_s=300))
 
 
 def _many_rounds(rank, world, rounds):
@@ -187,10 +257,14 @@ def _graph(rank, world, fmt, replays):
     xs, ids, ws = _inputs(cfg, 1, tokens)
     x, i_, w = xs[rank].clone(), ids[rank].clone(), ws[rank].clone()
     y = torch.zeros(cfg.row_capacity, cfg.hidden, dtype=torch.bfloat16, device="cuda")
+    # NVFP4: one global scale on every rank, changed between replays (read on the device).
+    gs = torch.full((1,), 50.0, device="cuda")
+    quant = {"global_scale": gs} if fmt == "nvfp4" else {}
+    decode = _e2m1_pairs() if fmt == "nvfp4" else None
 
     def layer():
-        out = buf.dispatch(x, i_, w)
-        y.copy_(_stand_in(out.tokens, out.scales, cfg))
+        out = buf.dispatch(x, i_, w, **quant)
+        y.copy_(_stand_in(cfg, out, gs, decode))
         return out, buf.combine(y, out.handle)
 
     layer()  # warm-up: modules load outside the capture
@@ -204,11 +278,13 @@ def _graph(rank, world, fmt, replays):
         x.copy_(xs[rank])
         i_.copy_(ids[rank])
         w.copy_(ws[rank])
+        gs.fill_(30.0 + 20 * k)
         graph.replay()
         torch.cuda.synchronize()
-        refs = reference.dispatch(cfg, xs, ids)
+        refs = reference.dispatch(cfg, xs, ids, global_scales=[30.0 + 20 * k] * world
+                                  if fmt == "nvfp4" else None)
         _check_dispatch(cfg, out, refs[rank], f"graph replay {k}")
-        ys = [_stand_in(d.tokens, d.scales, cfg) for d in refs]
+        ys = [_stand_in(cfg, d, gs, decode) for d in refs]
         want = reference.combine(cfg, ys, refs, tokens, ws)[rank]
         scale = reference.combine(cfg, [t.abs() for t in ys], refs, tokens, ws)[rank]
         _check_combine(combined, want, scale.float() * 2.0 ** -6, f"graph replay {k}")
@@ -216,21 +292,36 @@ def _graph(rank, world, fmt, replays):
     return True
 
 
-def _stand_in(tokens, scales, cfg):
-    """Expert outputs that need no row count: every row (padding and beyond included)."""
+def _e2m1_pairs():
+    """Byte -> its two e2m1 values (low nibble first), [256, 2] fp32 from `reference_fp4`, built
+    before a graph capture: `e2m1_decode` uploads a table, which a capture does not allow."""
+    from cute_ep.reference_fp4 import e2m1_decode, unpack_nibbles
+
+    codes = torch.arange(256, dtype=torch.uint8, device="cuda")
+    return e2m1_decode(unpack_nibbles(codes)).reshape(256, 2)
+
+
+def _stand_in(cfg, out, gs, decode):
+    """Expert outputs that need no row count: every row (padding and beyond included), from
+    the dequantized rows (NVFP4: `decode` from `_e2m1_pairs`, one global scale `gs`)."""
     if cfg.format == "fp8":
         from cute_ep.reference import dequantize_fp8_blockwise
 
-        rows = dequantize_fp8_blockwise(tokens.view(torch.uint8).view(torch.float8_e4m3fn),
-                                        scales)
+        rows = dequantize_fp8_blockwise(out.tokens.view(torch.uint8).view(torch.float8_e4m3fn),
+                                        out.scales)
+    elif cfg.format == "nvfp4":
+        cap = cfg.row_capacity
+        values = decode[out.tokens.long()].reshape(cap, cfg.hidden // 16, 16)
+        sf = _nvfp4_scales(cfg, out, cap).view(torch.float8_e4m3fn).float().unsqueeze(-1)
+        rows = (values * sf / gs).reshape(cap, cfg.hidden)
     else:
-        rows = tokens.float()
+        rows = out.tokens.float()
     return (rows * 0.5).to(torch.bfloat16)
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
-def test_cuda_graph_replays_stay_exact(fmt):
-    assert all(run_ranks(_graph, fmt=fmt, replays=20, limit_s=300))
+@pytest.mark.parametrize("fmt,world", FORMAT_WORLDS)
+def test_cuda_graph_replays_stay_exact(fmt, world):
+    assert all(run_ranks(_graph, world=world, fmt=fmt, replays=20, limit_s=300))
 
 
 def _absent_rank(rank, world, phase):
