@@ -81,10 +81,10 @@ def quantize_nvfp4(x: torch.Tensor, gs: torch.Tensor) -> tuple[torch.Tensor, tor
 
 def dequantize_nvfp4(codes: torch.Tensor, scales: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
     """Inverse of `quantize_nvfp4` (linear scales) up to the rounding: fp32 [M, K]."""
-    m = codes.shape[0]
-    values = e2m1_decode(unpack_nibbles(codes)).reshape(m, -1, NVFP4_BLOCK)
+    m, k = codes.shape[0], codes.shape[1] * 2
+    values = e2m1_decode(unpack_nibbles(codes)).reshape(m, k // NVFP4_BLOCK, NVFP4_BLOCK)
     sf = scales.view(torch.float8_e4m3fn).float().unsqueeze(-1)
-    return (values * sf / gs.float().reshape(m, 1, 1)).reshape(m, -1)
+    return (values * sf / gs.float().reshape(m, 1, 1)).reshape(m, k)
 
 
 MXFP4_BLOCK = 32
@@ -124,9 +124,9 @@ def quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize_mxfp4(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    m = codes.shape[0]
-    values = e2m1_decode(unpack_nibbles(codes)).reshape(m, -1, MXFP4_BLOCK)
-    return (values * e8m0_decode(scales).unsqueeze(-1)).reshape(m, -1)
+    m, k = codes.shape[0], codes.shape[1] * 2
+    values = e2m1_decode(unpack_nibbles(codes)).reshape(m, k // MXFP4_BLOCK, MXFP4_BLOCK)
+    return (values * e8m0_decode(scales).unsqueeze(-1)).reshape(m, k)
 
 
 def segment_scale_blocks(row_offsets: list[int]) -> list[int]:
