@@ -114,16 +114,23 @@ def _visible_gpus() -> list[tuple[int, str]]:
             for i in range(torch.cuda.device_count())]
 
 
-COMMANDS = {"build": _build, "info": _info, "layouts": _layouts}
+def _bench(argv) -> int:
+    from cute_ep.bench import main as bench_main
+
+    return bench_main(argv)
+
+
+COMMANDS = {"build": _build, "info": _info, "layouts": _layouts, "bench": _bench}
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print("usage: cute-ep {build,info,layouts} [options]\n\n"
+        print("usage: cute-ep {build,info,layouts,bench} [options]\n\n"
               "  build     compile the kernel library (needs the build extra; no GPU needed)\n"
               "  info      list the library's configs and the GPUs that can run them\n"
-              "  layouts   the token message byte map and buffer sizes of one EP layer",
+              "  layouts   the token message byte map and buffer sizes of one EP layer\n"
+              "  bench     the performance harness (one process per GPU; JSON in perf/results)",
               file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     return COMMANDS[argv[0]](argv[1:])

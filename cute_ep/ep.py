@@ -121,7 +121,8 @@ class _PendingCombine:
 class Buffer:
     """Peer-mapped buffers and kernels for one EP group (every rank of `group`)."""
 
-    def __init__(self, cfg: EPConfig, group=None, timeout_s: float = DEFAULT_TIMEOUT_S):
+    def __init__(self, cfg: EPConfig, group=None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 sms: int | None = None):
         import torch.distributed._symmetric_memory as symm_mem
 
         self.group = group or dist.group.WORLD
@@ -157,6 +158,7 @@ class Buffer:
         self.send_tokens_per_cta = self.k_send.spec.sizes["tokens_per_cta"]
         self.combine_tokens_per_cta = self.k_combine_recv.spec.sizes["tokens_per_cta"]
         self.max_ctas = 2 * torch.cuda.get_device_properties(dev).multi_processor_count
+        self.sms = sms
 
         self.sym = symm_mem.empty(BUFFER_GROUPS * self.group_bytes, dtype=torch.uint8, device=dev)
         self.sym.zero_()
@@ -243,7 +245,7 @@ class Buffer:
                              global_scale if global_scale is not None else self._no_f32,
                              num_tokens, cfg.hidden, cfg.topk, self.msg.size, self.scales_at,
                              self.meta_at, int(weighted))
-        chunks = max(1, -(-num_tokens // self.send_tokens_per_cta))
+        chunks = self._cap(max(1, -(-num_tokens // self.send_tokens_per_cta)), cfg.ranks)
         self.k_send.launch(self.peer_bases[group], self.send_buf, self.dest_slot,
                            self.send_counts, self.done[DISPATCH], self.rounds[DISPATCH, group:group + 1],
                            num_tokens, cfg.max_tokens_per_rank, cfg.ranks, self.rank,
@@ -333,7 +335,7 @@ class Buffer:
         t, k, hidden = h.num_tokens, cfg.topk, cfg.hidden
         shape = (t, hidden) if h.weighted else (t, k, hidden)
         out = torch.empty(shape, dtype=torch.bfloat16, device=self.device)
-        chunks = max(1, -(-t // self.combine_tokens_per_cta))
+        chunks = self._cap(max(1, -(-t // self.combine_tokens_per_cta)), 1)
         self.k_combine_recv.launch(
             self._view(g, "combine_recv", torch.bfloat16,
                        cfg.max_tokens_per_rank * k * hidden),
@@ -366,9 +368,29 @@ class Buffer:
 
     # Internals ----------------------------------------------------------------------------
 
+    @property
+    def sms(self) -> int | None:
+        """The most CTAs each communicating kernel (send, receive, combine send and receive)
+        launches, so at most that many SMs are busy moving data; None: as many as the work
+        fills (the default, fastest when nothing else runs). Settable between calls."""
+        return self._sms
+
+    @sms.setter
+    def sms(self, value: int | None) -> None:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < self.cfg.ranks):
+            raise ValueError(f"sms must be None or an int >= ranks ({self.cfg.ranks}), got "
+                             f"{value!r}")
+        self._sms = value
+
+    def _cap(self, ctas: int, per: int) -> int:
+        """`ctas` CTAs for each of `per` grid rows, within the `sms` budget."""
+        return ctas if self._sms is None else max(1, min(ctas, self._sms // per))
+
     def _ctas_per_rank(self, tokens: int) -> int:
         """CTAs per peer rank for a kernel that walks up to `tokens` messages from each rank."""
-        return max(1, min(self.max_ctas // self.cfg.ranks, -(-tokens // 4)))
+        return self._cap(max(1, min(self.max_ctas // self.cfg.ranks, -(-tokens // 4))),
+                         self.cfg.ranks)
 
 
     def _check_dispatch_inputs(self, x, topk_ids, topk_weights) -> int:

@@ -490,8 +490,7 @@ class EpSend:
         peer = cute.make_tensor(peer_bases, cute.make_layout(ranks))[dest]
         slots = cute.make_tensor(dest_slot, cute.make_layout(ranks * max_tokens))
         msg_bytes = Int64(msg_vectors) * VECTOR_BYTES
-        for i in cutlass.range(self.tokens_per_cta):
-            t = chunk * self.tokens_per_cta + i
+        for t in cutlass.range(chunk, num_tokens, num_chunks):  # token-strided over the CTAs
             if t < num_tokens:
                 slot = slots[dest * max_tokens + t]
                 if slot >= 0:
@@ -1013,8 +1012,7 @@ class EpCombineRecv:
         g_c = cute.zipped_divide(cute.make_identity_tensor(layout.shape), tiler)
         thr = bf16_copy.get_slice(tidx)
         row_bytes = Int64(hidden) * 2
-        for i in cutlass.range(self.tokens_per_cta):
-            t = chunk * self.tokens_per_cta + i
+        for t in cutlass.range(chunk, num_tokens, num_chunks):  # token-strided over the CTAs
             if t < num_tokens:
                 # Which k slots were written this round: one per destination rank (the first k
                 # routed there) when reduced, every slot otherwise; only our own with skip_a2a.

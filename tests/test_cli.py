@@ -21,3 +21,16 @@ def test_layouts_refuses_a_bad_config(capsys, monkeypatch):
 def test_unknown_command_prints_usage(capsys):
     assert main(["frobnicate"]) == 2
     assert "usage: cute-ep" in capsys.readouterr().err
+
+
+def test_bench_refuses_too_few_iterations_and_gpus():
+    import pytest
+    import torch
+
+    with pytest.raises(SystemExit, match="at least 50"):
+        main(["bench", "--iters", "10"])
+    with pytest.raises(SystemExit, match="unknown format"):
+        main(["bench", "--formats", "bf16,int4"])
+    if torch.cuda.device_count() < 2:
+        with pytest.raises(SystemExit, match="2\\+ GPUs"):
+            main(["bench"])

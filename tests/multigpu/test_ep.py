@@ -223,6 +223,29 @@ def test_fused_shared_expert_and_skip_a2a(fmt, world):
     assert all(run_ranks(_options, world=world, fmt=fmt, limit_s=300))
 
 
+def _sm_budgets(rank, world):
+    """The same layers with every communicating kernel held to a few CTAs: each CTA then walks
+    many tokens (send, combine receive) or messages (receive, combine send)."""
+    from cute_ep.ep import Buffer
+    from layouts import EPConfig
+
+    cfg = EPConfig(4096, 8, 64, world, 1024, "fp8")
+    buf = Buffer(cfg, sms=world)
+    seed = 40
+    for sms in (world, 24, None):
+        buf.sms = sms
+        for tokens in ([1024] * world, [(301 * r) % 1024 for r in range(world)]):
+            seed += 1
+            _one_layer(buf, cfg, rank, seed, tokens)
+    with pytest.raises(ValueError, match="sms"):
+        buf.sms = world - 1
+    return True
+
+
+def test_an_sm_budget_changes_nothing_but_speed():
+    assert all(run_ranks(_sm_budgets, limit_s=300))
+
+
 def _many_rounds(rank, world, rounds):
     """Back-to-back layers with changing inputs and token counts, two configs alternating."""
     from cute_ep.ep import Buffer

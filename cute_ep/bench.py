@@ -1,0 +1,404 @@
+"""The performance harness (`cute-ep bench`, `python perf/bench.py`): one process per GPU.
+
+For each token format, on every rank, with the same inputs each time:
+- **throughput** (`--tokens` per rank, default 4096): `Buffer.dispatch` and `Buffer.combine`,
+  each bracketed by CUDA events after a device synchronisation, an L2 flush and a barrier
+  (host launch included); median of `--iters` (>= 50) after 5 warm-ups; once per SM budget of
+  `--sms` (`Buffer.sms`: the most CTAs each communicating kernel launches; "all" = no cap);
+- **baselines in the same run**: NCCL `all_to_all_single` moving the same token bytes (each token
+  once to every rank hosting one of its experts; it produces no expert-grouped rows), and a
+  copy-engine peer-to-peer copy of this rank's outgoing bytes into every peer's memory, one
+  stream per peer (the practical NVLink ceiling);
+- **decode** (`--decode-tokens` per rank, default 128): eager and CUDA-graph replay times of
+  dispatch and of dispatch + combine (combine = the difference), and the host time of one call
+  (the Python call returning, no synchronisation).
+
+Figures, each with its formula in the output:
+- DeepEP's metric: received token rows, own rank included, x bytes per token row / time, with
+  bytes per token row = payload + scales (BF16 2H, FP8 H + 4H/128, NVFP4 H/2 + H/16);
+  combine: the same rows x 2H / time;
+- NVLink bytes actually sent by this GPU / time (whole messages, metadata included).
+
+Rank 0 prints rich tables (the slowest rank's figure for each cell) and writes a JSON record
+(device, GPU count, library version, config, every rank's numbers) under `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+            "NVSHMEM_DISABLE_NVLS": "1"}
+FORMATS = ("bf16", "fp8", "nvfp4")
+WARMUP = 5
+FLUSH_BYTES = 256 << 20
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="cute-ep bench", description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=4096, help="tokens per rank (throughput)")
+    p.add_argument("--decode-tokens", type=int, default=128, help="tokens per rank (decode)")
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--formats", default=",".join(FORMATS), help="comma-separated")
+    p.add_argument("--sms", default="all,24,48,96",
+                   help="comma-separated SM budgets for the throughput sweep ('all': no cap)")
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--out", default="perf/results", help="folder for the JSON record")
+    return p
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    if args.iters < 50:
+        raise SystemExit("--iters must be at least 50 (medians of fewer runs are not reported)")
+    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    for f in formats:
+        if f not in FORMATS:
+            raise SystemExit(f"unknown format {f!r}; choose from {', '.join(FORMATS)}")
+    budgets = [None if s.strip() == "all" else int(s) for s in args.sms.split(",")]
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        raise SystemExit(f"cute-ep bench needs 2+ GPUs of one host; "
+                         f"{torch.cuda.device_count()} visible")
+    os.environ.update(SAFE_ENV)
+    world = torch.cuda.device_count()
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="cute-ep-bench-") as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=_worker,
+                             args=(r, world, store, args, formats, budgets, results))
+                 for r in range(world)]
+        for pr in procs:
+            pr.start()
+        got = [results.get(timeout=900) for _ in range(world)]
+        for pr in procs:
+            pr.join(timeout=60)
+    failed = [msg for ok, _, msg in got if not ok]
+    if failed:
+        raise SystemExit("benchmark failed:\n" + "\n".join(failed))
+    ranks = [r for _, r, _ in sorted(got, key=lambda g: g[1]["rank"])]
+    record = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(0),
+        "gpus": world,
+        "library_version": _version(),
+        "config": {"tokens": args.tokens, "decode_tokens": args.decode_tokens,
+                   "hidden": args.hidden, "topk": args.topk, "experts": args.experts,
+                   "iters": args.iters, "sms": [s or "all" for s in budgets],
+                   "sms_per_gpu": torch.cuda.get_device_properties(0).multi_processor_count,
+                   "routing": "uniform random top-k, distinct experts per token"},
+        "ranks": ranks,
+    }
+    _print(record, formats)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = f"bench-{record['date'][:10]}-{world}x{record['device'].split()[-1]}.json"
+    (out / name).write_text(json.dumps(record, indent=1))
+    print(f"JSON record: {out / name}")
+    return 0
+
+
+def _version() -> str:
+    from cute_ep import __version__
+
+    return __version__
+
+
+# One rank ------------------------------------------------------------------------------------
+
+
+def _worker(rank, world, store, args, formats, budgets, results):
+    import torch.distributed as dist
+
+    os.environ.update(SAFE_ENV)
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=world,
+                            device_id=torch.device("cuda", rank))
+    try:
+        out = {"rank": rank, "formats": {}}
+        flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+        for fmt in formats:
+            out["formats"][fmt] = {
+                "throughput": _throughput(rank, world, args, fmt, budgets, flush),
+                "decode": _decode(rank, world, args, fmt, flush),
+            }
+        results.put((True, out, ""))
+    except BaseException as exc:  # the parent reports every rank's failure
+        import traceback
+
+        results.put((False, {"rank": rank}, f"rank {rank}: {exc}\n{traceback.format_exc()}"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _inputs(cfg, tokens, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(tokens, cfg.hidden, device="cuda", generator=gen).to(torch.bfloat16)
+    ids = torch.rand(tokens, cfg.experts, device="cuda", generator=gen).argsort(1)[:, :cfg.topk]
+    w = torch.rand(tokens, cfg.topk, device="cuda", generator=gen)
+    y = torch.randn(cfg.row_capacity, cfg.hidden, device="cuda", generator=gen).to(torch.bfloat16)
+    quant = {"global_scale": torch.tensor([448.0 * 6 / 4], device="cuda")} \
+        if cfg.format == "nvfp4" else {}
+    return x, ids.to(torch.int32), w, y, quant
+
+
+def _timed(fn, iters, flush, group=None) -> list[float]:
+    """Per-iteration GPU times (us) of fn(), each after sync + L2 flush + barrier."""
+    import torch.distributed as dist
+
+    times = []
+    for i in range(iters + WARMUP):
+        flush.zero_()
+        torch.cuda.synchronize()
+        dist.barrier(group)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        if i >= WARMUP:
+            times.append(start.elapsed_time(end) * 1e3)
+    return times
+
+
+def _layer_times(buf, x, ids, w, y, quant, iters, flush) -> dict:
+    """Median dispatch and combine times (us), timed in the same iterations."""
+    import torch.distributed as dist
+
+    d_times, c_times = [], []
+    for i in range(iters + WARMUP):
+        flush.zero_()
+        torch.cuda.synchronize()
+        dist.barrier()
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+        ev[0].record()
+        out = buf.dispatch(x, ids, w, **quant)
+        ev[1].record()
+        buf.combine(y, out.handle)
+        ev[2].record()
+        ev[2].synchronize()
+        if i >= WARMUP:
+            d_times.append(ev[0].elapsed_time(ev[1]) * 1e3)
+            c_times.append(ev[1].elapsed_time(ev[2]) * 1e3)
+    buf.check()
+    return {"dispatch_us": statistics.median(d_times), "combine_us": statistics.median(c_times),
+            "out": out}
+
+
+def _throughput(rank, world, args, fmt, budgets, flush) -> dict:
+    import torch.distributed as dist
+
+    from cute_ep.ep import Buffer
+    from layouts import EPConfig
+
+    cfg = EPConfig(args.hidden, args.topk, args.experts, world, args.tokens, fmt)
+    buf = Buffer(cfg)
+    x, ids, w, y, quant = _inputs(cfg, args.tokens, 1 + rank)
+    msg = cfg.message
+    token_bytes = msg.segment("payload").nbytes + \
+        (msg.segment("scales").nbytes if fmt != "bf16" else 0)
+    dest = ids.long() // cfg.local_experts
+    to_rank = [(dest == d).any(1) for d in range(world)]
+    sent = [int(m.sum()) for m in to_rank]
+    sent_peers = sum(n for d, n in enumerate(sent) if d != rank)
+    sweep = []
+    for sms in budgets:
+        buf.sms = sms
+        t = _layer_times(buf, x, ids, w, y, quant, args.iters, flush)
+        out = t.pop("out")
+        received = int(out.handle.messages.sum())
+        from_peers = received - int(out.handle.messages[rank])
+        rows = int(out.row_offsets[-1])
+        sweep.append({
+            "sms": sms or "all", **t,
+            "received_tokens": received, "rows": rows, "token_bytes": token_bytes,
+            "dispatch_deepep_gbps": received * token_bytes / t["dispatch_us"] / 1e3,
+            "dispatch_nvlink_gbps": sent_peers * msg.size / t["dispatch_us"] / 1e3,
+            "combine_deepep_gbps": received * 2 * cfg.hidden / t["combine_us"] / 1e3,
+            "combine_nvlink_gbps": from_peers * 2 * cfg.hidden / t["combine_us"] / 1e3,
+            "ctas": _ctas(buf, args.tokens),
+        })
+    buf.sms = None
+
+    # Baseline 1: NCCL all_to_all_single of the same token bytes.
+    wire = torch.randint(0, 256, (args.tokens, token_bytes), dtype=torch.uint8, device="cuda")
+    send_counts = torch.tensor(sent, device="cuda")
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts)
+    a2a_in = torch.cat([wire[m] for m in to_rank]).contiguous()
+    a2a_out = torch.empty(int(recv_counts.sum()), token_bytes, dtype=torch.uint8, device="cuda")
+    splits = dict(output_split_sizes=recv_counts.tolist(), input_split_sizes=sent)
+    nccl = statistics.median(_timed(lambda: dist.all_to_all_single(a2a_out, a2a_in, **splits),
+                                    args.iters, flush))
+    received = int(recv_counts.sum())
+
+    # Baseline 2: copy-engine copies of this rank's outgoing message bytes into each peer.
+    p2p = _p2p_copy_us(rank, world, [n * msg.size for n in sent], args.tokens * msg.size,
+                       args.iters, flush)
+    del buf
+    return {
+        "sweep": sweep,
+        "nccl_all_to_all_us": nccl,
+        "nccl_deepep_gbps": received * token_bytes / nccl / 1e3,
+        "nccl_nvlink_gbps": sent_peers * token_bytes / nccl / 1e3,
+        "p2p_copy_us": p2p,
+        "p2p_copy_gbps": sent_peers * msg.size / p2p / 1e3 if p2p else None,
+        "sent_tokens_to_peers": sent_peers,
+        "message_bytes": msg.size,
+    }
+
+
+def _ctas(buf, tokens) -> dict:
+    """CTAs each communicating kernel launches at this budget (what `sms` caps)."""
+    r = buf.cfg.ranks
+    return {"send": r * buf._cap(max(1, -(-tokens // buf.send_tokens_per_cta)), r),
+            "recv": r * buf._ctas_per_rank(tokens),
+            "combine_send": r * buf._ctas_per_rank(buf.cfg.max_tokens_per_rank),
+            "combine_recv": buf._cap(max(1, -(-tokens // buf.combine_tokens_per_cta)), 1)}
+
+
+def _p2p_copy_us(rank, world, nbytes, slot, iters, flush) -> float | None:
+    """Median time (us) of copying nbytes[d] to every peer d at once (copy engine, a stream per
+    peer) into peer-mapped symmetric memory (`slot` bytes per source, the same on every rank)."""
+    import torch.distributed as dist
+    import torch.distributed._symmetric_memory as symm_mem
+
+    buf = symm_mem.empty(world * slot, dtype=torch.uint8, device="cuda")
+    handle = symm_mem.rendezvous(buf, dist.group.WORLD.group_name)
+    src = torch.randint(0, 256, (slot,), dtype=torch.uint8, device="cuda")
+    peers = [d for d in range(world) if d != rank and nbytes[d]]
+    dsts = {d: handle.get_buffer(d, (nbytes[d],), torch.uint8, rank * slot) for d in peers}
+    streams = {d: torch.cuda.Stream() for d in peers}
+
+    def copy():
+        main = torch.cuda.current_stream()
+        for d in peers:
+            streams[d].wait_stream(main)
+            with torch.cuda.stream(streams[d]):
+                dsts[d].copy_(src[:nbytes[d]], non_blocking=True)
+        for d in peers:
+            main.wait_stream(streams[d])
+
+    return statistics.median(_timed(copy, iters, flush)) if peers else None
+
+
+def _decode(rank, world, args, fmt, flush) -> dict:
+    import torch.distributed as dist
+
+    from cute_ep.ep import Buffer
+    from layouts import EPConfig
+
+    t = args.decode_tokens
+    cfg = EPConfig(args.hidden, args.topk, args.experts, world, t, fmt)
+    buf = Buffer(cfg)
+    x, ids, w, y, quant = _inputs(cfg, t, 100 + rank)
+    eager = _layer_times(buf, x, ids, w, y, quant, args.iters, flush)
+    eager.pop("out")
+
+    # Host time of a call: the Python call returning, GPU work still queued.
+    host = {"dispatch": [], "combine": []}
+    for _ in range(args.iters):
+        torch.cuda.synchronize()
+        dist.barrier()
+        t0 = time.perf_counter()
+        out = buf.dispatch(x, ids, w, **quant)
+        t1 = time.perf_counter()
+        buf.combine(y, out.handle)
+        t2 = time.perf_counter()
+        host["dispatch"].append((t1 - t0) * 1e6)
+        host["combine"].append((t2 - t1) * 1e6)
+    torch.cuda.synchronize()
+
+    # CUDA graphs: dispatch alone, and the whole layer (combine = the difference).
+    dist.barrier()
+    g_dispatch, g_layer = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g_dispatch):
+        buf.dispatch(x, ids, w, **quant)
+    torch.cuda.synchronize()
+    dist.barrier()
+    with torch.cuda.graph(g_layer):
+        out = buf.dispatch(x, ids, w, **quant)
+        buf.combine(y, out.handle)
+    torch.cuda.synchronize()
+    dist.barrier()
+    graph_d = statistics.median(_timed(g_dispatch.replay, args.iters, flush))
+    graph_l = statistics.median(_timed(g_layer.replay, args.iters, flush))
+    buf.check()
+    del g_dispatch, g_layer, buf
+    return {"tokens": t,
+            "eager_dispatch_us": eager["dispatch_us"], "eager_combine_us": eager["combine_us"],
+            "graph_dispatch_us": graph_d, "graph_layer_us": graph_l,
+            "graph_combine_us": graph_l - graph_d,
+            "host_dispatch_us": statistics.median(host["dispatch"]),
+            "host_combine_us": statistics.median(host["combine"])}
+
+
+# Report --------------------------------------------------------------------------------------
+
+
+def _print(record, formats) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=160)
+    cfg = record["config"]
+    ranks = record["ranks"]
+    worst = max  # every cell is the slowest rank's time (lowest rank's GB/s)
+
+    t = Table(title=f"{record['gpus']} x {record['device']}: throughput, {cfg['tokens']} tokens/"
+                    f"rank, H={cfg['hidden']} K={cfg['topk']} E={cfg['experts']}, median of "
+                    f"{cfg['iters']} (slowest rank shown)")
+    for col in ("format", "SMs (CTAs cap)", "dispatch us", "DeepEP GB/s", "NVLink GB/s",
+                "combine us", "DeepEP GB/s ", "NVLink GB/s ", "NCCL a2a us", "P2P copy us"):
+        t.add_column(col, justify="left" if col == "format" else "right")
+    for fmt in formats:
+        per = [r["formats"][fmt]["throughput"] for r in ranks]
+        for i, point in enumerate(per[0]["sweep"]):
+            cells = [p["sweep"][i] for p in per]
+            t.add_row(fmt, str(point["sms"]),
+                      f"{worst(c['dispatch_us'] for c in cells):.1f}",
+                      f"{min(c['dispatch_deepep_gbps'] for c in cells):.0f}",
+                      f"{min(c['dispatch_nvlink_gbps'] for c in cells):.0f}",
+                      f"{worst(c['combine_us'] for c in cells):.1f}",
+                      f"{min(c['combine_deepep_gbps'] for c in cells):.0f}",
+                      f"{min(c['combine_nvlink_gbps'] for c in cells):.0f}",
+                      f"{worst(p['nccl_all_to_all_us'] for p in per):.1f}" if i == 0 else "",
+                      f"{worst(p['p2p_copy_us'] or 0 for p in per):.1f}" if i == 0 else "")
+    console.print(t)
+    console.print("DeepEP GB/s = received token rows (own rank included) x bytes per token row "
+                  "(payload + scales) / time; combine: the same rows x 2H / time. NVLink GB/s = "
+                  "bytes this GPU sent to other GPUs (whole messages) / time. NCCL a2a: "
+                  "all_to_all_single of the same token bytes; P2P copy: copy-engine copies of "
+                  "this GPU's outgoing message bytes into every peer at once.")
+
+    d = Table(title=f"decode: {cfg['decode_tokens']} tokens/rank, median of {cfg['iters']} "
+                    f"(slowest rank shown)")
+    for col in ("format", "graph dispatch us", "graph combine us", "graph layer us",
+                "eager dispatch us", "eager combine us", "host us / dispatch call",
+                "host us / combine call"):
+        d.add_column(col, justify="left" if col == "format" else "right")
+    for fmt in formats:
+        per = [r["formats"][fmt]["decode"] for r in ranks]
+        d.add_row(fmt, *(f"{worst(p[k] for p in per):.1f}" for k in (
+            "graph_dispatch_us", "graph_combine_us", "graph_layer_us", "eager_dispatch_us",
+            "eager_combine_us", "host_dispatch_us", "host_combine_us")))
+    console.print(d)
+    console.print("graph combine = graph layer (dispatch + combine) - graph dispatch; host us = "
+                  "time for the Python call to return, GPU work still queued.")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
