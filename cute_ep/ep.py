@@ -236,17 +236,17 @@ class Buffer:
         group = self.dispatch_round % BUFFER_GROUPS
         self.dispatch_round += 1
 
-        self.k_plan.launch(ids, self.dest_slot, self.positions, self.send_counts, self.error,
+        self.k_plan.launch_unchecked(ids, self.dest_slot, self.positions, self.send_counts, self.error,
                            num_tokens, cfg.max_tokens_per_rank, cfg.topk, cfg.local_experts,
                            cfg.ranks, self.rank, int(cfg.fused_shared_expert), int(skip_a2a),
                            shared_begin, shared_end, cfg.ranks + cfg.experts)
-        self.k_encode.launch(self.send_buf, x, ids, topk_weights if weighted else self._no_f32,
+        self.k_encode.launch_unchecked(self.send_buf, x, ids, topk_weights if weighted else self._no_f32,
                              self.positions,
                              global_scale if global_scale is not None else self._no_f32,
                              num_tokens, cfg.hidden, cfg.topk, self.msg.size, self.scales_at,
                              self.meta_at, int(weighted))
         chunks = self._cap(max(1, -(-num_tokens // self.send_tokens_per_cta)), cfg.ranks)
-        self.k_send.launch(self.peer_bases[group], self.send_buf, self.dest_slot,
+        self.k_send.launch_unchecked(self.peer_bases[group], self.send_buf, self.dest_slot,
                            self.send_counts, self.done[DISPATCH], self.rounds[DISPATCH, group:group + 1],
                            num_tokens, cfg.max_tokens_per_rank, cfg.ranks, self.rank,
                            self.msg.size // 16, self.entries, self.offsets["dispatch_recv"],
@@ -283,7 +283,7 @@ class Buffer:
             tokens=torch.empty(r, t, dtype=torch.int32, device=dev),
             messages=torch.empty(r, dtype=torch.int32, device=dev))
         payload = self.msg.segment("payload").nbytes
-        self.k_recv.launch(
+        self.k_recv.launch_unchecked(
             self._view(g, "dispatch_recv", torch.uint8, r * t * self.msg.size),
             self._view(g, "recv_counts", torch.int32, r * self.entries),
             self._view(g, "arrival_flags", torch.int64, r),
@@ -320,7 +320,7 @@ class Buffer:
         group = self.combine_round % BUFFER_GROUPS
         self.combine_round += 1
         ctas = self._ctas_per_rank(cfg.max_tokens_per_rank)
-        self.k_combine_send.launch(
+        self.k_combine_send.launch_unchecked(
             self.peer_bases[group], y, handle.rows, handle.weights, handle.tokens,
             handle.messages, self.done[COMBINE], self.rounds[COMBINE, group:group + 1],
             cfg.max_tokens_per_rank, cfg.ranks, self.rank, cfg.topk, cfg.hidden,
@@ -336,7 +336,7 @@ class Buffer:
         shape = (t, hidden) if h.weighted else (t, k, hidden)
         out = torch.empty(shape, dtype=torch.bfloat16, device=self.device)
         chunks = self._cap(max(1, -(-t // self.combine_tokens_per_cta)), 1)
-        self.k_combine_recv.launch(
+        self.k_combine_recv.launch_unchecked(
             self._view(g, "combine_recv", torch.bfloat16,
                        cfg.max_tokens_per_rank * k * hidden),
             self._view(g, "arrival_flags", torch.int64, cfg.ranks, skip=cfg.ranks),

@@ -102,7 +102,18 @@ class Kernel:
         return scalars
 
     def launch(self, *args) -> None:
-        scalars = self.check_args(args)
+        self._launch(args, self.check_args(args))
+
+    def launch_unchecked(self, *args) -> None:
+        """`launch` without the per-argument ABI checks, for a caller that allocated or validated
+        every argument itself (`cute_ep.ep.Buffer` checks user tensors once at its API): the
+        checks cost tens of microseconds of Python per launch, more than a decode kernel runs."""
+        if len(args) != len(self.spec.params):
+            raise TypeError(f"{self.spec.key} takes {len(self.spec.params)} arguments, got "
+                            f"{len(args)}")
+        self._launch(args, {p.name: a for p, a in zip(self.spec.params, args) if p.kind != "ptr"})
+
+    def _launch(self, args, scalars: dict[str, int]) -> None:
         grid = tuple(rule.evaluate(scalars) for rule in self.spec.grid)
         if 0 in grid:
             return
