@@ -28,9 +28,9 @@ _GRID_PER_SM = 8
 def fused_silu(x: torch.Tensor, row_offsets: torch.Tensor | None = None, *,
                interleaved: bool = False) -> torch.Tensor:
     """bf16 [M, I]."""
-    _check_x("bf16", x)
+    row_offsets, _ = _prepare("bf16", x, row_offsets)
     out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=torch.bfloat16, device=x.device)
-    _run("bf16", x, row_offsets, interleaved, out.view(torch.uint8))
+    _launch("bf16", x, row_offsets, interleaved, out.view(torch.uint8))
     return out
 
 
@@ -38,12 +38,12 @@ def fused_silu_fp8(x: torch.Tensor, row_offsets: torch.Tensor | None = None, *,
                    interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 [M, I], fp32 scales transposed [I / 128, M]): per 128 elements
     `s = max(amax, 1e-4) / 448`, `q = e4m3(clamp(z / s, +-448))`. I must be a multiple of 128."""
-    _check_x("fp8", x)
+    row_offsets, _ = _prepare("fp8", x, row_offsets)
     m, i = x.shape[0], x.shape[1] // 2
     out = torch.empty(m, i, dtype=torch.float8_e4m3fn, device=x.device)
     scales = torch.empty(i // 128, m, dtype=torch.float32, device=x.device)
-    _run("fp8", x, row_offsets, interleaved, out.view(torch.uint8), scales.view(torch.uint8),
-         scale_stride=m)
+    _launch("fp8", x, row_offsets, interleaved, out.view(torch.uint8), scales.view(torch.uint8),
+            scale_stride=m)
     return out, scales
 
 
@@ -57,8 +57,7 @@ def fused_silu_nvfp4(x: torch.Tensor, input_scales: torch.Tensor | float,
     start on a fresh 128-row block; the buffer holds `scale_rows` rows (default M + 128 S) and
     the padding of every used block is zero.
     """
-    _check_x("nvfp4", x)
-    segments = _segments(x, row_offsets)
+    row_offsets, segments = _prepare("nvfp4", x, row_offsets)
     if not isinstance(input_scales, torch.Tensor):
         input_scales = torch.full((segments,), float(input_scales), dtype=torch.float32,
                                   device=x.device)
@@ -80,6 +79,7 @@ def fused_silu_mxfp4(x: torch.Tensor, row_offsets: torch.Tensor | None = None, *
     saturates because of its scale. swiglu_limit: None for `silu(g) * u`; a positive number L for
     the clamped SwiGLU-OAI `(clamp(u, -L, L) + 1) * g' * sigmoid(alpha * g')`, `g' = min(g, L)`.
     """
+    row_offsets, _ = _prepare("mxfp4", x, row_offsets)
     params = None
     if swiglu_limit is not None:
         if not swiglu_limit > 0:
@@ -89,46 +89,43 @@ def fused_silu_mxfp4(x: torch.Tensor, row_offsets: torch.Tensor | None = None, *
 
 
 def _fp4(out_format, x, row_offsets, interleaved, scale_rows, **extra):
-    _check_x(out_format, x)
     m, i = x.shape[0], x.shape[1] // 2
-    segments = _segments(x, row_offsets)
-    rows = scale_rows if scale_rows is not None else scale_rows_capacity(m, segments)
+    rows = scale_rows if scale_rows is not None else \
+        scale_rows_capacity(m, row_offsets.numel() - 1)
     if rows < 1:
         raise ValueError(f"scale_rows must be positive, got {scale_rows}")
     codes = torch.empty(m, i // 2, dtype=torch.uint8, device=x.device)
     scales = torch.empty(scale_layout(rows, i, _VECTOR[out_format]).cosize(), dtype=torch.uint8,
                          device=x.device)
-    _run(out_format, x, row_offsets, interleaved, codes, scales, work_rows=rows, **extra)
+    _launch(out_format, x, row_offsets, interleaved, codes, scales, work_rows=rows, **extra)
     return codes, scales
 
 
-def _segments(x, row_offsets) -> int:
-    return 1 if row_offsets is None else row_offsets.numel() - 1
-
-
-def _check_x(out_format, x):
+def _prepare(out_format, x, row_offsets) -> tuple[torch.Tensor, int]:
+    """Check `x` for this output and `row_offsets` (None: one segment of all rows), once per
+    call; returns (row_offsets on the device, number of segments)."""
     check_tensor(x, name="x", dtype="bfloat16", align=16)
     vector = _VECTOR[out_format]
     if x.dim() != 2 or x.shape[1] % (2 * vector):
         raise ValueError(f"x must be bf16 [M, 2I] with I a multiple of {vector} for "
                          f"{_FAMILY[out_format]}, got {tuple(x.shape)}")
+    return segment_offsets(row_offsets, x.shape[0], x.device)
 
 
-def _run(out_format, x, row_offsets, interleaved, out, scales=None, *, input_scales=None,
-         activation_params=None, scale_stride=0, work_rows=None):
+def _launch(out_format, x, row_offsets, interleaved, out, scales=None, *, input_scales=None,
+            activation_params=None, scale_stride=0, work_rows=None):
+    """Launch on arguments `_prepare` checked and the caller allocated."""
     device = x.device
-    _check_x(out_format, x)
     m, i = x.shape[0], x.shape[1] // 2
-    row_offsets, segments = segment_offsets(row_offsets, m, device)
-    arch = device_arch(device)
+    segments = row_offsets.numel() - 1
     fields = {"interleaved": bool(interleaved),
               "activation": "silu" if activation_params is None else "swiglu_oai"}
     if out_format in ("nvfp4", "mxfp4"):
-        fields["e2m1"] = _E2M1[arch]
+        fields["e2m1"] = _E2M1[device_arch(device)]
     kernel = runtime().select(_FAMILY[out_format], device, **fields)
     if segments > kernel.spec.sizes["max_segments"]:
         raise ValueError(f"at most {kernel.spec.sizes['max_segments']} segments, got {segments}")
-    placeholder = torch.zeros(4, dtype=torch.float32, device=device)
+    placeholder = torch.empty(4, dtype=torch.float32, device=device)  # never read
     items = -(-((work_rows or m) * i) // kernel.spec.sizes["vector"])
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     grid = max(1, min(-(-items // kernel.spec.block[0]), _GRID_PER_SM * sms))

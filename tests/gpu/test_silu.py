@@ -106,7 +106,7 @@ def test_fused_silu_mxfp4(m, i, interleaved, limit):
 def test_rows_past_row_offsets_are_not_written(out_format):
     """Outputs pre-filled with a sentinel keep it past the valid rows (and FP4 scale padding
     past the used blocks); the rows in range are all written."""
-    from cute_ep.silu import _run
+    from cute_ep.silu import _launch, _prepare
 
     m, i = 200, 256
     x, offsets = _x(m, i, 9), [0, 70, 70, 150]
@@ -122,7 +122,8 @@ def test_rows_past_row_offsets_are_not_written(out_format):
         extra["work_rows"] = m
         if out_format == "nvfp4":
             extra["input_scales"] = torch.ones(3, device="cuda")
-    _run(out_format, x, _device(offsets), False, out, scales, **extra)
+    row_offsets, _ = _prepare(out_format, x, _device(offsets))
+    _launch(out_format, x, row_offsets, False, out, scales, **extra)
     assert (out[150:] == SENTINEL).all()
     assert (out[:150] != SENTINEL).any(dim=1).all()
     if out_format == "fp8":
