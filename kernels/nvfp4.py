@@ -65,6 +65,18 @@ def cvt_e2m1x2(even: Float32, odd: Float32, *, loc=None, ip=None) -> Int32:
                       "=r,f,f", loc, ip))
 
 
+@dsl_user_op
+def f32_bits(value: Float32, *, loc=None, ip=None) -> Int32:
+    """The bits of an fp32 value as an int32."""
+    return Int32(_asm(T.i32(), [Float32(value)], "mov.b32 $0, $1;", "=r,f", loc, ip))
+
+
+@dsl_user_op
+def bits_f32(value: Int32, *, loc=None, ip=None) -> Float32:
+    """The fp32 value of 32 bits."""
+    return Float32(_asm(T.f32(), [Int32(value)], "mov.b32 $0, $1;", "=f,r", loc, ip))
+
+
 @cute.jit
 def e2m1_software(v: Float32) -> Int32:
     """e2m1 code of `v`: nearest of {0, .5, 1, 1.5, 2, 3, 4, 6}, ties to the even code, saturating
@@ -86,7 +98,7 @@ def e2m1_software(v: Float32) -> Int32:
     if a > 5.0:
         code = code + 1
     sign = Int32(0)
-    if v < 0.0 or (v == 0.0 and 1.0 / v < 0.0):
+    if f32_bits(v) < 0 and a >= 0.0:  # the sign bit, -0 included; NaN (never here) gets none
         sign = Int32(8)
     return code + sign
 

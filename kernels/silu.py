@@ -30,10 +30,9 @@ rows* x padded scale columns, writing zero scale bytes for padding in the same p
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Boolean, Float32, Float8E4M3FN, Int32, Int64, Uint8
-from cutlass.cutlass_dsl import T, dsl_user_op
 
 from cute_ep.abi import GridRule, KernelSpec, Param
-from kernels.nvfp4 import (_asm, cvt_e4m3_byte, e2m1_words, e4m3_byte_to_f32,
+from kernels.nvfp4 import (bits_f32, cvt_e4m3_byte, e2m1_words, e4m3_byte_to_f32, f32_bits,
                             load_segment_blocks)
 from kernels.scan import WARP
 
@@ -52,16 +51,6 @@ FP8_MIN_AMAX = 1e-4
 
 def _ptr(dtype, addr, align):
     return cute.make_ptr(dtype, addr, cute.AddressSpace.gmem, assumed_align=align)
-
-
-@dsl_user_op
-def f32_bits(value: Float32, *, loc=None, ip=None) -> Int32:
-    return Int32(_asm(T.i32(), [Float32(value)], "mov.b32 $0, $1;", "=r,f", loc, ip))
-
-
-@dsl_user_op
-def bits_f32(value: Int32, *, loc=None, ip=None) -> Float32:
-    return Float32(_asm(T.f32(), [Int32(value)], "mov.b32 $0, $1;", "=f,r", loc, ip))
 
 
 @cute.jit
