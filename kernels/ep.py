@@ -1,10 +1,11 @@
 """Intranode dispatch and combine over NVLink: the six kernels of one expert-parallel layer.
 
 Dispatch (`dispatch_async` = plan, encode, send; `dispatch_wait` = receive):
-- `ep_plan`: one warp per key. A destination-rank key ballots, token by token, whether the
-  token routes to that rank and gives it the next slot there; an expert key numbers the tokens
-  routed to that expert (its *position*). Both in source-token order, so the receiver's row order
-  is deterministic. The counts of each key go to `send_counts`.
+- `ep_plan`: one CTA per key. A destination-rank key gives each token routed to that rank the
+  next slot there; an expert key numbers the tokens routed to that expert (its *position*). The
+  CTA's warps ballot over consecutive runs of tokens and a scan of the run counts orders them,
+  so both follow source-token order and the receiver's row order is deterministic. The counts
+  of each key go to `send_counts`.
 - `ep_encode`: one CTA per token writes its message once (`layouts.formats`): the payload (bf16
   copied, FP8 blockwise quantized with fp32 scales per 128, or NVFP4 with e4m3 scales per 16
   under the rank's global scale, read on the device), then the metadata (source token, K expert
@@ -67,6 +68,10 @@ PHASE_COMBINE = 2
 FORMATS = ("bf16", "fp8", "nvfp4")
 E2M1_ARCHES = {"software": ("sm_90a",), "hardware": ("sm_100a",)}
 
+PLAN_IDS = 4  # expert ids ep_plan loads together
+COMBINE_ROWS = 4  # expert output rows ep_combine_send loads together
+COMBINE_VECTORS = 4  # 16-byte vectors of a row per thread in ep_combine_send
+
 LIMITS = {"max_ranks": MAX_RANKS, "max_topk": MAX_TOPK, "max_segments": MAX_ENTRIES - 1}
 
 
@@ -80,6 +85,15 @@ def _scale_word_offset(srow, group, rk):
     4 group .. 4 group + 3: (r//128)*RK*512 + (kb//4)*512 + (r%32)*16 + ((r//32)%4)*4 + kb%4."""
     return ((Int64(srow // ATOM_ROWS) * Int64(rk) + Int64(group)) * ATOM_BYTES
             + Int64(srow % 32) * 16 + Int64((srow // 32) % 4) * 4)
+
+
+@cute.jit
+def _clamp(i, n):
+    """min(i, n - 1) for n >= 1: an index that is always safe to load."""
+    j = i
+    if i > n - 1:
+        j = n - 1
+    return j
 
 
 @cute.jit
@@ -167,9 +181,18 @@ def _wait_for_sources(tidx, ranks, flags: cute.Pointer, rounds: cute.Pointer,
 
 
 class EpPlan:
-    def __init__(self, threads: int = 256):
+    """CTA per key (a destination rank, then an expert). Warp w owns the w-th run of
+    consecutive tokens (a lane per token, so the id loads coalesce): it counts its matches with
+    ballots, a scan of the warp counts gives each run its first slot / position, and a second
+    pass over the run writes them, in token order."""
+
+    def __init__(self, threads: int = 512):
         self.threads = threads
         self.warps = threads // WARP
+
+    @property
+    def smem_bytes(self) -> int:
+        return (self.warps + 4) * 4 + 16
 
     def spec(self) -> KernelSpec:
         return KernelSpec(
@@ -197,8 +220,9 @@ class EpPlan:
                 Param("num_keys", "i32"),
             ),
             block=(self.threads, 1, 1),
-            grid=(GridRule(ceil_div=("num_keys", self.warps)), GridRule(constant=1),
+            grid=(GridRule(ceil_div=("num_keys", 1)), GridRule(constant=1),
                   GridRule(constant=1)),
+            smem_bytes=self.smem_bytes,
             sizes=dict(LIMITS),
         )
 
@@ -211,7 +235,7 @@ class EpPlan:
         self.kernel(topk_ids, dest_slot, positions, send_counts, error, num_tokens, max_tokens,
                     topk, local_experts, ranks, my_rank, shared, skip_a2a, shared_begin,
                     shared_end, num_keys).launch(
-            grid=(cute.ceil_div(num_keys, self.warps), 1, 1), block=(self.threads, 1, 1),
+            grid=(num_keys, 1, 1), block=(self.threads, 1, 1), smem=self.smem_bytes,
             stream=stream)
 
     @cute.kernel
@@ -221,73 +245,129 @@ class EpPlan:
                my_rank: Int32, shared: Int32, skip_a2a: Int32, shared_begin: Int32,
                shared_end: Int32, num_keys: Int32):
         tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        warp = tidx // WARP
-        lane = tidx % WARP
-        key = bidx * self.warps + warp
+        key, _, _ = cute.arch.block_idx()
         experts = local_experts * ranks
         entries = 1 + local_experts + shared
-        below = cute.arch.lanemask_lt()
-        ids = cute.make_tensor(topk_ids, cute.make_layout(max_tokens * topk))
+        smem = cutlass.memory.SmemAllocator()
+        s_run = smem.allocate_tensor(Int32, cute.make_layout(self.warps + 4), byte_alignment=16)
         slots = cute.make_tensor(dest_slot, cute.make_layout(ranks * max_tokens))
         pos = cute.make_tensor(positions, cute.make_layout(max_tokens * topk))
         counts = cute.make_tensor(send_counts, cute.make_layout(ranks * entries))
         errors = cute.make_tensor(error, cute.make_layout(4))
 
-        if key < ranks:
-            # Destination rank d: which tokens go there, and their slots.
-            d = key
-            lo = d * local_experts
-            hi = lo + local_experts
-            carry = Int32(0)
-            for base in cutlass.range(0, num_tokens, WARP):
-                t = base + lane
-                match = Int32(0)
-                if t < num_tokens:
-                    for k in cutlass.range(topk):
-                        e = ids[t * topk + k]
-                        if e >= lo and e < hi:
-                            match = Int32(1)
-                        if d == 0 and (e < 0 or e >= experts):
-                            errors[2] = Int32(1)
-                    if d == my_rank and shared != 0 and t >= shared_begin and t < shared_end:
-                        match = Int32(1)
-                    if skip_a2a != 0 and d != my_rank:
-                        match = Int32(0)
-                ballot = cute.arch.vote_ballot_sync(match != 0)
-                if t < num_tokens:
+        # This warp's run of tokens [begin, end): consecutive lanes read consecutive tokens.
+        warp = tidx // WARP
+        lane = tidx % WARP
+        below = cute.arch.lanemask_lt()
+        per = (num_tokens + self.warps * WARP - 1) // (self.warps * WARP) * WARP
+        begin = warp * per
+        end = begin + per
+        if end > num_tokens:
+            end = num_tokens
+
+        # A rank key d matches token t if one of t's experts lives on d (or t is a shared-expert
+        # token of this rank); an expert key g matches at the k with ids[t, k] == g.
+        is_rank = key < ranks
+        d = key
+        g = key - ranks
+        if key >= ranks:
+            d = g // local_experts
+        lo = d * local_experts
+        hi = lo + local_experts
+        active = Int32(1)
+        if skip_a2a != 0 and d != my_rank:
+            active = Int32(0)  # allreduce mode: nothing leaves this rank
+        found = Int32(0)
+        for base in cutlass.range(begin, end, WARP):
+            t = base + lane
+            k = Int32(-1)
+            if t < end:
+                # Rank key 0 also checks every expert id (once per token, even when inactive).
+                k = self._match(topk_ids, t, topk, is_rank, lo, hi, g, experts, d, my_rank,
+                                shared, shared_begin, shared_end, errors, key == 0)
+            found = found + Int32(cute.arch.popc(cute.arch.vote_ballot_sync(
+                (Int32(k >= 0) & active) != 0)))
+        if lane == 0:
+            s_run[warp] = found
+        cute.arch.sync_threads()
+        if warp == 0:
+            warp_exclusive_scan(s_run, s_run, self.warps, lane)
+        cute.arch.sync_threads()
+        carry = s_run[warp]
+        for base in cutlass.range(begin, end, WARP):
+            t = base + lane
+            k = Int32(-1)
+            if t < end and active != 0:
+                k = self._match(topk_ids, t, topk, is_rank, lo, hi, g, experts, d, my_rank,
+                                shared, shared_begin, shared_end, errors, False)
+            ballot = cute.arch.vote_ballot_sync(k >= 0)
+            at = carry + Int32(cute.arch.popc(ballot & below))
+            if t < end:
+                if is_rank:
                     slot = Int32(-1)
-                    if match != 0:
-                        slot = carry + Int32(cute.arch.popc(ballot & below))
+                    if k >= 0:
+                        slot = at
                     slots[d * max_tokens + t] = slot
-                carry = carry + Int32(cute.arch.popc(ballot))
-            if lane == 0:
-                counts[d * entries] = carry
+                elif k >= 0:
+                    pos[t * topk + k] = at
+            carry = carry + Int32(cute.arch.popc(ballot))
+        if tidx == 0:
+            total = s_run[self.warps]
+            if is_rank:
+                counts[d * entries] = total
                 if shared != 0:
                     n_shared = Int32(0)
                     if d == my_rank:
                         n_shared = shared_end - shared_begin
                     counts[d * entries + 1] = n_shared
+            else:
+                counts[d * entries + 1 + shared + g - lo] = total
+
+    @cute.jit
+    def _match(self, topk_ids: cute.Pointer, t, topk, is_rank, lo, hi, g, experts, d, my_rank,
+               shared, shared_begin, shared_end, errors: cute.Tensor, check_ids):
+        """For a rank key: 0 if token t goes to rank d, else -1 (and, with `check_ids`, flag an
+        expert id out of range). For an expert key: the k with ids[t, k] == g, or -1."""
+        result = Int32(-1)
+        if is_rank:
+            m, bad = self._rank_match(topk_ids, t, topk, lo, hi, experts)
+            if check_ids and bad != 0:
+                errors[2] = Int32(1)
+            if d == my_rank and shared != 0 and t >= shared_begin and t < shared_end:
+                m = Int32(1)
+            result = m - 1
         else:
-            if key < ranks + experts:
-                # Expert g: the position of each token routed to it, in token order.
-                g = key - ranks
-                d = g // local_experts
-                carry = Int32(0)
-                if skip_a2a == 0 or d == my_rank:
-                    for base in cutlass.range(0, num_tokens, WARP):
-                        t = base + lane
-                        found = Int32(-1)
-                        if t < num_tokens:
-                            for k in cutlass.range(topk):
-                                if ids[t * topk + k] == g:
-                                    found = k
-                        ballot = cute.arch.vote_ballot_sync(found >= 0)
-                        if found >= 0:
-                            pos[t * topk + found] = carry + Int32(cute.arch.popc(ballot & below))
-                        carry = carry + Int32(cute.arch.popc(ballot))
-                if lane == 0:
-                    counts[d * entries + 1 + shared + g - d * local_experts] = carry
+            result = self._expert_slot(topk_ids, t, topk, g)
+        return result
+
+    @cute.jit
+    def _rank_match(self, topk_ids: cute.Pointer, t, topk, lo, hi, experts):
+        """(1 if an expert of token t is in [lo, hi) else 0, 1 if an id is outside [0, experts)).
+        The ids are loaded PLAN_IDS at a time, unconditionally (indices clamped), so those loads
+        are in flight together."""
+        ids = cute.make_tensor(topk_ids, cute.make_layout((t + 1) * topk))
+        m = Int32(0)
+        bad = Int32(0)
+        for k0 in cutlass.range(0, topk, PLAN_IDS):
+            for i in cutlass.range_constexpr(PLAN_IDS):
+                k = k0 + i
+                e = ids[t * topk + _clamp(k, topk)]
+                live = Int32(k < topk)
+                m = m | (Int32(e >= lo) & Int32(e < hi) & live)
+                bad = bad | ((Int32(e < 0) | Int32(e >= experts)) & live)
+        return m, bad
+
+    @cute.jit
+    def _expert_slot(self, topk_ids: cute.Pointer, t, topk, g):
+        """The k with ids[t, k] == g, or -1 (loads as in `_rank_match`)."""
+        ids = cute.make_tensor(topk_ids, cute.make_layout((t + 1) * topk))
+        f = Int32(-1)
+        for k0 in cutlass.range(0, topk, PLAN_IDS):
+            for i in cutlass.range_constexpr(PLAN_IDS):
+                k = k0 + i
+                e = ids[t * topk + _clamp(k, topk)]
+                f = f + (Int32(e == g) & Int32(k < topk)) * (k - f)
+        return f
 
 
 class EpEncode:
@@ -491,13 +571,12 @@ class EpSend:
         slots = cute.make_tensor(dest_slot, cute.make_layout(ranks * max_tokens))
         msg_bytes = Int64(msg_vectors) * VECTOR_BYTES
         for t in cutlass.range(chunk, num_tokens, num_chunks):  # token-strided over the CTAs
-            if t < num_tokens:
-                slot = slots[dest * max_tokens + t]
-                if slot >= 0:
-                    dst = (peer + recv_offset
-                           + (Int64(my_rank) * Int64(max_tokens) + Int64(slot)) * msg_bytes)
-                    _copy_bytes(tiled_copy, tidx, send_buf.toint() + Int64(t) * msg_bytes, dst,
-                                msg_vectors, self.rows_per_tile)
+            slot = slots[dest * max_tokens + t]
+            if slot >= 0:
+                dst = (peer + recv_offset
+                       + (Int64(my_rank) * Int64(max_tokens) + Int64(slot)) * msg_bytes)
+                _copy_bytes(tiled_copy, tidx, send_buf.toint() + Int64(t) * msg_bytes, dst,
+                            msg_vectors, self.rows_per_tile)
         cute.arch.sync_threads()
         if tidx == 0:
             _finish_destination(
@@ -667,7 +746,7 @@ class EpRecv:
             s_tot[g] = run - s_off[g]  # now the unpadded row count
         cute.arch.sync_threads()
 
-        # 6. One CTA writes the segment metadata and clears the alignment padding.
+        # 6. One CTA writes the segment metadata; every CTA clears a share of the padding.
         if source == 0 and cta == 0:
             offsets = cute.make_tensor(row_offsets, cute.make_layout(segments + 1))
             for g in cutlass.range(tidx, segments + 1, self.threads):
@@ -681,23 +760,10 @@ class EpRecv:
                 for g in cutlass.range(tidx, segments, self.threads):
                     cute.make_tensor(scales_offsets, cute.make_layout(segments))[g] = \
                         s_first[g] - s_off[g] // ATOM_ROWS
-            if cutlass.const_expr(self.row_align > 1):
-                for g in cutlass.range(segments):
-                    pad_begin = s_off[g] + s_tot[g]
-                    pad_rows = s_off[g + 1] - pad_begin
-                    words = Int32(payload_bytes // 4)
-                    for i in cutlass.range(tidx, pad_rows * words, self.threads):
-                        r = pad_begin + i // words
-                        _store_i32(tokens.toint() + Int64(r) * payload_bytes
-                                   + Int64(i % words) * 4, Int32(0))
-                    for i in cutlass.range(tidx, pad_rows * blocks, self.threads):
-                        r = pad_begin + i // blocks
-                        _store_f32(scales.toint()
-                                   + (Int64(i % blocks) * Int64(row_capacity) + Int64(r)) * 4,
-                                   Float32(0.0))
-                    for i in cutlass.range(tidx, pad_rows, self.threads):
-                        _store_i32(src_info.toint() + Int64(pad_begin + i) * 8, Int32(-1))
-                        _store_i32(src_info.toint() + Int64(pad_begin + i) * 8 + 4, Int32(-1))
+        if cutlass.const_expr(self.row_align > 1):
+            self._zero_row_padding(tidx, source * ctas_per_source + cta, ranks * ctas_per_source,
+                                   tokens, scales, src_info, s_off, s_tot, segments,
+                                   payload_bytes, blocks, row_capacity)
         if cutlass.const_expr(self.fmt == "nvfp4"):
             self._zero_scale_padding(tidx, source * ctas_per_source + cta,
                                      ranks * ctas_per_source, scales, s_tot, s_first, segments,
@@ -790,6 +856,30 @@ class EpRecv:
             cute.arch.sync_threads()
 
     @cute.jit
+    def _zero_row_padding(self, tidx, cta_rank, num_ctas, tokens: cute.Pointer,
+                          scales: cute.Pointer, src_info: cute.Pointer, s_off: cute.Tensor,
+                          s_tot: cute.Tensor, segments, payload_bytes, blocks, row_capacity):
+        """FP8: zero the alignment rows after each segment's rows (payload words, their scales,
+        src_info -1), the grid's threads striding over them (rows below the count are written
+        by the expansion, so the two never meet)."""
+        first = cta_rank * self.threads + tidx
+        stride = num_ctas * self.threads
+        words = Int32(payload_bytes // 4)
+        for g in cutlass.range(segments):
+            pad_begin = s_off[g] + s_tot[g]
+            pad_rows = s_off[g + 1] - pad_begin
+            for i in cutlass.range(first, pad_rows * words, stride):
+                _store_i32(tokens.toint() + Int64(pad_begin) * payload_bytes + Int64(i) * 4,
+                           Int32(0))
+            for i in cutlass.range(first, pad_rows * blocks, stride):
+                r = pad_begin + i // blocks
+                _store_f32(scales.toint()
+                           + (Int64(i % blocks) * Int64(row_capacity) + Int64(r)) * 4,
+                           Float32(0.0))
+            for i in cutlass.range(first, pad_rows * 2, stride):
+                _store_i32(src_info.toint() + Int64(pad_begin) * 8 + Int64(i) * 4, Int32(-1))
+
+    @cute.jit
     def _zero_scale_padding(self, tidx, cta_rank, num_ctas, scales: cute.Pointer,
                             s_tot: cute.Tensor, s_first: cute.Tensor, segments, rk):
         """Zero the scale words of the rows past each segment's count in its last 128-row block,
@@ -811,6 +901,10 @@ class EpCombineSend:
     def __init__(self, threads: int = 256):
         self.threads = threads
         self.rows_per_tile = threads * 4
+
+    @property
+    def smem_bytes(self) -> int:
+        return (4 * MAX_TOPK + 12) * 4 + 96
 
     def spec(self) -> KernelSpec:
         return KernelSpec(
@@ -838,7 +932,7 @@ class EpCombineSend:
             block=(self.threads, 1, 1),
             grid=(GridRule(ceil_div=("ranks", 1)), GridRule(ceil_div=("ctas_per_rank", 1)),
                   GridRule(constant=1)),
-            smem_bytes=(2 * MAX_TOPK + 8) * 4 + 64,
+            smem_bytes=self.smem_bytes,
             sizes=dict(LIMITS),
         )
 
@@ -854,7 +948,7 @@ class EpCombineSend:
                     flags_offset, ctas_per_rank, vector_tiled_copy(self.threads),
                     row_tiled_copy(self.threads, BFloat16, BF16_PER_VECTOR)).launch(
             grid=(ranks, ctas_per_rank, 1), block=(self.threads, 1, 1),
-            smem=(2 * MAX_TOPK + 8) * 4 + 64, stream=stream)
+            smem=self.smem_bytes, stream=stream)
 
     @cute.kernel
     def kernel(self, peer_bases: cute.Pointer, y: cute.Pointer, comb_rows: cute.Pointer,
@@ -869,6 +963,9 @@ class EpCombineSend:
         smem = cutlass.memory.SmemAllocator()
         s_rows = smem.allocate_tensor(Int32, cute.make_layout(MAX_TOPK + 4), byte_alignment=16)
         s_w = smem.allocate_tensor(Float32, cute.make_layout(MAX_TOPK + 4), byte_alignment=16)
+        # The rows of this token that live here, compacted, and their weights.
+        s_here = smem.allocate_tensor(Int32, cute.make_layout(MAX_TOPK + 4), byte_alignment=16)
+        s_hw = smem.allocate_tensor(Float32, cute.make_layout(MAX_TOPK + 4), byte_alignment=16)
         row_bytes = Int64(hidden) * 2
         n = cute.make_tensor(comb_counts, cute.make_layout(ranks))[home]
         for j in cutlass.range(cta, n, ctas_per_rank):
@@ -880,15 +977,25 @@ class EpCombineSend:
             if tidx == 0:
                 s_rows[MAX_TOPK] = _load_i32(comb_tokens.toint() + at * 4)
             cute.arch.sync_threads()
+            if tidx == 0:
+                n_here = Int32(0)
+                first_k = Int32(-1)
+                for k in cutlass.range(topk):
+                    if s_rows[k] >= 0:
+                        s_here[n_here] = s_rows[k]
+                        s_hw[n_here] = s_w[k]
+                        n_here = n_here + 1
+                        if first_k < 0:
+                            first_k = k
+                s_here[MAX_TOPK] = n_here
+                s_here[MAX_TOPK + 1] = first_k
+            cute.arch.sync_threads()
             tok = s_rows[MAX_TOPK]
             slot_base = peer + combine_offset + Int64(tok) * Int64(topk) * row_bytes
             if weighted != 0:
-                first = Int32(-1)
-                for k in cutlass.range(topk):
-                    if first < 0 and s_rows[k] >= 0:
-                        first = k
+                first = s_here[MAX_TOPK + 1]
                 if first >= 0:
-                    self._weighted_sum(tidx, y, s_rows, s_w, topk, hidden,
+                    self._weighted_sum(tidx, y, s_here, s_hw, s_here[MAX_TOPK], hidden,
                                        slot_base + Int64(first) * row_bytes, bf16_copy)
             else:
                 for k in cutlass.range(topk):
@@ -905,32 +1012,36 @@ class EpCombineSend:
                                 Int64(0), Int64(0), Int32(0))
 
     @cute.jit
-    def _weighted_sum(self, tidx, y: cute.Pointer, s_rows: cute.Tensor, s_w: cute.Tensor, topk,
+    def _weighted_sum(self, tidx, y: cute.Pointer, s_rows: cute.Tensor, s_w: cute.Tensor, n,
                       hidden, dst_addr, bf16_copy: cute.TiledCopy):
-        """dst = bf16(sum_k w[k] * y[rows[k]]) over the rows that are here, in fp32."""
+        """dst = bf16(sum_i w[i] * y[rows[i]]) over the n >= 1 rows here (compacted), in fp32.
+        A thread holds COMBINE_VECTORS vectors of a row (one tile covers H <= 8192), and the
+        loads of COMBINE_ROWS rows are issued before any is summed, so they overlap."""
         rows = hidden // BF16_PER_VECTOR
         layout = cute.make_layout((rows, BF16_PER_VECTOR), stride=(BF16_PER_VECTOR, 1))
-        tiler = (self.threads, BF16_PER_VECTOR)
+        tiler = (self.threads * COMBINE_VECTORS, BF16_PER_VECTOR)
         g_c = cute.zipped_divide(cute.make_identity_tensor(layout.shape), tiler)
         g_dst = cute.zipped_divide(cute.make_tensor(_ptr(BFloat16, dst_addr, 16), layout), tiler)
         thr = bf16_copy.get_slice(tidx)
-        for tile in cutlass.range(cute.ceil_div(rows, self.threads)):
+        for tile in cutlass.range(cute.ceil_div(rows, self.threads * COMBINE_VECTORS)):
             pred = row_predicate(thr.partition_S(g_c[((None, None), tile)]), rows)
             t_dst = thr.partition_D(g_dst[((None, None), tile)])
             acc = cute.make_fragment_like(t_dst, Float32)
             acc.fill(0.0)
-            for k in cutlass.range(topk):
-                row = s_rows[k]
-                if row >= 0:
+            for i0 in cutlass.range(0, n, COMBINE_ROWS):
+                frags = []
+                for j in cutlass.range_constexpr(COMBINE_ROWS):
+                    row = s_rows[_clamp(i0 + j, n)]  # past n: a row already summed, not used
                     g_y = cute.zipped_divide(cute.make_tensor(
                         _ptr(BFloat16, y.toint() + Int64(row) * Int64(hidden) * 2, 16), layout),
                         tiler)
-                    t_y = thr.partition_S(g_y[((None, None), tile)])
-                    regs = cute.make_fragment_like(t_y)
-                    regs.fill(0.0)
-                    cute.copy(bf16_copy, t_y, regs,
-                              pred=row_predicate(thr.partition_S(g_c[((None, None), tile)]), rows))
-                    acc.store(acc.load() + regs.load().to(Float32) * s_w[k])
+                    regs = cute.make_fragment_like(thr.partition_S(g_y[((None, None), tile)]))
+                    cute.copy(bf16_copy, thr.partition_S(g_y[((None, None), tile)]), regs,
+                              pred=pred)
+                    frags.append(regs)
+                for j in cutlass.range_constexpr(COMBINE_ROWS):
+                    if i0 + j < n:
+                        acc.store(acc.load() + frags[j].load().to(Float32) * s_w[i0 + j])
             out = cute.make_fragment_like(t_dst)
             out.store(acc.load().to(BFloat16))
             cute.copy(bf16_copy, out, t_dst, pred=pred)
@@ -1013,64 +1124,63 @@ class EpCombineRecv:
         thr = bf16_copy.get_slice(tidx)
         row_bytes = Int64(hidden) * 2
         for t in cutlass.range(chunk, num_tokens, num_chunks):  # token-strided over the CTAs
-            if t < num_tokens:
-                # Which k slots were written this round: one per destination rank (the first k
-                # routed there) when reduced, every slot otherwise; only our own with skip_a2a.
-                if tidx < topk:
-                    ids_at = topk_ids.toint() + Int64(t) * Int64(topk) * 4
-                    e = _load_i32(ids_at + Int64(tidx) * 4)
-                    filled = Int32(0)
-                    if e >= 0 and e < experts:
-                        d = e // local_experts
-                        filled = Int32(1)
-                        if skip_a2a != 0 and d != my_rank:
-                            filled = Int32(0)
-                        if weighted != 0:
-                            for k2 in cutlass.range(tidx):
-                                e2 = _load_i32(ids_at + Int64(k2) * 4)
-                                if e2 >= 0 and e2 < experts and e2 // local_experts == d:
-                                    filled = Int32(0)
-                    s_filled[tidx] = filled
-                cute.arch.sync_threads()
-                slots = combine_buf.toint() + Int64(t) * Int64(topk) * row_bytes
-                has_shared = shared != 0 and t >= shared_begin and t < shared_end
-                for tile in cutlass.range(cute.ceil_div(rows, self.threads)):
+            # Which k slots were written this round: one per destination rank (the first k
+            # routed there) when reduced, every slot otherwise; only our own with skip_a2a.
+            if tidx < topk:
+                ids_at = topk_ids.toint() + Int64(t) * Int64(topk) * 4
+                e = _load_i32(ids_at + Int64(tidx) * 4)
+                filled = Int32(0)
+                if e >= 0 and e < experts:
+                    d = e // local_experts
+                    filled = Int32(1)
+                    if skip_a2a != 0 and d != my_rank:
+                        filled = Int32(0)
                     if weighted != 0:
-                        g_out = cute.zipped_divide(cute.make_tensor(
-                            _ptr(BFloat16, out.toint() + Int64(t) * row_bytes, 16), layout),
-                            tiler)
-                        t_out = thr.partition_D(g_out[((None, None), tile)])
-                        acc = cute.make_fragment_like(t_out, Float32)
-                        acc.fill(0.0)
-                        for k in cutlass.range(topk):
-                            if s_filled[k] != 0:
-                                self._accumulate(thr, bf16_copy, acc, slots + Int64(k) * row_bytes,
-                                                 layout, tiler, tile, g_c, rows)
-                        if has_shared:
-                            self._accumulate(thr, bf16_copy, acc,
-                                             y.toint() + Int64(t - shared_begin) * row_bytes,
+                        for k2 in cutlass.range(tidx):
+                            e2 = _load_i32(ids_at + Int64(k2) * 4)
+                            if e2 >= 0 and e2 < experts and e2 // local_experts == d:
+                                filled = Int32(0)
+                s_filled[tidx] = filled
+            cute.arch.sync_threads()
+            slots = combine_buf.toint() + Int64(t) * Int64(topk) * row_bytes
+            has_shared = shared != 0 and t >= shared_begin and t < shared_end
+            for tile in cutlass.range(cute.ceil_div(rows, self.threads)):
+                if weighted != 0:
+                    g_out = cute.zipped_divide(cute.make_tensor(
+                        _ptr(BFloat16, out.toint() + Int64(t) * row_bytes, 16), layout),
+                        tiler)
+                    t_out = thr.partition_D(g_out[((None, None), tile)])
+                    acc = cute.make_fragment_like(t_out, Float32)
+                    acc.fill(0.0)
+                    for k in cutlass.range(topk):
+                        if s_filled[k] != 0:
+                            self._accumulate(thr, bf16_copy, acc, slots + Int64(k) * row_bytes,
                                              layout, tiler, tile, g_c, rows)
-                        res = cute.make_fragment_like(t_out)
-                        res.store(acc.load().to(BFloat16))
-                        cute.copy(bf16_copy, res, t_out, pred=row_predicate(
+                    if has_shared:
+                        self._accumulate(thr, bf16_copy, acc,
+                                         y.toint() + Int64(t - shared_begin) * row_bytes,
+                                         layout, tiler, tile, g_c, rows)
+                    res = cute.make_fragment_like(t_out)
+                    res.store(acc.load().to(BFloat16))
+                    cute.copy(bf16_copy, res, t_out, pred=row_predicate(
+                        thr.partition_S(g_c[((None, None), tile)]), rows))
+                else:
+                    for k in cutlass.range(topk):
+                        g_out = cute.zipped_divide(cute.make_tensor(_ptr(
+                            BFloat16, out.toint() + (Int64(t) * Int64(topk) + Int64(k))
+                            * row_bytes, 16), layout), tiler)
+                        t_out = thr.partition_D(g_out[((None, None), tile)])
+                        regs = cute.make_fragment_like(t_out)
+                        regs.fill(0.0)
+                        if s_filled[k] != 0:
+                            g_in = cute.zipped_divide(cute.make_tensor(_ptr(
+                                BFloat16, slots + Int64(k) * row_bytes, 16), layout), tiler)
+                            cute.copy(bf16_copy, thr.partition_S(g_in[((None, None), tile)]),
+                                      regs, pred=row_predicate(
+                                          thr.partition_S(g_c[((None, None), tile)]), rows))
+                        cute.copy(bf16_copy, regs, t_out, pred=row_predicate(
                             thr.partition_S(g_c[((None, None), tile)]), rows))
-                    else:
-                        for k in cutlass.range(topk):
-                            g_out = cute.zipped_divide(cute.make_tensor(_ptr(
-                                BFloat16, out.toint() + (Int64(t) * Int64(topk) + Int64(k))
-                                * row_bytes, 16), layout), tiler)
-                            t_out = thr.partition_D(g_out[((None, None), tile)])
-                            regs = cute.make_fragment_like(t_out)
-                            regs.fill(0.0)
-                            if s_filled[k] != 0:
-                                g_in = cute.zipped_divide(cute.make_tensor(_ptr(
-                                    BFloat16, slots + Int64(k) * row_bytes, 16), layout), tiler)
-                                cute.copy(bf16_copy, thr.partition_S(g_in[((None, None), tile)]),
-                                          regs, pred=row_predicate(
-                                              thr.partition_S(g_c[((None, None), tile)]), rows))
-                            cute.copy(bf16_copy, regs, t_out, pred=row_predicate(
-                                thr.partition_S(g_c[((None, None), tile)]), rows))
-                cute.arch.sync_threads()
+            cute.arch.sync_threads()
 
     @cute.jit
     def _accumulate(self, thr, bf16_copy: cute.TiledCopy, acc: cute.Tensor, row_addr, layout,
