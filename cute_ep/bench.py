@@ -29,6 +29,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import statistics
 import tempfile
 import time
@@ -55,6 +56,8 @@ def parser() -> argparse.ArgumentParser:
                    help="comma-separated SM budgets for the throughput sweep ('all': no cap)")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--out", default="perf/results", help="folder for the JSON record")
+    p.add_argument("--no-stages", dest="stages", action="store_false",
+                   help="skip the per-kernel breakdown (torch profiler)")
     return p
 
 
@@ -135,6 +138,11 @@ def _worker(rank, world, store, args, formats, budgets, results):
                 "throughput": _throughput(rank, world, args, fmt, budgets, flush),
                 "decode": _decode(rank, world, args, fmt, flush),
             }
+            if args.stages:
+                out["formats"][fmt]["stages"] = {
+                    "throughput": _stages(world, args, fmt, args.tokens, rank),
+                    "decode": _stages(world, args, fmt, args.decode_tokens, rank),
+                }
         results.put((True, out, ""))
     except BaseException as exc:  # the parent reports every rank's failure
         import traceback
@@ -270,6 +278,44 @@ def _ctas(buf, tokens) -> dict:
             "combine_recv": buf._cap(max(1, -(-tokens // buf.combine_tokens_per_cta)), 1)}
 
 
+STAGE_KERNELS = ("Plan", "Encode", "Send", "Recv", "CombineSend", "CombineRecv")
+STAGE_ITERS = 20
+
+
+def _stages(world, args, fmt, tokens, rank) -> dict:
+    """Mean GPU time (us) of each kernel of one dispatch + combine (all SMs), from the torch
+    profiler's kernel records over STAGE_ITERS layers, each after a barrier. A receive kernel's
+    time includes its wait for the slowest peer's send."""
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    from cute_ep.ep import Buffer
+    from layouts import EPConfig
+
+    cfg = EPConfig(args.hidden, args.topk, args.experts, world, tokens, fmt)
+    buf = Buffer(cfg)
+    x, ids, w, y, quant = _inputs(cfg, tokens, 200 + rank)
+    for _ in range(WARMUP):
+        buf.combine(y, buf.dispatch(x, ids, w, **quant).handle)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(STAGE_ITERS):
+            torch.cuda.synchronize()
+            dist.barrier()
+            buf.combine(y, buf.dispatch(x, ids, w, **quant).handle)
+        torch.cuda.synchronize()
+    buf.check()
+    del buf
+    totals = dict.fromkeys(STAGE_KERNELS, 0.0)
+    for item in prof.key_averages():
+        m = re.search(r"kernelsepEp([A-Za-z]+)_object", item.key)
+        if m and m.group(1) in totals:
+            total = getattr(item, "device_time_total", None)
+            if total is None:
+                total = item.cuda_time_total
+            totals[m.group(1)] += total / STAGE_ITERS
+    return {"tokens": tokens, **{f"{k.lower()}_us": v for k, v in totals.items()}}
+
+
 def _p2p_copy_us(rank, world, nbytes, slot, iters, flush) -> float | None:
     """Median time (us) of copying nbytes[d] to every peer d at once (copy engine, a stream per
     peer) into peer-mapped symmetric memory (`slot` bytes per source, the same on every rank)."""
@@ -398,6 +444,22 @@ def _print(record, formats) -> None:
     console.print(d)
     console.print("graph combine = graph layer (dispatch + combine) - graph dispatch; host us = "
                   "time for the Python call to return, GPU work still queued.")
+
+    if "stages" not in ranks[0]["formats"][formats[0]]:
+        return
+    s = Table(title=f"per-kernel GPU time (us), mean of {STAGE_ITERS} layers, all SMs "
+                    f"(slowest rank shown)")
+    s.add_column("format")
+    s.add_column("tokens/rank", justify="right")
+    for k in STAGE_KERNELS:
+        s.add_column(k, justify="right")
+    for fmt in formats:
+        for case in ("throughput", "decode"):
+            per = [r["formats"][fmt]["stages"][case] for r in ranks]
+            s.add_row(fmt, str(per[0]["tokens"]),
+                      *(f"{worst(p[f'{k.lower()}_us'] for p in per):.1f}" for k in STAGE_KERNELS))
+    console.print(s)
+    console.print("Recv and CombineRecv include the wait for the slowest peer's data.")
 
 
 if __name__ == "__main__":
