@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tests.multigpu.harness import run_ranks
+from cute_ep.spawn import run_ranks
 
 pytestmark = pytest.mark.gpu
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from .harness import run_ranks
+from cute_ep.spawn import run_ranks
 
 pytestmark = pytest.mark.multigpu
 

@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-from .harness import run_ranks
+from cute_ep.spawn import run_ranks
 
 pytestmark = pytest.mark.multigpu
 

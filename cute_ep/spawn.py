@@ -1,4 +1,5 @@
-"""Run a function on every visible GPU, one process each, with a hard time limit."""
+"""Run a function on every visible GPU, one process each, with a hard time limit (the demo,
+the multi-GPU tests)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,10 @@ import torch.multiprocessing as mp
 # NVLink multicast stays off: it can take a shared host's GPUs out of service.
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
             "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+class RanksFailed(AssertionError):
+    """A rank raised, or did not finish in time; the message holds every failing rank's error."""
 
 
 def _entry(fn, rank, world, store_path, results, kwargs):
@@ -51,7 +56,7 @@ def run_ranks(fn, world: int | None = None, limit_s: float = 180.0, **kwargs) ->
             rank, ok, value = results.get(timeout=limit_s)
             got[rank] = (ok, value)
     except queue.Empty:
-        raise AssertionError(f"ranks {sorted(set(range(world)) - set(got))} did not finish within "
+        raise RanksFailed(f"ranks {sorted(set(range(world)) - set(got))} did not finish within "
                              f"{limit_s} s (hang)") from None
     finally:
         for p in procs:
@@ -61,5 +66,5 @@ def run_ranks(fn, world: int | None = None, limit_s: float = 180.0, **kwargs) ->
         shutil.rmtree(store_dir, ignore_errors=True)
     failed = {r: v for r, (ok, v) in got.items() if not ok}
     if failed:
-        raise AssertionError("\n".join(f"rank {r}: {v}" for r, v in sorted(failed.items())))
+        raise RanksFailed("\n".join(f"rank {r}: {v}" for r, v in sorted(failed.items())))
     return [got[r][1] for r in range(world)]
