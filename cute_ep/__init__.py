@@ -1,10 +1,41 @@
 """cute-ep: Mixture-of-Experts expert-parallel kernels, compiled ahead of time with the CuTe DSL.
 
 The runtime needs only torch and cuda-python; the DSL is a build-time dependency.
+
+Public surface:
+- `Buffer(EPConfig(...))`: one per EP group; `dispatch` / `combine` (and their `_async` /
+  `_wait` halves) returning `DispatchOutput` (expert-grouped rows + a `DispatchHandle`);
+- `fused_silu`, `fused_silu_fp8`, `fused_silu_nvfp4`, `fused_silu_mxfp4`, `quantize_nvfp4`:
+  the standalone kernels on torch tensors;
+- `buffer_bytes(cfg)`: the GPU memory a config takes per rank, before allocating anything;
+- everything is also a `torch.library` operator (`torch.ops.cute_ep.*`), used automatically
+  under `torch.compile`, so layers compile with `fullgraph=True` and capture in CUDA graphs.
 """
 
 __version__ = "0.1.0"
 
+from cute_ep import torch_ops as _ops  # noqa: E402  (registers torch.ops.cute_ep.*)
+from cute_ep.ep import (Buffer, ConfigMismatch, DispatchHandle, DispatchOutput,  # noqa: E402
+                        PeerTimeout)
 from cute_ep.ops import block_memcpy, block_prefix_sum  # noqa: E402
+from cute_ep.quant import quantize_nvfp4  # noqa: E402
+from cute_ep.silu import (fused_silu, fused_silu_fp8, fused_silu_mxfp4,  # noqa: E402
+                          fused_silu_nvfp4)
+from layouts import EPConfig  # noqa: E402
 
-__all__ = ["__version__", "block_memcpy", "block_prefix_sum"]
+del _ops
+
+
+def buffer_bytes(cfg: EPConfig) -> int:
+    """Bytes of GPU memory one rank's `Buffer(cfg)` takes (both buffer groups of peer-visible
+    memory, its local buffers, and one dispatch's outputs), computed from the layouts alone: no
+    GPU, no allocation. `cute-ep layouts` prints the breakdown."""
+    from layouts.buffers import total_bytes
+
+    return total_bytes(cfg)
+
+
+__all__ = ["__version__", "Buffer", "EPConfig", "DispatchOutput", "DispatchHandle",
+           "PeerTimeout", "ConfigMismatch", "buffer_bytes", "fused_silu", "fused_silu_fp8",
+           "fused_silu_nvfp4", "fused_silu_mxfp4", "quantize_nvfp4", "block_memcpy",
+           "block_prefix_sum"]

@@ -68,7 +68,7 @@ __all__ = ["Buffer", "DispatchOutput", "DispatchHandle", "Routing", "ConfigMisma
 class Routing:
     """This rank's side of one dispatch, as combine needs it."""
 
-    group: int  # buffer group the dispatch used
+    group: int  # buffer group the dispatch used (-1: rebuilt by the combine operator)
     num_tokens: int
     weighted: bool  # topk_weights given: combine reduces; otherwise [T, K, H]
     skip_a2a: bool
@@ -183,6 +183,9 @@ class Buffer:
         self._no_i32 = torch.zeros(4, dtype=torch.int32, device=dev)
         self.dispatch_round = 0
         self.combine_round = 0
+        from cute_ep.torch_ops import register_buffer
+
+        self.op_id = register_buffer(self)  # how torch.ops.cute_ep.dispatch / combine name it
         dist.barrier(self.group)
 
     # Sizes -------------------------------------------------------------------------------
@@ -230,12 +233,7 @@ class Buffer:
         if cfg.fused_shared_expert and not weighted:
             raise ValueError("fused_shared_expert needs topk_weights: the unreduced [T, K, H] "
                              "combine output has no slot for the shared expert")
-        if skip_a2a:
-            chunk = -(-num_tokens // cfg.ranks)
-            shared_begin = min(num_tokens, self.rank * chunk)
-            shared_end = min(num_tokens, shared_begin + chunk)
-        else:
-            shared_begin, shared_end = 0, num_tokens
+        shared_begin, shared_end = self._shared_tokens(num_tokens, skip_a2a)
         group = self.dispatch_round % BUFFER_GROUPS
         self.dispatch_round += 1
 
@@ -303,7 +301,13 @@ class Buffer:
 
     def dispatch(self, x, topk_ids, topk_weights=None, *, skip_a2a=False,
                  num_input_tokens=None, global_scale=None) -> DispatchOutput:
-        """`dispatch_async` then `dispatch_wait` (see both)."""
+        """`dispatch_async` then `dispatch_wait` (see both). Under `torch.compile` this is the
+        `cute_ep::dispatch` operator (`cute_ep.torch_ops`)."""
+        if torch.compiler.is_compiling():
+            from cute_ep.torch_ops import dispatch_via_op
+
+            return dispatch_via_op(self, x, topk_ids, topk_weights, skip_a2a, num_input_tokens,
+                                   global_scale)
         return self.dispatch_wait(self.dispatch_async(
             x, topk_ids, topk_weights, skip_a2a=skip_a2a, num_input_tokens=num_input_tokens,
             global_scale=global_scale))
@@ -349,7 +353,12 @@ class Buffer:
         return out
 
     def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-        """`combine_async` then `combine_wait` (see both)."""
+        """`combine_async` then `combine_wait` (see both). Under `torch.compile` this is the
+        `cute_ep::combine` operator."""
+        if torch.compiler.is_compiling():
+            from cute_ep.torch_ops import combine_via_op
+
+            return combine_via_op(self, y, handle)
         return self.combine_wait(self.combine_async(y, handle))
 
     # Errors -------------------------------------------------------------------------------
@@ -369,7 +378,47 @@ class Buffer:
             raise RuntimeError("received counts or positions were inconsistent; the affected "
                                "rows were dropped")
 
+    # For the custom operators (cute_ep.torch_ops) --------------------------------------------
+
+    def output_shapes(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """(shape, dtype) of every tensor `torch.ops.cute_ep.dispatch` returns, in its order:
+        the DispatchOutput's (tokens, scales, row_offsets, expert_ids, src_info, counts,
+        scales_offsets; absent ones empty) then the handle's (rows, weights, source tokens,
+        messages). They depend on the config only, never on the routing."""
+        cfg = self.cfg
+        r, t, k, cap, h, segs = (cfg.ranks, cfg.max_tokens_per_rank, cfg.topk, cfg.row_capacity,
+                                 cfg.hidden, cfg.segments)
+        tokens = {"bf16": ((cap, h), torch.bfloat16), "fp8": ((cap, h), torch.float8_e4m3fn),
+                  "nvfp4": ((cap, h // 2), torch.uint8)}[cfg.format]
+        scales = {"bf16": ((0,), torch.float32), "fp8": ((h // 128, cap), torch.float32),
+                  "nvfp4": ((self.nvfp4_scale_bytes,), torch.uint8)}[cfg.format]
+        scales_offsets = ((segs,) if cfg.format == "nvfp4" else (0,), torch.int32)
+        return [tokens, scales, ((segs + 1,), torch.int32), ((segs,), torch.int32),
+                ((cap, 2), torch.int32), ((segs,), torch.int32), scales_offsets,
+                ((r, t, k), torch.int32), ((r, t, k), torch.float32), ((r, t), torch.int32),
+                ((r,), torch.int32)]
+
+    def handle_of(self, topk_ids, rows, weights, source_tokens, messages, weighted: bool,
+                  skip_a2a: bool) -> DispatchHandle:
+        """A DispatchHandle from its tensors (what the dispatch operator returned) and the
+        dispatch's arguments."""
+        num_tokens = topk_ids.shape[0]
+        begin, end = self._shared_tokens(num_tokens, skip_a2a)
+        ids = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
+        return DispatchHandle(Routing(-1, num_tokens, bool(weighted), bool(skip_a2a), begin, end,
+                                      ids.contiguous()),
+                              rows, weights, source_tokens, messages)
+
     # Internals ----------------------------------------------------------------------------
+
+    def _shared_tokens(self, num_tokens: int, skip_a2a: bool) -> tuple[int, int]:
+        """This rank's shared-expert tokens [begin, end): all of them, or with skip_a2a a
+        contiguous ceil(T / R) chunk per rank (so the caller's allreduce adds each once)."""
+        if not skip_a2a:
+            return 0, num_tokens
+        chunk = -(-num_tokens // self.cfg.ranks)
+        begin = min(num_tokens, self.rank * chunk)
+        return begin, min(num_tokens, begin + chunk)
 
     @property
     def sms(self) -> int | None:

@@ -41,6 +41,11 @@ def quantize_nvfp4(x: torch.Tensor, global_scales: torch.Tensor | float,
     block, padding zero. sm_90a encodes e2m1 in software, sm_100a with the hardware conversion;
     both give the same bytes.
     """
+    if torch.compiler.is_compiling():
+        from cute_ep.silu import _scales_tensor
+
+        return torch.ops.cute_ep.quantize_nvfp4(x, _scales_tensor(global_scales, x, row_offsets),
+                                                row_offsets, scales, scale_rows)
     device = x.device
     check_tensor(x, name="x", dtype="bfloat16", align=16)
     if x.dim() != 2 or x.shape[1] % NVFP4_BLOCK:

@@ -28,6 +28,8 @@ _GRID_PER_SM = 8
 def fused_silu(x: torch.Tensor, row_offsets: torch.Tensor | None = None, *,
                interleaved: bool = False) -> torch.Tensor:
     """bf16 [M, I]."""
+    if torch.compiler.is_compiling():
+        return torch.ops.cute_ep.fused_silu(x, row_offsets, bool(interleaved))
     row_offsets, _ = _prepare("bf16", x, row_offsets)
     out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=torch.bfloat16, device=x.device)
     _launch("bf16", x, row_offsets, interleaved, out.view(torch.uint8))
@@ -38,6 +40,8 @@ def fused_silu_fp8(x: torch.Tensor, row_offsets: torch.Tensor | None = None, *,
                    interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 [M, I], fp32 scales transposed [I / 128, M]): per 128 elements
     `s = max(amax, 1e-4) / 448`, `q = e4m3(clamp(z / s, +-448))`. I must be a multiple of 128."""
+    if torch.compiler.is_compiling():
+        return torch.ops.cute_ep.fused_silu_fp8(x, row_offsets, bool(interleaved))
     row_offsets, _ = _prepare("fp8", x, row_offsets)
     m, i = x.shape[0], x.shape[1] // 2
     out = torch.empty(m, i, dtype=torch.float8_e4m3fn, device=x.device)
@@ -57,6 +61,10 @@ def fused_silu_nvfp4(x: torch.Tensor, input_scales: torch.Tensor | float,
     start on a fresh 128-row block; the buffer holds `scale_rows` rows (default M + 128 S) and
     the padding of every used block is zero.
     """
+    if torch.compiler.is_compiling():
+        return torch.ops.cute_ep.fused_silu_nvfp4(
+            x, _scales_tensor(input_scales, x, row_offsets), row_offsets, bool(interleaved),
+            scale_rows)
     row_offsets, segments = _prepare("nvfp4", x, row_offsets)
     if not isinstance(input_scales, torch.Tensor):
         input_scales = torch.full((segments,), float(input_scales), dtype=torch.float32,
@@ -79,6 +87,11 @@ def fused_silu_mxfp4(x: torch.Tensor, row_offsets: torch.Tensor | None = None, *
     saturates because of its scale. swiglu_limit: None for `silu(g) * u`; a positive number L for
     the clamped SwiGLU-OAI `(clamp(u, -L, L) + 1) * g' * sigmoid(alpha * g')`, `g' = min(g, L)`.
     """
+    if torch.compiler.is_compiling():
+        return torch.ops.cute_ep.fused_silu_mxfp4(
+            x, row_offsets, bool(interleaved),
+            None if swiglu_limit is None else float(swiglu_limit), float(swiglu_alpha),
+            scale_rows)
     row_offsets, _ = _prepare("mxfp4", x, row_offsets)
     params = None
     if swiglu_limit is not None:
@@ -86,6 +99,14 @@ def fused_silu_mxfp4(x: torch.Tensor, row_offsets: torch.Tensor | None = None, *
             raise ValueError(f"swiglu_limit must be positive, got {swiglu_limit}")
         params = torch.tensor([swiglu_limit, swiglu_alpha], dtype=torch.float32, device=x.device)
     return _fp4("mxfp4", x, row_offsets, interleaved, scale_rows, activation_params=params)
+
+
+def _scales_tensor(scales, x, row_offsets) -> torch.Tensor:
+    """Per-segment fp32 scales: the tensor as given, or one number for every segment."""
+    if isinstance(scales, torch.Tensor):
+        return scales
+    segments = 1 if row_offsets is None else row_offsets.shape[0] - 1
+    return torch.full((segments,), float(scales), dtype=torch.float32, device=x.device)
 
 
 def _fp4(out_format, x, row_offsets, interleaved, scale_rows, **extra):
