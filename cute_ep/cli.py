@@ -1,4 +1,4 @@
-"""`cute-ep`: the command line (build the kernel library, inspect it)."""
+"""`cute-ep`: the command line (the demo, build the kernel library, inspect it, benchmark)."""
 
 from __future__ import annotations
 
@@ -120,13 +120,22 @@ def _bench(argv) -> int:
     return bench_main(argv)
 
 
-COMMANDS = {"build": _build, "info": _info, "layouts": _layouts, "bench": _bench}
+def _demo(argv) -> int:
+    from cute_ep.demo import main as demo_main
+
+    return demo_main(argv)
+
+
+COMMANDS = {"demo": _demo, "build": _build, "info": _info, "layouts": _layouts,
+            "bench": _bench}
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print("usage: cute-ep {build,info,layouts,bench} [options]\n\n"
+        print("usage: cute-ep {demo,build,info,layouts,bench} [options]\n\n"
+              "  demo      a DeepSeek-V3-shaped MoE layer on every GPU, checked against the "
+              "reference\n            (no GPU: the reference alone, with emulated ranks)\n"
               "  build     compile the kernel library (needs the build extra; no GPU needed)\n"
               "  info      list the library's configs and the GPUs that can run them\n"
               "  layouts   the token message byte map and buffer sizes of one EP layer\n"
