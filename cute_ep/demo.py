@@ -120,11 +120,12 @@ def dispatched_inputs(cfg, out, gs: float | None) -> torch.Tensor:
         return out.tokens[:n]
     if cfg.format == "fp8":
         return dequantize_fp8_blockwise(out.tokens[:n], out.scales).to(torch.bfloat16)
-    first = [offsets[g] // 128 + int(out.scales_offsets[g]) for g in range(len(offsets) - 1)]
-    srows = torch.cat([first[g] * 128 + torch.arange(offsets[g + 1] - offsets[g])
+    dev = out.tokens.device
+    first = [offsets[g] // 128 + v for g, v in enumerate(out.scales_offsets.tolist())]
+    srows = torch.cat([first[g] * 128 + torch.arange(offsets[g + 1] - offsets[g], device=dev)
                        for g in range(len(offsets) - 1)]).long()
-    index = _scale_offsets(srows, torch.arange(cfg.hidden // 16), cfg.hidden)
-    linear = out.scales[index.to(out.scales.device)]
+    index = _scale_offsets(srows, torch.arange(cfg.hidden // 16, device=dev), cfg.hidden)
+    linear = out.scales[index]
     gsv = torch.full((n,), gs, dtype=torch.float32, device=out.tokens.device)
     return dequantize_nvfp4(out.tokens[:n], linear, gsv).to(torch.bfloat16)
 
