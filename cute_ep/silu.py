@@ -98,9 +98,8 @@ def fused_silu_mxfp4(x: torch.Tensor, row_offsets: torch.Tensor | None = None, *
         if not swiglu_limit > 0:
             raise ValueError(f"swiglu_limit must be positive, got {swiglu_limit}")
         # Filled on the device (no host-to-device copy, so the call can be graph-captured).
-        params = torch.empty(2, dtype=torch.float32, device=x.device)
-        params[0] = float(swiglu_limit)
-        params[1] = float(swiglu_alpha)
+        params = torch.full((2,), float(swiglu_limit), dtype=torch.float32, device=x.device)
+        params[1:].fill_(float(swiglu_alpha))
     return _fp4("mxfp4", x, row_offsets, interleaved, scale_rows, activation_params=params)
 
 
