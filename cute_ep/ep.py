@@ -37,6 +37,7 @@ per-row alphas. Expert outputs come back to combine in bf16 as for the other for
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -366,7 +367,7 @@ class Buffer:
     def check(self) -> None:
         """Synchronise the current stream and raise what the kernels recorded: a rank that did
         not arrive (PeerTimeout, naming phase and rank), or bad input seen on the device."""
-        torch.cuda.current_stream(self.device).synchronize()
+        _wait_interruptibly(torch.cuda.current_stream(self.device))
         missing, phase, bad_id, bad_counts = self.error.tolist()
         if missing:
             raise PeerTimeout(f"{PHASES.get(phase, 'unknown phase')}: rank {self.rank} timed out "
@@ -481,6 +482,18 @@ class Buffer:
         if global_scale.numel() != 1:
             raise ValueError(f"global_scale must hold one element, got shape "
                              f"{tuple(global_scale.shape)}")
+
+
+def _wait_interruptibly(stream) -> None:
+    """Wait for `stream` by polling an event rather than a blocking synchronize, so Ctrl-C
+    (KeyboardInterrupt) returns control at once even while a kernel still spins on a peer (the
+    kernel itself gives up after the Buffer's timeout)."""
+    done = torch.cuda.Event()
+    done.record(stream)
+    polls = 0
+    while not done.query():
+        polls += 1
+        time.sleep(0 if polls < 2000 else 0.0002)
 
 
 def _check_config(cfg: EPConfig, world: int) -> None:
