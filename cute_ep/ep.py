@@ -37,6 +37,7 @@ per-row alphas. Expert outputs come back to combine in bf16 as for the other for
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -49,7 +50,9 @@ from layouts import EPConfig
 from layouts.buffers import (BUFFER_GROUPS, buffer_sizes, group_offsets, output_scales,
                              total_bytes)
 
-DEFAULT_TIMEOUT_S = 5.0
+# How long a kernel waits for a peer before recording a timeout; CUTE_EP_TIMEOUT_S overrides
+# the default (e.g. under compute-sanitizer, which slows every rank down).
+DEFAULT_TIMEOUT_S = float(os.environ.get("CUTE_EP_TIMEOUT_S", "5"))
 CTAS_PER_SM = 8
 # Limits of the compiled kernels (kernels/ep.py: shared-memory tables and per-k scratch).
 MAX_RANKS = 8
@@ -59,6 +62,7 @@ FORMATS = ("bf16", "fp8", "nvfp4")
 # The NVFP4 encoder's e2m1 conversion by architecture (the hardware one is sm_100a only).
 E2M1_OF_ARCH = {"sm_90a": "software", "sm_100a": "hardware"}
 PHASES = {1: "dispatch", 2: "combine"}
+ERROR_ID_RANGE, ERROR_ID_TWICE = 1, 2  # bits of the bad-id word (kernels/ep.py)
 DISPATCH, COMBINE = 0, 1
 
 __all__ = ["Buffer", "DispatchOutput", "DispatchHandle", "Routing", "ConfigMismatch",
@@ -366,15 +370,24 @@ class Buffer:
 
     def check(self) -> None:
         """Synchronise the current stream and raise what the kernels recorded: a rank that did
-        not arrive (PeerTimeout, naming phase and rank), or bad input seen on the device."""
+        not arrive (PeerTimeout, naming phase and rank; the Buffer must then be recreated), or
+        bad input seen on the device (ValueError, reported once: those (token, k) pairs were
+        dropped, every other token is exact, and later calls are unaffected)."""
         _wait_interruptibly(torch.cuda.current_stream(self.device))
         missing, phase, bad_id, bad_counts = self.error.tolist()
         if missing:
             raise PeerTimeout(f"{PHASES.get(phase, 'unknown phase')}: rank {self.rank} timed out "
                               f"after {self.timeout_s:g} s waiting for rank {missing - 1}")
+        if bad_id or bad_counts:
+            self.error[2:].zero_()  # reported once; the Buffer stays usable (a timeout does not)
         if bad_id:
-            raise ValueError(f"topk_ids held an expert id outside [0, {self.cfg.experts}); "
-                             f"those (token, k) pairs were dropped")
+            what = []
+            if bad_id & ERROR_ID_RANGE:
+                what.append(f"an expert id outside [0, {self.cfg.experts})")
+            if bad_id & ERROR_ID_TWICE:
+                what.append("a token listing the same expert twice (the later k was dropped)")
+            raise ValueError(f"topk_ids held {' and '.join(what)}; those (token, k) pairs were "
+                             f"dropped from this dispatch and its combine")
         if bad_counts:
             raise RuntimeError("received counts or positions were inconsistent; the affected "
                                "rows were dropped")
