@@ -3,7 +3,8 @@ leaked. Runs only when asked for: `python -m pytest -m soak` (CUTE_EP_SOAK_ROUND
 10000).
 
 Twelve scenarios (three formats; T per rank drawn from 0 to the maximum, both included; uniform,
-hot and sparse routing; skip_a2a; a fused shared expert; unweighted combine) are each checked
+hot and sparse routing; skip_a2a; a fused shared expert; unweighted combine; Buffers of two EP
+groups over the same GPUs, interleaved) are each checked
 against `cute_ep.reference` in full the first time they run. Every later round of a scenario
 must reproduce that verified round exactly: a checksum of every defined output byte (expert
 rows, scales, src_info, row_offsets, counts, the combined output), computed on the device with
@@ -91,11 +92,14 @@ def _soak(rank, world, rounds):
     from tests.multigpu.test_ep import (_check_combine, _check_dispatch, _expert_outputs,
                                         _global_scales, _inputs)
 
+    # Two EP groups over the same GPUs: the shared-expert Buffers live in a second process
+    # group, so layers of the two groups interleave.
+    second = dist.new_group(list(range(world)))
     bufs = {}
     for fmt in ("bf16", "fp8", "nvfp4"):
         for shared in (False, True):
             cfg = EPConfig(HIDDEN, TOPK, EXPERTS, world, MAX_TOKENS, fmt, shared)
-            bufs[fmt, shared] = Buffer(cfg)
+            bufs[fmt, shared] = Buffer(cfg, group=second if shared else None)
     prepared = []
     for s, (fmt, shared, tokens, routing, skip_a2a, weighted) in enumerate(_scenarios(world)):
         cfg = bufs[fmt, shared].cfg
