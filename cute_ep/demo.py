@@ -111,21 +111,15 @@ def global_scale(xs) -> float:
 def dispatched_inputs(cfg, out, gs: float | None) -> torch.Tensor:
     """The dispatched rows as bf16 [rows, H], dequantized (FP8: blockwise scales; NVFP4: the
     128x4 scales of each expert's blocks, under the global scale)."""
-    from cute_ep.reference import dequantize_fp8_blockwise
-    from cute_ep.reference_fp4 import _scale_offsets, dequantize_nvfp4
+    from cute_ep.reference import dequantize_fp8_blockwise, nvfp4_row_scales
+    from cute_ep.reference_fp4 import dequantize_nvfp4
 
-    offsets = [int(v) for v in out.row_offsets.tolist()]
-    n = offsets[-1]
+    n = int(out.row_offsets[-1])
     if cfg.format == "bf16":
         return out.tokens[:n]
     if cfg.format == "fp8":
         return dequantize_fp8_blockwise(out.tokens[:n], out.scales).to(torch.bfloat16)
-    dev = out.tokens.device
-    first = [offsets[g] // 128 + v for g, v in enumerate(out.scales_offsets.tolist())]
-    srows = torch.cat([first[g] * 128 + torch.arange(offsets[g + 1] - offsets[g], device=dev)
-                       for g in range(len(offsets) - 1)]).long()
-    index = _scale_offsets(srows, torch.arange(cfg.hidden // 16, device=dev), cfg.hidden)
-    linear = out.scales[index]
+    linear = nvfp4_row_scales(out, cfg.hidden, n)
     gsv = torch.full((n,), gs, dtype=torch.float32, device=out.tokens.device)
     return dequantize_nvfp4(out.tokens[:n], linear, gsv).to(torch.bfloat16)
 
