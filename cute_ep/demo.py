@@ -124,13 +124,13 @@ def dispatched_inputs(cfg, out, gs: float | None) -> torch.Tensor:
     return dequantize_nvfp4(out.tokens[:n], linear, gsv).to(torch.bfloat16)
 
 
-def expert_outputs(shape: Shape, rank: int, ranks: int, x_rows: torch.Tensor, row_offsets,
-                   capacity: int, weights: ExpertWeights, activation) -> torch.Tensor:
+def expert_outputs(shape: Shape, rank: int, ranks: int, x_rows: torch.Tensor,
+                   row_offsets: torch.Tensor, capacity: int, weights: ExpertWeights,
+                   activation) -> torch.Tensor:
     """bf16 [capacity, H]: rows of segment g through local expert g's MLP
     (`activation(h, row_offsets)` = silu(gate) * up between the GEMMs); rows past the valid
     ones zero."""
-    offsets = [int(v) for v in (row_offsets.tolist() if torch.is_tensor(row_offsets)
-                                else row_offsets)]
+    offsets = [int(v) for v in row_offsets.tolist()]
     local = shape.experts // ranks
     dev = x_rows.device
     h = torch.zeros(capacity, 2 * shape.intermediate, dtype=torch.bfloat16, device=dev)
@@ -157,9 +157,8 @@ def reference_layer(shape: Shape, cfg, xs, ids, ws, weights: ExpertWeights, gs):
     ys = []
     for r, d in enumerate(disp):
         x_rows = dispatched_inputs(cfg, d, gs)
-        ys.append(expert_outputs(shape, r, cfg.ranks, x_rows, d.row_offsets.tolist(),
-                                 cfg.row_capacity, weights,
-                                 lambda h, o: _reference_silu(reference_silu, h, o)))
+        ys.append(expert_outputs(shape, r, cfg.ranks, x_rows, d.row_offsets, cfg.row_capacity,
+                                 weights, lambda h, o: _reference_silu(reference_silu, h, o)))
     tokens = [x.shape[0] for x in xs]
     out = reference.combine(cfg, ys, disp, tokens, ws)
     mags = reference.combine(cfg, [y.abs() for y in ys], disp, tokens, [w.abs() for w in ws])
@@ -167,8 +166,8 @@ def reference_layer(shape: Shape, cfg, xs, ids, ws, weights: ExpertWeights, gs):
     return disp, out, bounds
 
 
-def _reference_silu(reference_silu, h, offsets):
-    offsets = [int(v) for v in offsets]
+def _reference_silu(reference_silu, h, row_offsets):
+    offsets = [int(v) for v in row_offsets.tolist()]
     z = torch.zeros(h.shape[0], h.shape[1] // 2, dtype=torch.bfloat16, device=h.device)
     z[:offsets[-1]] = reference_silu.fused_silu(h, offsets)[:offsets[-1]]
     return z
