@@ -111,32 +111,26 @@ def global_scale(xs) -> float:
 def dispatched_inputs(cfg, out, gs: float | None) -> torch.Tensor:
     """The dispatched rows as bf16 [rows, H], dequantized (FP8: blockwise scales; NVFP4: the
     128x4 scales of each expert's blocks, under the global scale)."""
-    from cute_ep.reference import dequantize_fp8_blockwise
-    from cute_ep.reference_fp4 import _scale_offsets, dequantize_nvfp4
+    from cute_ep.reference import dequantize_fp8_blockwise, nvfp4_row_scales
+    from cute_ep.reference_fp4 import dequantize_nvfp4
 
-    offsets = [int(v) for v in out.row_offsets.tolist()]
-    n = offsets[-1]
+    n = int(out.row_offsets[-1])
     if cfg.format == "bf16":
         return out.tokens[:n]
     if cfg.format == "fp8":
         return dequantize_fp8_blockwise(out.tokens[:n], out.scales).to(torch.bfloat16)
-    dev = out.tokens.device
-    first = [offsets[g] // 128 + v for g, v in enumerate(out.scales_offsets.tolist())]
-    srows = torch.cat([first[g] * 128 + torch.arange(offsets[g + 1] - offsets[g], device=dev)
-                       for g in range(len(offsets) - 1)]).long()
-    index = _scale_offsets(srows, torch.arange(cfg.hidden // 16, device=dev), cfg.hidden)
-    linear = out.scales[index]
+    linear = nvfp4_row_scales(out, cfg.hidden, n)
     gsv = torch.full((n,), gs, dtype=torch.float32, device=out.tokens.device)
     return dequantize_nvfp4(out.tokens[:n], linear, gsv).to(torch.bfloat16)
 
 
-def expert_outputs(shape: Shape, rank: int, ranks: int, x_rows: torch.Tensor, row_offsets,
-                   capacity: int, weights: ExpertWeights, activation) -> torch.Tensor:
+def expert_outputs(shape: Shape, rank: int, ranks: int, x_rows: torch.Tensor,
+                   row_offsets: torch.Tensor, capacity: int, weights: ExpertWeights,
+                   activation) -> torch.Tensor:
     """bf16 [capacity, H]: rows of segment g through local expert g's MLP
     (`activation(h, row_offsets)` = silu(gate) * up between the GEMMs); rows past the valid
     ones zero."""
-    offsets = [int(v) for v in (row_offsets.tolist() if torch.is_tensor(row_offsets)
-                                else row_offsets)]
+    offsets = [int(v) for v in row_offsets.tolist()]
     local = shape.experts // ranks
     dev = x_rows.device
     h = torch.zeros(capacity, 2 * shape.intermediate, dtype=torch.bfloat16, device=dev)
@@ -163,9 +157,8 @@ def reference_layer(shape: Shape, cfg, xs, ids, ws, weights: ExpertWeights, gs):
     ys = []
     for r, d in enumerate(disp):
         x_rows = dispatched_inputs(cfg, d, gs)
-        ys.append(expert_outputs(shape, r, cfg.ranks, x_rows, d.row_offsets.tolist(),
-                                 cfg.row_capacity, weights,
-                                 lambda h, o: _reference_silu(reference_silu, h, o)))
+        ys.append(expert_outputs(shape, r, cfg.ranks, x_rows, d.row_offsets, cfg.row_capacity,
+                                 weights, lambda h, o: _reference_silu(reference_silu, h, o)))
     tokens = [x.shape[0] for x in xs]
     out = reference.combine(cfg, ys, disp, tokens, ws)
     mags = reference.combine(cfg, [y.abs() for y in ys], disp, tokens, [w.abs() for w in ws])
@@ -173,8 +166,8 @@ def reference_layer(shape: Shape, cfg, xs, ids, ws, weights: ExpertWeights, gs):
     return disp, out, bounds
 
 
-def _reference_silu(reference_silu, h, offsets):
-    offsets = [int(v) for v in offsets]
+def _reference_silu(reference_silu, h, row_offsets):
+    offsets = [int(v) for v in row_offsets.tolist()]
     z = torch.zeros(h.shape[0], h.shape[1] // 2, dtype=torch.bfloat16, device=h.device)
     z[:offsets[-1]] = reference_silu.fused_silu(h, offsets)[:offsets[-1]]
     return z

@@ -418,9 +418,8 @@ class Buffer:
         dispatch's arguments."""
         num_tokens = topk_ids.shape[0]
         begin, end = self._shared_tokens(num_tokens, skip_a2a)
-        ids = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
         return DispatchHandle(Routing(-1, num_tokens, bool(weighted), bool(skip_a2a), begin, end,
-                                      ids.contiguous()),
+                                      topk_ids.to(torch.int32).contiguous()),
                               rows, weights, source_tokens, messages)
 
     # Internals ----------------------------------------------------------------------------

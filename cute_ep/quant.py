@@ -28,6 +28,31 @@ def segment_offsets(row_offsets: torch.Tensor | None, rows: int,
     return row_offsets, row_offsets.numel() - 1
 
 
+def segment_count(row_offsets: torch.Tensor | None) -> int:
+    """Segments `row_offsets` delimits (None: one segment of all rows)."""
+    return 1 if row_offsets is None else row_offsets.shape[0] - 1
+
+
+def per_segment_scales(scales: torch.Tensor | float, row_offsets: torch.Tensor | None,
+                       device: torch.device) -> torch.Tensor:
+    """Per-segment fp32 scales: the tensor as given, or one number for every segment."""
+    if isinstance(scales, torch.Tensor):
+        return scales
+    return torch.full((segment_count(row_offsets),), float(scales), dtype=torch.float32,
+                      device=device)
+
+
+def fp4_scale_rows(rows: int, segments: int, scale_rows: int | None) -> int:
+    """Scale rows of an FP4 128x4 scale buffer: `scale_rows`, or by default room for every
+    segment to start on a fresh 128-row block."""
+    return scale_rows if scale_rows is not None else scale_rows_capacity(rows, segments)
+
+
+def fp4_scale_bytes(scale_rows: int, k: int, block: int) -> int:
+    """Bytes of the 128x4 scale buffer for `scale_rows` rows of K elements, a scale per block."""
+    return scale_layout(scale_rows, k, block).cosize()
+
+
 def quantize_nvfp4(x: torch.Tensor, global_scales: torch.Tensor | float,
                    row_offsets: torch.Tensor | None = None, *, scales: str = "128x4",
                    scale_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,10 +68,9 @@ def quantize_nvfp4(x: torch.Tensor, global_scales: torch.Tensor | float,
     both give the same bytes.
     """
     if torch.compiler.is_compiling():
-        from cute_ep.silu import _scales_tensor
-
-        return torch.ops.cute_ep.quantize_nvfp4(x, _scales_tensor(global_scales, x, row_offsets),
-                                                row_offsets, scales, scale_rows)
+        return torch.ops.cute_ep.quantize_nvfp4(
+            x, per_segment_scales(global_scales, row_offsets, x.device), row_offsets, scales,
+            scale_rows)
     device = x.device
     check_tensor(x, name="x", dtype="bfloat16", align=16)
     if x.dim() != 2 or x.shape[1] % NVFP4_BLOCK:
@@ -54,9 +78,7 @@ def quantize_nvfp4(x: torch.Tensor, global_scales: torch.Tensor | float,
                          f"{tuple(x.shape)}")
     m, k = x.shape
     row_offsets, segments = segment_offsets(row_offsets, m, device)
-    if not isinstance(global_scales, torch.Tensor):
-        global_scales = torch.full((segments,), float(global_scales), dtype=torch.float32,
-                                   device=device)
+    global_scales = per_segment_scales(global_scales, row_offsets, device)
     check_tensor(global_scales, name="global_scales", dtype="float32", align=4,
                  device_index=device.index)
     if global_scales.numel() != segments:
@@ -76,8 +98,8 @@ def quantize_nvfp4(x: torch.Tensor, global_scales: torch.Tensor | float,
         out_scales = torch.empty(m, k // NVFP4_BLOCK, dtype=torch.uint8, device=device)
         units = m
     else:
-        rows = scale_rows if scale_rows is not None else scale_rows_capacity(m, segments)
-        out_scales = torch.empty(scale_layout(rows, k, NVFP4_BLOCK).cosize(), dtype=torch.uint8,
+        rows = fp4_scale_rows(m, segments, scale_rows)
+        out_scales = torch.empty(fp4_scale_bytes(rows, k, NVFP4_BLOCK), dtype=torch.uint8,
                                  device=device)
         units = rows
     sms = torch.cuda.get_device_properties(device).multi_processor_count

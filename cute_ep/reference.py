@@ -81,6 +81,21 @@ def dequantize_fp8_blockwise(q: torch.Tensor, scales_t: torch.Tensor) -> torch.T
     return q.float() * scale
 
 
+def nvfp4_row_scales(out, hidden: int, rows: int) -> torch.Tensor:
+    """The linear e4m3 scale bytes [rows, H / 16] of the first `rows` rows of an NVFP4 dispatch
+    output (kernel's or reference's), gathered from its 128x4 buffer: row row_offsets[g] + j
+    reads scale row (row_offsets[g] // 128 + scales_offsets[g]) * 128 + j. Device ops only
+    (graph-capturable); rows past the last segment read inside the buffer, at undefined
+    values."""
+    offsets = out.row_offsets.long()
+    row = torch.arange(rows, device=out.tokens.device)
+    seg = torch.bucketize(row, offsets[1:], right=True).clamp(max=offsets.numel() - 2)
+    start = offsets[seg]
+    scale_row = (start // ATOM_ROWS + out.scales_offsets.long()[seg]) * ATOM_ROWS + row - start
+    kb = torch.arange(hidden // NVFP4_BLOCK, device=row.device)
+    return out.scales[_scale_offsets(scale_row, kb, hidden)]
+
+
 def check_inputs(cfg: EPConfig, x: list[torch.Tensor], topk_ids: list[torch.Tensor],
                  topk_weights: list[torch.Tensor] | None = None) -> None:
     """The checks every dispatch makes, with errors that say what was expected."""

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from cute_ep.quant import segment_offsets
+from cute_ep.quant import (fp4_scale_bytes, fp4_scale_rows, per_segment_scales,
+                           segment_offsets)
 from cute_ep.runtime import check_tensor, device_arch, runtime
-from layouts.scales import scale_layout, scale_rows_capacity
 
 __all__ = ["fused_silu", "fused_silu_fp8", "fused_silu_nvfp4", "fused_silu_mxfp4"]
 
@@ -63,12 +63,10 @@ def fused_silu_nvfp4(x: torch.Tensor, input_scales: torch.Tensor | float,
     """
     if torch.compiler.is_compiling():
         return torch.ops.cute_ep.fused_silu_nvfp4(
-            x, _scales_tensor(input_scales, x, row_offsets), row_offsets, bool(interleaved),
-            scale_rows)
+            x, per_segment_scales(input_scales, row_offsets, x.device), row_offsets,
+            bool(interleaved), scale_rows)
     row_offsets, segments = _prepare("nvfp4", x, row_offsets)
-    if not isinstance(input_scales, torch.Tensor):
-        input_scales = torch.full((segments,), float(input_scales), dtype=torch.float32,
-                                  device=x.device)
+    input_scales = per_segment_scales(input_scales, row_offsets, x.device)
     check_tensor(input_scales, name="input_scales", dtype="float32", align=4,
                  device_index=x.device.index)
     if input_scales.numel() != segments:
@@ -103,22 +101,13 @@ def fused_silu_mxfp4(x: torch.Tensor, row_offsets: torch.Tensor | None = None, *
     return _fp4("mxfp4", x, row_offsets, interleaved, scale_rows, activation_params=params)
 
 
-def _scales_tensor(scales, x, row_offsets) -> torch.Tensor:
-    """Per-segment fp32 scales: the tensor as given, or one number for every segment."""
-    if isinstance(scales, torch.Tensor):
-        return scales
-    segments = 1 if row_offsets is None else row_offsets.shape[0] - 1
-    return torch.full((segments,), float(scales), dtype=torch.float32, device=x.device)
-
-
 def _fp4(out_format, x, row_offsets, interleaved, scale_rows, **extra):
     m, i = x.shape[0], x.shape[1] // 2
-    rows = scale_rows if scale_rows is not None else \
-        scale_rows_capacity(m, row_offsets.numel() - 1)
+    rows = fp4_scale_rows(m, row_offsets.numel() - 1, scale_rows)
     if rows < 1:
         raise ValueError(f"scale_rows must be positive, got {scale_rows}")
     codes = torch.empty(m, i // 2, dtype=torch.uint8, device=x.device)
-    scales = torch.empty(scale_layout(rows, i, _VECTOR[out_format]).cosize(), dtype=torch.uint8,
+    scales = torch.empty(fp4_scale_bytes(rows, i, _VECTOR[out_format]), dtype=torch.uint8,
                          device=x.device)
     _launch(out_format, x, row_offsets, interleaved, codes, scales, work_rows=rows, **extra)
     return codes, scales

@@ -20,6 +20,8 @@ import torch
 from torch.fx.node import has_side_effect
 from torch.library import custom_op
 
+from cute_ep.quant import fp4_scale_bytes, fp4_scale_rows, segment_count
+
 _VECTOR = {"nvfp4": 16, "mxfp4": 32}
 _BUFFERS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
 _next_id = [0]
@@ -39,23 +41,12 @@ def _buffer(op_id: int):
     return buf
 
 
-def _offsets_rows(x: torch.Tensor, row_offsets: torch.Tensor | None) -> int:
-    return 1 if row_offsets is None else row_offsets.shape[0] - 1
-
-
-def _fp4_scale_bytes(m: int, i: int, segments: int, scale_rows: int | None, vector: int) -> int:
-    from layouts.scales import scale_layout, scale_rows_capacity
-
-    rows = scale_rows if scale_rows is not None else scale_rows_capacity(m, segments)
-    return scale_layout(rows, i, vector).cosize()
-
-
 def _fp4_silu_outputs(x, row_offsets, scale_rows, vector):
     """Fake (codes, scales) of an FP4 fused SwiGLU of x [M, 2I]."""
     m, i = x.shape[0], x.shape[1] // 2
+    rows = fp4_scale_rows(m, segment_count(row_offsets), scale_rows)
     return (x.new_empty(m, i // 2, dtype=torch.uint8),
-            x.new_empty(_fp4_scale_bytes(m, i, _offsets_rows(x, row_offsets), scale_rows, vector),
-                        dtype=torch.uint8))
+            x.new_empty(fp4_scale_bytes(rows, i, vector), dtype=torch.uint8))
 
 
 # Fused SwiGLU and quantization ----------------------------------------------------------------
@@ -136,8 +127,8 @@ def _(x, global_scales, row_offsets, scales, scale_rows):
     if scales == "linear":
         sf = x.new_empty(m, k // 16, dtype=torch.uint8)
     else:
-        sf = x.new_empty(_fp4_scale_bytes(m, k, _offsets_rows(x, row_offsets), scale_rows,
-                                          _VECTOR["nvfp4"]), dtype=torch.uint8)
+        rows = fp4_scale_rows(m, segment_count(row_offsets), scale_rows)
+        sf = x.new_empty(fp4_scale_bytes(rows, k, _VECTOR["nvfp4"]), dtype=torch.uint8)
     return x.new_empty(m, k // 2, dtype=torch.uint8), sf
 
 

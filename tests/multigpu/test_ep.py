@@ -62,19 +62,9 @@ def _inputs(cfg, seed, tokens, routing="uniform", same_everywhere=False):
 
 
 def _nvfp4_scales(cfg, out, rows):
-    """The linear scale bytes [rows, H / 16] of the first `rows` NVFP4 dispatch rows, gathered
-    from the 128x4 buffer: row_offsets[g] + j reads scale row
-    (row_offsets[g] // 128 + scales_offsets[g]) * 128 + j. Device ops only (graph-capturable);
-    rows past the last segment read inside the buffer too, at undefined values."""
-    from cute_ep.reference_fp4 import _scale_offsets
+    from cute_ep.reference import nvfp4_row_scales
 
-    offsets = out.row_offsets.long()
-    row = torch.arange(rows, device=out.tokens.device)
-    seg = torch.bucketize(row, offsets[1:], right=True).clamp(max=cfg.segments - 1)
-    start = offsets[seg]
-    scale_row = (start // 128 + out.scales_offsets.long()[seg]) * 128 + row - start
-    kb = torch.arange(cfg.hidden // 16, device=row.device)
-    return out.scales[_scale_offsets(scale_row, kb, cfg.hidden)]
+    return nvfp4_row_scales(out, cfg.hidden, rows)
 
 
 def _expert_outputs(cfg, result, num_rows, global_scales=None):
