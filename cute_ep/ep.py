@@ -188,6 +188,7 @@ class Buffer:
         self._no_i32 = torch.zeros(4, dtype=torch.int32, device=dev)
         self.dispatch_round = 0
         self.combine_round = 0
+        self._prepare_views()
         from cute_ep.torch_ops import register_buffer
 
         self.op_id = register_buffer(self)  # how torch.ops.cute_ep.dispatch / combine name it
@@ -211,6 +212,24 @@ class Buffer:
         size = torch.tensor([], dtype=dtype).element_size()
         start = group * self.group_bytes + self.offsets[name] + skip * size
         return self.sym[start:start + count * size].view(dtype)
+
+    def _prepare_views(self) -> None:
+        """The per-buffer-group views every launch passes, made once here rather than on every
+        call (each costs microseconds of host time, and a decode layer's kernels take tens)."""
+        cfg = self.cfg
+        r, t = cfg.ranks, cfg.max_tokens_per_rank
+        self._groups = [{
+            "peer_bases": self.peer_bases[g],
+            "dispatch_recv": self._view(g, "dispatch_recv", torch.uint8, r * t * self.msg.size),
+            "recv_counts": self._view(g, "recv_counts", torch.int32, r * self.entries),
+            "dispatch_flags": self._view(g, "arrival_flags", torch.int64, r),
+            "combine_recv": self._view(g, "combine_recv", torch.bfloat16,
+                                       t * cfg.topk * cfg.hidden),
+            "combine_flags": self._view(g, "arrival_flags", torch.int64, r, skip=r),
+            "dispatch_round": self.rounds[DISPATCH, g:g + 1],
+            "combine_round": self.rounds[COMBINE, g:g + 1],
+        } for g in range(BUFFER_GROUPS)]
+        self._done = (self.done[DISPATCH], self.done[COMBINE])
 
     # Dispatch -----------------------------------------------------------------------------
 
@@ -252,8 +271,9 @@ class Buffer:
                              num_tokens, cfg.hidden, cfg.topk, self.msg.size, self.scales_at,
                              self.meta_at, int(weighted))
         chunks = self._cap(max(1, -(-num_tokens // self.send_tokens_per_cta)), cfg.ranks)
-        self.k_send.launch_unchecked(self.peer_bases[group], self.send_buf, self.dest_slot,
-                           self.send_counts, self.done[DISPATCH], self.rounds[DISPATCH, group:group + 1],
+        views = self._groups[group]
+        self.k_send.launch_unchecked(views["peer_bases"], self.send_buf, self.dest_slot,
+                           self.send_counts, self._done[DISPATCH], views["dispatch_round"],
                            num_tokens, cfg.max_tokens_per_rank, cfg.ranks, self.rank,
                            self.msg.size // 16, self.entries, self.offsets["dispatch_recv"],
                            self.offsets["recv_counts"], self.offsets["arrival_flags"], chunks)
@@ -289,11 +309,10 @@ class Buffer:
             tokens=torch.empty(r, t, dtype=torch.int32, device=dev),
             messages=torch.empty(r, dtype=torch.int32, device=dev))
         payload = self.msg.segment("payload").nbytes
+        views = self._groups[g]
         self.k_recv.launch_unchecked(
-            self._view(g, "dispatch_recv", torch.uint8, r * t * self.msg.size),
-            self._view(g, "recv_counts", torch.int32, r * self.entries),
-            self._view(g, "arrival_flags", torch.int64, r),
-            self.rounds[DISPATCH, g:g + 1], self.error, tokens.view(torch.uint8),
+            views["dispatch_recv"], views["recv_counts"], views["dispatch_flags"],
+            views["dispatch_round"], self.error, tokens.view(torch.uint8),
             scales if scales is not None else self._no_f32,
             scales_offsets if scales_offsets is not None else self._no_i32, row_offsets,
             expert_ids, counts, src_info, handle.rows, handle.weights, handle.tokens,
@@ -332,9 +351,10 @@ class Buffer:
         group = self.combine_round % BUFFER_GROUPS
         self.combine_round += 1
         ctas = self._ctas_per_rank(cfg.max_tokens_per_rank)
+        views = self._groups[group]
         self.k_combine_send.launch_unchecked(
-            self.peer_bases[group], y, handle.rows, handle.weights, handle.tokens,
-            handle.messages, self.done[COMBINE], self.rounds[COMBINE, group:group + 1],
+            views["peer_bases"], y, handle.rows, handle.weights, handle.tokens,
+            handle.messages, self._done[COMBINE], views["combine_round"],
             cfg.max_tokens_per_rank, cfg.ranks, self.rank, cfg.topk, cfg.hidden,
             int(handle.routing.weighted), self.offsets["combine_recv"],
             self.offsets["arrival_flags"] + 8 * cfg.ranks, ctas)
@@ -348,11 +368,10 @@ class Buffer:
         shape = (t, hidden) if h.weighted else (t, k, hidden)
         out = torch.empty(shape, dtype=torch.bfloat16, device=self.device)
         chunks = self._cap(max(1, -(-t // self.combine_tokens_per_cta)), 1)
+        views = self._groups[g]
         self.k_combine_recv.launch_unchecked(
-            self._view(g, "combine_recv", torch.bfloat16,
-                       cfg.max_tokens_per_rank * k * hidden),
-            self._view(g, "arrival_flags", torch.int64, cfg.ranks, skip=cfg.ranks),
-            self.rounds[COMBINE, g:g + 1], self.error, out, pending.y, h.topk_ids, t, cfg.ranks, self.rank, k, hidden,
+            views["combine_recv"], views["combine_flags"], views["combine_round"], self.error,
+            out, pending.y, h.topk_ids, t, cfg.ranks, self.rank, k, hidden,
             cfg.local_experts, int(h.weighted), int(h.skip_a2a), int(cfg.fused_shared_expert),
             h.shared_begin, h.shared_end, int(self.timeout_s * 1e9), chunks)
         return out
