@@ -108,9 +108,9 @@ def main(argv=None) -> int:
     _print(record, formats)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = f"bench-{record['date'][:10]}-{world}x{record['device'].split()[-1]}.json"
-    (out / name).write_text(json.dumps(record, indent=1))
-    print(f"JSON record: {out / name}")
+    path = record_path(out, record["date"][:10], f"{world}x{record['device'].split()[-1]}")
+    path.write_text(json.dumps(record, indent=1))
+    print(f"JSON record: {path}")
     return 0
 
 
@@ -390,6 +390,15 @@ def _decode(rank, world, args, fmt, flush) -> dict:
             "graph_combine_us": graph_l - graph_d,
             "host_dispatch_us": statistics.median(host["dispatch"]),
             "host_combine_us": statistics.median(host["combine"])}
+
+
+def record_path(folder: Path, day: str, machine: str) -> Path:
+    """bench-<day>-<machine>.json, or -2, -3, ... after it: a record is never overwritten."""
+    path, n = folder / f"bench-{day}-{machine}.json", 1
+    while path.exists():
+        n += 1
+        path = folder / f"bench-{day}-{machine}-{n}.json"
+    return path
 
 
 # Report --------------------------------------------------------------------------------------

@@ -37,6 +37,8 @@ per-row alphas. Expert outputs come back to combine in bf16 as for the other for
 
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -48,7 +50,9 @@ from layouts import EPConfig
 from layouts.buffers import (BUFFER_GROUPS, buffer_sizes, group_offsets, output_scales,
                              total_bytes)
 
-DEFAULT_TIMEOUT_S = 5.0
+# How long a kernel waits for a peer before recording a timeout; CUTE_EP_TIMEOUT_S overrides
+# the default (e.g. under compute-sanitizer, which slows every rank down).
+DEFAULT_TIMEOUT_S = float(os.environ.get("CUTE_EP_TIMEOUT_S", "5"))
 CTAS_PER_SM = 8
 # Limits of the compiled kernels (kernels/ep.py: shared-memory tables and per-k scratch).
 MAX_RANKS = 8
@@ -58,6 +62,7 @@ FORMATS = ("bf16", "fp8", "nvfp4")
 # The NVFP4 encoder's e2m1 conversion by architecture (the hardware one is sm_100a only).
 E2M1_OF_ARCH = {"sm_90a": "software", "sm_100a": "hardware"}
 PHASES = {1: "dispatch", 2: "combine"}
+ERROR_ID_RANGE, ERROR_ID_TWICE = 1, 2  # bits of the bad-id word (kernels/ep.py)
 DISPATCH, COMBINE = 0, 1
 
 __all__ = ["Buffer", "DispatchOutput", "DispatchHandle", "Routing", "ConfigMismatch",
@@ -183,6 +188,7 @@ class Buffer:
         self._no_i32 = torch.zeros(4, dtype=torch.int32, device=dev)
         self.dispatch_round = 0
         self.combine_round = 0
+        self._prepare_views()
         from cute_ep.torch_ops import register_buffer
 
         self.op_id = register_buffer(self)  # how torch.ops.cute_ep.dispatch / combine name it
@@ -206,6 +212,24 @@ class Buffer:
         size = torch.tensor([], dtype=dtype).element_size()
         start = group * self.group_bytes + self.offsets[name] + skip * size
         return self.sym[start:start + count * size].view(dtype)
+
+    def _prepare_views(self) -> None:
+        """The per-buffer-group views every launch passes, made once here rather than on every
+        call (each costs microseconds of host time, and a decode layer's kernels take tens)."""
+        cfg = self.cfg
+        r, t = cfg.ranks, cfg.max_tokens_per_rank
+        self._groups = [{
+            "peer_bases": self.peer_bases[g],
+            "dispatch_recv": self._view(g, "dispatch_recv", torch.uint8, r * t * self.msg.size),
+            "recv_counts": self._view(g, "recv_counts", torch.int32, r * self.entries),
+            "dispatch_flags": self._view(g, "arrival_flags", torch.int64, r),
+            "combine_recv": self._view(g, "combine_recv", torch.bfloat16,
+                                       t * cfg.topk * cfg.hidden),
+            "combine_flags": self._view(g, "arrival_flags", torch.int64, r, skip=r),
+            "dispatch_round": self.rounds[DISPATCH, g:g + 1],
+            "combine_round": self.rounds[COMBINE, g:g + 1],
+        } for g in range(BUFFER_GROUPS)]
+        self._done = (self.done[DISPATCH], self.done[COMBINE])
 
     # Dispatch -----------------------------------------------------------------------------
 
@@ -247,8 +271,9 @@ class Buffer:
                              num_tokens, cfg.hidden, cfg.topk, self.msg.size, self.scales_at,
                              self.meta_at, int(weighted))
         chunks = self._cap(max(1, -(-num_tokens // self.send_tokens_per_cta)), cfg.ranks)
-        self.k_send.launch_unchecked(self.peer_bases[group], self.send_buf, self.dest_slot,
-                           self.send_counts, self.done[DISPATCH], self.rounds[DISPATCH, group:group + 1],
+        views = self._groups[group]
+        self.k_send.launch_unchecked(views["peer_bases"], self.send_buf, self.dest_slot,
+                           self.send_counts, self._done[DISPATCH], views["dispatch_round"],
                            num_tokens, cfg.max_tokens_per_rank, cfg.ranks, self.rank,
                            self.msg.size // 16, self.entries, self.offsets["dispatch_recv"],
                            self.offsets["recv_counts"], self.offsets["arrival_flags"], chunks)
@@ -284,11 +309,10 @@ class Buffer:
             tokens=torch.empty(r, t, dtype=torch.int32, device=dev),
             messages=torch.empty(r, dtype=torch.int32, device=dev))
         payload = self.msg.segment("payload").nbytes
+        views = self._groups[g]
         self.k_recv.launch_unchecked(
-            self._view(g, "dispatch_recv", torch.uint8, r * t * self.msg.size),
-            self._view(g, "recv_counts", torch.int32, r * self.entries),
-            self._view(g, "arrival_flags", torch.int64, r),
-            self.rounds[DISPATCH, g:g + 1], self.error, tokens.view(torch.uint8),
+            views["dispatch_recv"], views["recv_counts"], views["dispatch_flags"],
+            views["dispatch_round"], self.error, tokens.view(torch.uint8),
             scales if scales is not None else self._no_f32,
             scales_offsets if scales_offsets is not None else self._no_i32, row_offsets,
             expert_ids, counts, src_info, handle.rows, handle.weights, handle.tokens,
@@ -327,9 +351,10 @@ class Buffer:
         group = self.combine_round % BUFFER_GROUPS
         self.combine_round += 1
         ctas = self._ctas_per_rank(cfg.max_tokens_per_rank)
+        views = self._groups[group]
         self.k_combine_send.launch_unchecked(
-            self.peer_bases[group], y, handle.rows, handle.weights, handle.tokens,
-            handle.messages, self.done[COMBINE], self.rounds[COMBINE, group:group + 1],
+            views["peer_bases"], y, handle.rows, handle.weights, handle.tokens,
+            handle.messages, self._done[COMBINE], views["combine_round"],
             cfg.max_tokens_per_rank, cfg.ranks, self.rank, cfg.topk, cfg.hidden,
             int(handle.routing.weighted), self.offsets["combine_recv"],
             self.offsets["arrival_flags"] + 8 * cfg.ranks, ctas)
@@ -343,11 +368,10 @@ class Buffer:
         shape = (t, hidden) if h.weighted else (t, k, hidden)
         out = torch.empty(shape, dtype=torch.bfloat16, device=self.device)
         chunks = self._cap(max(1, -(-t // self.combine_tokens_per_cta)), 1)
+        views = self._groups[g]
         self.k_combine_recv.launch_unchecked(
-            self._view(g, "combine_recv", torch.bfloat16,
-                       cfg.max_tokens_per_rank * k * hidden),
-            self._view(g, "arrival_flags", torch.int64, cfg.ranks, skip=cfg.ranks),
-            self.rounds[COMBINE, g:g + 1], self.error, out, pending.y, h.topk_ids, t, cfg.ranks, self.rank, k, hidden,
+            views["combine_recv"], views["combine_flags"], views["combine_round"], self.error,
+            out, pending.y, h.topk_ids, t, cfg.ranks, self.rank, k, hidden,
             cfg.local_experts, int(h.weighted), int(h.skip_a2a), int(cfg.fused_shared_expert),
             h.shared_begin, h.shared_end, int(self.timeout_s * 1e9), chunks)
         return out
@@ -365,15 +389,24 @@ class Buffer:
 
     def check(self) -> None:
         """Synchronise the current stream and raise what the kernels recorded: a rank that did
-        not arrive (PeerTimeout, naming phase and rank), or bad input seen on the device."""
-        torch.cuda.current_stream(self.device).synchronize()
+        not arrive (PeerTimeout, naming phase and rank; the Buffer must then be recreated), or
+        bad input seen on the device (ValueError, reported once: those (token, k) pairs were
+        dropped, every other token is exact, and later calls are unaffected)."""
+        _wait_interruptibly(torch.cuda.current_stream(self.device))
         missing, phase, bad_id, bad_counts = self.error.tolist()
         if missing:
             raise PeerTimeout(f"{PHASES.get(phase, 'unknown phase')}: rank {self.rank} timed out "
                               f"after {self.timeout_s:g} s waiting for rank {missing - 1}")
+        if bad_id or bad_counts:
+            self.error[2:].zero_()  # reported once; the Buffer stays usable (a timeout does not)
         if bad_id:
-            raise ValueError(f"topk_ids held an expert id outside [0, {self.cfg.experts}); "
-                             f"those (token, k) pairs were dropped")
+            what = []
+            if bad_id & ERROR_ID_RANGE:
+                what.append(f"an expert id outside [0, {self.cfg.experts})")
+            if bad_id & ERROR_ID_TWICE:
+                what.append("a token listing the same expert twice (the later k was dropped)")
+            raise ValueError(f"topk_ids held {' and '.join(what)}; those (token, k) pairs were "
+                             f"dropped from this dispatch and its combine")
         if bad_counts:
             raise RuntimeError("received counts or positions were inconsistent; the affected "
                                "rows were dropped")
@@ -480,6 +513,18 @@ class Buffer:
         if global_scale.numel() != 1:
             raise ValueError(f"global_scale must hold one element, got shape "
                              f"{tuple(global_scale.shape)}")
+
+
+def _wait_interruptibly(stream) -> None:
+    """Wait for `stream` by polling an event rather than a blocking synchronize, so Ctrl-C
+    (KeyboardInterrupt) returns control at once even while a kernel still spins on a peer (the
+    kernel itself gives up after the Buffer's timeout)."""
+    done = torch.cuda.Event()
+    done.record(stream)
+    polls = 0
+    while not done.query():
+        polls += 1
+        time.sleep(0 if polls < 2000 else 0.0002)
 
 
 def _check_config(cfg: EPConfig, world: int) -> None:

@@ -62,6 +62,14 @@ class Kernel:
         self.function = function
         self.device_index = device_index
         self._scalars = [p.name for p in self.spec.params if p.kind != "ptr"]
+        self._is_ptr = tuple(p.kind == "ptr" for p in self.spec.params)
+        # Each grid dimension as (constant, None, None, None) or (None, argument index, divisor,
+        # max), so an unchecked launch evaluates it without building a dict of scalars.
+        position = {p.name: i for i, p in enumerate(self.spec.params)}
+        self._grid_plan = tuple(
+            (rule.constant, None, None, None) if rule.constant is not None
+            else (None, position[rule.ceil_div[0]], rule.ceil_div[1], rule.max)
+            for rule in self.spec.grid)
         # Parameter storage and the void** array pointing into it, built once and refilled per
         # launch: cuLaunchKernel copies the values, so reuse is safe (also under graph capture).
         self._slots = [_CTYPES[p.kind]() for p in self.spec.params]
@@ -102,25 +110,36 @@ class Kernel:
         return scalars
 
     def launch(self, *args) -> None:
-        self._launch(args, self.check_args(args))
+        scalars = self.check_args(args)
+        self._launch(args, tuple(rule.evaluate(scalars) for rule in self.spec.grid))
 
     def launch_unchecked(self, *args) -> None:
         """`launch` without the per-argument ABI checks, for a caller that allocated or validated
         every argument itself (`cute_ep.ep.Buffer` checks user tensors once at its API): the
         checks cost tens of microseconds of Python per launch, more than a decode kernel runs."""
-        if len(args) != len(self.spec.params):
-            raise TypeError(f"{self.spec.key} takes {len(self.spec.params)} arguments, got "
+        if len(args) != len(self._is_ptr):
+            raise TypeError(f"{self.spec.key} takes {len(self._is_ptr)} arguments, got "
                             f"{len(args)}")
-        self._launch(args, {p.name: a for p, a in zip(self.spec.params, args) if p.kind != "ptr"})
+        self._launch(args, self.grid_of(args))
 
-    def _launch(self, args, scalars: dict[str, int]) -> None:
-        grid = tuple(rule.evaluate(scalars) for rule in self.spec.grid)
+    def grid_of(self, args) -> tuple[int, int, int]:
+        """The launch grid for these arguments (the spec's grid rules, by argument position)."""
+        grid = []
+        for constant, at, divisor, most in self._grid_plan:
+            if constant is not None:
+                grid.append(constant)
+            else:
+                value = -(-args[at] // divisor)
+                grid.append(value if most is None else min(value, most))
+        return tuple(grid)
+
+    def _launch(self, args, grid: tuple[int, int, int]) -> None:
         if 0 in grid:
             return
         stream = torch.cuda.current_stream(self.device_index).cuda_stream
         with self._lock:
-            for slot, p, a in zip(self._slots, self.spec.params, args):
-                slot.value = a.data_ptr() if p.kind == "ptr" else a
+            for slot, is_ptr, a in zip(self._slots, self._is_ptr, args):
+                slot.value = a.data_ptr() if is_ptr else a
             check(driver.cuLaunchKernel(
                 self.function, *grid, *self.spec.block, self.spec.smem_bytes,
                 driver.CUstream(stream), ctypes.addressof(self._argv), 0))

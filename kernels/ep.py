@@ -61,8 +61,10 @@ BF16_PER_VECTOR = 8  # bf16 elements in one 128-bit access
 NVFP4_BLOCK = 16  # elements per e4m3 scale
 NVFP4_ROW_VECTOR = 8  # an NVFP4 row (H / 2 bytes) is a multiple of 8 bytes, not always of 16
 
-# error[0] = missing rank + 1, error[1] = phase, error[2] = bad expert id seen,
-# error[3] = inconsistent counts received.
+# error[0] = missing rank + 1, error[1] = phase, error[2] = bad expert ids seen (bits
+# ERROR_ID_RANGE, ERROR_ID_TWICE), error[3] = inconsistent counts received.
+ERROR_ID_RANGE = 1  # an expert id outside [0, E)
+ERROR_ID_TWICE = 2  # a token listing the same expert at two k
 PHASE_DISPATCH = 1
 PHASE_COMBINE = 2
 FORMATS = ("bf16", "fp8", "nvfp4")
@@ -253,7 +255,6 @@ class EpPlan:
         slots = cute.make_tensor(dest_slot, cute.make_layout(ranks * max_tokens))
         pos = cute.make_tensor(positions, cute.make_layout(max_tokens * topk))
         counts = cute.make_tensor(send_counts, cute.make_layout(ranks * entries))
-        errors = cute.make_tensor(error, cute.make_layout(4))
 
         # This warp's run of tokens [begin, end): consecutive lanes read consecutive tokens.
         warp = tidx // WARP
@@ -282,9 +283,16 @@ class EpPlan:
             t = base + lane
             k = Int32(-1)
             if t < end:
-                # Rank key 0 also checks every expert id (once per token, even when inactive).
-                k = self._match(topk_ids, t, topk, is_rank, lo, hi, g, experts, d, my_rank,
-                                shared, shared_begin, shared_end, errors, key == 0)
+                k, flag = self._match(topk_ids, t, topk, is_rank, lo, hi, g, experts, d,
+                                      my_rank, shared, shared_begin, shared_end)
+                # Rank key 0 checks every expert id (once per token, even when inactive);
+                # an expert key, that no token lists it twice.
+                if key == 0 and flag != 0:
+                    cute.arch.atomic_or(_ptr(Int32, error.toint() + 8, 4), Int32(ERROR_ID_RANGE),
+                                        sem="relaxed", scope="gpu")
+                if key >= ranks and flag > 1:
+                    cute.arch.atomic_or(_ptr(Int32, error.toint() + 8, 4), Int32(ERROR_ID_TWICE),
+                                        sem="relaxed", scope="gpu")
             found = found + Int32(cute.arch.popc(cute.arch.vote_ballot_sync(
                 (Int32(k >= 0) & active) != 0)))
         if lane == 0:
@@ -297,9 +305,10 @@ class EpPlan:
         for base in cutlass.range(begin, end, WARP):
             t = base + lane
             k = Int32(-1)
+            flag = Int32(0)
             if t < end and active != 0:
-                k = self._match(topk_ids, t, topk, is_rank, lo, hi, g, experts, d, my_rank,
-                                shared, shared_begin, shared_end, errors, False)
+                k, flag = self._match(topk_ids, t, topk, is_rank, lo, hi, g, experts, d,
+                                      my_rank, shared, shared_begin, shared_end)
             ballot = cute.arch.vote_ballot_sync(k >= 0)
             at = carry + Int32(cute.arch.popc(ballot & below))
             if t < end:
@@ -310,6 +319,13 @@ class EpPlan:
                     slots[d * max_tokens + t] = slot
                 elif k >= 0:
                     pos[t * topk + k] = at
+                    if flag > 1:
+                        # The same expert listed again at a later k: no position there, so the
+                        # receiver drops that (token, k) instead of reading a stale position.
+                        ids = cute.make_tensor(topk_ids, cute.make_layout((t + 1) * topk))
+                        for k2 in cutlass.range(k + 1, topk):
+                            if ids[t * topk + k2] == g:
+                                pos[t * topk + k2] = Int32(-1)
             carry = carry + Int32(cute.arch.popc(ballot))
         if tidx == 0:
             total = s_run[self.warps]
@@ -325,20 +341,21 @@ class EpPlan:
 
     @cute.jit
     def _match(self, topk_ids: cute.Pointer, t, topk, is_rank, lo, hi, g, experts, d, my_rank,
-               shared, shared_begin, shared_end, errors: cute.Tensor, check_ids):
-        """For a rank key: 0 if token t goes to rank d, else -1 (and, with `check_ids`, flag an
-        expert id out of range). For an expert key: the k with ids[t, k] == g, or -1."""
+               shared, shared_begin, shared_end):
+        """(match, flag). Rank key: match 0 if token t goes to rank d, else -1; flag 1 if one of
+        its ids is outside [0, experts). Expert key: match = the first k with ids[t, k] == g, or
+        -1; flag = how many k list g."""
         result = Int32(-1)
+        flag = Int32(0)
         if is_rank:
             m, bad = self._rank_match(topk_ids, t, topk, lo, hi, experts)
-            if check_ids and bad != 0:
-                errors[2] = Int32(1)
             if d == my_rank and shared != 0 and t >= shared_begin and t < shared_end:
                 m = Int32(1)
             result = m - 1
+            flag = bad
         else:
-            result = self._expert_slot(topk_ids, t, topk, g)
-        return result
+            result, flag = self._expert_slot(topk_ids, t, topk, g)
+        return result, flag
 
     @cute.jit
     def _rank_match(self, topk_ids: cute.Pointer, t, topk, lo, hi, experts):
@@ -359,15 +376,19 @@ class EpPlan:
 
     @cute.jit
     def _expert_slot(self, topk_ids: cute.Pointer, t, topk, g):
-        """The k with ids[t, k] == g, or -1 (loads as in `_rank_match`)."""
+        """(the first k with ids[t, k] == g or -1, how many k list g); loads as in
+        `_rank_match`."""
         ids = cute.make_tensor(topk_ids, cute.make_layout((t + 1) * topk))
         f = Int32(-1)
+        hits = Int32(0)
         for k0 in cutlass.range(0, topk, PLAN_IDS):
             for i in cutlass.range_constexpr(PLAN_IDS):
                 k = k0 + i
                 e = ids[t * topk + _clamp(k, topk)]
-                f = f + (Int32(e == g) & Int32(k < topk)) * (k - f)
-        return f
+                hit = Int32(e == g) & Int32(k < topk)
+                f = f + (hit & Int32(f < 0)) * (k - f)
+                hits = hits + hit
+        return f, hits
 
 
 class EpEncode:

@@ -23,7 +23,10 @@ def pytest_collection_modifyitems(config, items):
         "multigpu": (GPUS < 2, f"needs 2+ supported GPUs; {GPUS} visible"),
         "build": (not HAS_DSL, "needs the CuTe DSL: pip install 'cute-ep[build]'"),
     }
+    soak_asked = "soak" in (config.getoption("-m") or "")
     for item in items:
+        if "soak" in item.keywords and not soak_asked:
+            item.add_marker(pytest.mark.skip(reason="a soak test: run it with -m soak"))
         for marker, (skip, reason) in skips.items():
             if skip and marker in item.keywords:
                 item.add_marker(pytest.mark.skip(reason=reason))

@@ -34,3 +34,15 @@ def test_bench_refuses_too_few_iterations_and_gpus():
     if torch.cuda.device_count() < 2:
         with pytest.raises(SystemExit, match="2\\+ GPUs"):
             main(["bench"])
+
+
+def test_bench_never_overwrites_a_record(tmp_path):
+    from cute_ep.bench import record_path
+
+    names = []
+    for _ in range(3):
+        path = record_path(tmp_path, "2026-11-21", "4xH200")
+        path.write_text("{}")
+        names.append(path.name)
+    assert names == ["bench-2026-11-21-4xH200.json", "bench-2026-11-21-4xH200-2.json",
+                     "bench-2026-11-21-4xH200-3.json"]

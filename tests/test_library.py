@@ -34,6 +34,22 @@ def test_grid_rules():
     assert GridRule(ceil_div=("n", 1), max=1).evaluate({"n": 7}) == 1
 
 
+def test_an_unchecked_launch_computes_the_grid_the_rules_give():
+    """`Kernel.grid_of` (by argument position, what Buffer's launches use) == the spec's grid
+    rules evaluated on the named scalars, for every kernel of the library."""
+    import random
+
+    rng = random.Random(0)
+    for entry in _library_or_skip().entries.values():
+        kernel = Kernel(entry, function=None, device_index=0)
+        for _ in range(20):
+            args = [object() if p.kind == "ptr" else rng.choice([0, 1, 7, 129, 4096, 1 << 20])
+                    for p in entry.spec.params]
+            scalars = {p.name: a for p, a in zip(entry.spec.params, args) if p.kind != "ptr"}
+            want = tuple(rule.evaluate(scalars) for rule in entry.spec.grid)
+            assert kernel.grid_of(args) == want, entry.spec.key
+
+
 def test_spec_round_trips_through_json():
     spec = KernelSpec(
         family="f", config={"x": 2},

@@ -101,3 +101,47 @@ def _one_rank(rank, world, fmt):
 def test_one_rank_layer_matches_the_reference(fmt):
     rows = run_ranks(_one_rank, world=1, fmt=fmt, limit_s=120)[0]
     assert rows[1] == 0 and rows[0] > 256
+
+
+def _hostile_ids(rank, world):
+    """Documented results for ids the SPEC forbids: a repeated expert within a token and
+    negative / too-large ids are dropped (those (token, k) only) and reported by check(); every
+    other token is exact, and a clean dispatch afterwards is exact again."""
+    from cute_ep.ep import Buffer
+    from layouts import EPConfig
+
+    cfg = EPConfig(1024, 4, 16, 1, 64)
+    buf = Buffer(cfg)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(64, 1024, device="cuda", generator=gen).to(torch.bfloat16)
+    ids = torch.rand(64, 16, device="cuda", generator=gen).argsort(1)[:, :4].int()
+    w = torch.rand(64, 4, device="cuda", generator=gen)
+    keep = torch.ones(64, 4, device="cuda")
+    bad = ids.clone()
+    bad[5, 2] = bad[5, 0]  # the same expert at k = 0 and k = 2: k = 2 is dropped
+    keep[5, 2] = 0
+    bad[9, 1] = -3
+    keep[9, 1] = 0
+    bad[11, 3] = 16
+    keep[11, 3] = 0
+    messages = []
+    for case in (bad, ids):
+        out = buf.dispatch(x, case, w)
+        combined = buf.combine(out.tokens.clone(), out.handle)  # identity experts
+        try:
+            buf.check()
+            messages.append("no error")
+        except ValueError as exc:
+            messages.append(str(exc))
+        k = keep if case is bad else torch.ones_like(keep)
+        want = x.float() * (w * k).sum(1, keepdim=True)
+        err = (combined.float() - want).abs().max().item()
+        messages.append(err <= 2 ** -7 * want.abs().max().item())
+    return messages
+
+
+def test_forbidden_ids_are_dropped_and_reported_never_misrouted():
+    bad_msg, bad_exact, clean_msg, clean_exact = run_ranks(_hostile_ids, world=1, limit_s=120)[0]
+    assert "expert id outside [0, 16)" in bad_msg and "same expert twice" in bad_msg, bad_msg
+    assert bad_exact, "a token without bad ids came out wrong"
+    assert clean_msg == "no error" and clean_exact

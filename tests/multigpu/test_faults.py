@@ -1,0 +1,153 @@
+"""Faults: a rank killed in the middle of a layer, and Ctrl-C while a kernel spins on a peer.
+
+- The killed rank's peers raise the named timeout within the bound, and the next run on the same
+  GPUs (fresh processes) is exact: nothing the dead process left behind breaks it.
+- SIGINT to a rank blocked in `Buffer.check()` while its peer never arrives raises
+  KeyboardInterrupt within a second or two, not after the kernel's timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import tempfile
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from cute_ep.spawn import SAFE_ENV, run_ranks
+
+pytestmark = pytest.mark.multigpu
+
+
+def _setup(rank, world, store):
+    import torch.distributed as dist
+
+    os.environ.update(SAFE_ENV)
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=world,
+                            device_id=torch.device("cuda", rank))
+
+
+def _report_and_exit(results, item):
+    """Put `item`, flush the queue, and leave without the NCCL teardown (a peer is gone)."""
+    results.put(item)
+    results.close()
+    results.join_thread()
+    os._exit(0)
+
+
+def _killed_layer(rank, world, store, results, timeout_s):
+    from cute_ep.comm import PeerTimeout
+    from cute_ep.ep import Buffer
+    from layouts import EPConfig
+    from tests.multigpu.test_ep import _inputs
+
+    _setup(rank, world, store)
+    cfg = EPConfig(1024, 4, 8 * world, world, 128)
+    buf = Buffer(cfg, timeout_s=timeout_s)
+    xs, ids, ws = _inputs(cfg, 3, [128] * world)
+    out = buf.dispatch(xs[rank], ids[rank], ws[rank])
+    buf.check()
+    start = time.monotonic()
+    if rank == world - 1:
+        os._exit(3)  # dies between dispatch and combine, its sends done, its combine never
+    buf.combine(torch.zeros(cfg.row_capacity, cfg.hidden, dtype=torch.bfloat16, device="cuda"),
+                out.handle)
+    try:
+        buf.check()
+        message = "no error"
+    except PeerTimeout as exc:
+        message = str(exc)
+    _report_and_exit(results, (rank, message, time.monotonic() - start))
+
+
+def _spawn(target, world, **kwargs):
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    store = os.path.join(tempfile.mkdtemp(prefix="cute-ep-faults-"), "store")
+    procs = [ctx.Process(target=target, args=(r, world, store, results), kwargs=kwargs,
+                         daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    return procs, results
+
+
+def _collect(procs, results, count, limit_s):
+    got = []
+    try:
+        for _ in range(count):
+            got.append(results.get(timeout=limit_s))
+    except queue.Empty:
+        pass
+    for p in procs:
+        p.join(timeout=30)
+        if p.is_alive():
+            p.kill()
+    return sorted(got)
+
+
+def _exact_layer(rank, world):
+    from cute_ep.ep import Buffer
+    from layouts import EPConfig
+    from tests.multigpu.test_ep import _one_layer
+
+    cfg = EPConfig(1024, 4, 8 * world, world, 128, "fp8")
+    _one_layer(Buffer(cfg), cfg, rank, 9, [128] * world)
+    return True
+
+
+def test_a_killed_rank_times_out_its_peers_and_leaves_nothing_behind():
+    world = torch.cuda.device_count()
+    procs, results = _spawn(_killed_layer, world, timeout_s=2.0)
+    got = _collect(procs, results, world - 1, limit_s=120)
+    assert [r for r, _, _ in got] == list(range(world - 1)), got
+    for rank, message, seconds in got:
+        assert message.startswith(f"combine: rank {rank} timed out after 2 s waiting for rank "
+                                  f"{world - 1}"), message
+        assert seconds < 15, seconds
+    assert procs[-1].exitcode == 3
+    # Fresh processes on the same GPUs: exact again.
+    assert all(run_ranks(_exact_layer, limit_s=180))
+
+
+def _interrupted(rank, world, store, results):
+    from cute_ep.ep import Buffer
+    from layouts import EPConfig
+    from tests.multigpu.test_ep import _inputs
+
+    _setup(rank, world, store)
+    cfg = EPConfig(1024, 4, 8 * world, world, 64)
+    buf = Buffer(cfg, timeout_s=60.0)
+    if rank != 0:
+        time.sleep(20)  # never dispatches
+        os._exit(0)
+    xs, ids, ws = _inputs(cfg, 4, [64] * world)
+    buf.dispatch(xs[0], ids[0], ws[0])
+    results.put(("waiting", time.monotonic()))
+    try:
+        buf.check()
+        outcome = "returned"
+    except KeyboardInterrupt:
+        outcome = "interrupted"
+    _report_and_exit(results, (outcome, time.monotonic()))
+
+
+def test_ctrl_c_during_a_spin_returns_control():
+    world = 2
+    procs, results = _spawn(_interrupted, world)
+    state, _ = results.get(timeout=120)
+    assert state == "waiting"
+    time.sleep(1.0)  # rank 0 is now inside check(), its receive kernel spinning on rank 1
+    sent = time.monotonic()
+    os.kill(procs[0].pid, signal.SIGINT)
+    outcome, at = results.get(timeout=30)
+    for p in procs:
+        p.join(timeout=60)
+        if p.is_alive():
+            p.kill()
+    assert outcome == "interrupted"
+    assert at - sent < 3.0, f"control came back {at - sent:.1f} s after Ctrl-C"
