@@ -495,7 +495,8 @@ class EpEncode:
     def _quantize_fp8(self, tidx, src_addr, dst_addr, scales_addr, hidden,
                       bf16_copy: cute.TiledCopy, fp8_copy: cute.TiledCopy):
         """Rows of 8 elements, one per thread; a 128-element block is 16 consecutive lanes.
-        s = max(amax, 1e-4) / 448, q = e4m3(clamp(x / s, +-448)), true fp32 division."""
+        s = max(amax, 1e-4) / 448, q = e4m3(clamp(x / s, +-448)), true fp32 division; max and
+        clamp propagate NaN."""
         rows = hidden // BF16_PER_VECTOR
         layout = cute.make_layout((rows, BF16_PER_VECTOR), stride=(BF16_PER_VECTOR, 1))
         tiler = (self.threads, BF16_PER_VECTOR)
@@ -519,14 +520,17 @@ class EpEncode:
             vals.store(regs.load().to(Float32))
             amax = Float32(0.0)
             for i in cutlass.range_constexpr(BF16_PER_VECTOR):
-                amax = cute.arch.fmax(amax, cute.arch.fmax(vals[i], -vals[i]))
+                amax = cute.arch.fmax(amax, cute.arch.fmax(vals[i], -vals[i], nan=True),
+                                      nan=True)
             for i in cutlass.range_constexpr(4):
                 amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(
-                    amax, offset=vectors_per_block >> (i + 1)))
-            scale = cute.arch.fmax(amax, Float32(FP8_MIN_AMAX)) / Float32(FP8_MAX)
+                    amax, offset=vectors_per_block >> (i + 1)), nan=True)
+            # NaN propagates (a NaN makes its block's scale and codes NaN, as the reference's
+            # torch max/clamp do); a plain fmax would drop it and clamp it to -448.
+            scale = cute.arch.fmax(amax, Float32(FP8_MIN_AMAX), nan=True) / Float32(FP8_MAX)
             for i in cutlass.range_constexpr(BF16_PER_VECTOR):
-                vals[i] = cute.arch.fmin(cute.arch.fmax(vals[i] / scale, Float32(-FP8_MAX)),
-                                         Float32(FP8_MAX))
+                vals[i] = cute.arch.fmin(cute.arch.fmax(vals[i] / scale, Float32(-FP8_MAX),
+                                                        nan=True), Float32(FP8_MAX), nan=True)
             q = cute.make_fragment_like(t_q)
             q.store(vals.load().to(Float8E4M3FN))
             cute.copy(fp8_copy, q, t_q, pred=pred)

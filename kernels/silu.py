@@ -15,7 +15,8 @@ The activation, in fp32 with true (round-to-nearest) divisions, in this order:
 Outputs (one kernel family each, config `interleaved`, plus the e2m1 encoder for FP4):
 - `fused_silu`: bf16 `[M, I]`, 8 elements per thread.
 - `fused_silu_fp8`: e4m3 `[M, I]` and fp32 scales transposed `[I / 128, scale_stride]`; per 128
-  elements `s = max(amax, 1e-4) / 448`, `q = e4m3(clamp(z / s, +-448))` (8 threads x 16).
+  elements `s = max(amax, 1e-4) / 448`, `q = e4m3(clamp(z / s, +-448))` (8 threads x 16);
+  a NaN makes its block's scale and codes NaN (NaN-propagating max and clamp).
 - `fused_silu_nvfp4`: codes `[M, I / 2]` and e4m3 scales per 16 in the 128x4 layout, segment g
   quantized with `input_scales[g]` (SPEC section 4 math, as `quantize_nvfp4`).
 - `fused_silu_mxfp4`: codes `[M, I / 2]` and e8m0 scales per 32 in the 128x4 layout. The scale
@@ -282,13 +283,15 @@ class FusedSilu:
         elif cutlass.const_expr(self.out == "fp8"):
             amax = Float32(0.0)
             for i in cutlass.range_constexpr(n):
-                amax = cute.arch.fmax(amax, cute.arch.fmax(z[i], -z[i]))
+                amax = cute.arch.fmax(amax, cute.arch.fmax(z[i], -z[i], nan=True), nan=True)
             for i in cutlass.range_constexpr(3):  # 8 lanes share a 128-element block
-                amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=4 >> i))
-            scale = cute.arch.fmax(amax, Float32(FP8_MIN_AMAX)) / Float32(FP8_MAX)
+                amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=4 >> i),
+                                      nan=True)
+            # NaN propagates to the block's scale and codes, as in the reference.
+            scale = cute.arch.fmax(amax, Float32(FP8_MIN_AMAX), nan=True) / Float32(FP8_MAX)
             for i in cutlass.range_constexpr(n):
-                z[i] = cute.arch.fmin(cute.arch.fmax(z[i] / scale, Float32(-FP8_MAX)),
-                                      Float32(FP8_MAX))
+                z[i] = cute.arch.fmin(cute.arch.fmax(z[i] / scale, Float32(-FP8_MAX), nan=True),
+                                      Float32(FP8_MAX), nan=True)
             if valid:
                 q = cute.make_rmem_tensor(cute.make_layout(n), Float8E4M3FN)
                 q.store(z.load().to(Float8E4M3FN))

@@ -1,6 +1,8 @@
-"""Property-based hostile input for the standalone kernels (hypothesis): every malformed
-argument gives a TypeError / ValueError naming it, never a crash or a launch; NaN and infinities
-anywhere in the activations give exactly the reference's documented bytes."""
+"""Property-based hostile input (hypothesis). Standalone kernels: every malformed argument gives
+a TypeError / ValueError naming it, never a crash or a launch; NaN and infinities anywhere in
+the activations, and degenerate global scales, give exactly the reference's bytes. The Buffer
+(one rank): any values in x and any T up to the maximum give the reference's bytes, a larger T
+the documented error; forbidden expert ids are dropped and reported, never misrouted."""
 
 import pytest
 import torch
@@ -58,6 +60,14 @@ MUTATIONS = {
 }
 
 
+def _fp8_equal(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """e4m3 bytes equal, a NaN code (S.1111.111) matching any NaN code."""
+    g, w = got.view(torch.uint8), want.view(torch.uint8)
+    nan = lambda b: (b & 0x7F) == 0x7F  # noqa: E731
+    return bool(torch.equal(nan(g), nan(w)) and torch.equal(torch.where(nan(g), 0, g),
+                                                            torch.where(nan(w), 0, w)))
+
+
 @settings(max_examples=60, deadline=None)
 @given(call=st.sampled_from(sorted(_calls())), mutation=st.sampled_from(sorted(MUTATIONS)))
 def test_malformed_arguments_are_refused_by_name(call, mutation):
@@ -91,6 +101,11 @@ def test_nan_and_inf_give_the_documented_bytes(spots):
     assert torch.equal(z.isnan(), want.isnan())
     assert torch.equal(torch.where(z.isnan(), 0, z.view(torch.int16)),
                        torch.where(want.isnan(), 0, want.view(torch.int16)))
+    q, sc = cute_ep.fused_silu_fp8(x, o)
+    wq, ws = ref.fused_silu_fp8(x, OFFSETS)
+    assert _fp8_equal(q[:M], wq[:M])
+    sc, ws = sc[:, :M], ws[:, :M]
+    assert torch.equal(sc.isnan(), ws.isnan()) and torch.equal(sc.nan_to_num(), ws.nan_to_num())
     rows = fp4.segment_scale_blocks(OFFSETS)[-1] * 128
     q, sc = cute_ep.fused_silu_nvfp4(x, s, o, scale_rows=rows)
     wq, ws = ref.fused_silu_nvfp4(x, OFFSETS, s, rows)
@@ -98,3 +113,141 @@ def test_nan_and_inf_give_the_documented_bytes(spots):
     q, sc = cute_ep.fused_silu_mxfp4(x, o, scale_rows=rows)
     wq, ws = ref.fused_silu_mxfp4(x, OFFSETS, rows)
     assert torch.equal(q[:M], wq[:M]) and torch.equal(sc, ws)
+
+
+SCALES = [1.0, 37.5, 1e-30, 1e30, 0.0, float("inf"), float("nan"), -2.0]
+
+
+@settings(max_examples=25, deadline=None)
+@given(picks=st.lists(st.sampled_from(SCALES), min_size=len(OFFSETS) - 1,
+                      max_size=len(OFFSETS) - 1))
+def test_degenerate_global_scales_give_the_reference_bytes(picks):
+    """Zero, negative, tiny, huge, infinite and NaN per-segment global scales: the same codes and
+    scale bytes as the reference's arithmetic (whatever those bytes mean, no other bytes)."""
+    import cute_ep
+
+    x, o, _ = _good()
+    s = torch.tensor(picks, dtype=torch.float32, device="cuda")
+    rows = fp4.segment_scale_blocks(OFFSETS)[-1] * 128
+    q, sc = cute_ep.fused_silu_nvfp4(x, s, o, scale_rows=rows)
+    wq, ws = ref.fused_silu_nvfp4(x, OFFSETS, s, rows)
+    assert torch.equal(q[:M], wq[:M]), picks
+    assert torch.equal(sc, ws), picks
+    xq = x[:, :I].contiguous()
+    q, sc = cute_ep.quantize_nvfp4(xq, s, o, scale_rows=rows)
+    wq, ws = fp4.quantize_nvfp4_segments(xq, OFFSETS, s, rows)
+    assert torch.equal(q[:M], wq[:M]), picks
+    assert torch.equal(sc, ws), picks
+
+
+# The Buffer on a one-rank group -----------------------------------------------------------------
+
+HIDDEN, TOPK, EXPERTS, MAX_T = 512, 4, 16, 48
+VALUES = [float("nan"), float("inf"), float("-inf"), 3e38, -3e38, 1e-40, -0.0]
+
+
+def _buffer_properties(rank, world, examples):
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from cute_ep import reference
+    from cute_ep.ep import Buffer
+    from layouts import EPConfig
+
+    bufs = {fmt: Buffer(EPConfig(HIDDEN, TOPK, EXPERTS, 1, MAX_T, fmt))
+            for fmt in ("bf16", "fp8", "nvfp4")}
+
+    def inputs(seed, t):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        x = torch.randn(t, HIDDEN, device="cuda", generator=gen).to(torch.bfloat16)
+        ids = torch.rand(t, EXPERTS, device="cuda", generator=gen).argsort(1)[:, :TOPK].int()
+        w = torch.rand(t, TOPK, device="cuda", generator=gen)
+        return x, ids, w
+
+    @settings(max_examples=examples, deadline=None, derandomize=True)
+    @given(fmt=st.sampled_from(sorted(bufs)), t=st.integers(0, MAX_T + 3),
+           seed=st.integers(0, 2 ** 20), gs=st.sampled_from([1.0, 300.0, 1e-20]),
+           spots=st.lists(st.tuples(st.integers(0, MAX_T - 1), st.integers(0, HIDDEN - 1),
+                                    st.sampled_from(VALUES)), max_size=10))
+    def values_and_token_counts(fmt, t, seed, gs, spots):
+        """Any T up to max_tokens_per_rank and any values in x: the reference's bytes; beyond
+        it, the documented error before anything is launched."""
+        buf = bufs[fmt]
+        x, ids, w = inputs(seed, t)
+        for r, c, v in spots:
+            if r < t:
+                x[r, c] = v
+        quant = {"global_scale": torch.tensor([gs], device="cuda")} if fmt == "nvfp4" else {}
+        if t > MAX_T:
+            try:
+                buf.dispatch(x, ids, w, **quant)
+            except ValueError as exc:
+                assert f"exceeds max_tokens_per_rank={MAX_T}" in str(exc), str(exc)
+                return
+            raise AssertionError(f"T={t} > {MAX_T} was accepted")
+        out = buf.dispatch(x, ids, w, **quant)
+        buf.check()
+        want = reference.dispatch(buf.cfg, [x], [ids],
+                                  global_scales=[gs] if fmt == "nvfp4" else None)[0]
+        n = want.num_rows
+        assert out.row_offsets.tolist() == want.row_offsets.tolist()
+        assert torch.equal(out.src_info[:n], want.src_info[:n])
+        if fmt == "fp8":
+            assert _fp8_equal(out.tokens[:n], want.tokens[:n]), "fp8 codes"
+            assert torch.equal(out.scales[:, :n].isnan(), want.scales[:, :n].isnan())
+            assert torch.equal(out.scales[:, :n].nan_to_num(), want.scales[:, :n].nan_to_num())
+        elif fmt == "nvfp4":
+            assert torch.equal(out.tokens[:n], want.tokens[:n]), "nvfp4 codes"
+            assert torch.equal(reference.nvfp4_row_scales(out, HIDDEN, n),
+                               reference.nvfp4_row_scales(want, HIDDEN, n)), "nvfp4 scales"
+        else:
+            assert torch.equal(out.tokens[:n].view(torch.int16), want.tokens[:n].view(torch.int16))
+        buf.combine(torch.zeros(buf.cfg.row_capacity, HIDDEN, dtype=torch.bfloat16,
+                                device="cuda"), out.handle)
+        buf.check()
+
+    @settings(max_examples=examples, deadline=None, derandomize=True)
+    @given(t=st.integers(1, MAX_T), seed=st.integers(0, 2 ** 20),
+           bad=st.lists(st.tuples(st.integers(0, MAX_T - 1), st.integers(0, TOPK - 1),
+                                  st.sampled_from(["negative", "too large", "twice"])),
+                        max_size=6))
+    def forbidden_ids(t, seed, bad):
+        """Negative, too-large and repeated expert ids: those (token, k) are dropped from the
+        dispatch and its combine and reported once by check(); every other pair is exact."""
+        buf = bufs["bf16"]
+        x, ids, w = inputs(seed, t)
+        for r, k, kind in bad:
+            if r < t and kind == "negative":
+                ids[r, k] = -1 - k
+            elif r < t and kind == "too large":
+                ids[r, k] = EXPERTS + k
+            elif r < t and k > 0:
+                ids[r, k] = ids[r, 0]  # whatever k = 0 holds
+        # Kept: valid ids not already listed at an earlier k of the token (the first copy stays).
+        keep = torch.tensor([[float(0 <= v < EXPERTS and v not in row[:k])
+                              for k, v in enumerate(row)] for row in ids.tolist()],
+                            device="cuda").reshape(t, TOPK)
+        out = buf.dispatch(x, ids, w)
+        combined = buf.combine(out.tokens.clone(), out.handle)  # identity experts
+        raised = None
+        try:
+            buf.check()
+        except ValueError as exc:
+            raised = str(exc)
+        assert (raised is not None) == bool((keep == 0).any()), (raised, keep)
+        assert int(out.row_offsets[-1]) == int(keep.sum())
+        want = x.float() * (w * keep).sum(1, keepdim=True)
+        err = (combined.float() - want).abs()
+        assert (err <= 2 ** -7 * (x.float().abs() * (w * keep).sum(1, keepdim=True)) + 1e-30
+                ).all(), float(err.max())
+        buf.check()  # reported once: nothing left over for the next call
+
+    values_and_token_counts()
+    forbidden_ids()
+    return True
+
+
+def test_buffer_takes_any_values_any_token_count_and_forbidden_ids():
+    from cute_ep.spawn import run_ranks
+
+    assert run_ranks(_buffer_properties, world=1, examples=40, limit_s=300) == [True]
