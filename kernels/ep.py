@@ -43,6 +43,7 @@ from cutlass import BFloat16, Float32, Float8E4M3FN, Int32, Int64
 
 from cute_ep.abi import ARCHES, GridRule, KernelSpec, Param
 from kernels.copy import copy_rows, row_predicate, row_tiled_copy, vector_tiled_copy
+from kernels.fp8 import FP8_BLOCK, scale_fp8_block
 from kernels.nvfp4 import quantize_nvfp4_block
 from kernels.scan import warp_exclusive_scan
 from layouts import VECTOR_BYTES
@@ -54,9 +55,6 @@ MAX_RANKS = 8
 MAX_TOPK = 16
 MAX_ENTRIES = 272  # 1 + segments: up to 256 local experts, a shared expert, and slack
 FLAG_BYTES = 8
-FP8_BLOCK = 128
-FP8_MAX = 448.0
-FP8_MIN_AMAX = 1e-4
 BF16_PER_VECTOR = 8  # bf16 elements in one 128-bit access
 NVFP4_BLOCK = 16  # elements per e4m3 scale
 NVFP4_ROW_VECTOR = 8  # an NVFP4 row (H / 2 bytes) is a multiple of 8 bytes, not always of 16
@@ -495,8 +493,7 @@ class EpEncode:
     def _quantize_fp8(self, tidx, src_addr, dst_addr, scales_addr, hidden,
                       bf16_copy: cute.TiledCopy, fp8_copy: cute.TiledCopy):
         """Rows of 8 elements, one per thread; a 128-element block is 16 consecutive lanes.
-        s = max(amax, 1e-4) / 448, q = e4m3(clamp(x / s, +-448)), true fp32 division; max and
-        clamp propagate NaN."""
+        The math of `kernels.fp8.scale_fp8_block`."""
         rows = hidden // BF16_PER_VECTOR
         layout = cute.make_layout((rows, BF16_PER_VECTOR), stride=(BF16_PER_VECTOR, 1))
         tiler = (self.threads, BF16_PER_VECTOR)
@@ -518,19 +515,7 @@ class EpEncode:
             cute.copy(bf16_copy, t_x, regs, pred=pred)
             vals = cute.make_fragment_like(regs, Float32)
             vals.store(regs.load().to(Float32))
-            amax = Float32(0.0)
-            for i in cutlass.range_constexpr(BF16_PER_VECTOR):
-                amax = cute.arch.fmax(amax, cute.arch.fmax(vals[i], -vals[i], nan=True),
-                                      nan=True)
-            for i in cutlass.range_constexpr(4):
-                amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(
-                    amax, offset=vectors_per_block >> (i + 1)), nan=True)
-            # NaN propagates (a NaN makes its block's scale and codes NaN, as the reference's
-            # torch max/clamp do); a plain fmax would drop it and clamp it to -448.
-            scale = cute.arch.fmax(amax, Float32(FP8_MIN_AMAX), nan=True) / Float32(FP8_MAX)
-            for i in cutlass.range_constexpr(BF16_PER_VECTOR):
-                vals[i] = cute.arch.fmin(cute.arch.fmax(vals[i] / scale, Float32(-FP8_MAX),
-                                                        nan=True), Float32(FP8_MAX), nan=True)
+            scale = scale_fp8_block(vals, BF16_PER_VECTOR, vectors_per_block)
             q = cute.make_fragment_like(t_q)
             q.store(vals.load().to(Float8E4M3FN))
             cute.copy(fp8_copy, q, t_q, pred=pred)

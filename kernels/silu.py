@@ -33,6 +33,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Boolean, Float32, Float8E4M3FN, Int32, Int64, Uint8
 
 from cute_ep.abi import GridRule, KernelSpec, Param
+from kernels.fp8 import scale_fp8_block
 from kernels.nvfp4 import (bits_f32, cvt_e4m3_byte, e2m1_words, e4m3_byte_to_f32, f32_bits,
                             load_segment_blocks)
 from kernels.scan import WARP
@@ -46,8 +47,6 @@ ATOM_ROWS = 128
 MAX_SEGMENTS = 272
 SEARCH_STEPS = (256, 128, 64, 32, 16, 8, 4, 2, 1)  # covers MAX_SEGMENTS
 SMEM_ENTRIES = 544  # a probe at pos + 256 stays inside
-FP8_MAX = 448.0
-FP8_MIN_AMAX = 1e-4
 
 
 def _ptr(dtype, addr, align):
@@ -281,17 +280,7 @@ class FusedSilu:
             vals.store(z.load().to(BFloat16))
             cute.autovec_copy(vals, dst)
         elif cutlass.const_expr(self.out == "fp8"):
-            amax = Float32(0.0)
-            for i in cutlass.range_constexpr(n):
-                amax = cute.arch.fmax(amax, cute.arch.fmax(z[i], -z[i], nan=True), nan=True)
-            for i in cutlass.range_constexpr(3):  # 8 lanes share a 128-element block
-                amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=4 >> i),
-                                      nan=True)
-            # NaN propagates to the block's scale and codes, as in the reference.
-            scale = cute.arch.fmax(amax, Float32(FP8_MIN_AMAX), nan=True) / Float32(FP8_MAX)
-            for i in cutlass.range_constexpr(n):
-                z[i] = cute.arch.fmin(cute.arch.fmax(z[i] / scale, Float32(-FP8_MAX), nan=True),
-                                      Float32(FP8_MAX), nan=True)
+            scale = scale_fp8_block(z, n, BLOCK["fp8"] // n)  # 8 lanes share a block
             if valid:
                 q = cute.make_rmem_tensor(cute.make_layout(n), Float8E4M3FN)
                 q.store(z.load().to(Float8E4M3FN))
