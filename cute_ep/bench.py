@@ -19,7 +19,7 @@ Figures, each with its formula in the output:
   combine: the same rows x 2H / time;
 - NVLink bytes actually sent by this GPU / time (whole messages, metadata included).
 
-Rank 0 prints rich tables (the slowest rank's figure for each cell) and writes a JSON record
+The launching process prints rich tables (the slowest rank's figure for each cell) and writes a JSON record
 (device, GPU count, library version, config, every rank's numbers) under `--out`.
 """
 
@@ -28,17 +28,15 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import re
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-            "NVSHMEM_DISABLE_NVLS": "1"}
+from cute_ep.spawn import RanksFailed, run_ranks
+
 FORMATS = ("bf16", "fp8", "nvfp4")
 WARMUP = 5
 FLUSH_BYTES = 256 << 20
@@ -73,26 +71,12 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         raise SystemExit(f"cute-ep bench needs 2+ GPUs of one host; "
                          f"{torch.cuda.device_count()} visible")
-    os.environ.update(SAFE_ENV)
     world = torch.cuda.device_count()
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    with tempfile.TemporaryDirectory(prefix="cute-ep-bench-") as tmp:
-        store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_worker,
-                             args=(r, world, store, args, formats, budgets, results))
-                 for r in range(world)]
-        for pr in procs:
-            pr.start()
-        got = [results.get(timeout=900) for _ in range(world)]
-        for pr in procs:
-            pr.join(timeout=60)
-    failed = [msg for ok, _, msg in got if not ok]
-    if failed:
-        raise SystemExit("benchmark failed:\n" + "\n".join(failed))
-    ranks = [r for _, r, _ in sorted(got, key=lambda g: g[1]["rank"])]
+    try:
+        ranks = run_ranks(_worker, world, limit_s=900, args=args, formats=formats,
+                          budgets=budgets)
+    except RanksFailed as exc:
+        raise SystemExit(f"benchmark failed:\n{exc}") from None
     record = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(0),
@@ -123,33 +107,20 @@ def _version() -> str:
 # One rank ------------------------------------------------------------------------------------
 
 
-def _worker(rank, world, store, args, formats, budgets, results):
-    import torch.distributed as dist
-
-    os.environ.update(SAFE_ENV)
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=world,
-                            device_id=torch.device("cuda", rank))
-    try:
-        out = {"rank": rank, "formats": {}}
-        flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
-        for fmt in formats:
-            out["formats"][fmt] = {
-                "throughput": _throughput(rank, world, args, fmt, budgets, flush),
-                "decode": _decode(rank, world, args, fmt, flush),
+def _worker(rank, world, args, formats, budgets) -> dict:
+    out = {"rank": rank, "formats": {}}
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    for fmt in formats:
+        out["formats"][fmt] = {
+            "throughput": _throughput(rank, world, args, fmt, budgets, flush),
+            "decode": _decode(rank, world, args, fmt, flush),
+        }
+        if args.stages:
+            out["formats"][fmt]["stages"] = {
+                "throughput": _stages(world, args, fmt, args.tokens, rank),
+                "decode": _stages(world, args, fmt, args.decode_tokens, rank),
             }
-            if args.stages:
-                out["formats"][fmt]["stages"] = {
-                    "throughput": _stages(world, args, fmt, args.tokens, rank),
-                    "decode": _stages(world, args, fmt, args.decode_tokens, rank),
-                }
-        results.put((True, out, ""))
-    except BaseException as exc:  # the parent reports every rank's failure
-        import traceback
-
-        results.put((False, {"rank": rank}, f"rank {rank}: {exc}\n{traceback.format_exc()}"))
-    finally:
-        dist.destroy_process_group()
+    return out
 
 
 def _inputs(cfg, tokens, seed):
@@ -163,47 +134,45 @@ def _inputs(cfg, tokens, seed):
     return x, ids.to(torch.int32), w, y, quant
 
 
-def _timed(fn, iters, flush, group=None) -> list[float]:
-    """Per-iteration GPU times (us) of fn(), each after sync + L2 flush + barrier."""
+def _timed_steps(steps, iters, flush, group=None) -> list[list[float]]:
+    """Per-iteration GPU times (us) of each of `steps`, run in order every iteration after
+    sync + L2 flush + barrier, one CUDA event between consecutive steps."""
     import torch.distributed as dist
 
-    times = []
+    times = [[] for _ in steps]
     for i in range(iters + WARMUP):
         flush.zero_()
         torch.cuda.synchronize()
         dist.barrier(group)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(len(steps) + 1)]
+        ev[0].record()
+        for step, after in zip(steps, ev[1:]):
+            step()
+            after.record()
+        ev[-1].synchronize()
         if i >= WARMUP:
-            times.append(start.elapsed_time(end) * 1e3)
+            for t, a, b in zip(times, ev, ev[1:]):
+                t.append(a.elapsed_time(b) * 1e3)
     return times
+
+
+def _timed(fn, iters, flush, group=None) -> list[float]:
+    """Per-iteration GPU times (us) of fn()."""
+    return _timed_steps([fn], iters, flush, group)[0]
 
 
 def _layer_times(buf, x, ids, w, y, quant, iters, flush) -> dict:
     """Median dispatch and combine times (us), timed in the same iterations."""
-    import torch.distributed as dist
+    last = {}
 
-    d_times, c_times = [], []
-    for i in range(iters + WARMUP):
-        flush.zero_()
-        torch.cuda.synchronize()
-        dist.barrier()
-        ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-        ev[0].record()
-        out = buf.dispatch(x, ids, w, **quant)
-        ev[1].record()
-        buf.combine(y, out.handle)
-        ev[2].record()
-        ev[2].synchronize()
-        if i >= WARMUP:
-            d_times.append(ev[0].elapsed_time(ev[1]) * 1e3)
-            c_times.append(ev[1].elapsed_time(ev[2]) * 1e3)
+    def dispatch():
+        last["out"] = buf.dispatch(x, ids, w, **quant)
+
+    d_times, c_times = _timed_steps([dispatch, lambda: buf.combine(y, last["out"].handle)],
+                                    iters, flush)
     buf.check()
     return {"dispatch_us": statistics.median(d_times), "combine_us": statistics.median(c_times),
-            "out": out}
+            "out": last["out"]}
 
 
 def _throughput(rank, world, args, fmt, budgets, flush) -> dict:

@@ -21,14 +21,21 @@ class RanksFailed(AssertionError):
     """A rank raised, or did not finish in time; the message holds every failing rank's error."""
 
 
-def _entry(fn, rank, world, store_path, results, kwargs):
+def init_rank(rank: int, world: int, store_path: str) -> None:
+    """In a rank's process: multicast off, its GPU current, the NCCL group joined through a file
+    store (no TCP port to race for between back-to-back runs)."""
     import torch.distributed as dist
 
     os.environ.update(SAFE_ENV)
     torch.cuda.set_device(rank)
-    # A file store: no TCP port to race for between back-to-back tests.
     dist.init_process_group("nccl", init_method=f"file://{store_path}", rank=rank,
                             world_size=world, device_id=torch.device("cuda", rank))
+
+
+def _entry(fn, rank, world, store_path, results, kwargs):
+    import torch.distributed as dist
+
+    init_rank(rank, world, store_path)
     try:
         results.put((rank, True, fn(rank, world, **kwargs)))
     except BaseException as exc:  # report everything, the parent decides

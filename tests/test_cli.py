@@ -46,3 +46,85 @@ def test_bench_never_overwrites_a_record(tmp_path):
         names.append(path.name)
     assert names == ["bench-2026-11-21-4xH200.json", "bench-2026-11-21-4xH200-2.json",
                      "bench-2026-11-21-4xH200-3.json"]
+
+
+def test_bench_runs_its_worker_on_every_rank_and_records_what_they_return(tmp_path, monkeypatch):
+    """The harness around the GPU work: the worker is called as `run_ranks` calls it, every
+    rank's numbers (here a committed 4 x H200 record's) land in the new record in rank order,
+    and a failing rank ends the run with its error."""
+    import inspect
+    import json
+    import types
+    from pathlib import Path
+
+    import pytest
+    import torch
+
+    from cute_ep import bench
+    from cute_ep.spawn import RanksFailed
+
+    committed = json.loads(Path("perf/results/bench-2026-11-21-4xH200.json").read_text())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i=0: types.SimpleNamespace(multi_processor_count=132))
+
+    def fake_run_ranks(fn, world, limit_s, **kwargs):
+        assert fn is bench._worker and world == 4
+        inspect.signature(fn).bind(0, world, **kwargs)  # the call each rank makes
+        return committed["ranks"]
+
+    monkeypatch.setattr(bench, "run_ranks", fake_run_ranks)
+    assert bench.main(["--sms", "all,24,48,96", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("bench-*-4xH200.json")
+    written = json.loads(path.read_text())
+    assert written["ranks"] == committed["ranks"] and written["gpus"] == 4
+
+    def failing(fn, world, limit_s, **kwargs):
+        raise RanksFailed("rank 2: RuntimeError: boom")
+
+    monkeypatch.setattr(bench, "run_ranks", failing)
+    with pytest.raises(SystemExit, match="benchmark failed:\nrank 2: RuntimeError: boom"):
+        bench.main(["--out", str(tmp_path)])
+
+
+def test_bench_times_each_step_between_its_own_events(monkeypatch):
+    """`_timed_steps` with a fake clock for the CUDA events: each step's time is its own, the
+    warm-ups are left out, and every iteration starts after a barrier of the group given."""
+    import torch
+    import torch.distributed as dist
+
+    from cute_ep import bench
+
+    clock = [0.0]
+    barriers = []
+
+    class Event:
+        def __init__(self, enable_timing):
+            assert enable_timing
+
+        def record(self):
+            self.at = clock[0]
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):  # ms, as torch's
+            return end.at - self.at
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(dist, "barrier", lambda group=None: barriers.append(group))
+    calls = []
+
+    def step(ms):
+        def run():
+            calls.append(ms)
+            clock[0] += ms
+        return run
+
+    times = bench._timed_steps([step(1.0), step(3.0)], 50, torch.zeros(4), group="g")
+    assert times == [[1000.0] * 50, [3000.0] * 50]
+    assert calls == [1.0, 3.0] * (50 + bench.WARMUP) and barriers == ["g"] * (50 + bench.WARMUP)
+    assert bench._timed(step(2.5), 50, torch.zeros(4)) == [2500.0] * 50

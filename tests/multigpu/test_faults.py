@@ -11,25 +11,15 @@ from __future__ import annotations
 import os
 import queue
 import signal
-import tempfile
 import time
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-from cute_ep.spawn import SAFE_ENV, run_ranks
+from cute_ep.spawn import init_rank, run_ranks
 
 pytestmark = pytest.mark.multigpu
-
-
-def _setup(rank, world, store):
-    import torch.distributed as dist
-
-    os.environ.update(SAFE_ENV)
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=world,
-                            device_id=torch.device("cuda", rank))
 
 
 def _report_and_exit(results, item):
@@ -46,7 +36,7 @@ def _killed_layer(rank, world, store, results, timeout_s):
     from layouts import EPConfig
     from tests.multigpu.test_ep import _inputs
 
-    _setup(rank, world, store)
+    init_rank(rank, world, store)
     cfg = EPConfig(1024, 4, 8 * world, world, 128)
     buf = Buffer(cfg, timeout_s=timeout_s)
     xs, ids, ws = _inputs(cfg, 3, [128] * world)
@@ -65,10 +55,10 @@ def _killed_layer(rank, world, store, results, timeout_s):
     _report_and_exit(results, (rank, message, time.monotonic() - start))
 
 
-def _spawn(target, world, **kwargs):
+def _spawn(target, world, folder, **kwargs):
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    store = os.path.join(tempfile.mkdtemp(prefix="cute-ep-faults-"), "store")
+    store = os.path.join(folder, "store")
     procs = [ctx.Process(target=target, args=(r, world, store, results), kwargs=kwargs,
                          daemon=True) for r in range(world)]
     for p in procs:
@@ -100,9 +90,9 @@ def _exact_layer(rank, world):
     return True
 
 
-def test_a_killed_rank_times_out_its_peers_and_leaves_nothing_behind():
+def test_a_killed_rank_times_out_its_peers_and_leaves_nothing_behind(tmp_path):
     world = torch.cuda.device_count()
-    procs, results = _spawn(_killed_layer, world, timeout_s=2.0)
+    procs, results = _spawn(_killed_layer, world, tmp_path, timeout_s=2.0)
     got = _collect(procs, results, world - 1, limit_s=120)
     assert [r for r, _, _ in got] == list(range(world - 1)), got
     for rank, message, seconds in got:
@@ -119,7 +109,7 @@ def _interrupted(rank, world, store, results):
     from layouts import EPConfig
     from tests.multigpu.test_ep import _inputs
 
-    _setup(rank, world, store)
+    init_rank(rank, world, store)
     cfg = EPConfig(1024, 4, 8 * world, world, 64)
     buf = Buffer(cfg, timeout_s=60.0)
     if rank != 0:
@@ -136,9 +126,9 @@ def _interrupted(rank, world, store, results):
     _report_and_exit(results, (outcome, time.monotonic()))
 
 
-def test_ctrl_c_during_a_spin_returns_control():
+def test_ctrl_c_during_a_spin_returns_control(tmp_path):
     world = 2
-    procs, results = _spawn(_interrupted, world)
+    procs, results = _spawn(_interrupted, world, tmp_path)
     state, _ = results.get(timeout=120)
     assert state == "waiting"
     time.sleep(1.0)  # rank 0 is now inside check(), its receive kernel spinning on rank 1
