@@ -205,6 +205,7 @@ def _on_gpus(console, world, tokens, formats, seed) -> int:
 
 
 def _rank_layers(rank, world, tokens, formats, seed) -> list[dict]:
+    from cute_ep import reference
     from cute_ep.ep import Buffer
     from cute_ep.silu import fused_silu
     from layouts import EPConfig
@@ -241,32 +242,13 @@ def _rank_layers(rank, world, tokens, formats, seed) -> list[dict]:
         err = (combined.float() - ref_out[rank].float()).abs()
         results.append({
             "rows": int(out.counts.sum()),
-            "dispatch_equal": _same_dispatch(cfg, out, disp[rank]),
+            "dispatch_equal": reference.dispatch_mismatch(cfg, out, disp[rank]) is None,
             "err": float(err.max()) if err.numel() else 0.0,
             "within": bool((err <= bounds[rank]).all()),
             "dispatch_us": times[0], "experts_us": times[1], "combine_us": times[2],
         })
         del buf
     return results
-
-
-def _same_dispatch(cfg, got, want) -> bool:
-    """Byte-exact: offsets, src_info, token rows, FP8 scales, NVFP4 used scale blocks."""
-    n = want.num_rows
-    if got.row_offsets.tolist() != want.row_offsets.tolist():
-        return False
-    if not torch.equal(got.src_info[:n], want.src_info[:n]):
-        return False
-    if not torch.equal(got.tokens[:n].view(torch.uint8), want.tokens[:n].view(torch.uint8)):
-        return False
-    if cfg.format == "fp8":
-        return torch.equal(got.scales[:, :n], want.scales[:, :n])
-    if cfg.format == "nvfp4":
-        blocks = sum(-(-c // 128) for c in want.counts.tolist())
-        used = blocks * 512 * -(-(cfg.hidden // 16) // 4)
-        return got.scales_offsets.tolist() == want.scales_offsets.tolist() and \
-            torch.equal(got.scales[:used], want.scales[:used])
-    return True
 
 
 # Without a GPU -------------------------------------------------------------------------------

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from cute_ep.reference_fp4 import NVFP4_BLOCK, _scale_offsets, quantize_nvfp4
+from cute_ep.reference_fp4 import (NVFP4_BLOCK, _scale_offsets, quantize_nvfp4,
+                                   scale_block_bytes)
 from layouts import EPConfig
 from layouts.buffers import FP8_ROW_ALIGN, output_scales
 from layouts.scales import ATOM_ROWS, expert_scale_blocks
@@ -79,6 +80,37 @@ def dequantize_fp8_blockwise(q: torch.Tensor, scales_t: torch.Tensor) -> torch.T
     rows, h = q.shape
     scale = scales_t[:, :rows].t().repeat_interleave(FP8_BLOCK, dim=1)
     return q.float() * scale
+
+
+def dispatch_mismatch(cfg: EPConfig, got, want: DispatchResult) -> str | None:
+    """The first way a dispatch output (kernel's or reference's) differs from `want` in a byte
+    it defines, or None: offsets, expert ids, counts, src_info and token rows below
+    `want.num_rows`; FP8 scales of those rows; the NVFP4 scale buffer's size, scales_offsets and
+    every 128-row scale block a segment uses, its padding included."""
+    n = want.num_rows
+    for name in ("row_offsets", "expert_ids", "counts"):
+        if getattr(got, name).tolist() != getattr(want, name).tolist():
+            return name
+    if not torch.equal(got.src_info[:n], want.src_info[:n]):
+        return "src_info"
+    gt, wt = got.tokens[:n].view(torch.uint8), want.tokens[:n].view(torch.uint8)
+    if not torch.equal(gt, wt):
+        bad = (gt != wt).any(dim=1).nonzero().flatten()
+        return f"{len(bad)} of {n} rows differ, first {bad[:8].tolist()}"
+    if cfg.format == "fp8" and not torch.equal(got.scales[:, :n], want.scales[:, :n]):
+        return "fp8 scales"
+    if cfg.format == "nvfp4":
+        if got.scales.numel() != want.scales.numel():
+            return "nvfp4 scale buffer size"
+        if got.scales_offsets.tolist() != want.scales_offsets.tolist():
+            return "scales_offsets"
+        blocks = sum(-(-c // ATOM_ROWS) for c in want.counts.tolist())
+        used = blocks * scale_block_bytes(cfg.hidden, NVFP4_BLOCK)
+        got_sc, want_sc = got.scales[:used], want.scales[:used]
+        if not torch.equal(got_sc, want_sc):
+            bad = (got_sc != want_sc).nonzero().flatten()
+            return f"{len(bad)} of {used} used scale bytes differ, first at {bad[:8].tolist()}"
+    return None
 
 
 def nvfp4_row_scales(out, hidden: int, rows: int) -> torch.Tensor:

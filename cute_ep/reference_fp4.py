@@ -129,6 +129,12 @@ def dequantize_mxfp4(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return (values * e8m0_decode(scales).unsqueeze(-1)).reshape(m, k)
 
 
+def scale_block_bytes(k: int, block: int) -> int:
+    """Bytes of one 128-row block of a 128x4 scale buffer for rows of K elements, one scale per
+    `block` elements: every 4 scale columns fill a 512-byte atom."""
+    return 512 * -(-(k // block) // 4)
+
+
 def segment_scale_blocks(row_offsets: list[int]) -> list[int]:
     """First 128-row scale block of each segment: every segment starts a fresh block."""
     first, block = [], 0

@@ -26,7 +26,7 @@ def cases(rows: int, i: int, experts: int):
     """(name, callable, bytes moved) of every kernel at this size."""
     from cute_ep.quant import quantize_nvfp4
     from cute_ep.silu import fused_silu, fused_silu_fp8, fused_silu_mxfp4, fused_silu_nvfp4
-    from cute_ep.reference_fp4 import segment_scale_blocks
+    from cute_ep.reference_fp4 import scale_block_bytes, segment_scale_blocks
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(rows, 2 * i, device="cuda", generator=gen).to(torch.bfloat16)
@@ -35,7 +35,7 @@ def cases(rows: int, i: int, experts: int):
     read = x.numel() * 2 + offsets.numel() * 4
     # The scale bytes written: every used 128-row block of every expert, padding included.
     blocks = segment_scale_blocks(offsets.tolist())[-1]
-    fp4_scales = {v: blocks * 512 * (-(-(i // v) // 4)) for v in (16, 32)}
+    fp4_scales = {v: blocks * scale_block_bytes(i, v) for v in (16, 32)}
     out = [
         ("fused_silu (bf16)", lambda: fused_silu(x, offsets), read + rows * i * 2),
         ("fused_silu interleaved (bf16)", lambda: fused_silu(x, offsets, interleaved=True),

@@ -292,3 +292,37 @@ def test_global_scales_are_for_nvfp4_and_one_per_rank(fmt, scales, match):
     ids = [torch.tensor([[0, 1], [2, 3], [4, 5]], dtype=torch.int32)] * 2
     with pytest.raises(ValueError, match=match):
         ref.dispatch(cfg, x, ids, global_scales=scales)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
+def test_dispatch_mismatch_names_the_first_defined_byte_that_differs(fmt):
+    """The comparison the multi-GPU tests and the demo make: nothing for an identical output,
+    nothing for bytes dispatch leaves undefined, and a named difference for each defined one."""
+    import dataclasses
+
+    cfg = EPConfig(256, 2, 8, 2, 40, fmt)
+    gen = torch.Generator().manual_seed(3)
+    xs, ids = _inputs(cfg, [40, 33], gen)[:2]
+    gs = [40.0, 60.0] if fmt == "nvfp4" else None
+    want = ref.dispatch(cfg, xs, ids, global_scales=gs)[0]
+    n = want.num_rows
+
+    def changed(name, edit):
+        copy = dataclasses.replace(want, **{name: getattr(want, name).clone()})
+        edit(getattr(copy, name).view(torch.uint8) if name in ("tokens", "scales")
+             else getattr(copy, name))
+        return ref.dispatch_mismatch(cfg, copy, want)
+
+    assert ref.dispatch_mismatch(cfg, want, want) is None
+    assert changed("tokens", lambda t: t[n:].fill_(7)) is None  # rows past num_rows
+    last_row = changed("tokens", lambda t: t[n - 1, 0].add_(1))
+    assert last_row == f"1 of {n} rows differ, first [{n - 1}]"
+    assert changed("src_info", lambda t: t[0, 0].add_(1)) == "src_info"
+    assert changed("counts", lambda t: t[0].add_(1)) == "counts"
+    assert changed("row_offsets", lambda t: t[1].add_(1)) == "row_offsets"
+    if fmt == "fp8":
+        assert changed("scales", lambda t: t[:, 0].add_(1)) == "fp8 scales"
+    if fmt == "nvfp4":
+        assert changed("scales", lambda t: t[-1].add_(1)) is None  # past the used blocks
+        assert changed("scales", lambda t: t[0].add_(1)).startswith("1 of ")
+        assert changed("scales_offsets", lambda t: t[0].add_(1)) == "scales_offsets"

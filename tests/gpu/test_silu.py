@@ -39,7 +39,7 @@ def _device(offsets):
 
 
 def _used_scale_bytes(offsets, i, block):
-    return fp4.segment_scale_blocks(offsets)[-1] * 512 * (-(-(i // block) // 4))
+    return fp4.segment_scale_blocks(offsets)[-1] * fp4.scale_block_bytes(i, block)
 
 
 @pytest.mark.parametrize("interleaved", [False, True], ids=["halves", "interleaved"])

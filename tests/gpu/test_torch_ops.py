@@ -30,11 +30,11 @@ def _inputs():
 def _valid(outs, rows=690, i=2048):
     """What the kernels define: the rows below row_offsets[-1] and the scale bytes of the 128-row
     blocks the segments use (the rest of a scale buffer is never written)."""
-    from cute_ep.reference_fp4 import segment_scale_blocks
+    from cute_ep.reference_fp4 import scale_block_bytes, segment_scale_blocks
 
     z, q, s, q8, s8, q4, s4, qn, sn = outs
     blocks = segment_scale_blocks([0, 100, 100, 350, 690])[-1]
-    nv, mx = blocks * 512 * -(-(i // 16) // 4), blocks * 512 * -(-(i // 32) // 4)
+    nv, mx = blocks * scale_block_bytes(i, 16), blocks * scale_block_bytes(i, 32)
     return [z[:rows], q[:rows], s[:nv], q8[:rows], s8[:, :rows], q4[:rows], s4[:mx], qn[:rows],
             sn[:nv]]
 

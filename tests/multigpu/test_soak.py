@@ -24,6 +24,7 @@ from collections import Counter
 import pytest
 import torch
 
+from cute_ep.reference_fp4 import scale_block_bytes
 from cute_ep.spawn import run_ranks
 
 pytestmark = [pytest.mark.multigpu, pytest.mark.soak]
@@ -77,7 +78,7 @@ def _round_checksum(cfg, out, combined) -> torch.Tensor:
         parts.append(_checksum(out.scales.t().contiguous(), n))
     if cfg.format == "nvfp4":
         blocks = ((out.counts.long() + 127) // 128).sum()
-        used = blocks * 512 * -(-(cfg.hidden // 16) // 4)
+        used = blocks * scale_block_bytes(cfg.hidden, 16)
         sc = out.scales.reshape(-1, 4)  # one word per row of the view
         parts.append(_checksum(sc, used // 4))
         parts.append(_checksum(out.scales_offsets.unsqueeze(0)))
