@@ -44,10 +44,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from cute_ep.comm import ConfigMismatch, PeerTimeout, agree_on_config
-from cute_ep.runtime import check_tensor, device_arch, runtime
+from cute_ep.runtime.comm import ConfigMismatch, PeerTimeout, agree_on_config
+from cute_ep.runtime.launch import check_tensor, device_arch, runtime
+from cute_ep.torch_ops import DISPATCH_FIELDS, register_buffer
 from layouts import EPConfig
-from layouts.buffers import (BUFFER_GROUPS, buffer_sizes, group_offsets, output_scales,
+from layouts.buffers import (BUFFER_GROUPS, ERROR_ID_RANGE, ERROR_ID_TWICE, buffer_sizes,
+                             combine_routes, control_buffers, group_offsets, output_scales,
                              total_bytes)
 
 # How long a kernel waits for a peer before recording a timeout; CUTE_EP_TIMEOUT_S overrides
@@ -62,11 +64,19 @@ FORMATS = ("bf16", "fp8", "nvfp4")
 # The NVFP4 encoder's e2m1 conversion by architecture (the hardware one is sm_100a only).
 E2M1_OF_ARCH = {"sm_90a": "software", "sm_100a": "hardware"}
 PHASES = {1: "dispatch", 2: "combine"}
-ERROR_ID_RANGE, ERROR_ID_TWICE = 1, 2  # bits of the bad-id word (kernels/ep.py)
 DISPATCH, COMBINE = 0, 1
 
 __all__ = ["Buffer", "DispatchOutput", "DispatchHandle", "Routing", "ConfigMismatch",
            "PeerTimeout"]
+
+
+def _empty(buffer, device) -> torch.Tensor:
+    """A tensor holding `buffer` (a `layouts.buffers.Buffer`), shaped as its layout."""
+    return torch.empty(buffer.torch_shape, dtype=getattr(torch, buffer.dtype), device=device)
+
+
+def _zeros(buffer, device) -> torch.Tensor:
+    return _empty(buffer, device).zero_()
 
 
 @dataclass
@@ -141,7 +151,7 @@ class Buffer:
                         self.group)
         self.device = torch.device("cuda", torch.cuda.current_device())
         dev = self.device
-        r, t, k = cfg.ranks, cfg.max_tokens_per_rank, cfg.topk
+        t = cfg.max_tokens_per_rank
         self.msg = cfg.message
         self.entries = 1 + cfg.segments
         # Byte offsets inside one token message (layouts.formats).
@@ -178,19 +188,19 @@ class Buffer:
                                        for g in range(BUFFER_GROUPS)]).to(dev)
 
         self.send_buf = torch.empty(t * self.msg.size, dtype=torch.uint8, device=dev)
-        self.dest_slot = torch.empty(r * t, dtype=torch.int32, device=dev)
-        self.positions = torch.empty(t * k, dtype=torch.int32, device=dev)
-        self.send_counts = torch.zeros(r * self.entries, dtype=torch.int32, device=dev)
-        self.rounds = torch.zeros(2, BUFFER_GROUPS, dtype=torch.int64, device=dev)
-        self.done = torch.zeros(2, r + 1, dtype=torch.int32, device=dev)
-        self.error = torch.zeros(4, dtype=torch.int32, device=dev)
+        control = {b.name: _zeros(b, dev) for b in control_buffers(cfg)}
+        self.dest_slot = control["destination_slots"]
+        self.positions = control["expert_positions"]
+        self.send_counts = control["send_counts"]
+        self.rounds = control["round_counters"]  # [phase, group]
+        self.done = control["completion_counters"]  # [phase, destination or all]
+        self.error = control["error"]  # ERROR_FIELDS
+        self._routes = combine_routes(cfg)  # a dispatch's handle, allocated per dispatch
         self._no_f32 = torch.zeros(4, dtype=torch.float32, device=dev)
         self._no_i32 = torch.zeros(4, dtype=torch.int32, device=dev)
         self.dispatch_round = 0
         self.combine_round = 0
         self._prepare_views()
-        from cute_ep.torch_ops import register_buffer
-
         self.op_id = register_buffer(self)  # how torch.ops.cute_ep.dispatch / combine name it
         dist.barrier(self.group)
 
@@ -302,12 +312,9 @@ class Buffer:
         expert_ids = torch.empty(segs, dtype=torch.int32, device=dev)
         counts = torch.empty(segs, dtype=torch.int32, device=dev)
         src_info = torch.empty(cap, 2, dtype=torch.int32, device=dev)
-        handle = DispatchHandle(
-            routing=route,
-            rows=torch.empty(r, t, k, dtype=torch.int32, device=dev),
-            weights=torch.empty(r, t, k, dtype=torch.float32, device=dev),
-            tokens=torch.empty(r, t, dtype=torch.int32, device=dev),
-            messages=torch.empty(r, dtype=torch.int32, device=dev))
+        rows, weights, sources, messages = (_empty(b, dev) for b in self._routes)
+        handle = DispatchHandle(routing=route, rows=rows, weights=weights, tokens=sources,
+                                messages=messages)
         payload = self.msg.segment("payload").nbytes
         views = self._groups[g]
         self.k_recv.launch_unchecked(
@@ -328,10 +335,8 @@ class Buffer:
         """`dispatch_async` then `dispatch_wait` (see both). Under `torch.compile` this is the
         `cute_ep::dispatch` operator (`cute_ep.torch_ops`)."""
         if torch.compiler.is_compiling():
-            from cute_ep.torch_ops import dispatch_via_op
-
-            return dispatch_via_op(self, x, topk_ids, topk_weights, skip_a2a, num_input_tokens,
-                                   global_scale)
+            return self._dispatch_via_op(x, topk_ids, topk_weights, skip_a2a, num_input_tokens,
+                                         global_scale)
         return self.dispatch_wait(self.dispatch_async(
             x, topk_ids, topk_weights, skip_a2a=skip_a2a, num_input_tokens=num_input_tokens,
             global_scale=global_scale))
@@ -380,9 +385,10 @@ class Buffer:
         """`combine_async` then `combine_wait` (see both). Under `torch.compile` this is the
         `cute_ep::combine` operator."""
         if torch.compiler.is_compiling():
-            from cute_ep.torch_ops import combine_via_op
-
-            return combine_via_op(self, y, handle)
+            r = handle.routing
+            return torch.ops.cute_ep.combine(self.op_id, y, r.topk_ids, handle.rows,
+                                             handle.weights, handle.tokens, handle.messages,
+                                             r.weighted, r.skip_a2a)
         return self.combine_wait(self.combine_async(y, handle))
 
     # Errors -------------------------------------------------------------------------------
@@ -413,23 +419,36 @@ class Buffer:
 
     # For the custom operators (cute_ep.torch_ops) --------------------------------------------
 
+    def _dispatch_via_op(self, x, topk_ids, topk_weights, skip_a2a, num_input_tokens,
+                         global_scale) -> DispatchOutput:
+        """`dispatch` as the `cute_ep::dispatch` operator, reassembled into a DispatchOutput."""
+        t = torch.ops.cute_ep.dispatch(self.op_id, x, topk_ids, topk_weights, skip_a2a,
+                                       num_input_tokens, global_scale)
+        fields = dict(zip(DISPATCH_FIELDS, t))
+        handle = self.handle_of(topk_ids, fields["rows"], fields["weights"],
+                                fields["source_tokens"], fields["messages"],
+                                topk_weights is not None, skip_a2a)
+        fmt = self.cfg.format
+        return DispatchOutput(fields["tokens"], fields["scales"] if fmt != "bf16" else None,
+                              fields["row_offsets"], fields["expert_ids"], fields["src_info"],
+                              fields["counts"], handle,
+                              fields["scales_offsets"] if fmt == "nvfp4" else None)
+
     def output_shapes(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """(shape, dtype) of every tensor `torch.ops.cute_ep.dispatch` returns, in its order:
         the DispatchOutput's (tokens, scales, row_offsets, expert_ids, src_info, counts,
         scales_offsets; absent ones empty) then the handle's (rows, weights, source tokens,
         messages). They depend on the config only, never on the routing."""
         cfg = self.cfg
-        r, t, k, cap, h, segs = (cfg.ranks, cfg.max_tokens_per_rank, cfg.topk, cfg.row_capacity,
-                                 cfg.hidden, cfg.segments)
+        cap, h, segs = cfg.row_capacity, cfg.hidden, cfg.segments
         tokens = {"bf16": ((cap, h), torch.bfloat16), "fp8": ((cap, h), torch.float8_e4m3fn),
                   "nvfp4": ((cap, h // 2), torch.uint8)}[cfg.format]
         scales = {"bf16": ((0,), torch.float32), "fp8": ((h // 128, cap), torch.float32),
                   "nvfp4": ((self.nvfp4_scale_bytes,), torch.uint8)}[cfg.format]
         scales_offsets = ((segs,) if cfg.format == "nvfp4" else (0,), torch.int32)
+        routes = [(b.torch_shape, getattr(torch, b.dtype)) for b in self._routes]
         return [tokens, scales, ((segs + 1,), torch.int32), ((segs,), torch.int32),
-                ((cap, 2), torch.int32), ((segs,), torch.int32), scales_offsets,
-                ((r, t, k), torch.int32), ((r, t, k), torch.float32), ((r, t), torch.int32),
-                ((r,), torch.int32)]
+                ((cap, 2), torch.int32), ((segs,), torch.int32), scales_offsets, *routes]
 
     def handle_of(self, topk_ids, rows, weights, source_tokens, messages, weighted: bool,
                   skip_a2a: bool) -> DispatchHandle:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from cute_ep.runtime import check_tensor, runtime
+from cute_ep.runtime.launch import check_tensor, runtime
 
 VECTOR_BYTES = 16
 

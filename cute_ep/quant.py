@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from cute_ep.runtime import check_tensor, runtime
+from cute_ep.runtime.launch import check_tensor, runtime
 from layouts.scales import scale_layout, scale_rows_capacity
 
 NVFP4_BLOCK = 16
@@ -87,7 +87,7 @@ def quantize_nvfp4(x: torch.Tensor, global_scales: torch.Tensor | float,
     if scales not in ("linear", "128x4"):
         raise ValueError(f"scales must be 'linear' or '128x4', got {scales!r}")
     rt = runtime()
-    from cute_ep.runtime import device_arch
+    from cute_ep.runtime.launch import device_arch
 
     kernel = rt.select("quantize_nvfp4", device, scales=scales,
                        e2m1=_SOFTWARE_E2M1[device_arch(device)])

@@ -5,7 +5,7 @@ Every function takes `x: bf16 [M, 2I]` (`[gate | up]`, or interleaved `gate_i, u
 boundaries; None: one segment of all M rows). Only rows below `row_offsets[S]` are read and
 written, so M may be a capacity and nothing waits for the host; output rows past the valid ones
 are left as allocated (uninitialised). See `kernels/silu.py` for the exact fp32 arithmetic and
-`cute_ep.reference_silu` for its plain-torch definition.
+`cute_ep.reference.silu` for its plain-torch definition.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 
 from cute_ep.quant import (fp4_scale_bytes, fp4_scale_rows, per_segment_scales,
                            segment_offsets)
-from cute_ep.runtime import check_tensor, device_arch, runtime
+from cute_ep.runtime.launch import check_tensor, device_arch, runtime
 
 __all__ = ["fused_silu", "fused_silu_fp8", "fused_silu_nvfp4", "fused_silu_mxfp4"]
 

@@ -6,7 +6,9 @@ Each operator runs the same code as the eager function (`cute_ep.silu`, `cute_ep
 dtypes from the input shapes alone, so tracing never touches the device or the host's copy of
 the data. Dispatch and combine name their Buffer by `Buffer.op_id`; they act on the Buffer's
 peer-visible memory, so they are registered as side-effecting (never dropped or reordered by
-the compiler).
+the compiler). The dependency runs one way: `cute_ep.ep` imports this module and registers
+each Buffer in `register_buffer`'s table, where the operators find it by id; nothing here
+imports `cute_ep.ep`.
 
 The public functions (`cute_ep.fused_silu`, ..., `cute_ep.dispatch`, `cute_ep.combine`) call
 these operators; `torch.ops.cute_ep.<name>` is the raw form.
@@ -134,7 +136,7 @@ def _(x, global_scales, row_offsets, scales, scale_rows):
 
 # Dispatch and combine -------------------------------------------------------------------------
 
-_DISPATCH_FIELDS = ("tokens", "scales", "row_offsets", "expert_ids", "src_info", "counts",
+DISPATCH_FIELDS = ("tokens", "scales", "row_offsets", "expert_ids", "src_info", "counts",
                     "scales_offsets", "rows", "weights", "source_tokens", "messages")
 
 
@@ -143,7 +145,7 @@ def dispatch(op_id: int, x: torch.Tensor, topk_ids: torch.Tensor,
              topk_weights: torch.Tensor | None, skip_a2a: bool, num_input_tokens: int | None,
              global_scale: torch.Tensor | None) -> list[torch.Tensor]:
     """`Buffer.dispatch` of Buffer `op_id`: the DispatchOutput's tensors and its handle's, in
-    `_DISPATCH_FIELDS` order (an absent `scales` / `scales_offsets` is an empty tensor)."""
+    `DISPATCH_FIELDS` order (an absent `scales` / `scales_offsets` is an empty tensor)."""
     out = _buffer(op_id).dispatch(x, topk_ids, topk_weights, skip_a2a=skip_a2a,
                                   num_input_tokens=num_input_tokens, global_scale=global_scale)
     empty = x.new_empty(0, dtype=torch.int32)
@@ -178,29 +180,3 @@ def _(op_id, y, topk_ids, rows, weights, source_tokens, messages, weighted, skip
 
 for _op in (torch.ops.cute_ep.dispatch.default, torch.ops.cute_ep.combine.default):
     has_side_effect(_op)
-
-
-# What the eager API calls while torch.compile traces it ---------------------------------------
-
-
-def dispatch_via_op(buf, x, topk_ids, topk_weights, skip_a2a, num_input_tokens, global_scale):
-    """`Buffer.dispatch` as the `cute_ep::dispatch` operator, reassembled into a DispatchOutput."""
-    from cute_ep.ep import DispatchOutput
-
-    t = torch.ops.cute_ep.dispatch(buf.op_id, x, topk_ids, topk_weights, skip_a2a,
-                                   num_input_tokens, global_scale)
-    fields = dict(zip(_DISPATCH_FIELDS, t))
-    handle = buf.handle_of(topk_ids, fields["rows"], fields["weights"], fields["source_tokens"],
-                           fields["messages"], topk_weights is not None, skip_a2a)
-    fmt = buf.cfg.format
-    return DispatchOutput(fields["tokens"], fields["scales"] if fmt != "bf16" else None,
-                          fields["row_offsets"], fields["expert_ids"], fields["src_info"],
-                          fields["counts"], handle,
-                          fields["scales_offsets"] if fmt == "nvfp4" else None)
-
-
-def combine_via_op(buf, y, handle):
-    """`Buffer.combine` as the `cute_ep::combine` operator."""
-    r = handle.routing
-    return torch.ops.cute_ep.combine(buf.op_id, y, r.topk_ids, handle.rows, handle.weights,
-                                     handle.tokens, handle.messages, r.weighted, r.skip_a2a)

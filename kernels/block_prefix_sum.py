@@ -12,7 +12,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
-from cute_ep.abi import GridRule, KernelSpec, Param
+from layouts.abi import GridRule, KernelSpec, Param
 from kernels.scan import WARP, warp_inclusive_sum
 
 FAMILY = "block_prefix_sum"

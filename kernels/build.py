@@ -27,9 +27,7 @@ import cutlass.cute as cute
 from cutlass.cute.runtime import make_ptr
 from rich.markup import escape
 
-from cute_ep import __version__
-from cute_ep.abi import ARCHES, KernelSpec
-from cute_ep.library import MANIFEST, MANIFEST_FORMAT, library_dir
+from layouts.abi import ARCHES, MANIFEST, MANIFEST_FORMAT, KernelSpec, library_dir
 
 REPO_FILES = Path(__file__).resolve().parent.parent
 
@@ -79,13 +77,23 @@ def dsl_version() -> str:
     return version("nvidia-cutlass-dsl")
 
 
+def package_version() -> str:
+    """cute-ep's installed version, read from its metadata (importing the runtime would load
+    torch and every API module just to build a kernel)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("cute-ep")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def source_digest(kernel) -> str:
     """Hash of every source file a kernel's cubin depends on, beside the DSL itself."""
     source = Path(inspect.getsourcefile(type(kernel)))
     helpers = re.findall(r"^from kernels\.(\w+) import", source.read_text(), re.M)
     files = [source, Path(__file__), *(Path(__file__).with_name(f"{h}.py") for h in helpers)]
     files += sorted((REPO_FILES / "layouts").glob("*.py"))
-    files.append(REPO_FILES / "cute_ep" / "abi.py")
     h = hashlib.sha256()
     for f in files:
         h.update(f.name.encode())
@@ -256,7 +264,7 @@ def build(kernels: list, out: Path, arches=ARCHES, force: bool = False,
 
     manifest = {
         "format": MANIFEST_FORMAT,
-        "cute_ep_version": __version__,
+        "cute_ep_version": package_version(),
         "dsl_version": dsl_version(),
         "kernels": [entries[k] for k in sorted(entries)],
     }

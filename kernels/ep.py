@@ -41,7 +41,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Float8E4M3FN, Int32, Int64
 
-from cute_ep.abi import ARCHES, GridRule, KernelSpec, Param
+from layouts.abi import ARCHES, GridRule, KernelSpec, Param
 from kernels.copy import copy_rows, row_predicate, row_tiled_copy, vector_tiled_copy
 from kernels.fp8 import FP8_BLOCK, scale_fp8_block
 from kernels.nvfp4 import quantize_nvfp4_block

@@ -30,7 +30,7 @@ def full_matrix() -> list:
 
 def ci_matrix() -> list:
     """The first configuration of every family for each architecture it is built for."""
-    from cute_ep.abi import ARCHES
+    from layouts.abi import ARCHES
 
     seen, subset = set(), []
     for kernel in full_matrix():

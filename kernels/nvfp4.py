@@ -20,7 +20,7 @@ from cutlass import BFloat16, Float32, Int32, Int64, Uint8
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from cute_ep.abi import GridRule, KernelSpec, Param
+from layouts.abi import GridRule, KernelSpec, Param
 from kernels.scan import WARP, warp_exclusive_scan
 
 BLOCK = 16

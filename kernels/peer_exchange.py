@@ -19,7 +19,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 
-from cute_ep.abi import GridRule, KernelSpec, Param
+from layouts.abi import GridRule, KernelSpec, Param
 from kernels.copy import copy_rows, vector_tiled_copy
 from layouts import VECTOR_BYTES, byte_vectors
 from layouts.transport import FLAG_BYTES, Mailbox

@@ -32,7 +32,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Boolean, Float32, Float8E4M3FN, Int32, Int64, Uint8
 
-from cute_ep.abi import GridRule, KernelSpec, Param
+from layouts.abi import GridRule, KernelSpec, Param
 from kernels.fp8 import scale_fp8_block
 from kernels.nvfp4 import (bits_f32, cvt_e4m3_byte, e2m1_words, e4m3_byte_to_f32, f32_bits,
                             load_segment_blocks)

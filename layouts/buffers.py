@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from layouts.algebra import Layout, align_up
+from layouts.algebra import Layout, align_up, flatten, make_layout
 from layouts.formats import ALIGN, MessageLayout, message_layout, token_format
 from layouts.scales import scale_layout, scale_rows_capacity
 
@@ -25,6 +25,11 @@ ELEMENT_BYTES = {
 }
 FP8_ROW_ALIGN = 4  # FP8 output pads every expert segment to 4 rows
 BUFFER_GROUPS = 2
+PHASES = 2  # dispatch, combine: the order of every per-phase mode below
+# The words of the device error record, in order. bad_ids holds bits ERROR_ID_RANGE (an id
+# outside [0, E)) and ERROR_ID_TWICE (a token listing one expert at two k).
+ERROR_FIELDS = ("missing_rank", "phase", "bad_ids", "bad_counts")
+ERROR_ID_RANGE, ERROR_ID_TWICE = 1, 2
 
 
 @dataclass(frozen=True)
@@ -91,6 +96,14 @@ class Buffer:
     def nbytes(self) -> int:
         return align_up(self.layout.cosize() * ELEMENT_BYTES[self.dtype], ALIGN)
 
+    @property
+    def torch_shape(self) -> tuple[int, ...]:
+        """The shape of a contiguous torch tensor holding this buffer: the layout's modes
+        reversed (torch's last dimension is CuTe's mode 0). Only for compact layouts."""
+        if self.layout != make_layout(self.layout.shape):
+            raise ValueError(f"{self.name}: {self.layout} is not compact column-major")
+        return tuple(reversed(flatten(self.layout.shape)))
+
 
 # Peer-visible ------------------------------------------------------------------------------
 
@@ -156,10 +169,78 @@ def dispatch_send_buffer(cfg: EPConfig) -> Buffer:
                   "this rank's token messages, encoded once")
 
 
+def send_counts(cfg: EPConfig) -> Buffer:
+    """(entry, destination rank): what this rank sends each destination this round, entries as
+    in `recv_counts`; copied into the destination's `recv_counts` before its arrival flag."""
+    entries = 1 + cfg.segments
+    return Buffer("send_counts", "int32", Layout((entries, cfg.ranks), (1, entries)),
+                  "messages and rows per segment sent to each destination rank")
+
+
+def destination_slots(cfg: EPConfig) -> Buffer:
+    """(token, destination rank): the token's slot in that destination's receive buffer, or -1
+    where none of its experts lives there."""
+    t = cfg.max_tokens_per_rank
+    return Buffer("destination_slots", "int32", Layout((t, cfg.ranks), (1, t)),
+                  "each token's slot at every destination rank")
+
+
+def expert_positions(cfg: EPConfig) -> Buffer:
+    """(k, token): the token's index among this rank's tokens routed to expert topk_ids[t, k]."""
+    k = cfg.topk
+    return Buffer("expert_positions", "int32", Layout((k, cfg.max_tokens_per_rank), (1, k)),
+                  "each (token, k)'s position among the tokens of its expert")
+
+
+def completion_counters(cfg: EPConfig) -> Buffer:
+    """(destination rank or R for 'all destinations', phase): CTAs finished sending to each
+    destination, then destinations finished; the last one resets it."""
+    r1 = cfg.ranks + 1
+    return Buffer("completion_counters", "int32", Layout((r1, PHASES), (1, r1)),
+                  "finished senders per destination and phase; reset by the last")
+
+
+def round_counters(cfg: EPConfig) -> Buffer:
+    """(buffer group, phase): the epoch of the last round completed; a round's flags are raised
+    to it + 1."""
+    return Buffer("round_counters", "int64", Layout((BUFFER_GROUPS, PHASES), (1, BUFFER_GROUPS)),
+                  "epoch per buffer group and phase")
+
+
+def error_words() -> Buffer:
+    """(field): what went wrong on the device, ERROR_FIELDS in order; zero when nothing did."""
+    return Buffer("error", "int32", Layout(len(ERROR_FIELDS), 1),
+                  "missing rank + 1, its phase, bad expert id bits, inconsistent counts")
+
+
+def control_buffers(cfg: EPConfig) -> list[Buffer]:
+    """The local state the transport keeps between its kernels: plan results, counts, the
+    counters that order the rounds, and the error word."""
+    return [destination_slots(cfg), expert_positions(cfg), send_counts(cfg),
+            completion_counters(cfg), round_counters(cfg), error_words()]
+
+
 def expert_counters(cfg: EPConfig) -> Buffer:
     """(segment, source rank): rows each local segment receives from each source."""
     return Buffer("expert_counters", "int32", Layout((cfg.segments, cfg.ranks), (cfg.ranks, 1)),
                   "per (segment, source) received rows; reset by their consumer")
+
+
+# Dispatch handle: what combine needs from the dispatch ---------------------------------------
+
+
+def combine_routes(cfg: EPConfig) -> list[Buffer]:
+    """Per received message (slot j of source s): the output row and router weight of each k
+    that landed here (row -1: not here), the source token index, and each source's count."""
+    k, t, r = cfg.topk, cfg.max_tokens_per_rank, cfg.ranks
+    per_k = Layout((k, t, r), (1, k, k * t))
+    return [
+        Buffer("route_rows", "int32", per_k, "output row of (k, message, source), or -1"),
+        Buffer("route_weights", "float32", per_k, "router weight of (k, message, source)"),
+        Buffer("route_tokens", "int32", Layout((t, r), (1, t)),
+               "source token index of (message, source)"),
+        Buffer("route_messages", "int32", Layout(r, 1), "messages received from each source"),
+    ]
 
 
 # Dispatch outputs --------------------------------------------------------------------------
@@ -205,8 +286,10 @@ def output_metadata(cfg: EPConfig) -> list[Buffer]:
 
 
 def dispatch_outputs(cfg: EPConfig) -> list[Buffer]:
+    """Everything one dispatch allocates: its outputs and its handle for combine."""
     scales = output_scales(cfg)
-    return [output_tokens(cfg), *([scales] if scales else []), *output_metadata(cfg)]
+    return [output_tokens(cfg), *([scales] if scales else []), *output_metadata(cfg),
+            *combine_routes(cfg)]
 
 
 def dispatch_rows(counts: list[list[int]], row_align: int = 1) -> tuple[list[int], dict]:
@@ -231,7 +314,8 @@ def buffer_sizes(cfg: EPConfig) -> dict[str, dict[str, int]]:
     """Bytes of every buffer, by where it lives (peer-visible ones: per buffer group)."""
     return {
         "peer-visible (per group)": {b.name: b.nbytes for b in peer_buffers(cfg)},
-        "local": {b.name: b.nbytes for b in (dispatch_send_buffer(cfg), expert_counters(cfg))},
+        "local": {b.name: b.nbytes
+                  for b in (dispatch_send_buffer(cfg), expert_counters(cfg), *control_buffers(cfg))},
         "dispatch outputs": {b.name: b.nbytes for b in dispatch_outputs(cfg)},
     }
 

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from layouts.algebra import Layout, align_up
 
 ALIGN = 16
+# The per-k metadata fields of a message, in order; each is K 32-bit words.
+METADATA_FIELDS = ("expert_ids", "weights", "positions")
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,20 @@ class Segment:
     def byte_offset(self, element: int, byte: int = 0) -> int:
         return self.offset + self.layout((byte, element))
 
+    @property
+    def element_offset(self) -> int:
+        """Where the segment starts, counted in its own elements (a kernel views the message as
+        an array of this element type and indexes it from here)."""
+        if self.offset % self.element_bytes:
+            raise ValueError(f"{self.name} at byte {self.offset} is not aligned to its "
+                             f"{self.element_bytes}-byte elements")
+        return self.offset // self.element_bytes
+
+    @property
+    def element_layout(self) -> Layout:
+        """(element) -> element offset from the segment's start."""
+        return Layout(self.elements, 1)
+
 
 @dataclass(frozen=True)
 class MessageLayout:
@@ -95,6 +111,17 @@ class MessageLayout:
             if s.name == name:
                 return s
         raise KeyError(name)
+
+    @property
+    def metadata(self) -> Layout:
+        """(k, field) -> 32-bit word of the message, for the per-k fields METADATA_FIELDS (expert
+        id, router weight, position); the source token index is word `metadata_base - 1`."""
+        return Layout((self.topk, len(METADATA_FIELDS)), (1, self.topk))
+
+    @property
+    def metadata_base(self) -> int:
+        """Word of the message where `metadata`'s (0, 0) lies."""
+        return self.segment(METADATA_FIELDS[0]).element_offset
 
 
 def message_layout(fmt: TokenFormat | str, hidden: int, topk: int) -> MessageLayout:
@@ -120,7 +147,6 @@ def message_layout(fmt: TokenFormat | str, hidden: int, topk: int) -> MessageLay
         add("scales", fmt.scales_per_token(hidden), fmt.scale_bytes)
     # Metadata: one 16-byte-aligned run, the fields packed.
     add("src_token", 1, 4)
-    add("expert_ids", topk, 4, aligned=False)
-    add("weights", topk, 4, aligned=False)
-    add("positions", topk, 4, aligned=False)
+    for name in METADATA_FIELDS:
+        add(name, topk, 4, aligned=False)
     return MessageLayout(fmt, hidden, topk, tuple(segments), align_up(offset, ALIGN))

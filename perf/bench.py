@@ -4,7 +4,7 @@
                          [--iters 50] [--out perf/results]
 """
 
-from cute_ep.bench import main
+from cute_ep.tools.bench import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

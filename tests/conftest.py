@@ -3,7 +3,7 @@ import importlib.util
 import pytest
 import torch
 
-from cute_ep.runtime import ARCH_OF_CAPABILITY
+from cute_ep.runtime.launch import ARCH_OF_CAPABILITY
 
 
 def _supported_gpus() -> int:

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from cute_ep.abi import ARCHES
+from layouts.abi import ARCHES
 
 pytestmark = pytest.mark.build
 
@@ -62,7 +62,7 @@ def _broken_kernel():
     """A kernel whose compilation fails: the build must report it and carry on."""
     import cutlass.cute as cute
 
-    from cute_ep.abi import GridRule, KernelSpec, Param
+    from layouts.abi import GridRule, KernelSpec, Param
 
     class Broken:
         def spec(self):
@@ -104,7 +104,7 @@ def test_cli_writes_the_ci_subset_where_asked(tmp_path):
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "cute_ep.cli", "build", "--ci", "--no-progress",
+    done = subprocess.run([sys.executable, "-m", "cute_ep.tools.cli", "build", "--ci", "--no-progress",
                            "--out", str(tmp_path / "lib")], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
     from kernels.matrix import ci_matrix

@@ -1,6 +1,6 @@
 """The command line, in-process."""
 
-from cute_ep.cli import main
+from cute_ep.tools.cli import main
 
 
 def test_layouts_prints_the_byte_map_and_sizes(capsys):
@@ -37,7 +37,7 @@ def test_bench_refuses_too_few_iterations_and_gpus():
 
 
 def test_bench_never_overwrites_a_record(tmp_path):
-    from cute_ep.bench import record_path
+    from cute_ep.tools.bench import record_path
 
     names = []
     for _ in range(3):
@@ -60,8 +60,8 @@ def test_bench_runs_its_worker_on_every_rank_and_records_what_they_return(tmp_pa
     import pytest
     import torch
 
-    from cute_ep import bench
-    from cute_ep.spawn import RanksFailed
+    from cute_ep.tools import bench
+    from cute_ep.tools.spawn import RanksFailed
 
     committed = json.loads(Path("perf/results/bench-2026-11-21-4xH200.json").read_text())
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -95,7 +95,7 @@ def test_bench_times_each_step_between_its_own_events(monkeypatch):
     import torch
     import torch.distributed as dist
 
-    from cute_ep import bench
+    from cute_ep.tools import bench
 
     clock = [0.0]
     barriers = []

@@ -3,7 +3,7 @@ against on GPUs), against a direct per-token computation that uses no dispatch o
 
 import torch
 
-from cute_ep import demo
+from cute_ep.tools import demo
 from layouts import EPConfig
 
 SHAPE = demo.Shape(hidden=256, intermediate=128, experts=16, topk=4)
@@ -11,7 +11,7 @@ SHAPE = demo.Shape(hidden=256, intermediate=128, experts=16, topk=4)
 
 def _direct(x, ids, w, weights, token_rows=None):
     """out[t] = sum_k w[t, k] * mlp_{ids[t, k]}(x[t]), each MLP on the token's row alone."""
-    from cute_ep.reference_silu import silu_mul
+    from cute_ep.reference.silu import silu_mul
 
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32)
     rows = x if token_rows is None else token_rows
@@ -41,8 +41,8 @@ def test_the_reference_layer_equals_each_token_through_its_experts():
 def test_quantized_formats_feed_the_experts_their_dequantized_rows():
     """FP8 / NVFP4: the layer equals the direct computation on the reference-quantized tokens,
     and differs from the unquantized layer by the format's (small, nonzero) error."""
-    from cute_ep.reference import dequantize_fp8_blockwise, quantize_fp8_blockwise
-    from cute_ep.reference_fp4 import dequantize_nvfp4, quantize_nvfp4
+    from cute_ep.reference.ep import dequantize_fp8_blockwise, quantize_fp8_blockwise
+    from cute_ep.reference.fp4 import dequantize_nvfp4, quantize_nvfp4
 
     ranks, tokens = 2, 5
     weights = demo.ExpertWeights(SHAPE, "cpu", seed=4)

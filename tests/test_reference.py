@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from cute_ep import reference as ref
+from cute_ep.reference import ep as ref
 from layouts import EPConfig
 
 H = 256  # small hidden size: two FP8 blocks
@@ -250,7 +250,7 @@ def test_nvfp4_dispatch_puts_each_segment_on_fresh_scale_blocks_padding_zero():
 
 @pytest.mark.parametrize("skip_a2a", [False, True])
 def test_nvfp4_dispatch_rows_dequantize_to_their_tokens(skip_a2a):
-    from cute_ep.reference_fp4 import dequantize_nvfp4
+    from cute_ep.reference.fp4 import dequantize_nvfp4
 
     ranks, h = 4, 96
     cfg = EPConfig(h, 4, 16, ranks, 200, format="nvfp4", fused_shared_expert=True)

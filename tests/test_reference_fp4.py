@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from cute_ep import reference_fp4 as fp4
+from cute_ep.reference import fp4
 from layouts.scales import scale_layout
 
 # (input, code): ties to even, the subnormal 0.5, saturation, signed zero, NaN and infinities.

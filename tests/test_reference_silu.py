@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from cute_ep import reference_fp4 as fp4
-from cute_ep import reference_silu as ref
+from cute_ep.reference import fp4
+from cute_ep.reference import silu as ref
 
 
 def _x(m, i, seed=0):

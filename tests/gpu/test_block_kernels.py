@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import cute_ep
-from cute_ep.runtime import runtime
+from cute_ep.runtime.launch import runtime
 
 pytestmark = pytest.mark.gpu
 

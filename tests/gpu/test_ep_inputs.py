@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from cute_ep.spawn import run_ranks
+from cute_ep.tools.spawn import run_ranks
 
 pytestmark = pytest.mark.gpu
 

@@ -11,8 +11,8 @@ hypothesis = pytest.importorskip("hypothesis")
 st = pytest.importorskip("hypothesis.strategies")
 from hypothesis import given, settings  # noqa: E402
 
-from cute_ep import reference_fp4 as fp4  # noqa: E402
-from cute_ep import reference_silu as ref  # noqa: E402
+from cute_ep.reference import fp4  # noqa: E402
+from cute_ep.reference import silu as ref  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -150,7 +150,7 @@ def _buffer_properties(rank, world, examples):
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from cute_ep import reference
+    from cute_ep.reference import ep as reference
     from cute_ep.ep import Buffer
     from layouts import EPConfig
 
@@ -248,6 +248,6 @@ def _buffer_properties(rank, world, examples):
 
 
 def test_buffer_takes_any_values_any_token_count_and_forbidden_ids():
-    from cute_ep.spawn import run_ranks
+    from cute_ep.tools.spawn import run_ranks
 
     assert run_ranks(_buffer_properties, world=1, examples=40, limit_s=300) == [True]

@@ -1,9 +1,9 @@
-"""`quantize_nvfp4` on the GPU against `cute_ep.reference_fp4`, byte for byte."""
+"""`quantize_nvfp4` on the GPU against `cute_ep.reference.fp4`, byte for byte."""
 
 import pytest
 import torch
 
-from cute_ep import reference_fp4 as fp4
+from cute_ep.reference import fp4
 
 pytestmark = pytest.mark.gpu
 

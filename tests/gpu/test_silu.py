@@ -1,4 +1,4 @@
-"""The fused SwiGLU kernels on the GPU against `cute_ep.reference_silu`, bit for bit.
+"""The fused SwiGLU kernels on the GPU against `cute_ep.reference.silu`, bit for bit.
 
 The reference runs on the same GPU (its `exp` is the CUDA math library's, as the kernels'), rows
 are spread over five experts of which two are empty, and the input holds rows past
@@ -8,8 +8,8 @@ are spread over five experts of which two are empty, and the input holds rows pa
 import pytest
 import torch
 
-from cute_ep import reference_fp4 as fp4
-from cute_ep import reference_silu as ref
+from cute_ep.reference import fp4
+from cute_ep.reference import silu as ref
 
 pytestmark = pytest.mark.gpu
 

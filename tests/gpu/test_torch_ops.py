@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import cute_ep
-from cute_ep.spawn import run_ranks
+from cute_ep.tools.spawn import run_ranks
 
 pytestmark = pytest.mark.gpu
 
@@ -30,7 +30,7 @@ def _inputs():
 def _valid(outs, rows=690, i=2048):
     """What the kernels define: the rows below row_offsets[-1] and the scale bytes of the 128-row
     blocks the segments use (the rest of a scale buffer is never written)."""
-    from cute_ep.reference_fp4 import scale_block_bytes, segment_scale_blocks
+    from cute_ep.reference.fp4 import scale_block_bytes, segment_scale_blocks
 
     z, q, s, q8, s8, q4, s4, qn, sn = outs
     blocks = segment_scale_blocks([0, 100, 100, 350, 690])[-1]

@@ -78,7 +78,8 @@ def test_small_buffers_at_every_coordinate():
         list(range(cfg.message.size * 5 * 3))
     names = [b.name for b in dispatch_outputs(cfg)]
     assert names == ["tokens", "scales", "row_offsets", "expert_ids", "src_info",
-                     "recv_counts_per_expert", "scales_offsets"]
+                     "recv_counts_per_expert", "scales_offsets", "route_rows", "route_weights",
+                     "route_tokens", "route_messages"]
     src_info = dispatch_outputs(cfg)[4].layout
     assert [src_info((r, f)) for r in range(3) for f in range(2)] == list(range(6))
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from cute_ep.spawn import run_ranks
+from cute_ep.tools.spawn import run_ranks
 from tests.gpu.test_torch_ops import _layer_compiled
 
 pytestmark = pytest.mark.multigpu

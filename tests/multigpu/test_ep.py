@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cute_ep.spawn import run_ranks
+from cute_ep.tools.spawn import run_ranks
 
 pytestmark = pytest.mark.multigpu
 
@@ -62,7 +62,7 @@ def _inputs(cfg, seed, tokens, routing="uniform", same_everywhere=False):
 
 
 def _nvfp4_scales(cfg, out, rows):
-    from cute_ep.reference import nvfp4_row_scales
+    from cute_ep.reference.ep import nvfp4_row_scales
 
     return nvfp4_row_scales(out, cfg.hidden, rows)
 
@@ -72,11 +72,11 @@ def _expert_outputs(cfg, result, num_rows, global_scales=None):
     buffer's full row capacity. Applied identically to the kernel's and the reference's rows
     (NVFP4: `result` is the reference's, whose `source_rank` picks each row's global scale)."""
     if cfg.format == "fp8":
-        from cute_ep.reference import dequantize_fp8_blockwise
+        from cute_ep.reference.ep import dequantize_fp8_blockwise
 
         rows = dequantize_fp8_blockwise(result.tokens[:num_rows], result.scales)
     elif cfg.format == "nvfp4":
-        from cute_ep.reference_fp4 import dequantize_nvfp4
+        from cute_ep.reference.fp4 import dequantize_nvfp4
 
         gs = torch.tensor(global_scales, dtype=torch.float32, device=result.tokens.device)
         rows = dequantize_nvfp4(result.tokens[:num_rows], _nvfp4_scales(cfg, result, num_rows),
@@ -91,7 +91,7 @@ def _expert_outputs(cfg, result, num_rows, global_scales=None):
 
 
 def _check_dispatch(cfg, got, want, what):
-    from cute_ep.reference import dispatch_mismatch
+    from cute_ep.reference.ep import dispatch_mismatch
 
     problem = dispatch_mismatch(cfg, got, want)
     assert problem is None, f"{what}: {problem}"
@@ -104,7 +104,7 @@ def _check_combine(got, want, bound, what):
 
 
 def _one_layer(buf, cfg, rank, seed, tokens, routing="uniform", weighted=True, skip_a2a=False):
-    from cute_ep import reference
+    from cute_ep.reference import ep as reference
 
     xs, ids, ws = _inputs(cfg, seed, tokens, routing, same_everywhere=skip_a2a)
     gs = _global_scales(cfg, seed)
@@ -241,7 +241,7 @@ def test_200_back_to_back_rounds_stay_exact():
 def _graph(rank, world, fmt, replays):
     import torch.distributed as dist
 
-    from cute_ep import reference
+    from cute_ep.reference import ep as reference
     from cute_ep.ep import Buffer
     from layouts import EPConfig
 
@@ -289,7 +289,7 @@ def _graph(rank, world, fmt, replays):
 def _e2m1_pairs():
     """Byte -> its two e2m1 values (low nibble first), [256, 2] fp32 from `reference_fp4`, built
     before a graph capture: `e2m1_decode` uploads a table, which a capture does not allow."""
-    from cute_ep.reference_fp4 import e2m1_decode, unpack_nibbles
+    from cute_ep.reference.fp4 import e2m1_decode, unpack_nibbles
 
     codes = torch.arange(256, dtype=torch.uint8, device="cuda")
     return e2m1_decode(unpack_nibbles(codes)).reshape(256, 2)
@@ -299,7 +299,7 @@ def _stand_in(cfg, out, gs, decode):
     """Expert outputs that need no row count: every row (padding and beyond included), from
     the dequantized rows (NVFP4: `decode` from `_e2m1_pairs`, one global scale `gs`)."""
     if cfg.format == "fp8":
-        from cute_ep.reference import dequantize_fp8_blockwise
+        from cute_ep.reference.ep import dequantize_fp8_blockwise
 
         rows = dequantize_fp8_blockwise(out.tokens.view(torch.uint8).view(torch.float8_e4m3fn),
                                         out.scales)
@@ -321,7 +321,7 @@ def test_cuda_graph_replays_stay_exact(fmt, world):
 def _absent_rank(rank, world, phase):
     import time
 
-    from cute_ep.comm import PeerTimeout
+    from cute_ep.runtime.comm import PeerTimeout
     from cute_ep.ep import Buffer
     from layouts import EPConfig
 
@@ -358,7 +358,7 @@ def test_a_rank_that_never_arrives_raises_a_named_timeout(phase):
 
 
 def _mismatch(rank, world):
-    from cute_ep.comm import ConfigMismatch
+    from cute_ep.runtime.comm import ConfigMismatch
     from cute_ep.ep import Buffer
     from layouts import EPConfig
 

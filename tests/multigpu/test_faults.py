@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from cute_ep.spawn import init_rank, run_ranks
+from cute_ep.tools.spawn import init_rank, run_ranks
 
 pytestmark = pytest.mark.multigpu
 
@@ -31,7 +31,7 @@ def _report_and_exit(results, item):
 
 
 def _killed_layer(rank, world, store, results, timeout_s):
-    from cute_ep.comm import PeerTimeout
+    from cute_ep.runtime.comm import PeerTimeout
     from cute_ep.ep import Buffer
     from layouts import EPConfig
     from tests.multigpu.test_ep import _inputs

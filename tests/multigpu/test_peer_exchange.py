@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-from cute_ep.spawn import run_ranks
+from cute_ep.tools.spawn import run_ranks
 
 pytestmark = pytest.mark.multigpu
 
@@ -16,7 +16,7 @@ def _payload(source: int, round_: int, nbytes: int) -> torch.Tensor:
 
 
 def _rounds(rank, world, slot_bytes, rounds):
-    from cute_ep.comm import PeerExchange
+    from cute_ep.runtime.comm import PeerExchange
 
     ex = PeerExchange(slot_bytes)
     for i in range(rounds):
@@ -41,7 +41,7 @@ def test_back_to_back_rounds_are_exact(slot_bytes):
 def _graph_rounds(rank, world, replays):
     import torch.distributed as dist
 
-    from cute_ep.comm import PeerExchange
+    from cute_ep.runtime.comm import PeerExchange
 
     ex = PeerExchange(4096)
     payloads = [torch.empty(4096, dtype=torch.uint8, device="cuda") for _ in range(2)]
@@ -71,7 +71,7 @@ def test_rounds_replay_under_cuda_graph():
 
 
 def _late_rank(rank, world, timeout_s):
-    from cute_ep.comm import PeerExchange, PeerTimeout
+    from cute_ep.runtime.comm import PeerExchange, PeerTimeout
 
     ex = PeerExchange(256, timeout_s=timeout_s)
     if rank == world - 1:
@@ -98,7 +98,7 @@ def test_a_rank_that_never_arrives_times_out_and_is_named():
 
 
 def _mismatched(rank, world):
-    from cute_ep.comm import ConfigMismatch, PeerExchange
+    from cute_ep.runtime.comm import ConfigMismatch, PeerExchange
 
     try:
         PeerExchange(256 if rank else 512)

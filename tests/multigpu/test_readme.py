@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cute_ep.spawn import SAFE_ENV
+from cute_ep.tools.spawn import SAFE_ENV
 
 pytestmark = pytest.mark.multigpu
 

@@ -24,8 +24,8 @@ from collections import Counter
 import pytest
 import torch
 
-from cute_ep.reference_fp4 import scale_block_bytes
-from cute_ep.spawn import run_ranks
+from cute_ep.reference.fp4 import scale_block_bytes
+from cute_ep.tools.spawn import run_ranks
 
 pytestmark = [pytest.mark.multigpu, pytest.mark.soak]
 
@@ -88,7 +88,7 @@ def _round_checksum(cfg, out, combined) -> torch.Tensor:
 def _soak(rank, world, rounds):
     import torch.distributed as dist
 
-    from cute_ep import reference
+    from cute_ep.reference import ep as reference
     from cute_ep.ep import Buffer
     from layouts import EPConfig
     from tests.multigpu.test_ep import (_check_combine, _check_dispatch, _expert_outputs,

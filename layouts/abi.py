@@ -1,4 +1,7 @@
-"""The contract between the AOT build and the runtime, with no dependency on the DSL.
+"""The contract between the AOT build (`kernels/`) and the runtime (`cute_ep/`).
+
+It lives on the ground floor that both stand on: importing it loads only `layouts`' plain-Python
+modules (no DSL, no torch, no CUDA), so defining or building a kernel never imports the runtime.
 
 A kernel's parameters are flat: device pointers and 32/64-bit integers, nothing else. That
 keeps the ABI a list of fixed-size slots the runtime can pack without knowing how the DSL
@@ -10,7 +13,10 @@ Both sides describe a kernel with the same `KernelSpec`; the build writes it int
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field
+from importlib.util import find_spec
+from pathlib import Path
 
 from layouts.buffers import ELEMENT_BYTES
 
@@ -22,6 +28,28 @@ POINTER_SIZE = 8
 ELEMENT_SIZES = ELEMENT_BYTES
 
 ARCHES = ("sm_90a", "sm_100a")
+
+# The library folder: cubins under <arch>/ and this manifest, which the build writes and the
+# runtime reads; the format number changes whenever either side's reading of it would.
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = 1
+LIBRARY_ENV_VAR = "CUTE_EP_LIBRARY"
+
+
+def default_library_dir() -> Path:
+    """`_library` inside the installed `cute_ep` package, found without importing it."""
+    spec = find_spec("cute_ep")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError("the cute_ep package is not importable; pass the library "
+                                  f"folder explicitly or set ${LIBRARY_ENV_VAR}")
+    return Path(spec.submodule_search_locations[0]).resolve() / "_library"
+
+
+def library_dir(path: str | os.PathLike | None = None) -> Path:
+    """The library folder: an explicit path, else $CUTE_EP_LIBRARY, else the package's own."""
+    if path is not None:
+        return Path(path)
+    return Path(os.environ.get(LIBRARY_ENV_VAR) or default_library_dir())
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from cute_ep.runtime import check_tensor, runtime
+from cute_ep.runtime.launch import check_tensor, runtime
 from layouts.transport import Mailbox
 
 DEFAULT_TIMEOUT_S = 5.0

@@ -21,7 +21,7 @@ def _info(argv) -> int:
     from rich.markup import escape
     from rich.table import Table
 
-    from cute_ep.library import KernelNotBuilt, Manifest, library_dir
+    from cute_ep.runtime.library import KernelNotBuilt, Manifest, library_dir
 
     parser = argparse.ArgumentParser(prog="cute-ep info")
     parser.add_argument("--library", default=None, help="library folder")
@@ -106,7 +106,7 @@ def _layouts(argv) -> int:
 def _visible_gpus() -> list[tuple[int, str]]:
     import torch
 
-    from cute_ep.runtime import ARCH_OF_CAPABILITY
+    from cute_ep.runtime.launch import ARCH_OF_CAPABILITY
 
     if not torch.cuda.is_available():
         return []
@@ -115,13 +115,13 @@ def _visible_gpus() -> list[tuple[int, str]]:
 
 
 def _bench(argv) -> int:
-    from cute_ep.bench import main as bench_main
+    from cute_ep.tools.bench import main as bench_main
 
     return bench_main(argv)
 
 
 def _demo(argv) -> int:
-    from cute_ep.demo import main as demo_main
+    from cute_ep.tools.demo import main as demo_main
 
     return demo_main(argv)
 

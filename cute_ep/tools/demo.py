@@ -111,8 +111,8 @@ def global_scale(xs) -> float:
 def dispatched_inputs(cfg, out, gs: float | None) -> torch.Tensor:
     """The dispatched rows as bf16 [rows, H], dequantized (FP8: blockwise scales; NVFP4: the
     128x4 scales of each expert's blocks, under the global scale)."""
-    from cute_ep.reference import dequantize_fp8_blockwise, nvfp4_row_scales
-    from cute_ep.reference_fp4 import dequantize_nvfp4
+    from cute_ep.reference.ep import dequantize_fp8_blockwise, nvfp4_row_scales
+    from cute_ep.reference.fp4 import dequantize_nvfp4
 
     n = int(out.row_offsets[-1])
     if cfg.format == "bf16":
@@ -151,7 +151,7 @@ def reference_layer(shape: Shape, cfg, xs, ids, ws, weights: ExpertWeights, gs):
     """Every rank's dispatch output and combined layer output, plus the per-element bound
     2^-7 x sum_k |w_k y_k| (bf16 rounding of the partial sums and of the result), in plain
     torch."""
-    from cute_ep import reference, reference_silu
+    from cute_ep.reference import ep as reference, silu as reference_silu
 
     disp = reference.dispatch(cfg, xs, ids, global_scales=[gs] * cfg.ranks if gs else None)
     ys = []
@@ -177,7 +177,7 @@ def _reference_silu(reference_silu, h, row_offsets):
 
 
 def _on_gpus(console, world, tokens, formats, seed) -> int:
-    from cute_ep.spawn import RanksFailed, run_ranks
+    from cute_ep.tools.spawn import RanksFailed, run_ranks
 
     console.print(f"cute-ep demo: {world} GPU(s), one process each; DeepSeek-V3 MoE layer "
                   f"(H={DEEPSEEK_V3.hidden}, I={DEEPSEEK_V3.intermediate}, "
@@ -205,7 +205,7 @@ def _on_gpus(console, world, tokens, formats, seed) -> int:
 
 
 def _rank_layers(rank, world, tokens, formats, seed) -> list[dict]:
-    from cute_ep import reference
+    from cute_ep.reference import ep as reference
     from cute_ep.ep import Buffer
     from cute_ep.silu import fused_silu
     from layouts import EPConfig
@@ -322,7 +322,7 @@ def _print_table(console, rows, kernels: bool) -> None:
 
 
 def _supported_gpus() -> list[int]:
-    from cute_ep.runtime import ARCH_OF_CAPABILITY
+    from cute_ep.runtime.launch import ARCH_OF_CAPABILITY
 
     if not torch.cuda.is_available():
         return []
@@ -337,7 +337,7 @@ def _build_library(console) -> None:
     except ImportError as exc:
         console.print(f"(the CuTe DSL is not installed, so the library is not built here: {exc})")
         return
-    from cute_ep.library import library_dir
+    from cute_ep.runtime.library import library_dir
 
     out = library_dir(None)
     report = build(full_matrix(), out, progress=True)

@@ -12,7 +12,7 @@ in this order (divisions are tensor divisions, correctly rounded on every device
 `exp` is torch's: on CUDA the CUDA math library's `expf`, the routine the kernels call, so the
 GPU tests compare bit for bit; on the CPU it may differ from it in the last bit.
 Outputs: bf16 `z`; FP8 blockwise (`cute_ep.reference.quantize_fp8_blockwise`, scales transposed);
-NVFP4 with one global scale per segment and MXFP4 (`cute_ep.reference_fp4`), scales in the 128x4
+NVFP4 with one global scale per segment and MXFP4 (`cute_ep.reference.fp4`), scales in the 128x4
 layout with every segment on a fresh 128-row block.
 """
 
@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from cute_ep import reference_fp4 as fp4
-from cute_ep.reference import quantize_fp8_blockwise
+from cute_ep.reference import fp4
+from cute_ep.reference.ep import quantize_fp8_blockwise
 from layouts.swiglu import swiglu_views
 
 

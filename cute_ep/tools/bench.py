@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from cute_ep.spawn import RanksFailed, run_ranks
+from cute_ep.tools.spawn import RanksFailed, run_ranks
 
 FORMATS = ("bf16", "fp8", "nvfp4")
 WARMUP = 5

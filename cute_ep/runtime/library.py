@@ -7,24 +7,14 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from cute_ep.abi import KernelSpec
+from layouts.abi import MANIFEST, MANIFEST_FORMAT, KernelSpec, default_library_dir, library_dir
 
-ENV_VAR = "CUTE_EP_LIBRARY"
-DEFAULT_DIR = Path(__file__).resolve().parent / "_library"
-MANIFEST = "manifest.json"
-MANIFEST_FORMAT = 1
-
-
-def library_dir(path: str | os.PathLike | None = None) -> Path:
-    """The library folder: an explicit path, else $CUTE_EP_LIBRARY, else the one inside the package."""
-    if path is not None:
-        return Path(path)
-    return Path(os.environ.get(ENV_VAR) or DEFAULT_DIR)
+__all__ = ["Entry", "KernelNotBuilt", "Manifest", "build_command", "library_dir"]
 
 
 def build_command(directory: Path) -> str:
     """The command that (re)builds the library at `directory`."""
-    if directory.resolve() == DEFAULT_DIR:
+    if directory.resolve() == default_library_dir():
         return "cute-ep build"
     return f"cute-ep build --out {directory}"
 

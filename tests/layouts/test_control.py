@@ -1,0 +1,108 @@
+"""The transport's small buffers (message metadata, counts, flags, counters, the error record,
+the dispatch handle) against the byte arithmetic a kernel would otherwise write by hand.
+
+Each expected offset below is the plain formula, in bytes, that the first-generation kernels
+used (e.g. `meta + 4 + (2 * topk + k) * 4` for a position); each layout must give the same
+address at every coordinate."""
+
+import itertools
+
+import pytest
+
+from layouts.buffers import (
+    BUFFER_GROUPS, ELEMENT_BYTES, ERROR_FIELDS, PHASES, EPConfig, arrival_flags, combine_routes,
+    completion_counters, control_buffers, destination_slots, error_words, expert_positions,
+    recv_counts, round_counters, send_counts,
+)
+from layouts.formats import FORMATS, METADATA_FIELDS, message_layout
+
+from .conftest import MODELS
+
+SMALL = [EPConfig(128, k, e, r, t, fmt, shared)
+         for (k, e, r, t) in [(1, 2, 2, 3), (3, 6, 3, 5), (8, 32, 8, 7)]
+         for fmt in ("bf16", "fp8", "nvfp4") for shared in (False, True)]
+
+
+def byte_of(buffer, coord):
+    return buffer.layout(coord) * ELEMENT_BYTES[buffer.dtype]
+
+
+def coordinates(buffer):
+    return buffer.layout.coordinates()
+
+
+@pytest.mark.parametrize("fmt,hidden,topk",
+                         [(f, h, k) for f in FORMATS for (_, h, k, _) in MODELS
+                          if h % FORMATS[f].block == 0] + [("bf16", 128, 1), ("fp8", 256, 3)])
+def test_message_metadata_words(fmt, hidden, topk):
+    msg = message_layout(fmt, hidden, topk)
+    meta = msg.segment("src_token").offset
+    # The source token, then K words per field in METADATA_FIELDS order.
+    assert (msg.metadata_base - 1) * 4 == meta
+    for k, f in itertools.product(range(topk), range(len(METADATA_FIELDS))):
+        assert (msg.metadata_base + msg.metadata((k, f))) * 4 == meta + 4 + (f * topk + k) * 4
+    for f, name in enumerate(METADATA_FIELDS):
+        seg = msg.segment(name)
+        for k in range(topk):
+            assert (seg.element_offset + seg.element_layout(k)) * 4 == \
+                meta + 4 + (f * topk + k) * 4
+    for seg in msg.segments:
+        assert seg.element_offset * seg.element_bytes == seg.offset
+        assert [seg.element_layout(i) for i in range(seg.elements)] == list(range(seg.elements))
+
+
+@pytest.mark.parametrize("cfg", SMALL, ids=repr)
+def test_counts_and_flags(cfg):
+    r, entries = cfg.ranks, 1 + cfg.segments
+    for e, d in coordinates(send_counts(cfg)):
+        assert byte_of(send_counts(cfg), (e, d)) == d * entries * 4 + e * 4
+    for e, s in coordinates(recv_counts(cfg)):  # the same record, at the receiver per source
+        assert byte_of(recv_counts(cfg), (e, s)) == s * entries * 4 + e * 4
+    for phase, s in coordinates(arrival_flags(cfg)):
+        assert byte_of(arrival_flags(cfg), (phase, s)) == (phase * r + s) * 8
+    done = completion_counters(cfg)
+    for d, phase in coordinates(done):  # torch [phase, R + 1]; d = R counts destinations
+        assert byte_of(done, (d, phase)) == (phase * (r + 1) + d) * 4
+    rounds = round_counters(cfg)
+    for g, phase in coordinates(rounds):  # torch [phase, group]
+        assert byte_of(rounds, (g, phase)) == (phase * BUFFER_GROUPS + g) * 8
+    assert rounds.layout.size() == BUFFER_GROUPS * PHASES
+
+
+def test_error_record_fields():
+    err = error_words()
+    # missing rank + 1 at byte 0, its phase at 4, bad-id bits at 8, inconsistent counts at 12
+    assert ERROR_FIELDS == ("missing_rank", "phase", "bad_ids", "bad_counts")
+    assert [byte_of(err, i) for i in range(len(ERROR_FIELDS))] == [0, 4, 8, 12]
+
+
+@pytest.mark.parametrize("cfg", SMALL, ids=repr)
+def test_plan_and_handle(cfg):
+    t, r, k = cfg.max_tokens_per_rank, cfg.ranks, cfg.topk
+    slots, positions = destination_slots(cfg), expert_positions(cfg)
+    for tok, d in coordinates(slots):
+        assert slots.layout((tok, d)) == d * t + tok
+    for kk, tok in coordinates(positions):
+        assert positions.layout((kk, tok)) == tok * k + kk
+    rows, weights, tokens, messages = combine_routes(cfg)
+    for kk, j, s in coordinates(rows):
+        at = s * t + j
+        assert byte_of(rows, (kk, j, s)) == byte_of(weights, (kk, j, s)) == (at * k + kk) * 4
+        assert byte_of(tokens, (j, s)) == at * 4
+    assert [messages.layout(s) for s in range(r)] == list(range(r))
+
+
+@pytest.mark.parametrize("cfg", SMALL, ids=repr)
+def test_every_buffer_is_a_compact_torch_tensor(cfg):
+    for b in [*control_buffers(cfg), *combine_routes(cfg)]:
+        shape = b.torch_shape
+        numel = 1
+        for n in shape:
+            numel *= n
+        assert numel == b.layout.size() == b.layout.cosize(), b.name
+        # Row-major over the reversed modes: torch's index (i_n, ..., i_0) is coordinate (i_0..).
+        strides = [1]
+        for n in reversed(shape[1:]):
+            strides.insert(0, strides[0] * n)
+        for coord in itertools.islice(b.layout.coordinates(), 200):
+            assert b.layout(coord) == sum(c * st for c, st in zip(reversed(coord), strides))

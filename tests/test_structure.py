@@ -1,0 +1,117 @@
+"""The shape of the code: which package may import which, no import circles, and the README's
+map of the repository naming exactly what is there."""
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("cute_ep", "kernels", "layouts")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def project_modules() -> dict[str, Path]:
+    return {module_name(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+
+
+def imports_of(path: Path, modules: dict[str, Path]) -> set[str]:
+    """Project modules that `path` imports, at module level or inside functions."""
+    me = module_name(path)
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1]
+                                + ([base] if base else []))
+            # `from a import b` imports module a.b when there is one, else a's name b.
+            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
+                     for a in node.names]
+        else:
+            continue
+        found |= {n for n in names if n in modules and n != me}
+    return found
+
+
+GRAPH = {name: imports_of(path, project_modules()) for name, path in project_modules().items()}
+
+
+def test_the_graph_sees_the_known_edges():
+    # A broken parser would find no edges and pass every test below.
+    assert "cute_ep.runtime.launch" in GRAPH["cute_ep.silu"]
+    assert "layouts.abi" in GRAPH["kernels.silu"]
+    assert "cute_ep.torch_ops" in GRAPH["cute_ep.ep"]
+    assert "cute_ep.reference.fp4" in GRAPH["cute_ep.reference.silu"]
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    # Tarjan-free: a module is on a circle when it can reach itself.
+    def reach(start):
+        seen, todo = set(), list(GRAPH[start])
+        while todo:
+            m = todo.pop()
+            if m not in seen:
+                seen.add(m)
+                todo.extend(GRAPH[m])
+        return seen
+
+    circles = sorted(m for m in GRAPH if m in reach(m))
+    assert not circles, f"modules on an import circle: {circles}"
+
+
+@pytest.mark.parametrize("package,allowed", [
+    ("layouts", ("layouts",)),
+    ("kernels", ("kernels", "layouts")),
+    ("cute_ep", ("cute_ep", "layouts", "kernels")),
+])
+def test_floors_import_only_the_floors_below(package, allowed):
+    for name, deps in GRAPH.items():
+        if name.split(".")[0] == package:
+            bad = {d for d in deps if d.split(".")[0] not in allowed}
+            assert not bad, f"{name} imports {bad}"
+    if package == "cute_ep":  # only the build command and the demo's build step reach kernels/
+        users = {n for n, deps in GRAPH.items() if n.startswith("cute_ep")
+                 and any(d.startswith("kernels") for d in deps)}
+        assert users <= {"cute_ep.tools.cli", "cute_ep.tools.demo"}, users
+
+
+def test_the_abi_loads_nothing_but_layouts():
+    code = ("import sys, layouts.abi; print(sorted({m.split('.')[0] for m in sys.modules} & "
+            "{'torch', 'cutlass', 'cuda', 'cute_ep', 'kernels', 'numpy'}))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          check=True)
+    assert done.stdout.strip() == "[]", done.stdout
+
+
+def test_the_readme_maps_every_package_and_module():
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Layout of the repository", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    named = set()
+    for row in rows:
+        first, what = row.split("|")[1:3]
+        path = first.strip().strip("`")
+        assert (ROOT / path).exists(), f"the README's map names {path}, which is not there"
+        folder = path if path.endswith("/") else ""
+        for module in re.findall(r"`([\w/]+\.py)`", what):
+            full = module if "/" in module else folder + module
+            assert (ROOT / full).is_file(), f"the README's map names {full}, which is not there"
+            named.add(full)
+        named.add(path)
+    packages = {f"{p.parent.relative_to(ROOT)}/" for pkg in PACKAGES
+                for p in (ROOT / pkg).rglob("__init__.py")}
+    assert packages <= named, f"packages missing from the README's map: {packages - named}"
+    modules = {str(p.relative_to(ROOT)) for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")
+               if p.name != "__init__.py"}
+    assert modules <= named, f"modules missing from the README's map: {sorted(modules - named)}"
