@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from cute_ep.quant import (fp4_scale_bytes, fp4_scale_rows, per_segment_scales,
-                           segment_offsets)
+from cute_ep.quant import fp4_scale_bytes, fp4_scale_rows, per_segment_scales, segment_offsets
 from cute_ep.runtime.launch import check_tensor, device_arch, runtime
 
 __all__ = ["fused_silu", "fused_silu_fp8", "fused_silu_nvfp4", "fused_silu_mxfp4"]

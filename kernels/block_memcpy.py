@@ -9,9 +9,9 @@ store. Rows past the end are predicated off, so any multiple of 16 bytes is copi
 import cutlass.cute as cute
 from cutlass import Int32
 
-from layouts.abi import GridRule, KernelSpec, Param
 from kernels.copy import copy_rows, vector_tiled_copy
 from layouts import VECTOR_BYTES, byte_vectors
+from layouts.abi import GridRule, KernelSpec, Param
 
 FAMILY = "block_memcpy"
 

@@ -12,8 +12,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
-from layouts.abi import GridRule, KernelSpec, Param
 from kernels.scan import WARP, warp_inclusive_sum
+from layouts.abi import GridRule, KernelSpec, Param
 
 FAMILY = "block_prefix_sum"
 VALUES_PER_THREAD = 4  # 4 x int32 = one 128-bit access

@@ -39,14 +39,14 @@ and phase in `error`, treats that rank as having sent nothing, and returns.
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Float8E4M3FN, Int32, Int64
+from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64
 
-from layouts.abi import ARCHES, GridRule, KernelSpec, Param
 from kernels.copy import copy_rows, row_predicate, row_tiled_copy, vector_tiled_copy
 from kernels.fp8 import FP8_BLOCK, scale_fp8_block
 from kernels.nvfp4 import quantize_nvfp4_block
 from kernels.scan import warp_exclusive_scan
 from layouts import VECTOR_BYTES
+from layouts.abi import ARCHES, GridRule, KernelSpec, Param
 from layouts.buffers import FP8_ROW_ALIGN
 from layouts.scales import ATOM_BYTES, ATOM_ROWS
 

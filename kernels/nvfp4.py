@@ -20,8 +20,8 @@ from cutlass import BFloat16, Float32, Int32, Int64, Uint8
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from layouts.abi import GridRule, KernelSpec, Param
 from kernels.scan import WARP, warp_exclusive_scan
+from layouts.abi import GridRule, KernelSpec, Param
 
 BLOCK = 16
 ATOM_ROWS = 128

@@ -19,9 +19,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 
-from layouts.abi import GridRule, KernelSpec, Param
 from kernels.copy import copy_rows, vector_tiled_copy
 from layouts import VECTOR_BYTES, byte_vectors
+from layouts.abi import GridRule, KernelSpec, Param
 from layouts.transport import FLAG_BYTES, Mailbox
 
 FAMILY = "peer_exchange"

@@ -30,13 +30,13 @@ rows* x padded scale columns, writing zero scale bytes for padding in the same p
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Boolean, Float32, Float8E4M3FN, Int32, Int64, Uint8
+from cutlass import BFloat16, Boolean, Float8E4M3FN, Float32, Int32, Int64, Uint8
 
-from layouts.abi import GridRule, KernelSpec, Param
 from kernels.fp8 import scale_fp8_block
 from kernels.nvfp4 import (bits_f32, cvt_e4m3_byte, e2m1_words, e4m3_byte_to_f32, f32_bits,
-                            load_segment_blocks)
+                           load_segment_blocks)
 from kernels.scan import WARP
+from layouts.abi import GridRule, KernelSpec, Param
 
 FAMILIES = {"bf16": "fused_silu", "fp8": "fused_silu_fp8", "nvfp4": "fused_silu_nvfp4",
             "mxfp4": "fused_silu_mxfp4"}

@@ -25,8 +25,8 @@ from timing import median_ms
 def cases(rows: int, i: int, experts: int):
     """(name, callable, bytes moved) of every kernel at this size."""
     from cute_ep.quant import quantize_nvfp4
-    from cute_ep.silu import fused_silu, fused_silu_fp8, fused_silu_mxfp4, fused_silu_nvfp4
     from cute_ep.reference.fp4 import scale_block_bytes, segment_scale_blocks
+    from cute_ep.silu import fused_silu, fused_silu_fp8, fused_silu_mxfp4, fused_silu_nvfp4
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(rows, 2 * i, device="cuda", generator=gen).to(torch.bfloat16)

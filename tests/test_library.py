@@ -8,9 +8,9 @@ import sys
 import pytest
 import torch
 
-from layouts.abi import GridRule, KernelSpec, Param, config_key
-from cute_ep.runtime.library import KernelNotBuilt, Manifest, library_dir
 from cute_ep.runtime.launch import Kernel, check_tensor
+from cute_ep.runtime.library import KernelNotBuilt, Manifest, library_dir
+from layouts.abi import GridRule, KernelSpec, Param, config_key
 
 
 def _library_or_skip() -> Manifest:

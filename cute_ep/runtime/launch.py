@@ -12,8 +12,8 @@ import threading
 
 import torch
 
-from layouts.abi import KernelSpec
 from cute_ep.runtime.library import Entry, Manifest
+from layouts.abi import KernelSpec
 
 try:  # cuda-python >= 12.6 ships the driver bindings as cuda.bindings
     from cuda.bindings import driver

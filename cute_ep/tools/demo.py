@@ -151,7 +151,8 @@ def reference_layer(shape: Shape, cfg, xs, ids, ws, weights: ExpertWeights, gs):
     """Every rank's dispatch output and combined layer output, plus the per-element bound
     2^-7 x sum_k |w_k y_k| (bf16 rounding of the partial sums and of the result), in plain
     torch."""
-    from cute_ep.reference import ep as reference, silu as reference_silu
+    from cute_ep.reference import ep as reference
+    from cute_ep.reference import silu as reference_silu
 
     disp = reference.dispatch(cfg, xs, ids, global_scales=[gs] * cfg.ranks if gs else None)
     ys = []
@@ -205,8 +206,8 @@ def _on_gpus(console, world, tokens, formats, seed) -> int:
 
 
 def _rank_layers(rank, world, tokens, formats, seed) -> list[dict]:
-    from cute_ep.reference import ep as reference
     from cute_ep.ep import Buffer
+    from cute_ep.reference import ep as reference
     from cute_ep.silu import fused_silu
     from layouts import EPConfig
 

@@ -88,9 +88,9 @@ def test_bad_input_is_refused_with_a_message_that_says_what_was_expected():
 
 
 def _one_rank(rank, world, fmt):
-    from tests.multigpu.test_ep import _one_layer
     from cute_ep.ep import Buffer
     from layouts import EPConfig
+    from tests.multigpu.test_ep import _one_layer
 
     cfg = EPConfig(2048, 4, 16, 1, 256, fmt, fused_shared_expert=True)
     buf = Buffer(cfg)

@@ -150,8 +150,8 @@ def _buffer_properties(rank, world, examples):
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from cute_ep.reference import ep as reference
     from cute_ep.ep import Buffer
+    from cute_ep.reference import ep as reference
     from layouts import EPConfig
 
     bufs = {fmt: Buffer(EPConfig(HIDDEN, TOPK, EXPERTS, 1, MAX_T, fmt))

@@ -2,11 +2,10 @@
 
 import pytest
 
-from layouts.buffers import (
-    EPConfig, arrival_flags, buffer_groups, buffer_sizes, combine_recv_buffer, dispatch_outputs,
-    dispatch_recv_buffer, dispatch_rows, dispatch_send_buffer, expert_counters, group_offsets,
-    output_scales, output_tokens, peer_buffers, total_bytes,
-)
+from layouts.buffers import (EPConfig, arrival_flags, buffer_groups, buffer_sizes,
+                             combine_recv_buffer, dispatch_outputs, dispatch_recv_buffer,
+                             dispatch_rows, dispatch_send_buffer, expert_counters, group_offsets,
+                             output_scales, output_tokens, peer_buffers, total_bytes)
 
 from .conftest import MODELS, RANKS
 

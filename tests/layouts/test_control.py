@@ -9,11 +9,10 @@ import itertools
 
 import pytest
 
-from layouts.buffers import (
-    BUFFER_GROUPS, ELEMENT_BYTES, ERROR_FIELDS, PHASES, EPConfig, arrival_flags, combine_routes,
-    completion_counters, control_buffers, destination_slots, error_words, expert_positions,
-    recv_counts, round_counters, send_counts,
-)
+from layouts.buffers import (BUFFER_GROUPS, ELEMENT_BYTES, ERROR_FIELDS, PHASES, EPConfig,
+                             arrival_flags, combine_routes, completion_counters, control_buffers,
+                             destination_slots, error_words, expert_positions, recv_counts,
+                             round_counters, send_counts)
 from layouts.formats import FORMATS, METADATA_FIELDS, message_layout
 
 from .conftest import MODELS

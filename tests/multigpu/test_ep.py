@@ -241,8 +241,8 @@ def test_200_back_to_back_rounds_stay_exact():
 def _graph(rank, world, fmt, replays):
     import torch.distributed as dist
 
-    from cute_ep.reference import ep as reference
     from cute_ep.ep import Buffer
+    from cute_ep.reference import ep as reference
     from layouts import EPConfig
 
     cfg = EPConfig(4096, 8, 128, world, 256, fmt)
@@ -321,8 +321,8 @@ def test_cuda_graph_replays_stay_exact(fmt, world):
 def _absent_rank(rank, world, phase):
     import time
 
-    from cute_ep.runtime.comm import PeerTimeout
     from cute_ep.ep import Buffer
+    from cute_ep.runtime.comm import PeerTimeout
     from layouts import EPConfig
 
     cfg = EPConfig(1024, 2, 4 * world, world, 64)
@@ -358,8 +358,8 @@ def test_a_rank_that_never_arrives_raises_a_named_timeout(phase):
 
 
 def _mismatch(rank, world):
-    from cute_ep.runtime.comm import ConfigMismatch
     from cute_ep.ep import Buffer
+    from cute_ep.runtime.comm import ConfigMismatch
     from layouts import EPConfig
 
     try:

@@ -31,8 +31,8 @@ def _report_and_exit(results, item):
 
 
 def _killed_layer(rank, world, store, results, timeout_s):
-    from cute_ep.runtime.comm import PeerTimeout
     from cute_ep.ep import Buffer
+    from cute_ep.runtime.comm import PeerTimeout
     from layouts import EPConfig
     from tests.multigpu.test_ep import _inputs
 

@@ -88,8 +88,8 @@ def _round_checksum(cfg, out, combined) -> torch.Tensor:
 def _soak(rank, world, rounds):
     import torch.distributed as dist
 
-    from cute_ep.reference import ep as reference
     from cute_ep.ep import Buffer
+    from cute_ep.reference import ep as reference
     from layouts import EPConfig
     from tests.multigpu.test_ep import (_check_combine, _check_dispatch, _expert_outputs,
                                         _global_scales, _inputs)
