@@ -7,6 +7,7 @@ for a CPU-only CI run.
 
 from kernels.block_memcpy import BlockMemcpy
 from kernels.block_prefix_sum import BlockPrefixSum
+from kernels.bulk_copy import BulkSend
 from kernels.ep import ep_kernels
 from kernels.nvfp4 import QuantizeNvfp4
 from kernels.peer_exchange import PeerExchange
@@ -20,6 +21,7 @@ def full_matrix() -> list:
         BlockMemcpy(),
         BlockPrefixSum(exclusive=False),
         BlockPrefixSum(exclusive=True),
+        *(BulkSend(chunk, stages) for chunk, stages in ((16384, 8), (8192, 12), (32768, 6))),
         *(PeerExchange(ranks) for ranks in RANK_COUNTS),
         *ep_kernels(),
         *(QuantizeNvfp4(scales, e2m1) for scales in ("linear", "128x4")

@@ -42,3 +42,12 @@ class Mailbox:
     @property
     def nbytes(self) -> int:
         return self.slots_offset + self.slots.size()
+
+
+def bulk_chunks(chunk_bytes: int, chunks, ranks) -> Layout:
+    """(byte, chunk, rank) -> byte offset of a buffer cut into `chunks` chunks per rank, each rank's
+    chunks contiguous: the sender's source (rank = destination) and the receiver's slots
+    (rank = source) of a chunked all-to-all. `chunks` and `ranks` may be DSL integers."""
+    if chunk_bytes <= 0 or chunk_bytes % 16:
+        raise ValueError(f"chunk bytes must be a positive multiple of 16, got {chunk_bytes}")
+    return Layout((chunk_bytes, chunks, ranks), (1, chunk_bytes, chunk_bytes * chunks))

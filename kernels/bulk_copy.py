@@ -1,0 +1,110 @@
+"""`bulk_send`: a chunked all-to-all through shared memory with `cp.async.bulk` (Hopper's bulk
+copy engine, no tensor map), the transport's building block for many bytes in flight per SM.
+
+Each CTA owns the chunks `cta, cta + ctas, ...` of the (chunk, destination) list, destinations
+rotated by this rank so that ranks start on different peers. One thread drives a ring of
+`stages` shared-memory buffers: a bulk load (global -> shared, completion on the stage's
+mbarrier) runs `stages - 1` chunks ahead of the bulk store (shared -> the destination's global
+memory, which may be a peer GPU's NVLink-mapped buffer). A stage is reloaded once the store that
+read it has finished *reading* shared memory, so the stores in flight over NVLink are not
+bounded by shared memory. The CTA waits for all its stores to complete before it exits.
+
+Source: `layouts.transport.bulk_chunks(chunk, chunks, R)` with rank = destination; each
+destination d receives the same layout with rank = source at `peer_bases[d]`.
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Int64, Uint8
+from cutlass.cute.nvgpu import cpasync
+
+from layouts.abi import GridRule, KernelSpec, Param
+from layouts.transport import bulk_chunks
+
+FAMILY = "bulk_send"
+
+
+def _gmem(addr, nbytes):
+    ptr = cute.make_ptr(Uint8, addr, cute.AddressSpace.gmem, assumed_align=16)
+    return cute.make_tensor(ptr, cute.make_layout(nbytes))
+
+
+class BulkSend:
+    def __init__(self, chunk_bytes: int = 16384, stages: int = 8):
+        if stages < 2:
+            raise ValueError("bulk_send needs at least 2 stages")
+        self.chunk_bytes = chunk_bytes
+        self.stages = stages
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.chunk_bytes * self.stages + 8 * self.stages + 256
+
+    def spec(self) -> KernelSpec:
+        return KernelSpec(
+            family=FAMILY,
+            config={"chunk_bytes": self.chunk_bytes, "stages": self.stages},
+            params=(
+                Param("peer_bases", "ptr", "int64", align=8, min_elements=("ranks", 1)),
+                Param("src", "ptr", "uint8", align=16),
+                Param("chunks", "i32"),
+                Param("ranks", "i32"),
+                Param("my_rank", "i32"),
+                Param("ctas", "i32"),
+            ),
+            block=(32, 1, 1),
+            grid=(GridRule(ceil_div=("ctas", 1)), GridRule(constant=1), GridRule(constant=1)),
+            smem_bytes=self.smem_bytes,
+            sizes={"chunk_bytes": self.chunk_bytes},
+        )
+
+    @cute.jit
+    def __call__(self, peer_bases: cute.Pointer, src: cute.Pointer, chunks: Int32, ranks: Int32,
+                 my_rank: Int32, ctas: Int32, stream):
+        self.kernel(peer_bases, src, chunks, ranks, my_rank, ctas).launch(
+            grid=(ctas, 1, 1), block=(32, 1, 1), smem=self.smem_bytes, stream=stream)
+
+    @cute.kernel
+    def kernel(self, peer_bases: cute.Pointer, src: cute.Pointer, chunks: Int32, ranks: Int32,
+               my_rank: Int32, ctas: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        stages, chunk = self.stages, self.chunk_bytes
+        smem = cutlass.memory.SmemAllocator()
+        ring = smem.allocate_tensor(Uint8, cute.make_layout((chunk, stages)), byte_alignment=128)
+        full = smem.allocate_array(Int64, stages)
+        load = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), Uint8)
+        store = cute.make_copy_atom(cpasync.CopyBulkS2GOp(), Uint8)
+        if tidx == 0:
+            for s in cutlass.range_constexpr(stages):
+                cute.arch.mbarrier_init(full + s, 1)
+            cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+        peers = cute.make_tensor(peer_bases, cute.make_layout(ranks))
+        layout = bulk_chunks(chunk, chunks, ranks).to_cute()
+        n = (ranks * chunks - cta + ctas - 1) // ctas
+        if tidx == 0:
+            for i in cutlass.range(n + stages - 1):
+                if i < n:
+                    item = cta + i * ctas
+                    dest = (item + my_rank) % ranks
+                    s = i % stages
+                    g, r = cpasync.group_bulk_copy_modes(
+                        _gmem(src.toint() + Int64(layout((0, item // ranks, dest))), chunk),
+                        ring[None, s])
+                    cute.arch.mbarrier_arrive_and_expect_tx(full + s, chunk)
+                    cute.copy(load, g, r, mbar_ptr=full + s)
+                j = i - (stages - 1)
+                if j >= 0:
+                    item = cta + j * ctas
+                    dest = (item + my_rank) % ranks
+                    s = j % stages
+                    cute.arch.mbarrier_wait(full + s, (j // stages) % 2)
+                    r, g = cpasync.group_bulk_copy_modes(
+                        ring[None, s],
+                        _gmem(peers[dest] + Int64(layout((0, item // ranks, my_rank))), chunk))
+                    cute.copy(store, r, g)
+                    cute.arch.cp_async_bulk_commit_group()
+                    # Load j + stages reuses stage s next iteration: store j must have read it.
+                    cute.arch.cp_async_bulk_wait_group(stages - 2, read=True)
+            cute.arch.cp_async_bulk_wait_group(0)
