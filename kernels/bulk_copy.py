@@ -29,6 +29,11 @@ def _gmem(addr, nbytes):
     return cute.make_tensor(ptr, cute.make_layout(nbytes))
 
 
+def _whole(tensor):
+    """One mode holding the whole tensor: a bulk copy moves it as a single operation."""
+    return cute.group_modes(tensor, 0, cute.rank(tensor))
+
+
 class BulkSend:
     def __init__(self, chunk_bytes: int = 16384, stages: int = 8):
         if stages < 2:
@@ -89,21 +94,17 @@ class BulkSend:
                     item = cta + i * ctas
                     dest = (item + my_rank) % ranks
                     s = i % stages
-                    g, r = cpasync.group_bulk_copy_modes(
-                        _gmem(src.toint() + Int64(layout((0, item // ranks, dest))), chunk),
-                        ring[None, s])
+                    g = _gmem(src.toint() + Int64(layout((0, item // ranks, dest))), chunk)
                     cute.arch.mbarrier_arrive_and_expect_tx(full + s, chunk)
-                    cute.copy(load, g, r, mbar_ptr=full + s)
+                    cute.copy(load, _whole(g), _whole(ring[None, s]), mbar_ptr=full + s)
                 j = i - (stages - 1)
                 if j >= 0:
                     item = cta + j * ctas
                     dest = (item + my_rank) % ranks
                     s = j % stages
                     cute.arch.mbarrier_wait(full + s, (j // stages) % 2)
-                    r, g = cpasync.group_bulk_copy_modes(
-                        ring[None, s],
-                        _gmem(peers[dest] + Int64(layout((0, item // ranks, my_rank))), chunk))
-                    cute.copy(store, r, g)
+                    g = _gmem(peers[dest] + Int64(layout((0, item // ranks, my_rank))), chunk)
+                    cute.copy(store, _whole(ring[None, s]), _whole(g))
                     cute.arch.cp_async_bulk_commit_group()
                     # Load j + stages reuses stage s next iteration: store j must have read it.
                     cute.arch.cp_async_bulk_wait_group(stages - 2, read=True)
