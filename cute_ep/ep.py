@@ -37,14 +37,14 @@ per-row alphas. Expert outputs come back to combine in bf16 as for the other for
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from cute_ep.runtime.comm import ConfigMismatch, PeerTimeout, agree_on_config
+from cute_ep.runtime.comm import (DEFAULT_TIMEOUT_S, ConfigMismatch, PeerTimeout,
+                                  agree_on_config)
 from cute_ep.runtime.launch import check_tensor, device_arch, runtime
 from cute_ep.torch_ops import DISPATCH_FIELDS, register_buffer
 from layouts import EPConfig
@@ -52,9 +52,6 @@ from layouts.buffers import (BUFFER_GROUPS, ERROR_ID_RANGE, ERROR_ID_TWICE, buff
                              combine_routes, control_buffers, group_offsets, output_scales,
                              total_bytes)
 
-# How long a kernel waits for a peer before recording a timeout; CUTE_EP_TIMEOUT_S overrides
-# the default (e.g. under compute-sanitizer, which slows every rank down).
-DEFAULT_TIMEOUT_S = float(os.environ.get("CUTE_EP_TIMEOUT_S", "5"))
 CTAS_PER_SM = 8
 # Limits of the compiled kernels (kernels/ep.py: shared-memory tables and per-k scratch).
 MAX_RANKS = 8

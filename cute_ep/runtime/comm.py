@@ -8,13 +8,19 @@ every rank's mailbox and waits, bounded in time, for every rank's payload to arr
 
 from __future__ import annotations
 
+import os
 import torch
 import torch.distributed as dist
 
 from cute_ep.runtime.launch import check_tensor, runtime
 from layouts.transport import Mailbox
 
-DEFAULT_TIMEOUT_S = 5.0
+# How long a kernel waits for a peer before it records a timeout. A live rank may be slow for
+# seconds between dispatch and combine (host work, a recompilation, a long GEMM), so the default
+# must outlast any such pause and fire only for a rank that is gone: 300 s, beyond DeepEP's ~100 s
+# trap and inside NCCL's 10-minute watchdog, so the error naming the missing rank and phase comes
+# first. Tests that want a fast failure pass their own timeout_s; CUTE_EP_TIMEOUT_S overrides it.
+DEFAULT_TIMEOUT_S = float(os.environ.get("CUTE_EP_TIMEOUT_S", "300"))
 
 
 class ConfigMismatch(RuntimeError):

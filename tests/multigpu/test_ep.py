@@ -357,6 +357,36 @@ def test_a_rank_that_never_arrives_raises_a_named_timeout(phase):
     assert results[-1] == "absent"
 
 
+def _slow_rank(rank, world, pause_s):
+    """The last rank spends `pause_s` on the host between dispatch and combine (as a hot rank
+    checking its rows did); the others go straight on and wait for it in combine."""
+    import time
+
+    from cute_ep.ep import Buffer
+    from layouts import EPConfig
+
+    cfg = EPConfig(1024, 2, 4 * world, world, 256)
+    buf = Buffer(cfg)  # the production default timeout
+    real_combine = buf.combine
+
+    def combine_after_a_pause(y, handle):
+        if rank == world - 1:
+            torch.cuda.synchronize()
+            time.sleep(pause_s)
+        return real_combine(y, handle)
+
+    buf.combine = combine_after_a_pause
+    start = time.monotonic()
+    _one_layer(buf, cfg, rank, 5, [256, 1, 77, 256][:world] + [256] * (world - 4))
+    return time.monotonic() - start
+
+
+def test_a_rank_slow_between_dispatch_and_combine_is_waited_for():
+    pause_s = 10.0
+    seconds = run_ranks(_slow_rank, pause_s=pause_s, limit_s=180)
+    assert all(s >= pause_s for s in seconds), seconds  # everyone really waited, exactly
+
+
 def _mismatch(rank, world):
     from cute_ep.ep import Buffer
     from cute_ep.runtime.comm import ConfigMismatch
