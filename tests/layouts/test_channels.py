@@ -1,0 +1,53 @@
+"""Transport v2's ring geometry against plain formulas, and its memory bound."""
+
+import pytest
+
+from layouts.buffers import EPConfig
+from layouts.channels import COUNTER_BYTES, ChannelGeometry
+
+from .conftest import MODELS
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
+@pytest.mark.parametrize("ranks", [2, 4, 8])
+def test_rings_against_the_formula(fmt, ranks, rng):
+    cfg = EPConfig(7168, 8, 256, ranks, 4096, fmt)
+    geo = ChannelGeometry(cfg, channels=24)
+    msg, slots, row = cfg.message.size, geo.ring_slots, 2 * cfg.hidden
+    ring, back, counters = geo.dispatch_ring(), geo.combine_ring(), geo.counters()
+    for _ in range(500):
+        s, c, src = rng.randrange(slots), rng.randrange(24), rng.randrange(ranks)
+        b = rng.randrange(msg)
+        assert ring((b, s, c, src)) == ((src * 24 + c) * slots + s) * msg + b
+        b = rng.randrange(row)
+        assert back((b, s, c, src)) == ((src * 24 + c) * slots + s) * row + b
+        kind, phase = rng.randrange(2), rng.randrange(2)
+        assert counters((c, src, kind, phase)) == ((phase * 2 + kind) * ranks + src) * 24 + c
+    assert sorted(counters.offsets()) == list(range(24 * ranks * 4))
+    assert geo.peer_bytes()["counters"] == 24 * ranks * 4 * COUNTER_BYTES
+
+
+@pytest.mark.parametrize("name,hidden,topk,experts", MODELS)
+def test_peer_memory_is_bounded_by_the_geometry_not_the_tokens(name, hidden, topk, experts):
+    for tokens in (128, 4096, 65536):
+        cfg = EPConfig(hidden, topk, experts, 8, tokens)
+        total = sum(ChannelGeometry(cfg, channels=24).peer_bytes().values())
+        assert total <= 256 << 20, f"{name}: {total / 2**20:.0f} MiB at 8 ranks"
+    small = sum(ChannelGeometry(EPConfig(hidden, topk, experts, 8, 128), 24).peer_bytes().values())
+    assert small == total  # the same at every token count
+
+
+@pytest.mark.parametrize("tokens", [0, 1, 23, 24, 25, 4096])
+@pytest.mark.parametrize("channels", [1, 7, 24])
+def test_channels_split_the_tokens_into_contiguous_runs(tokens, channels):
+    geo = ChannelGeometry(EPConfig(128, 2, 8, 2, 4096), channels)
+    runs = [geo.token_range(c, tokens) for c in range(channels)]
+    assert runs[0][0] == 0 and runs[-1][1] == tokens
+    assert all(a[1] == b[0] for a, b in zip(runs, runs[1:]))
+    sizes = [e - b for b, e in runs]
+    assert max(sizes) - min(sizes) <= 1
+
+
+def test_bad_geometry_names_the_parameter():
+    with pytest.raises(ValueError, match="ring_chunks"):
+        ChannelGeometry(EPConfig(128, 2, 8, 2, 64), 4, ring_chunks=0)
