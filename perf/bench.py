@@ -1,4 +1,4 @@
-"""The performance harness, also `cute-ep bench`: see `cute_ep/bench.py` for what it measures.
+"""The performance harness, also `cute-ep bench`: see `cute_ep/tools/bench.py` for what it measures.
 
     python perf/bench.py [--tokens 4096] [--formats bf16,fp8,nvfp4] [--sms all,24,48,96]
                          [--iters 50] [--out perf/results]

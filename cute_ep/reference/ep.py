@@ -14,7 +14,7 @@ Dispatch output on each rank (SPEC section 3):
 - FP8 blockwise: per token and 128-element block, `s = max(amax, 1e-4) / 448` and
   `q = e4m3(clamp(x / s, -448, 448))` in fp32 (a true division, so kernels can match bit for bit),
   scales transposed to `[H / 128, rows]`. Padding rows are zero in tokens and scales.
-- NVFP4: each source rank's tokens quantized by `reference_fp4.quantize_nvfp4` under that rank's
+- NVFP4: each source rank's tokens quantized by `reference.fp4.quantize_nvfp4` under that rank's
   global scale; rows as for bf16 (no padding), codes `[rows, H / 2]`; each row's H / 16 scale
   bytes in the 128x4 layout (`layouts.scales`) where segment g starts on a fresh 128-row block,
   `first_block[g]`, and `scales_offsets[g] = first_block[g] - row_offsets[g] // 128`; every other

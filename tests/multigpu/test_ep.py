@@ -287,7 +287,7 @@ def _graph(rank, world, fmt, replays):
 
 
 def _e2m1_pairs():
-    """Byte -> its two e2m1 values (low nibble first), [256, 2] fp32 from `reference_fp4`, built
+    """Byte -> its two e2m1 values (low nibble first), [256, 2] fp32 from `cute_ep.reference.fp4`, built
     before a graph capture: `e2m1_decode` uploads a table, which a capture does not allow."""
     from cute_ep.reference.fp4 import e2m1_decode, unpack_nibbles
 
