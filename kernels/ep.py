@@ -47,7 +47,7 @@ from kernels.nvfp4 import quantize_nvfp4_block
 from kernels.scan import warp_exclusive_scan
 from layouts import VECTOR_BYTES
 from layouts.abi import ARCHES, GridRule, KernelSpec, Param
-from layouts.buffers import FP8_ROW_ALIGN
+from layouts.buffers import ERROR_ID_RANGE, ERROR_ID_TWICE, FP8_ROW_ALIGN
 from layouts.scales import ATOM_BYTES, ATOM_ROWS
 
 WARP = 32
@@ -59,10 +59,8 @@ BF16_PER_VECTOR = 8  # bf16 elements in one 128-bit access
 NVFP4_BLOCK = 16  # elements per e4m3 scale
 NVFP4_ROW_VECTOR = 8  # an NVFP4 row (H / 2 bytes) is a multiple of 8 bytes, not always of 16
 
-# error[0] = missing rank + 1, error[1] = phase, error[2] = bad expert ids seen (bits
-# ERROR_ID_RANGE, ERROR_ID_TWICE), error[3] = inconsistent counts received.
-ERROR_ID_RANGE = 1  # an expert id outside [0, E)
-ERROR_ID_TWICE = 2  # a token listing the same expert at two k
+# The error record's words are layouts.buffers.ERROR_FIELDS: missing rank + 1, phase, bad expert
+# id bits (ERROR_ID_RANGE, ERROR_ID_TWICE), inconsistent counts received.
 PHASE_DISPATCH = 1
 PHASE_COMBINE = 2
 FORMATS = ("bf16", "fp8", "nvfp4")
