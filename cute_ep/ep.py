@@ -17,7 +17,7 @@ are latched in a device flag and raised by `check()`; the outputs of such a call
 partial, never out of bounds. A Buffer that timed out must be recreated.
 
 What crosses NVLink per token: one message per destination rank that hosts at least one of its
-experts (payload + 16-byte-aligned metadata: source index, K ids, K weights, K positions), not
+experts (payload + 16-byte-aligned metadata: source index, K ids, K weights), not
 one per expert; the receiver expands it into expert rows. Combine returns one bf16 row per
 (token, destination rank): the rank's weighted partial sum over its local experts.
 
@@ -50,9 +50,13 @@ from cute_ep.torch_ops import DISPATCH_FIELDS, register_buffer
 from layouts import EPConfig
 from layouts.buffers import (BUFFER_GROUPS, ERROR_ID_RANGE, ERROR_ID_TWICE, buffer_sizes,
                              combine_routes, control_buffers, group_offsets, output_scales,
-                             total_bytes)
+                             peer_visible_bytes, total_bytes)
+from layouts.channels import DEFAULT_CHANNELS, ChannelGeometry
 
 CTAS_PER_SM = 8
+# The SM budget engines give communication (DeepEP's tuned default is 20-24): the rest of the GPU
+# stays free for the other micro-batch's GEMMs. Dispatch runs one persistent CTA per SM of it.
+DEFAULT_SMS = DEFAULT_CHANNELS
 # Limits of the compiled kernels (kernels/ep.py: shared-memory tables and per-k scratch).
 MAX_RANKS = 8
 MAX_TOPK = 16
@@ -120,8 +124,7 @@ class DispatchOutput:
 
 @dataclass
 class _PendingDispatch:
-    routing: Routing
-    ctas_per_source: int
+    output: DispatchOutput
 
 
 @dataclass
@@ -135,105 +138,150 @@ class Buffer:
     """Peer-mapped buffers and kernels for one EP group (every rank of `group`)."""
 
     def __init__(self, cfg: EPConfig, group=None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 sms: int | None = None):
+                 sms: int | None = DEFAULT_SMS):
+        """`sms`: the SMs the layer's communication occupies (dispatch runs one persistent CTA,
+        a channel, on each; combine launches at most that many CTAs); None: every SM of the
+        GPU. The same on every rank, fixed for the Buffer's life (it shapes the rings)."""
         import torch.distributed._symmetric_memory as symm_mem
 
         self.group = group or dist.group.WORLD
-        self.rank = dist.get_rank(self.group)
-        world = dist.get_world_size(self.group)
+        rank = dist.get_rank(self.group)
+        _check_config(cfg, dist.get_world_size(self.group))
+        self._setup(cfg, rank, torch.device("cuda", torch.cuda.current_device()), timeout_s,
+                    sms)
+        agree_on_config({"kind": "ep", "config": repr(cfg), "timeout_s": self.timeout_s,
+                         "sms": self._sms}, self.group)
+        sym = symm_mem.empty(self.peer_visible_bytes, dtype=torch.uint8, device=self.device)
+        sym.zero_()
+        torch.cuda.synchronize(self.device)
+        dist.barrier(self.group)
+        handle = symm_mem.rendezvous(sym, self.group.group_name)
+        self._attach(sym, handle.buffer_ptrs)
+        self.op_id = register_buffer(self)  # how torch.ops.cute_ep.dispatch / combine name it
+        dist.barrier(self.group)
+
+    @classmethod
+    def emulated(cls, cfg: EPConfig, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 sms: int | None = DEFAULT_SMS) -> list["Buffer"]:
+        """All `cfg.ranks` ranks of a layer in this process on the current GPU, each with its
+        own buffers, peer-mapped to each other by plain device addresses: the transport with
+        every link local (no NVLink), for single-GPU tests and profiling. Rank r's calls must
+        run concurrently with the others' (a stream per rank) and the GPU must hold every
+        rank's CTAs at once (ranks x sms <= its SMs)."""
+        _check_config(cfg, cfg.ranks)
+        dev = torch.device("cuda", torch.cuda.current_device())
+        ranks = [cls.__new__(cls) for _ in range(cfg.ranks)]
+        for r, buf in enumerate(ranks):
+            buf.group = None
+            buf._setup(cfg, r, dev, timeout_s, sms)
+        syms = [torch.zeros(buf.peer_visible_bytes, dtype=torch.uint8, device=dev)
+                for buf in ranks]
+        for buf, sym in zip(ranks, syms):
+            buf._attach(sym, [t.data_ptr() for t in syms])
+        return ranks
+
+    def _setup(self, cfg: EPConfig, rank: int, dev: torch.device, timeout_s: float,
+               sms: int | None) -> None:
+        """Everything of this rank's side that needs no peer: kernels, sizes, local state."""
+        self.rank = rank
         self.cfg = cfg
+        self.device = dev
         self.timeout_s = float(timeout_s)
-        _check_config(cfg, world)
-        agree_on_config({"kind": "ep", "config": repr(cfg), "timeout_s": self.timeout_s},
-                        self.group)
-        self.device = torch.device("cuda", torch.cuda.current_device())
-        dev = self.device
+        device_sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        if sms is not None and (isinstance(sms, bool) or not isinstance(sms, int) or sms < 1):
+            raise ValueError(f"sms must be None or a positive int, got {sms!r}")
+        self._sms = device_sms if sms is None else min(sms, device_sms)
         t = cfg.max_tokens_per_rank
         self.msg = cfg.message
         self.entries = 1 + cfg.segments
         # Byte offsets inside one token message (layouts.formats).
         self.scales_at = self.msg.segment("scales").offset if cfg.format != "bf16" else 0
         self.meta_at = self.msg.segment("src_token").offset
+        self.geo = ChannelGeometry(cfg, channels=self._sms)
+        self.channel_offsets = self.geo.peer_offsets()
         self.offsets = group_offsets(cfg)
         self.group_bytes = self.offsets["group_bytes"]
+        self.peer_visible_bytes = peer_visible_bytes(cfg, self._sms)
         # Bytes of the NVFP4 128x4 scale output, from its layout once (not on every dispatch).
         self.nvfp4_scale_bytes = output_scales(cfg).layout.cosize() \
             if cfg.format == "nvfp4" else 0
 
         rt = runtime()
-        self.k_plan = rt.select("ep_plan", dev)
         encode = {"e2m1": E2M1_OF_ARCH[device_arch(dev)]} if cfg.format == "nvfp4" else {}
-        self.k_encode = rt.select("ep_encode", dev, format=cfg.format, **encode)
-        self.k_send = rt.select("ep_send", dev)
-        self.k_recv = rt.select("ep_recv", dev, format=cfg.format)
+        self.k_encode = rt.select("ep_encode", dev, format=cfg.format, **encode) \
+            if cfg.format != "bf16" else None
+        self.k_dispatch = rt.select("ep_dispatch", dev, format=cfg.format)
         self.k_combine_send = rt.select("ep_combine_send", dev)
         self.k_combine_recv = rt.select("ep_combine_recv", dev)
-        self.send_tokens_per_cta = self.k_send.spec.sizes["tokens_per_cta"]
         self.combine_tokens_per_cta = self.k_combine_recv.spec.sizes["tokens_per_cta"]
-        # Receive and combine-send CTAs are latency-bound (a message at a time): up to 8 per SM
-        # keep enough bytes in flight (Nsight Compute: 2 per SM left the receive at 0.25 waves).
-        self.max_ctas = CTAS_PER_SM * torch.cuda.get_device_properties(dev).multi_processor_count
-        self.sms = sms
+        sizes = self.k_dispatch.spec.sizes
+        self.stages = min(sizes["max_stages"], sizes["stage_bytes"] // self.msg.size)
+        if self.stages < sizes["min_stages"]:
+            raise ValueError(f"hidden={cfg.hidden}: a {self.msg.size}-byte message leaves fewer "
+                             f"than {sizes['min_stages']} send stages in "
+                             f"{sizes['stage_bytes']} bytes of shared memory")
+        self.payload_vectors = self.msg.segment("payload").nbytes // sizes["vector_bytes"]
+        # Combine CTAs are latency-bound (a message at a time): up to 8 per SM of the budget.
+        self.max_ctas = CTAS_PER_SM * device_sms
 
-        self.sym = symm_mem.empty(BUFFER_GROUPS * self.group_bytes, dtype=torch.uint8, device=dev)
-        self.sym.zero_()
-        torch.cuda.synchronize(dev)
-        dist.barrier(self.group)
-        handle = symm_mem.rendezvous(self.sym, self.group.group_name)
-        bases = torch.tensor(handle.buffer_ptrs, dtype=torch.int64)
-        self.peer_bases = torch.stack([bases + g * self.group_bytes
-                                       for g in range(BUFFER_GROUPS)]).to(dev)
-
-        self.send_buf = torch.empty(t * self.msg.size, dtype=torch.uint8, device=dev)
+        self.send_buf = torch.empty(t * self.msg.size, dtype=torch.uint8, device=dev) \
+            if cfg.format != "bf16" else None
         control = {b.name: _zeros(b, dev) for b in control_buffers(cfg)}
-        self.dest_slot = control["destination_slots"]
-        self.positions = control["expert_positions"]
-        self.send_counts = control["send_counts"]
         self.rounds = control["round_counters"]  # [phase, group]
         self.done = control["completion_counters"]  # [phase, destination or all]
         self.error = control["error"]  # ERROR_FIELDS
+        # Transport v2's own state: stream positions per (channel, rank, kind, phase), and the
+        # dispatch round with its finished-CTA count.
+        self.streams = torch.zeros(self.geo.counters().cosize(), dtype=torch.int64, device=dev)
+        self.dispatch_epoch = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.dispatch_done = torch.zeros(1, dtype=torch.int32, device=dev)
         self._routes = combine_routes(cfg)  # a dispatch's handle, allocated per dispatch
         self._no_f32 = torch.zeros(4, dtype=torch.float32, device=dev)
         self._no_i32 = torch.zeros(4, dtype=torch.int32, device=dev)
         self.dispatch_round = 0
         self.combine_round = 0
+
+    def _attach(self, sym: torch.Tensor, peer_addresses: list[int]) -> None:
+        """Take `sym` (this rank's peer-visible bytes) and every rank's address of its own."""
+        self.sym = sym
+        bases = torch.tensor(peer_addresses, dtype=torch.int64)
+        chan = self.channel_offsets["total"]
+        self.channel_bases = bases.to(self.device)
+        self.peer_bases = torch.stack([bases + chan + g * self.group_bytes
+                                       for g in range(BUFFER_GROUPS)]).to(self.device)
         self._prepare_views()
-        self.op_id = register_buffer(self)  # how torch.ops.cute_ep.dispatch / combine name it
-        dist.barrier(self.group)
 
     # Sizes -------------------------------------------------------------------------------
 
     def buffer_bytes(self) -> dict[str, dict[str, int]]:
         """Bytes of every buffer of this config (peer-visible ones per buffer group)."""
-        return buffer_sizes(self.cfg)
+        return buffer_sizes(self.cfg, self.sms)
 
     @property
     def nbytes(self) -> int:
         """GPU memory this rank needs for the layer, outputs of one dispatch included."""
-        return total_bytes(self.cfg)
+        return total_bytes(self.cfg, self.sms)
 
     # Views of the symmetric allocation ----------------------------------------------------
 
     def _view(self, group: int, name: str, dtype: torch.dtype, count: int,
               skip: int = 0) -> torch.Tensor:
         size = torch.tensor([], dtype=dtype).element_size()
-        start = group * self.group_bytes + self.offsets[name] + skip * size
+        start = (self.channel_offsets["total"] + group * self.group_bytes + self.offsets[name]
+                 + skip * size)
         return self.sym[start:start + count * size].view(dtype)
 
     def _prepare_views(self) -> None:
-        """The per-buffer-group views every launch passes, made once here rather than on every
-        call (each costs microseconds of host time, and a decode layer's kernels take tens)."""
+        """The per-buffer-group views every combine launch passes, made once here rather than
+        on every call (each costs microseconds of host time, and a decode layer's kernels take
+        tens)."""
         cfg = self.cfg
         r, t = cfg.ranks, cfg.max_tokens_per_rank
         self._groups = [{
             "peer_bases": self.peer_bases[g],
-            "dispatch_recv": self._view(g, "dispatch_recv", torch.uint8, r * t * self.msg.size),
-            "recv_counts": self._view(g, "recv_counts", torch.int32, r * self.entries),
-            "dispatch_flags": self._view(g, "arrival_flags", torch.int64, r),
             "combine_recv": self._view(g, "combine_recv", torch.bfloat16,
                                        t * cfg.topk * cfg.hidden),
-            "combine_flags": self._view(g, "arrival_flags", torch.int64, r, skip=r),
-            "dispatch_round": self.rounds[DISPATCH, g:g + 1],
+            "combine_flags": self._view(g, "arrival_flags", torch.int64, r),
             "combine_round": self.rounds[COMBINE, g:g + 1],
         } for g in range(BUFFER_GROUPS)]
         self._done = (self.done[DISPATCH], self.done[COMBINE])
@@ -244,56 +292,69 @@ class Buffer:
                        topk_weights: torch.Tensor | None = None, *, skip_a2a: bool = False,
                        num_input_tokens: int | None = None,
                        global_scale: torch.Tensor | None = None) -> _PendingDispatch:
-        """Plan, encode and send this rank's tokens; returns what `dispatch_wait` needs.
+        """Launch the whole dispatch (one kernel; fp8 and nvfp4 quantize first in a second);
+        returns what `dispatch_wait` hands back. Work queued on the stream between the two runs
+        after the dispatch.
 
         x: bf16 [T, H], T <= max_tokens_per_rank; topk_ids: int32/int64 [T, K];
         topk_weights: float32 [T, K] or None (combine then returns the unreduced [T, K, H]).
         skip_a2a: every rank holds all tokens and keeps only its own experts (allreduce mode).
-        num_input_tokens: an upper bound on T over all ranks, sizing the receive grid (decode).
+        num_input_tokens: an upper bound on T over all ranks (decode); must be >= T.
         global_scale: nvfp4 only (and required there): fp32 CUDA tensor of one element, the
         `gs` of `sf = e4m3(gs * amax / 6)`, `q = e2m1(x * gs / sf)`; the same on every rank.
         """
         cfg = self.cfg
         num_tokens = self._check_dispatch_inputs(x, topk_ids, topk_weights)
         self._check_global_scale(global_scale)
-        hint = cfg.max_tokens_per_rank if num_input_tokens is None else int(num_input_tokens)
-        if not 0 <= hint:
-            raise ValueError(f"num_input_tokens must be non-negative, got {num_input_tokens}")
-        ids = topk_ids.to(torch.int32).contiguous()
+        if num_input_tokens is not None and not num_tokens <= int(num_input_tokens):
+            raise ValueError(f"num_input_tokens={num_input_tokens} is below this rank's "
+                             f"{num_tokens} tokens")
+        ids = topk_ids if topk_ids.dtype == torch.int32 and topk_ids.is_contiguous() \
+            else topk_ids.to(torch.int32).contiguous()
         weighted = topk_weights is not None
         if cfg.fused_shared_expert and not weighted:
             raise ValueError("fused_shared_expert needs topk_weights: the unreduced [T, K, H] "
                              "combine output has no slot for the shared expert")
         shared_begin, shared_end = self._shared_tokens(num_tokens, skip_a2a)
-        group = self.dispatch_round % BUFFER_GROUPS
         self.dispatch_round += 1
+        weights = topk_weights if weighted else self._no_f32
 
-        self.k_plan.launch_unchecked(ids, self.dest_slot, self.positions, self.send_counts, self.error,
-                           num_tokens, cfg.max_tokens_per_rank, cfg.topk, cfg.local_experts,
-                           cfg.ranks, self.rank, int(cfg.fused_shared_expert), int(skip_a2a),
-                           shared_begin, shared_end, cfg.ranks + cfg.experts)
-        self.k_encode.launch_unchecked(self.send_buf, x, ids, topk_weights if weighted else self._no_f32,
-                             self.positions,
-                             global_scale if global_scale is not None else self._no_f32,
-                             num_tokens, cfg.hidden, cfg.topk, self.msg.size, self.scales_at,
-                             self.meta_at, int(weighted))
-        chunks = self._cap(max(1, -(-num_tokens // self.send_tokens_per_cta)), cfg.ranks)
-        views = self._groups[group]
-        self.k_send.launch_unchecked(views["peer_bases"], self.send_buf, self.dest_slot,
-                           self.send_counts, self._done[DISPATCH], views["dispatch_round"],
-                           num_tokens, cfg.max_tokens_per_rank, cfg.ranks, self.rank,
-                           self.msg.size // 16, self.entries, self.offsets["dispatch_recv"],
-                           self.offsets["recv_counts"], self.offsets["arrival_flags"], chunks)
-        ctas = self._ctas_per_rank(hint)
-        return _PendingDispatch(Routing(group, num_tokens, weighted, skip_a2a, shared_begin,
-                                        shared_end, ids), ctas)
+        if cfg.format == "bf16":
+            source, stride = x, 2 * cfg.hidden
+        else:
+            self.k_encode.launch_unchecked(
+                self.send_buf, x, global_scale if global_scale is not None else self._no_f32,
+                num_tokens, cfg.hidden, self.msg.size, self.scales_at)
+            source, stride = self.send_buf, self.msg.size
+
+        out = self._dispatch_outputs(Routing(0, num_tokens, weighted, skip_a2a, shared_begin,
+                                             shared_end, ids))
+        h = out.handle
+        geo, off = self.geo, self.channel_offsets
+        meta_word = self.msg.metadata_base
+        self.k_dispatch.launch_unchecked(
+            self.channel_bases, source, ids, weights, self.streams, self.dispatch_epoch,
+            self.dispatch_done, self.error, out.tokens.view(torch.uint8),
+            out.scales if out.scales is not None else self._no_f32,
+            out.scales_offsets if out.scales_offsets is not None else self._no_i32,
+            out.row_offsets, out.expert_ids, out.counts, out.src_info, h.rows, h.weights,
+            h.tokens, h.messages, num_tokens, cfg.max_tokens_per_rank, cfg.topk,
+            cfg.local_experts, cfg.ranks, self.rank, int(cfg.fused_shared_expert),
+            int(skip_a2a), shared_begin, shared_end, int(weighted), self.msg.size, stride,
+            (meta_word - 1) * 4, meta_word, self.payload_vectors, self.scales_at,
+            cfg.row_capacity, geo.channels, geo.ring_slots, geo.chunk_tokens, self.stages,
+            off["dispatch_rings"], off["counts"], off["count_flags"], off["counters"],
+            int(self.timeout_s * 1e9))
+        return _PendingDispatch(out)
 
     def dispatch_wait(self, pending: _PendingDispatch) -> DispatchOutput:
-        """Wait for every rank's tokens (bounded) and expand them into expert-grouped rows."""
-        cfg, dev, route = self.cfg, self.device, pending.routing
-        g = route.group
-        r, t, k, cap, h = cfg.ranks, cfg.max_tokens_per_rank, cfg.topk, cfg.row_capacity, cfg.hidden
-        segs = cfg.segments
+        """The expert-grouped rows of the dispatch `pending` came from (stream-ordered: kernels
+        queued after this see them)."""
+        return pending.output
+
+    def _dispatch_outputs(self, route: Routing) -> DispatchOutput:
+        cfg, dev = self.cfg, self.device
+        cap, h, segs = cfg.row_capacity, cfg.hidden, cfg.segments
         scales_offsets = None
         if cfg.format == "fp8":
             tokens = torch.empty(cap, h, dtype=torch.float8_e4m3fn, device=dev)
@@ -312,18 +373,6 @@ class Buffer:
         rows, weights, sources, messages = (_empty(b, dev) for b in self._routes)
         handle = DispatchHandle(routing=route, rows=rows, weights=weights, tokens=sources,
                                 messages=messages)
-        payload = self.msg.segment("payload").nbytes
-        views = self._groups[g]
-        self.k_recv.launch_unchecked(
-            views["dispatch_recv"], views["recv_counts"], views["dispatch_flags"],
-            views["dispatch_round"], self.error, tokens.view(torch.uint8),
-            scales if scales is not None else self._no_f32,
-            scales_offsets if scales_offsets is not None else self._no_i32, row_offsets,
-            expert_ids, counts, src_info, handle.rows, handle.weights, handle.tokens,
-            handle.messages, r, self.rank, t, k, cfg.local_experts, int(cfg.fused_shared_expert),
-            route.shared_begin, route.shared_end, self.msg.size,
-            payload // self.k_recv.spec.sizes["vector_bytes"], self.scales_at, self.meta_at, cap,
-            int(self.timeout_s * 1e9), pending.ctas_per_source)
         return DispatchOutput(tokens, scales, row_offsets, expert_ids, src_info, counts, handle,
                               scales_offsets)
 
@@ -359,7 +408,7 @@ class Buffer:
             handle.messages, self._done[COMBINE], views["combine_round"],
             cfg.max_tokens_per_rank, cfg.ranks, self.rank, cfg.topk, cfg.hidden,
             int(handle.routing.weighted), self.offsets["combine_recv"],
-            self.offsets["arrival_flags"] + 8 * cfg.ranks, ctas)
+            self.offsets["arrival_flags"], ctas)
         return _PendingCombine(group, handle, y)
 
     def combine_wait(self, pending: _PendingCombine) -> torch.Tensor:
@@ -469,23 +518,13 @@ class Buffer:
         return begin, min(num_tokens, begin + chunk)
 
     @property
-    def sms(self) -> int | None:
-        """The most CTAs each communicating kernel (send, receive, combine send and receive)
-        launches, so at most that many SMs are busy moving data; None: as many as the work
-        fills (the default, fastest when nothing else runs). Settable between calls."""
+    def sms(self) -> int:
+        """The SMs this layer's communication occupies (fixed at construction)."""
         return self._sms
 
-    @sms.setter
-    def sms(self, value: int | None) -> None:
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                  or value < self.cfg.ranks):
-            raise ValueError(f"sms must be None or an int >= ranks ({self.cfg.ranks}), got "
-                             f"{value!r}")
-        self._sms = value
-
     def _cap(self, ctas: int, per: int) -> int:
-        """`ctas` CTAs for each of `per` grid rows, within the `sms` budget."""
-        return ctas if self._sms is None else max(1, min(ctas, self._sms // per))
+        """`ctas` CTAs for each of `per` grid rows, within the `sms` budget (combine)."""
+        return max(1, min(ctas, self._sms // per))
 
     def _ctas_per_rank(self, tokens: int) -> int:
         """CTAs per peer rank for a kernel that walks up to `tokens` messages from each rank."""

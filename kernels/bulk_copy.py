@@ -4,7 +4,7 @@ copy engine, no tensor map), the transport's building block for many bytes in fl
 Each CTA owns the chunks `cta, cta + ctas, ...` of the (chunk, destination) list, destinations
 rotated by this rank so that ranks start on different peers. One thread drives a ring of
 `stages` shared-memory buffers: a bulk load (global -> shared, completion on the stage's
-mbarrier) runs `stages - 1` chunks ahead of the bulk store (shared -> the destination's global
+mbarrier) runs `stages - 2` chunks ahead of the bulk store (shared -> the destination's global
 memory, which may be a peer GPU's NVLink-mapped buffer). A stage is reloaded once the store that
 read it has finished *reading* shared memory, so the stores in flight over NVLink are not
 bounded by shared memory. The CTA waits for all its stores to complete before it exits.
@@ -16,12 +16,45 @@ destination d receives the same layout with rank = source at `peer_bases[d]`.
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint8
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 from layouts.abi import GridRule, KernelSpec, Param
 from layouts.transport import bulk_chunks
 
 FAMILY = "bulk_send"
+
+
+def _shared_address(ptr: cute.Pointer, loc, ip):
+    """The 32-bit shared-window address of a shared-memory pointer."""
+    return llvm.ptrtoint(T.i32(), ptr.to_llvm_ptr(loc=loc, ip=ip), loc=loc, ip=ip)
+
+
+@dsl_user_op
+def bulk_load(dst: cute.Pointer, src_addr: Int64, nbytes: Int32, mbar: cute.Pointer, *,
+              loc=None, ip=None) -> None:
+    """`cp.async.bulk` of `nbytes` (a multiple of 16, any runtime value) from global address
+    `src_addr` into shared memory at `dst`, completing as transaction bytes on `mbar`. Both
+    addresses 16-byte aligned."""
+    llvm.inline_asm(None, [_shared_address(dst, loc, ip), Int64(src_addr).ir_value(loc=loc, ip=ip),
+                           Int32(nbytes).ir_value(loc=loc, ip=ip), _shared_address(mbar, loc, ip)],
+                    "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
+                    "[$0], [$1], $2, [$3];",
+                    "r,l,r,r", has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def bulk_store(dst_addr: Int64, src: cute.Pointer, nbytes: Int32, *, loc=None, ip=None) -> None:
+    """`cp.async.bulk` of `nbytes` (a multiple of 16, any runtime value) from shared memory at
+    `src` to global address `dst_addr` (a peer GPU's NVLink-mapped memory too), in the current
+    bulk async-group. Both addresses 16-byte aligned."""
+    llvm.inline_asm(None, [Int64(dst_addr).ir_value(loc=loc, ip=ip), _shared_address(src, loc, ip),
+                           Int32(nbytes).ir_value(loc=loc, ip=ip)],
+                    "cp.async.bulk.global.shared::cta.bulk_group [$0], [$1], $2;",
+                    "l,r,r", has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
 
 def _gmem(addr, nbytes):
@@ -89,15 +122,19 @@ class BulkSend:
         layout = bulk_chunks(chunk, chunks, ranks).to_cute()
         n = (ranks * chunks - cta + ctas - 1) // ctas
         if tidx == 0:
-            for i in cutlass.range(n + stages - 1):
+            lag = stages - 2  # stores run this many chunks behind loads
+            for i in cutlass.range(n + lag):
                 if i < n:
+                    # Stage i % stages last held chunk i - stages; stores were issued up to
+                    # i - 1 - lag = i + 1 - stages, so all but the newest have read shared memory.
+                    cute.arch.cp_async_bulk_wait_group(1, read=True)
                     item = cta + i * ctas
                     dest = (item + my_rank) % ranks
                     s = i % stages
                     g = _gmem(src.toint() + Int64(layout((0, item // ranks, dest))), chunk)
                     cute.arch.mbarrier_arrive_and_expect_tx(full + s, chunk)
                     cute.copy(load, _whole(g), _whole(ring[None, s]), mbar_ptr=full + s)
-                j = i - (stages - 1)
+                j = i - lag
                 if j >= 0:
                     item = cta + j * ctas
                     dest = (item + my_rank) % ranks
@@ -106,6 +143,4 @@ class BulkSend:
                     g = _gmem(peers[dest] + Int64(layout((0, item // ranks, my_rank))), chunk)
                     cute.copy(store, _whole(ring[None, s]), _whole(g))
                     cute.arch.cp_async_bulk_commit_group()
-                    # Load j + stages reuses stage s next iteration: store j must have read it.
-                    cute.arch.cp_async_bulk_wait_group(stages - 2, read=True)
             cute.arch.cp_async_bulk_wait_group(0)

@@ -8,6 +8,7 @@ for a CPU-only CI run.
 from kernels.block_memcpy import BlockMemcpy
 from kernels.block_prefix_sum import BlockPrefixSum
 from kernels.bulk_copy import BulkSend
+from kernels.dispatch import dispatch_kernels
 from kernels.ep import ep_kernels
 from kernels.nvfp4 import QuantizeNvfp4
 from kernels.peer_exchange import PeerExchange
@@ -23,6 +24,7 @@ def full_matrix() -> list:
         BlockPrefixSum(exclusive=True),
         *(BulkSend(chunk, stages) for chunk, stages in ((16384, 8), (8192, 12), (32768, 6))),
         *(PeerExchange(ranks) for ranks in RANK_COUNTS),
+        *dispatch_kernels(),
         *ep_kernels(),
         *(QuantizeNvfp4(scales, e2m1) for scales in ("linear", "128x4")
           for e2m1 in ("software", "hardware")),

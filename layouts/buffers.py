@@ -3,10 +3,11 @@
 `EPConfig` holds the parameters (H, K, E, R, max_tokens_per_rank, format, fused shared expert)
 and checks them; the functions below derive each buffer from it:
 
-- peer-visible (written by other ranks over NVLink), one copy per buffer group, two groups so a
-  fast rank's next layer never overwrites data still being read:
-  dispatch receive buffer, receive counts, combine receive buffer, arrival flags;
-- local: the dispatch send buffer (each token's message, quantized once), per-expert counters;
+- peer-visible (written by other ranks over NVLink): dispatch's rings, counts and counters
+  (`layouts.channels`, sized by the channels, not the tokens), and combine's receive buffer and
+  arrival flags, one copy per buffer group, two groups so a fast rank's next layer never
+  overwrites data still being read;
+- local: the dispatch send buffer (fp8 / nvfp4 messages, quantized once), round counters;
 - dispatch outputs: expert-grouped rows, scales, row_offsets, expert_ids, src_info, counts.
 """
 
@@ -15,7 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from layouts.algebra import Layout, align_up, flatten, make_layout
-from layouts.formats import ALIGN, MessageLayout, message_layout, token_format
+from layouts.channels import DEFAULT_CHANNELS, ChannelGeometry
+from layouts.config import EPConfig
+from layouts.formats import ALIGN, token_format
 from layouts.scales import scale_layout, scale_rows_capacity
 
 # Byte size of each element type, by torch's name.
@@ -23,66 +26,12 @@ ELEMENT_BYTES = {
     "uint8": 1, "int8": 1, "float8_e4m3fn": 1, "bfloat16": 2, "float16": 2, "int32": 4,
     "uint32": 4, "float32": 4, "int64": 8, "uint64": 8,
 }
-FP8_ROW_ALIGN = 4  # FP8 output pads every expert segment to 4 rows
 BUFFER_GROUPS = 2
 PHASES = 2  # dispatch, combine: the order of every per-phase mode below
 # The words of the device error record, in order. bad_ids holds bits ERROR_ID_RANGE (an id
 # outside [0, E)) and ERROR_ID_TWICE (a token listing one expert at two k).
 ERROR_FIELDS = ("missing_rank", "phase", "bad_ids", "bad_counts")
 ERROR_ID_RANGE, ERROR_ID_TWICE = 1, 2
-
-
-@dataclass(frozen=True)
-class EPConfig:
-    hidden: int
-    topk: int
-    experts: int
-    ranks: int
-    max_tokens_per_rank: int
-    format: str = "bf16"
-    fused_shared_expert: bool = False
-
-    def __post_init__(self):
-        fmt = token_format(self.format)
-        if self.ranks < 1:
-            raise ValueError(f"ranks must be at least 1, got {self.ranks}")
-        if self.experts < 1 or self.experts % self.ranks:
-            raise ValueError(f"experts ({self.experts}) must be a positive multiple of ranks "
-                             f"({self.ranks}): E must be divisible by R")
-        if not 1 <= self.topk <= self.experts:
-            raise ValueError(f"top-k ({self.topk}) must be between 1 and the number of experts "
-                             f"({self.experts}): K <= E")
-        if self.max_tokens_per_rank < 1:
-            raise ValueError(f"max_tokens_per_rank must be positive, got {self.max_tokens_per_rank}")
-        fmt.validate_hidden(self.hidden)
-
-    @property
-    def local_experts(self) -> int:
-        return self.experts // self.ranks
-
-    @property
-    def segments(self) -> int:
-        """Grouped-GEMM segments on a rank: the local experts, plus the shared expert if fused."""
-        return self.local_experts + int(self.fused_shared_expert)
-
-    @property
-    def message(self) -> MessageLayout:
-        return message_layout(self.format, self.hidden, self.topk)
-
-    @property
-    def max_recv(self) -> int:
-        """Rows a rank can receive: every token of every rank, once per expert it routes here."""
-        rows = self.max_tokens_per_rank * min(self.experts, self.ranks * self.topk)
-        return rows + self.max_tokens_per_rank * int(self.fused_shared_expert)
-
-    @property
-    def row_align(self) -> int:
-        return FP8_ROW_ALIGN if self.format == "fp8" else 1
-
-    @property
-    def row_capacity(self) -> int:
-        """Output rows including each segment's alignment padding."""
-        return self.max_recv + (self.row_align - 1) * self.segments
 
 
 @dataclass(frozen=True)
@@ -108,21 +57,6 @@ class Buffer:
 # Peer-visible ------------------------------------------------------------------------------
 
 
-def dispatch_recv_buffer(cfg: EPConfig) -> Buffer:
-    """(message byte, token slot, source rank): a slot per token of every source rank."""
-    msg, t = cfg.message.size, cfg.max_tokens_per_rank
-    return Buffer("dispatch_recv", "uint8", Layout((msg, t, cfg.ranks), (1, msg, msg * t)),
-                  "each source rank's token messages, written by that rank")
-
-
-def recv_counts(cfg: EPConfig) -> Buffer:
-    """(entry, source rank): what each source sent here this round, written before its arrival
-    signal. Entry 0 is the number of token messages, entry 1 + g the rows for segment g."""
-    entries = 1 + cfg.segments
-    return Buffer("recv_counts", "int32", Layout((entries, cfg.ranks), (1, entries)),
-                  "messages and rows per segment received from each source rank")
-
-
 def combine_recv_buffer(cfg: EPConfig) -> Buffer:
     """(hidden, k slot, token): a row per (token, k), so unreduced [T, K, H] output fits too;
     with weights, a rank's pre-reduced partial sum goes to the slot of its first expert."""
@@ -133,14 +67,15 @@ def combine_recv_buffer(cfg: EPConfig) -> Buffer:
 
 
 def arrival_flags(cfg: EPConfig) -> Buffer:
-    """(phase, source rank): dispatch (0) and combine (1) arrival flags, one per pair."""
-    return Buffer("arrival_flags", "uint64", Layout((2, cfg.ranks), (cfg.ranks, 1)),
-                  "per-source arrival flags of the dispatch and combine phases")
+    """(source rank): combine's arrival flags, one per source."""
+    return Buffer("arrival_flags", "uint64", Layout(cfg.ranks, 1),
+                  "per-source arrival flags of combine")
 
 
 def peer_buffers(cfg: EPConfig) -> list[Buffer]:
-    return [dispatch_recv_buffer(cfg), recv_counts(cfg), combine_recv_buffer(cfg),
-            arrival_flags(cfg)]
+    """Combine's peer-visible buffers (one copy per buffer group); dispatch's rings and counts
+    are `layouts.channels`."""
+    return [combine_recv_buffer(cfg), arrival_flags(cfg)]
 
 
 def group_offsets(cfg: EPConfig) -> dict[str, int]:
@@ -163,33 +98,11 @@ def buffer_groups(cfg: EPConfig) -> Layout:
 
 
 def dispatch_send_buffer(cfg: EPConfig) -> Buffer:
-    """(message byte, token): each local token's message, encoded once for every destination."""
+    """(message byte, token): each local token's message, quantized once for every destination
+    (fp8 and nvfp4; bf16 messages are built from `x` directly)."""
     msg = cfg.message.size
     return Buffer("dispatch_send", "uint8", Layout((msg, cfg.max_tokens_per_rank), (1, msg)),
                   "this rank's token messages, encoded once")
-
-
-def send_counts(cfg: EPConfig) -> Buffer:
-    """(entry, destination rank): what this rank sends each destination this round, entries as
-    in `recv_counts`; copied into the destination's `recv_counts` before its arrival flag."""
-    entries = 1 + cfg.segments
-    return Buffer("send_counts", "int32", Layout((entries, cfg.ranks), (1, entries)),
-                  "messages and rows per segment sent to each destination rank")
-
-
-def destination_slots(cfg: EPConfig) -> Buffer:
-    """(token, destination rank): the token's slot in that destination's receive buffer, or -1
-    where none of its experts lives there."""
-    t = cfg.max_tokens_per_rank
-    return Buffer("destination_slots", "int32", Layout((t, cfg.ranks), (1, t)),
-                  "each token's slot at every destination rank")
-
-
-def expert_positions(cfg: EPConfig) -> Buffer:
-    """(k, token): the token's index among this rank's tokens routed to expert topk_ids[t, k]."""
-    k = cfg.topk
-    return Buffer("expert_positions", "int32", Layout((k, cfg.max_tokens_per_rank), (1, k)),
-                  "each (token, k)'s position among the tokens of its expert")
 
 
 def completion_counters(cfg: EPConfig) -> Buffer:
@@ -214,16 +127,9 @@ def error_words() -> Buffer:
 
 
 def control_buffers(cfg: EPConfig) -> list[Buffer]:
-    """The local state the transport keeps between its kernels: plan results, counts, the
-    counters that order the rounds, and the error word."""
-    return [destination_slots(cfg), expert_positions(cfg), send_counts(cfg),
-            completion_counters(cfg), round_counters(cfg), error_words()]
-
-
-def expert_counters(cfg: EPConfig) -> Buffer:
-    """(segment, source rank): rows each local segment receives from each source."""
-    return Buffer("expert_counters", "int32", Layout((cfg.segments, cfg.ranks), (cfg.ranks, 1)),
-                  "per (segment, source) received rows; reset by their consumer")
+    """The local state combine keeps between its kernels (the counters that order its rounds)
+    and the device error record."""
+    return [completion_counters(cfg), round_counters(cfg), error_words()]
 
 
 # Dispatch handle: what combine needs from the dispatch ---------------------------------------
@@ -310,18 +216,28 @@ def dispatch_rows(counts: list[list[int]], row_align: int = 1) -> tuple[list[int
     return offsets, rows
 
 
-def buffer_sizes(cfg: EPConfig) -> dict[str, dict[str, int]]:
-    """Bytes of every buffer, by where it lives (peer-visible ones: per buffer group)."""
+def buffer_sizes(cfg: EPConfig, channels: int = DEFAULT_CHANNELS) -> dict[str, dict[str, int]]:
+    """Bytes of every buffer, by where it lives, for a layer on `channels` SMs."""
+    geo = ChannelGeometry(cfg, channels)
+    local = [*control_buffers(cfg)]
+    if cfg.format != "bf16":
+        local.insert(0, dispatch_send_buffer(cfg))
     return {
-        "peer-visible (per group)": {b.name: b.nbytes for b in peer_buffers(cfg)},
-        "local": {b.name: b.nbytes
-                  for b in (dispatch_send_buffer(cfg), expert_counters(cfg), *control_buffers(cfg))},
+        "peer-visible (dispatch)": geo.peer_bytes(),
+        "peer-visible (combine, per group)": {b.name: b.nbytes for b in peer_buffers(cfg)},
+        "local": {**{b.name: b.nbytes for b in local},
+                  "stream_positions": geo.peer_bytes()["counters"]},
         "dispatch outputs": {b.name: b.nbytes for b in dispatch_outputs(cfg)},
     }
 
 
-def total_bytes(cfg: EPConfig) -> int:
-    """GPU memory one rank needs for a layer: both buffer groups, local buffers, outputs."""
-    sizes = buffer_sizes(cfg)
-    return (buffer_groups(cfg).cosize() + sum(sizes["local"].values())
+def peer_visible_bytes(cfg: EPConfig, channels: int = DEFAULT_CHANNELS) -> int:
+    """Peer-visible bytes one rank maps: dispatch's channels and both combine groups."""
+    return ChannelGeometry(cfg, channels).peer_offsets()["total"] + buffer_groups(cfg).cosize()
+
+
+def total_bytes(cfg: EPConfig, channels: int = DEFAULT_CHANNELS) -> int:
+    """GPU memory one rank needs for a layer: peer-visible, local buffers, outputs."""
+    sizes = buffer_sizes(cfg, channels)
+    return (peer_visible_bytes(cfg, channels) + sum(sizes["local"].values())
             + sum(sizes["dispatch outputs"].values()))

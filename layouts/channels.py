@@ -10,8 +10,16 @@ the source's `heads[c, destination]` (messages consumed). A sender may write mes
 channel only when m - head < ring slots, so the ring is reused as many times as the round needs.
 Combine sends expert outputs back through rings of bf16 rows of the same shape.
 
-Peer-visible bytes per rank = channels x ranks x ring slots x (message + combine row) + counters,
-independent of how many tokens a rank holds.
+Before any message, each channel tells every destination what it will send this round: the
+`counts` entries (entry 0 the messages, entry 1 + g the rows for segment g) of
+(channel, source) under the round's parity, raised by `count_flags` to the round's epoch. A
+destination places rows only once it holds every (channel, source)'s counts, so its expert-grouped
+row order is fixed before the data arrives and each message lands in its rows as it comes.
+
+Every function of a layout here also takes DSL integers, so a kernel evaluates the same layout.
+
+Peer-visible bytes per rank = channels x ranks x ring slots x (message + combine row) + counts +
+counters, independent of how many tokens a rank holds.
 """
 
 from __future__ import annotations
@@ -19,10 +27,42 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from layouts.algebra import Layout, align_up
-from layouts.buffers import EPConfig
+from layouts.config import EPConfig
 from layouts.formats import ALIGN
 
+DEFAULT_CHANNELS = 24  # the SM budget engines give communication (see cute_ep.ep)
 COUNTER_BYTES = 8  # a 64-bit message count, written with a release store
+PARITIES = 2  # counts of round n and n + 1 live side by side (see `counts_layout`)
+DISPATCH, COMBINE = 0, 1  # the phase mode of `counters_layout`
+TAILS, HEADS = 0, 1  # the kind mode of `counters_layout`
+
+
+def ring_layout(item_bytes, slots, channels, ranks) -> Layout:
+    """(byte, slot, channel, peer rank) -> byte offset of a set of rings: one ring of `slots`
+    items per (channel, peer)."""
+    return Layout((item_bytes, slots, channels, ranks),
+                  (1, item_bytes, item_bytes * slots, item_bytes * slots * channels))
+
+
+def counts_layout(entries, channels, ranks) -> Layout:
+    """(entry, channel, source, parity) -> int32 word: what (channel, source) sends here in a
+    round of that parity. Round n + 2 reuses round n's words: a rank starts round n + 2 only
+    after its round n + 1 received every source's counts, which each source sent after it had
+    finished round n."""
+    return Layout((entries, channels, ranks, PARITIES),
+                  (1, entries, entries * channels, entries * channels * ranks))
+
+
+def count_flags_layout(channels, ranks) -> Layout:
+    """(channel, source, parity) -> int64 word: the epoch (round + 1) of the counts there."""
+    return Layout((channels, ranks, PARITIES), (1, channels, channels * ranks))
+
+
+def counters_layout(channels, ranks) -> Layout:
+    """(channel, rank, kind, phase) -> 64-bit word: kind TAILS = messages written into this rank
+    by source `rank`, kind HEADS = messages consumed by destination `rank`; phase DISPATCH or
+    COMBINE. The peer-visible counters and the local stream positions share this layout."""
+    return Layout((channels, ranks, 2, 2), (1, channels, channels * ranks, 2 * channels * ranks))
 
 
 @dataclass(frozen=True)
@@ -45,35 +85,55 @@ class ChannelGeometry:
     def combine_row_bytes(self) -> int:
         return align_up(2 * self.cfg.hidden, ALIGN)
 
+    @property
+    def entries(self) -> int:
+        return 1 + self.cfg.segments
+
     def dispatch_ring(self) -> Layout:
         """(message byte, slot, channel, source) -> byte offset in the dispatch rings."""
-        msg, slots = self.cfg.message.size, self.ring_slots
-        return Layout((msg, slots, self.channels, self.cfg.ranks),
-                      (1, msg, msg * slots, msg * slots * self.channels))
+        return ring_layout(self.cfg.message.size, self.ring_slots, self.channels, self.cfg.ranks)
 
     def combine_ring(self) -> Layout:
         """(row byte, slot, channel, source) -> byte offset in the combine rings."""
-        row, slots = self.combine_row_bytes, self.ring_slots
-        return Layout((row, slots, self.channels, self.cfg.ranks),
-                      (1, row, row * slots, row * slots * self.channels))
+        return ring_layout(self.combine_row_bytes, self.ring_slots, self.channels,
+                           self.cfg.ranks)
+
+    def counts(self) -> Layout:
+        return counts_layout(self.entries, self.channels, self.cfg.ranks)
+
+    def count_flags(self) -> Layout:
+        return count_flags_layout(self.channels, self.cfg.ranks)
 
     def counters(self) -> Layout:
-        """(channel, rank, kind, phase) -> 64-bit word: kind 0 = tails written into this rank by
-        source `rank`, kind 1 = heads returned to this rank by destination `rank`; phase 0
-        dispatch, 1 combine."""
-        c, r = self.channels, self.cfg.ranks
-        return Layout((c, r, 2, 2), (1, c, c * r, 2 * c * r))
+        return counters_layout(self.channels, self.cfg.ranks)
 
     def peer_bytes(self) -> dict[str, int]:
-        """Peer-visible bytes per rank, by part."""
+        """Peer-visible bytes per rank, by part, in the order `peer_offsets` places them."""
         return {
             "dispatch_rings": align_up(self.dispatch_ring().cosize(), ALIGN),
-            "combine_rings": align_up(self.combine_ring().cosize(), ALIGN),
+            "counts": align_up(self.counts().cosize() * 4, ALIGN),
+            "count_flags": align_up(self.count_flags().cosize() * 8, ALIGN),
             "counters": align_up(self.counters().cosize() * COUNTER_BYTES, ALIGN),
         }
 
+    def peer_offsets(self) -> dict[str, int]:
+        """Byte offset of each part of `peer_bytes` in the peer-visible region, and its size
+        ("total")."""
+        offsets, at = {}, 0
+        for name, nbytes in self.peer_bytes().items():
+            offsets[name] = at
+            at += nbytes
+        offsets["total"] = at
+        return offsets
+
     def token_range(self, channel: int, num_tokens: int) -> tuple[int, int]:
         """The source tokens [begin, end) channel `channel` sends: contiguous, balanced."""
-        per, extra = divmod(num_tokens, self.channels)
-        begin = channel * per + min(channel, extra)
-        return begin, begin + per + (channel < extra)
+        return channel_tokens(channel, num_tokens, self.channels)
+
+
+def channel_tokens(channel: int, num_tokens: int, channels: int) -> tuple[int, int]:
+    """[begin, end) of the contiguous, balanced run of tokens channel `channel` owns: the first
+    `num_tokens % channels` channels hold one token more."""
+    per, extra = divmod(num_tokens, channels)
+    begin = channel * per + min(channel, extra)
+    return begin, begin + per + int(channel < extra)

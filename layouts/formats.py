@@ -3,8 +3,8 @@
 A message is `[payload][scales][metadata]`, each segment starting on a 16-byte boundary and the
 whole message a multiple of 16 bytes, so every segment moves with 128-bit accesses. Metadata is
 what a receiver needs to place and later return the token: its index on the source rank, its K
-expert ids, its K router weights, and its K positions (the token's index among this source's
-tokens routed to that expert, counted by the sender, so the receiver places rows without a scan).
+expert ids and its K router weights. (Its rows need no more: a receiver takes a channel's
+messages in source-token order, `layouts.channels`.)
 
 Each segment is a layout from (byte within element, element) to the byte offset in the message.
 """
@@ -17,7 +17,7 @@ from layouts.algebra import Layout, align_up
 
 ALIGN = 16
 # The per-k metadata fields of a message, in order; each is K 32-bit words.
-METADATA_FIELDS = ("expert_ids", "weights", "positions")
+METADATA_FIELDS = ("expert_ids", "weights")
 
 
 @dataclass(frozen=True)
@@ -115,13 +115,19 @@ class MessageLayout:
     @property
     def metadata(self) -> Layout:
         """(k, field) -> 32-bit word of the message, for the per-k fields METADATA_FIELDS (expert
-        id, router weight, position); the source token index is word `metadata_base - 1`."""
-        return Layout((self.topk, len(METADATA_FIELDS)), (1, self.topk))
+        id, router weight); the source token index is word `metadata_base - 1`."""
+        return metadata_layout(self.topk)
 
     @property
     def metadata_base(self) -> int:
         """Word of the message where `metadata`'s (0, 0) lies."""
         return self.segment(METADATA_FIELDS[0]).element_offset
+
+
+def metadata_layout(topk) -> Layout:
+    """(k, field) -> 32-bit word from a message's first per-k field (METADATA_FIELDS packed one
+    after another); `topk` may be a DSL integer."""
+    return Layout((topk, len(METADATA_FIELDS)), (1, topk))
 
 
 def message_layout(fmt: TokenFormat | str, hidden: int, topk: int) -> MessageLayout:

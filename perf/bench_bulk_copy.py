@@ -8,13 +8,9 @@ GB/s = bytes delivered / median time (each delivered byte is also read once).
 """
 
 import argparse
-import json
-import sys
 
 import torch
-from rich.console import Console
-from rich.table import Table
-from timing import median_ms
+from timing import median_ms, report_copies
 
 from cute_ep.runtime.launch import runtime
 from layouts.transport import bulk_chunks
@@ -52,18 +48,9 @@ def main():
     # the last launch left rank 0's slot of every destination filled
     for d in range(r):
         assert torch.equal(recv[d, :per_rank], src[d * per_rank:(d + 1) * per_rank])
-    table = Table(title=f"{torch.cuda.get_device_name()}: {r} x {args.mib_per_rank} MiB to "
-                        f"{r} local buffers, median of {args.reps}, L2 flushed")
-    for col in ("kernel", "CTAs", "time (us)", "GB/s = bytes delivered / t"):
-        table.add_column(col)
-    for row in rows:
-        table.add_row(row["kernel"], str(row["ctas"]), f"{row['us']:.1f}", f"{row['gbs']:.0f}")
-    Console().print(table)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "argv": sys.argv[1:],
-                       "rows": rows}, f, indent=1)
-
+    report_copies(f"{torch.cuda.get_device_name()}: {r} x {args.mib_per_rank} MiB to {r} local "
+                  f"buffers, median of {args.reps}, L2 flushed", "CTAs",
+                  "GB/s = bytes delivered / t", rows, torch.cuda.get_device_name(), args.json)
 
 if __name__ == "__main__":
     main()

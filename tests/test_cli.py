@@ -6,8 +6,8 @@ from cute_ep.tools.cli import main
 def test_layouts_prints_the_byte_map_and_sizes(capsys):
     assert main(["layouts", "--format", "nvfp4", "--hidden", "7168", "--ranks", "4"]) == 0
     out = capsys.readouterr().out
-    assert "4144 bytes" in out  # 3584 payload + 448 scales + 100 metadata, 16-byte aligned
-    for name in ("payload", "scales", "expert_ids", "dispatch_recv", "combine_recv",
+    assert "4112 bytes" in out  # 3584 payload + 448 scales + 68 metadata, 16-byte aligned
+    for name in ("payload", "scales", "expert_ids", "dispatch_rings", "combine_recv",
                  "row_offsets", "scales_offsets", "GPU memory per rank"):
         assert name in out
 

@@ -32,7 +32,8 @@ import torch
 
 from cute_ep.reference.fp4 import NVFP4_BLOCK, _scale_offsets, quantize_nvfp4, scale_block_bytes
 from layouts import EPConfig
-from layouts.buffers import FP8_ROW_ALIGN, output_scales
+from layouts.buffers import output_scales
+from layouts.config import FP8_ROW_ALIGN
 from layouts.scales import ATOM_ROWS, expert_scale_blocks
 
 FP8_MAX = 448.0

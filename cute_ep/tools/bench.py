@@ -4,7 +4,7 @@ For each token format, on every rank, with the same inputs each time:
 - **throughput** (`--tokens` per rank, default 4096): `Buffer.dispatch` and `Buffer.combine`,
   each bracketed by CUDA events after a device synchronisation, an L2 flush and a barrier
   (host launch included); median of `--iters` (>= 50) after 5 warm-ups; once per SM budget of
-  `--sms` (`Buffer.sms`: the most CTAs each communicating kernel launches; "all" = no cap);
+  `--sms` (`Buffer(sms=)`: the SMs the layer's communication occupies; "all" = every SM);
 - **baselines in the same run**: NCCL `all_to_all_single` moving the same token bytes (each token
   once to every rank hosting one of its experts; it produces no expert-grouped rows), and a
   copy-engine peer-to-peer copy of this rank's outgoing bytes into every peer's memory, one
@@ -50,8 +50,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--formats", default=",".join(FORMATS), help="comma-separated")
-    p.add_argument("--sms", default="all,24,48,96",
-                   help="comma-separated SM budgets for the throughput sweep ('all': no cap)")
+    p.add_argument("--sms", default="24,all",
+                   help="comma-separated SM budgets for the throughput sweep ('all': every SM); "
+                        "the first is the headline")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--out", default="perf/results", help="folder for the JSON record")
     p.add_argument("--no-stages", dest="stages", action="store_false",
@@ -182,7 +183,6 @@ def _throughput(rank, world, args, fmt, budgets, flush) -> dict:
     from layouts import EPConfig
 
     cfg = EPConfig(args.hidden, args.topk, args.experts, world, args.tokens, fmt)
-    buf = Buffer(cfg)
     x, ids, w, y, quant = _inputs(cfg, args.tokens, 1 + rank)
     msg = cfg.message
     token_bytes = msg.segment("payload").nbytes + \
@@ -193,7 +193,7 @@ def _throughput(rank, world, args, fmt, budgets, flush) -> dict:
     sent_peers = sum(n for d, n in enumerate(sent) if d != rank)
     sweep = []
     for sms in budgets:
-        buf.sms = sms
+        buf = Buffer(cfg, sms=sms)
         t = _layer_times(buf, x, ids, w, y, quant, args.iters, flush)
         out = t.pop("out")
         received = int(out.handle.messages.sum())
@@ -208,7 +208,7 @@ def _throughput(rank, world, args, fmt, budgets, flush) -> dict:
             "combine_nvlink_gbps": from_peers * 2 * cfg.hidden / t["combine_us"] / 1e3,
             "ctas": _ctas(buf, args.tokens),
         })
-    buf.sms = None
+        del buf
 
     # Baseline 1: NCCL all_to_all_single of the same token bytes.
     wire = torch.randint(0, 256, (args.tokens, token_bytes), dtype=torch.uint8, device="cuda")
@@ -225,7 +225,6 @@ def _throughput(rank, world, args, fmt, budgets, flush) -> dict:
     # Baseline 2: copy-engine copies of this rank's outgoing message bytes into each peer.
     p2p = _p2p_copy_us(rank, world, [n * msg.size for n in sent], args.tokens * msg.size,
                        args.iters, flush)
-    del buf
     return {
         "sweep": sweep,
         "nccl_all_to_all_us": nccl,
@@ -239,20 +238,19 @@ def _throughput(rank, world, args, fmt, budgets, flush) -> dict:
 
 
 def _ctas(buf, tokens) -> dict:
-    """CTAs each communicating kernel launches at this budget (what `sms` caps)."""
+    """CTAs each communicating kernel launches at this budget (what `sms` sets)."""
     r = buf.cfg.ranks
-    return {"send": r * buf._cap(max(1, -(-tokens // buf.send_tokens_per_cta)), r),
-            "recv": r * buf._ctas_per_rank(tokens),
+    return {"dispatch": buf.sms,
             "combine_send": r * buf._ctas_per_rank(buf.cfg.max_tokens_per_rank),
             "combine_recv": buf._cap(max(1, -(-tokens // buf.combine_tokens_per_cta)), 1)}
 
 
-STAGE_KERNELS = ("Plan", "Encode", "Send", "Recv", "CombineSend", "CombineRecv")
+STAGE_KERNELS = ("Encode", "Dispatch", "CombineSend", "CombineRecv")
 STAGE_ITERS = 20
 
 
 def _stages(world, args, fmt, tokens, rank) -> dict:
-    """Mean GPU time (us) of each kernel of one dispatch + combine (all SMs), from the torch
+    """Mean GPU time (us) of each kernel of one dispatch + combine (default budget), from the torch
     profiler's kernel records over STAGE_ITERS layers, each after a barrier. A receive kernel's
     time includes its wait for the slowest peer's send."""
     import torch.distributed as dist
@@ -276,7 +274,7 @@ def _stages(world, args, fmt, tokens, rank) -> dict:
     del buf
     totals = dict.fromkeys(STAGE_KERNELS, 0.0)
     for item in prof.key_averages():
-        m = re.search(r"kernelsepEp([A-Za-z]+)_object", item.key)
+        m = re.search(r"kernels(?:ep|dispatch)Ep([A-Za-z]+)_object", item.key)
         if m and m.group(1) in totals:
             total = getattr(item, "device_time_total", None)
             if total is None:
@@ -385,7 +383,7 @@ def _print(record, formats) -> None:
     t = Table(title=f"{record['gpus']} x {record['device']}: throughput, {cfg['tokens']} tokens/"
                     f"rank, H={cfg['hidden']} K={cfg['topk']} E={cfg['experts']}, median of "
                     f"{cfg['iters']} (slowest rank shown)")
-    for col in ("format", "SMs (CTAs cap)", "dispatch us", "DeepEP GB/s", "NVLink GB/s",
+    for col in ("format", "SMs", "dispatch us", "DeepEP GB/s", "NVLink GB/s",
                 "combine us", "DeepEP GB/s ", "NVLink GB/s ", "NCCL a2a us", "P2P copy us"):
         t.add_column(col, justify="left" if col == "format" else "right")
     for fmt in formats:
@@ -425,19 +423,22 @@ def _print(record, formats) -> None:
 
     if "stages" not in ranks[0]["formats"][formats[0]]:
         return
-    s = Table(title=f"per-kernel GPU time (us), mean of {STAGE_ITERS} layers, all SMs "
-                    f"(slowest rank shown)")
+    s = Table(title=f"per-kernel GPU time (us), mean of {STAGE_ITERS} layers, default SM "
+                    f"budget (slowest rank shown)")
     s.add_column("format")
     s.add_column("tokens/rank", justify="right")
-    for k in STAGE_KERNELS:
-        s.add_column(k, justify="right")
+    # The kernels as the record names them (a record keeps the kernel names of its version).
+    kernels = [k for k in ranks[0]["formats"][formats[0]]["stages"]["throughput"]
+               if k.endswith("_us")]
+    for k in kernels:
+        s.add_column(k[:-3], justify="right")
     for fmt in formats:
         for case in ("throughput", "decode"):
             per = [r["formats"][fmt]["stages"][case] for r in ranks]
             s.add_row(fmt, str(per[0]["tokens"]),
-                      *(f"{worst(p[f'{k.lower()}_us'] for p in per):.1f}" for k in STAGE_KERNELS))
+                      *(f"{worst(p[k] for p in per):.1f}" for k in kernels))
     console.print(s)
-    console.print("Recv and CombineRecv include the wait for the slowest peer's data.")
+    console.print("Dispatch and CombineRecv include the wait for the slowest peer's data.")
 
 
 if __name__ == "__main__":

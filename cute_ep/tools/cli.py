@@ -52,7 +52,8 @@ def _layouts(argv) -> int:
     from rich.table import Table
 
     from layouts import FORMATS, EPConfig, buffer_sizes
-    from layouts.buffers import group_offsets, total_bytes
+    from layouts.buffers import peer_visible_bytes, total_bytes
+    from layouts.channels import DEFAULT_CHANNELS
 
     parser = argparse.ArgumentParser(
         prog="cute-ep layouts",
@@ -64,6 +65,8 @@ def _layouts(argv) -> int:
     parser.add_argument("--ranks", type=int, default=8, help="R")
     parser.add_argument("--max-tokens", type=int, default=4096, help="max tokens per rank")
     parser.add_argument("--shared-expert", action="store_true", help="fused shared expert")
+    parser.add_argument("--sms", type=int, default=DEFAULT_CHANNELS,
+                        help=f"SM budget = dispatch channels (default {DEFAULT_CHANNELS})")
     args = parser.parse_args(argv)
     console = Console()
     try:
@@ -93,13 +96,15 @@ def _layouts(argv) -> int:
                         f"per rank, up to {cfg.max_recv} received rows")
     for col in ("where", "buffer", "bytes", "MiB"):
         sizes.add_column(col, justify="right" if col in ("bytes", "MiB") else "left")
-    for where, buffers in buffer_sizes(cfg).items():
+    for where, buffers in buffer_sizes(cfg, args.sms).items():
         for name, nbytes in buffers.items():
             sizes.add_row(where, name, f"{nbytes:,}", f"{nbytes / 2**20:.1f}")
     console.print(sizes)
-    console.print(f"GPU memory per rank for this layer: {total_bytes(cfg) / 2**20:.1f} MiB "
-                  f"(two buffer groups of {group_offsets(cfg)['group_bytes'] / 2**20:.1f} MiB, "
-                  "local buffers and dispatch outputs)")
+    console.print(f"GPU memory per rank for this layer on {args.sms} SMs: "
+                  f"{total_bytes(cfg, args.sms) / 2**20:.1f} MiB, of which "
+                  f"{peer_visible_bytes(cfg, args.sms) / 2**20:.1f} MiB peer-visible "
+                  "(dispatch rings and counts, both combine groups), then local buffers and "
+                  "dispatch outputs")
     return 0
 
 

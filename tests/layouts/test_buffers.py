@@ -3,9 +3,10 @@
 import pytest
 
 from layouts.buffers import (EPConfig, arrival_flags, buffer_groups, buffer_sizes,
-                             combine_recv_buffer, dispatch_outputs, dispatch_recv_buffer,
-                             dispatch_rows, dispatch_send_buffer, expert_counters, group_offsets,
-                             output_scales, output_tokens, peer_buffers, total_bytes)
+                             combine_recv_buffer, dispatch_outputs, dispatch_rows,
+                             dispatch_send_buffer, group_offsets, output_scales, output_tokens,
+                             peer_buffers, peer_visible_bytes, total_bytes)
+from layouts.channels import ChannelGeometry
 
 from .conftest import MODELS, RANKS
 
@@ -25,16 +26,13 @@ def configs():
 def test_buffers_at_model_shapes(cfg, rng):
     msg, t, r, h, k = cfg.message.size, cfg.max_tokens_per_rank, cfg.ranks, cfg.hidden, cfg.topk
     assert cfg.max_recv == t * min(cfg.experts, r * k)
-    recv = dispatch_recv_buffer(cfg).layout
     send = dispatch_send_buffer(cfg).layout
     comb = combine_recv_buffer(cfg).layout
     for _ in range(500):
         b, tok, src, kk = rng.randrange(msg), rng.randrange(t), rng.randrange(r), rng.randrange(k)
-        assert recv((b, tok, src)) == (src * t + tok) * msg + b
         assert send((b, tok)) == tok * msg + b
         hh = rng.randrange(h)
         assert comb((hh, kk, tok)) == (tok * k + kk) * h + hh
-    assert dispatch_recv_buffer(cfg).nbytes == r * t * msg
     assert combine_recv_buffer(cfg).nbytes == t * k * h * 2
 
     tokens = output_tokens(cfg)
@@ -59,22 +57,22 @@ def test_buffers_at_model_shapes(cfg, rng):
     for a, b in zip(names, names[1:]):
         assert offsets[a] % 16 == 0 and offsets[b] >= offsets[a]
     assert buffer_groups(cfg)((5, 1)) == offsets["group_bytes"] + 5
-    sizes = buffer_sizes(cfg)
-    assert sum(sizes["peer-visible (per group)"].values()) == offsets["group_bytes"]
-    assert total_bytes(cfg) == 2 * offsets["group_bytes"] + sum(sizes["local"].values()) + \
-        sum(sizes["dispatch outputs"].values())
+    for channels in (5, 24):
+        sizes = buffer_sizes(cfg, channels)
+        assert sum(sizes["peer-visible (combine, per group)"].values()) == offsets["group_bytes"]
+        dispatch = sum(sizes["peer-visible (dispatch)"].values())
+        assert dispatch == ChannelGeometry(cfg, channels).peer_offsets()["total"]
+        assert peer_visible_bytes(cfg, channels) == dispatch + 2 * offsets["group_bytes"]
+        assert total_bytes(cfg, channels) == peer_visible_bytes(cfg, channels) + \
+            sum(sizes["local"].values()) + sum(sizes["dispatch outputs"].values())
+        assert ("dispatch_send" in sizes["local"]) == (cfg.format != "bf16")
 
 
 def test_small_buffers_at_every_coordinate():
     cfg = EPConfig(hidden=128, topk=2, experts=6, ranks=3, max_tokens_per_rank=5,
                    format="nvfp4", fused_shared_expert=True)
     assert cfg.segments == 3 and cfg.max_recv == 5 * 6 + 5
-    for (seg, src), off in zip(expert_counters(cfg).layout.coordinates(),
-                               expert_counters(cfg).layout.offsets()):
-        assert off == seg * 3 + src
-    assert arrival_flags(cfg).layout.offsets() == [0, 3, 1, 4, 2, 5]
-    assert sorted(dispatch_recv_buffer(cfg).layout.offsets()) == \
-        list(range(cfg.message.size * 5 * 3))
+    assert arrival_flags(cfg).layout.offsets() == [0, 1, 2]
     names = [b.name for b in dispatch_outputs(cfg)]
     assert names == ["tokens", "scales", "row_offsets", "expert_ids", "src_info",
                      "recv_counts_per_expert", "scales_offsets", "route_rows", "route_weights",

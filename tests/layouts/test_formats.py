@@ -25,7 +25,7 @@ def expected_offsets(fmt, hidden, topk):
     meta_at = up16(scales_at + scales)
     return {"payload": 0, "scales": scales_at if scales else None, "src_token": meta_at,
             "expert_ids": meta_at + 4, "weights": meta_at + 4 + 4 * topk,
-            "positions": meta_at + 4 + 8 * topk, "size": up16(meta_at + 4 + 12 * topk)}
+            "size": up16(meta_at + 4 + 8 * topk)}
 
 
 def _valid(fmt, hidden):

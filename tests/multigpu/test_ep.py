@@ -195,21 +195,21 @@ def test_fused_shared_expert_and_skip_a2a(fmt, world):
 
 
 def _sm_budgets(rank, world):
-    """The same layers with every communicating kernel held to a few CTAs: each CTA then walks
-    many tokens (send, combine receive) or messages (receive, combine send)."""
+    """The same layers on a few SMs (each channel then walks many tokens through its rings,
+    each combine CTA many messages), a default budget and every SM."""
     from cute_ep.ep import Buffer
     from layouts import EPConfig
 
     cfg = EPConfig(4096, 8, 64, world, 1024, "fp8")
-    buf = Buffer(cfg, sms=world)
     seed = 40
-    for sms in (world, 24, None):
-        buf.sms = sms
+    for sms in (world, 5, None):
+        buf = Buffer(cfg, sms=sms)
         for tokens in ([1024] * world, [(301 * r) % 1024 for r in range(world)]):
             seed += 1
             _one_layer(buf, cfg, rank, seed, tokens)
+        del buf
     with pytest.raises(ValueError, match="sms"):
-        buf.sms = world - 1
+        Buffer(cfg, sms=0)
     return True
 
 
@@ -228,14 +228,14 @@ def _many_rounds(rank, world, rounds):
         buf = bufs[i % 2]
         tokens = [(i * 53 + 17 * r) % 257 for r in range(world)]
         _one_layer(buf, buf.cfg, rank, 1000 + i, tokens, ("uniform", "hot", "sparse")[i % 3])
-    return [b.rounds.tolist() for b in bufs]
+    return [(int(b.dispatch_epoch), b.rounds[1].tolist()) for b in bufs]
 
 
 def test_200_back_to_back_rounds_stay_exact():
     world = torch.cuda.device_count()
     rounds = run_ranks(_many_rounds, rounds=200, limit_s=600)
-    # 100 layers per buffer, alternating groups: 50 rounds per (phase, group).
-    assert rounds == [[[[50, 50], [50, 50]]] * 2] * world
+    # 100 layers per buffer: 100 dispatch rounds; combine alternates its groups, 50 each.
+    assert rounds == [[(100, [50, 50])] * 2] * world
 
 
 def _graph(rank, world, fmt, replays):

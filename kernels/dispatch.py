@@ -1,0 +1,850 @@
+"""`ep_dispatch`: one persistent launch per dispatch, a CTA per channel (transport v2).
+
+Channel c of every rank owns a contiguous run of that rank's tokens (`layouts.channels`). Its CTA
+has a sender warp and RECV_WARPS receiver warps, and runs three parts:
+
+1. Counts (all warps): the channel's tokens are routed (each valid (token, k) pair, a later k
+   naming the same expert dropped, ids outside [0, E) dropped and reported) and counted per
+   expert and per destination rank; the counts go to every destination's `counts` table under
+   the round's parity, and the channel's count flag there is raised to the round's epoch.
+2. Send (the sender warp): one thread drives a ring of shared-memory stages. A token's message is
+   built once in a stage: the payload (the bf16 row of `x`, or the message `ep_encode` quantized
+   into `send_buf`) comes in by a bulk copy (`cp.async.bulk`, completion on the stage's
+   mbarrier) while the warp's lanes write its metadata (source token, K ids, K weights); then a
+   bulk store copies the stage into the ring slot of every destination rank the token routes to,
+   straight into the peer's memory over NVLink. Loads run `stages - 2` messages ahead of
+   stores; a stage is reloaded once the store that read it has finished reading. A slot is
+   written only when the destination has returned credit for it (`heads`); the stream's `tails`
+   at the destination advance once the stores are complete (at most WRITES_IN_FLIGHT messages'
+   stores pending), every `chunk_tokens` messages and at the end.
+3. Receive (the receiver warps): they wait for every (channel, source)'s counts, from which each
+   CTA derives the whole row layout (segments padded to the format's row alignment, NVFP4
+   segments on fresh 128-row scale blocks) and the first row of every (segment, source) that
+   its channel fills. The warps of source s then take s's messages of this channel as their
+   tails advance, in order: a message's rows are the next free row of each of its local
+   experts (and of the shared expert for this rank's own tokens), so rows follow source-token
+   order without any plan on the sender. The payload is loaded once and stored to every row;
+   scales go to the output's layout; the rows, weights and source token are recorded for
+   combine. Credit returns to the source every `chunk_tokens` messages.
+
+Every wait is bounded by `timeout_ns` of `%globaltimer`: the missing rank and the phase go to the
+error record and the CTA stops waiting (its outputs are then partial, never out of bounds). The
+round counter advances when the last CTA finishes, so a CUDA graph replays the layer.
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, Uint8
+
+from kernels.bulk_copy import bulk_load, bulk_store
+from kernels.copy import row_predicate, row_tiled_copy
+from kernels.memory import gmem_ptr, load_i32, store_f32, store_i32
+from kernels.scan import warp_exclusive_scan
+from layouts.abi import ARCHES, GridRule, KernelSpec, Param
+from layouts.buffers import ERROR_ID_RANGE, ERROR_ID_TWICE
+from layouts.channels import (COMBINE, DISPATCH, HEADS, TAILS,
+                              count_flags_layout, counters_layout,
+                              counts_layout, ring_layout)
+from layouts.config import FP8_ROW_ALIGN
+from layouts.formats import METADATA_FIELDS, metadata_layout
+from layouts.scales import ATOM_BYTES, ATOM_ROWS
+
+WARP = 32
+MAX_RANKS = 8
+MAX_TOPK = 16
+MAX_SEGMENTS = 272  # local experts + a shared expert, with slack
+MAX_EXPERTS = 2176  # MAX_RANKS x 272
+RECV_WARPS = 8
+STAGE_BYTES = 160 * 1024  # shared memory for the sender's stages
+MAX_STAGES = 16
+MIN_STAGES = 3
+WRITES_IN_FLIGHT = 6  # messages whose bulk stores may still be completing
+HISTORY = 8  # > WRITES_IN_FLIGHT: stream positions remembered per message for the tails
+FP8_BLOCK = 128
+NVFP4_BLOCK = 16
+FORMATS = ("bf16", "fp8", "nvfp4")
+PHASE_DISPATCH = 1  # the error record's phase (layouts.buffers.PHASES order, 1-based)
+IDS, WEIGHTS = METADATA_FIELDS.index("expert_ids"), METADATA_FIELDS.index("weights")
+LIMITS = {"max_ranks": MAX_RANKS, "max_topk": MAX_TOPK, "max_segments": MAX_SEGMENTS - 1,
+          "max_experts": MAX_EXPERTS, "stage_bytes": STAGE_BYTES, "max_stages": MAX_STAGES,
+          "min_stages": MIN_STAGES}
+assert DISPATCH == 0 and COMBINE == 1 and TAILS == 0 and HEADS == 1
+
+
+@cute.jit
+def _wait_at_least(addr, target, timeout_ns, error: cute.Pointer, missing, phase):
+    """Poll the 64-bit word at `addr` (acquire, system scope) until it reaches `target`.
+    Returns (value, 1), or (value, 0) when `timeout_ns` passed (recording `missing` and `phase`
+    in the error record) or another wait of the layer already failed."""
+    word = gmem_ptr(Int64, addr, 8)
+    value = cute.arch.load(word, Int64, sem="acquire", scope="sys")
+    ok = Int32(1)
+    if value < target:
+        start = cute.arch.globaltimer()
+        while value < target and ok != 0:
+            value = cute.arch.load(word, Int64, sem="acquire", scope="sys")
+            if value < target:
+                if cute.arch.load(error, Int32, sem="relaxed", scope="gpu") != 0:
+                    ok = Int32(0)
+                elif cute.arch.globaltimer() - start > timeout_ns:
+                    ok = Int32(0)
+                    old = cute.arch.atomic_cas(error, cmp=Int32(0), val=Int32(missing + 1),
+                                               sem="relaxed", scope="gpu")
+                    if old == 0:
+                        store_i32(error.toint() + 4, phase)
+    return value, ok
+
+
+@cute.jit
+def _scale_word_offset(srow, group, rk):
+    """Byte offset, in the 128x4 scale layout (`layouts.scales`), of scale row `srow`'s columns
+    4 group .. 4 group + 3."""
+    return ((Int64(srow // ATOM_ROWS) * Int64(rk) + Int64(group)) * ATOM_BYTES
+            + Int64(srow % 32) * 16 + Int64((srow // 32) % 4) * 4)
+
+
+class EpDispatch:
+    def __init__(self, fmt: str, tile_vectors: int = 16):
+        if fmt not in FORMATS:
+            raise ValueError(f"ep_dispatch formats: {FORMATS}, not {fmt!r}")
+        self.fmt = fmt
+        self.threads = WARP * (1 + RECV_WARPS)
+        self.recv_threads = WARP * RECV_WARPS
+        self.row_align = FP8_ROW_ALIGN if fmt == "fp8" else 1
+        # Payload rows move in 16-byte vectors, NVFP4 rows (H / 2 bytes) in 8-byte ones.
+        self.vector_bytes = 8 if fmt == "nvfp4" else 16
+        self.tile_vectors = tile_vectors  # per lane: a warp loads this many before storing
+
+    @property
+    def smem_bytes(self) -> int:
+        words = (MAX_EXPERTS + 2 * MAX_RANKS + 8  # s_cnt
+                 + RECV_WARPS * MAX_SEGMENTS  # s_next
+                 + 4 * (MAX_SEGMENTS + 4)  # s_off, s_tot, s_raw, s_first
+                 + 4 * MAX_RANKS  # s_src
+                 + RECV_WARPS * 2 * (MAX_TOPK + 4)  # s_rows
+                 + WARP + 2 * MAX_STAGES)  # s_batch, s_stage
+        dwords = MAX_STAGES + 4 * MAX_RANKS + HISTORY * MAX_RANKS
+        return STAGE_BYTES + 4 * words + 8 * dwords + 16 * 16 + 128
+
+    def spec(self) -> KernelSpec:
+        return KernelSpec(
+            family="ep_dispatch",
+            config={"format": self.fmt},
+            params=(
+                Param("peer_bases", "ptr", "int64", align=8, min_elements=("ranks", 1)),
+                Param("source", "ptr", "uint8", align=16),
+                Param("topk_ids", "ptr", "int32", align=4),
+                Param("topk_weights", "ptr", "float32", align=4),
+                Param("streams", "ptr", "int64", align=8, writes=True),
+                Param("rounds", "ptr", "int64", align=8, writes=True),
+                Param("done", "ptr", "int32", align=4, writes=True),
+                Param("error", "ptr", "int32", align=4, writes=True),
+                Param("tokens", "ptr", "uint8", align=16, writes=True),
+                Param("scales", "ptr", "uint8" if self.fmt == "nvfp4" else "float32", align=4,
+                      writes=True),
+                Param("scales_offsets", "ptr", "int32", align=4, writes=True),
+                Param("row_offsets", "ptr", "int32", align=4, writes=True),
+                Param("expert_ids", "ptr", "int32", align=4, writes=True),
+                Param("seg_counts", "ptr", "int32", align=4, writes=True),
+                Param("src_info", "ptr", "int32", align=4, writes=True),
+                Param("comb_rows", "ptr", "int32", align=4, writes=True),
+                Param("comb_weights", "ptr", "float32", align=4, writes=True),
+                Param("comb_tokens", "ptr", "int32", align=4, writes=True),
+                Param("comb_counts", "ptr", "int32", align=4, writes=True,
+                      min_elements=("ranks", 1)),
+                Param("num_tokens", "i32"),
+                Param("max_tokens", "i32"),
+                Param("topk", "i32"),
+                Param("local_experts", "i32"),
+                Param("ranks", "i32"),
+                Param("my_rank", "i32"),
+                Param("shared", "i32"),
+                Param("skip_a2a", "i32"),
+                Param("shared_begin", "i32"),
+                Param("shared_end", "i32"),
+                Param("has_weights", "i32"),
+                Param("msg_bytes", "i32"),
+                Param("source_stride", "i32"),
+                Param("load_bytes", "i32"),
+                Param("meta_word", "i32"),
+                Param("payload_vectors", "i32"),
+                Param("scales_offset", "i32"),
+                Param("row_capacity", "i32"),
+                Param("channels", "i32"),
+                Param("ring_slots", "i32"),
+                Param("chunk_tokens", "i32"),
+                Param("stages", "i32"),
+                Param("ring_offset", "i64"),
+                Param("counts_offset", "i64"),
+                Param("flags_offset", "i64"),
+                Param("counters_offset", "i64"),
+                Param("timeout_ns", "i64"),
+            ),
+            block=(self.threads, 1, 1),
+            grid=(GridRule(ceil_div=("channels", 1)), GridRule(constant=1),
+                  GridRule(constant=1)),
+            smem_bytes=self.smem_bytes,
+            sizes=dict(LIMITS, row_align=self.row_align, vector_bytes=self.vector_bytes,
+                       recv_warps=RECV_WARPS),
+        )
+
+    @cute.jit
+    def __call__(self, peer_bases: cute.Pointer, source: cute.Pointer, topk_ids: cute.Pointer,
+                 topk_weights: cute.Pointer, streams: cute.Pointer, rounds: cute.Pointer,
+                 done: cute.Pointer, error: cute.Pointer, tokens: cute.Pointer,
+                 scales: cute.Pointer, scales_offsets: cute.Pointer, row_offsets: cute.Pointer,
+                 expert_ids: cute.Pointer, seg_counts: cute.Pointer, src_info: cute.Pointer,
+                 comb_rows: cute.Pointer, comb_weights: cute.Pointer, comb_tokens: cute.Pointer,
+                 comb_counts: cute.Pointer, num_tokens: Int32, max_tokens: Int32, topk: Int32,
+                 local_experts: Int32, ranks: Int32, my_rank: Int32, shared: Int32,
+                 skip_a2a: Int32, shared_begin: Int32, shared_end: Int32, has_weights: Int32,
+                 msg_bytes: Int32, source_stride: Int32, load_bytes: Int32, meta_word: Int32,
+                 payload_vectors: Int32, scales_offset: Int32, row_capacity: Int32,
+                 channels: Int32, ring_slots: Int32, chunk_tokens: Int32, stages: Int32,
+                 ring_offset: Int64, counts_offset: Int64, flags_offset: Int64,
+                 counters_offset: Int64, timeout_ns: Int64, stream):
+        self.kernel(peer_bases, source, topk_ids, topk_weights, streams, rounds, done, error,
+                    tokens, scales, scales_offsets, row_offsets, expert_ids, seg_counts,
+                    src_info, comb_rows, comb_weights, comb_tokens, comb_counts, num_tokens,
+                    max_tokens, topk, local_experts, ranks, my_rank, shared, skip_a2a,
+                    shared_begin, shared_end, has_weights, msg_bytes, source_stride, load_bytes,
+                    meta_word, payload_vectors, scales_offset, row_capacity, channels,
+                    ring_slots, chunk_tokens, stages, ring_offset, counts_offset, flags_offset,
+                    counters_offset, timeout_ns,
+                    row_tiled_copy(WARP, Uint8, self.vector_bytes)).launch(
+            grid=(channels, 1, 1), block=(self.threads, 1, 1), smem=self.smem_bytes,
+            stream=stream)
+
+    @cute.kernel
+    def kernel(self, peer_bases: cute.Pointer, source: cute.Pointer, topk_ids: cute.Pointer,
+               topk_weights: cute.Pointer, streams: cute.Pointer, rounds: cute.Pointer,
+               done: cute.Pointer, error: cute.Pointer, tokens: cute.Pointer,
+               scales: cute.Pointer, scales_offsets: cute.Pointer, row_offsets: cute.Pointer,
+               expert_ids: cute.Pointer, seg_counts: cute.Pointer, src_info: cute.Pointer,
+               comb_rows: cute.Pointer, comb_weights: cute.Pointer, comb_tokens: cute.Pointer,
+               comb_counts: cute.Pointer, num_tokens: Int32, max_tokens: Int32, topk: Int32,
+               local_experts: Int32, ranks: Int32, my_rank: Int32, shared: Int32,
+               skip_a2a: Int32, shared_begin: Int32, shared_end: Int32, has_weights: Int32,
+               msg_bytes: Int32, source_stride: Int32, load_bytes: Int32, meta_word: Int32,
+               payload_vectors: Int32, scales_offset: Int32, row_capacity: Int32,
+               channels: Int32, ring_slots: Int32, chunk_tokens: Int32, stages: Int32,
+               ring_offset: Int64, counts_offset: Int64, flags_offset: Int64,
+               counters_offset: Int64, timeout_ns: Int64, warp_copy: cute.TiledCopy):
+        tidx, _, _ = cute.arch.thread_idx()
+        channel, _, _ = cute.arch.block_idx()
+        warp = tidx // WARP
+        lane = tidx % WARP
+        experts = local_experts * ranks
+        segments = local_experts + shared
+        entries = 1 + segments
+
+        smem = cutlass.memory.SmemAllocator()
+        stage_buf = smem.allocate_tensor(Uint8, cute.make_layout(STAGE_BYTES), byte_alignment=128)
+        full = smem.allocate_array(Int64, MAX_STAGES)
+        s_cnt = smem.allocate_tensor(Int32, cute.make_layout(MAX_EXPERTS + 2 * MAX_RANKS + 8),
+                                     byte_alignment=16)
+        s_next = smem.allocate_tensor(Int32, cute.make_layout(RECV_WARPS * MAX_SEGMENTS),
+                                      byte_alignment=16)
+        s_off = smem.allocate_tensor(Int32, cute.make_layout(MAX_SEGMENTS + 4), byte_alignment=16)
+        s_tot = smem.allocate_tensor(Int32, cute.make_layout(MAX_SEGMENTS + 4), byte_alignment=16)
+        s_raw = smem.allocate_tensor(Int32, cute.make_layout(MAX_SEGMENTS + 4), byte_alignment=16)
+        s_first = smem.allocate_tensor(Int32, cute.make_layout(MAX_SEGMENTS + 4),
+                                       byte_alignment=16)
+        s_src = smem.allocate_tensor(Int32, cute.make_layout(4 * MAX_RANKS), byte_alignment=16)
+        s_rows = smem.allocate_tensor(Int32, cute.make_layout(RECV_WARPS * 2 * (MAX_TOPK + 4)),
+                                      byte_alignment=16)
+        s_batch = smem.allocate_tensor(Int32, cute.make_layout(WARP), byte_alignment=16)
+        s_stage = smem.allocate_tensor(Int32, cute.make_layout(2 * MAX_STAGES), byte_alignment=16)
+        s_pos = smem.allocate_tensor(Int64, cute.make_layout(4 * MAX_RANKS), byte_alignment=16)
+        s_hist = smem.allocate_tensor(Int64, cute.make_layout(HISTORY * MAX_RANKS),
+                                      byte_alignment=16)
+
+        peers = cute.make_tensor(peer_bases, cute.make_layout(ranks))
+        here = peers[my_rank]
+        epoch = cute.arch.load(rounds, Int64, sem="relaxed", scope="gpu") + 1
+        parity = Int32((epoch - 1) % 2)
+        counts_at = counts_layout(entries, channels, ranks)
+        flags_at = count_flags_layout(channels, ranks)
+        counters = counters_layout(channels, ranks)
+
+        # The channel's tokens [t0, t1): the first num_tokens % channels channels hold one more.
+        per = num_tokens // channels
+        extra = num_tokens - per * channels
+        t0 = channel * per + extra
+        if channel < extra:
+            t0 = channel * per + channel
+        t1 = t0 + per
+        if channel < extra:
+            t1 = t1 + 1
+
+        # 1. Counts --------------------------------------------------------------------------
+        msgs_at = MAX_EXPERTS  # s_cnt[msgs_at + d]: messages to d; [shared_at]: shared tokens
+        shared_at = MAX_EXPERTS + MAX_RANKS
+        for i in cutlass.range(tidx, MAX_EXPERTS + 2 * MAX_RANKS + 8, self.threads):
+            s_cnt[i] = Int32(0)
+        if tidx == 0:
+            for s in cutlass.range_constexpr(MAX_STAGES):
+                cute.arch.mbarrier_init(full + s, 1)
+            cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+        for t in cutlass.range(t0 + tidx, t1, self.threads):
+            mask, bad = self._route(topk_ids, t, topk, experts, local_experts, my_rank,
+                                    skip_a2a, shared, shared_begin, shared_end, s_cnt, True)
+            if bad != 0:
+                cute.arch.atomic_or(gmem_ptr(Int32, error.toint() + 8, 4), bad, sem="relaxed",
+                                    scope="gpu")
+            for d in cutlass.range(ranks):
+                if (mask >> d) & 1 != 0:
+                    cute.arch.atomic_add(s_cnt.iterator + msgs_at + d, Int32(1))
+            if shared != 0 and t >= shared_begin and t < shared_end:
+                cute.arch.atomic_add(s_cnt.iterator + shared_at, Int32(1))
+        cute.arch.sync_threads()
+        for i in cutlass.range(tidx, ranks * entries, self.threads):
+            d = i // entries
+            entry = i - d * entries
+            value = Int32(0)
+            if entry == 0:
+                value = s_cnt[msgs_at + d]
+            elif shared != 0 and entry == 1:
+                if d == my_rank:
+                    value = s_cnt[shared_at]
+            else:
+                value = s_cnt[d * local_experts + entry - 1 - shared]
+            store_i32(peers[d] + counts_offset
+                       + Int64(counts_at((entry, channel, my_rank, parity))) * 4, value)
+        cute.arch.sync_threads()
+        if tidx == 0:
+            cute.arch.fence_acq_rel_sys()
+        if tidx < ranks:
+            flag = peers[tidx] + flags_offset + Int64(flags_at((channel, my_rank, parity))) * 8
+            cute.arch.store(gmem_ptr(Int64, flag, 8), epoch, sem="release", scope="sys")
+
+        # 2. Send ----------------------------------------------------------------------------
+        if warp == 0:
+            self._send(lane, channel, t0, t1, peers, here, source, topk_ids, topk_weights,
+                       streams, error, topk, experts, local_experts, ranks, my_rank, shared,
+                       skip_a2a, shared_begin, shared_end, has_weights, msg_bytes,
+                       source_stride, load_bytes, meta_word, channels, ring_slots,
+                       chunk_tokens, stages, ring_offset, counters_offset, counters, timeout_ns,
+                       stage_buf, full, s_cnt, s_batch, s_stage, s_pos, s_hist)
+
+        # 3. Receive -------------------------------------------------------------------------
+        if warp > 0:
+            self._receive(tidx - WARP, channel, peers, here, streams, error, tokens, scales,
+                          scales_offsets, row_offsets, expert_ids, seg_counts, src_info,
+                          comb_rows, comb_weights, comb_tokens, comb_counts, max_tokens, topk,
+                          local_experts, ranks, my_rank, shared, shared_begin, shared_end,
+                          msg_bytes, meta_word, payload_vectors, scales_offset, row_capacity,
+                          channels, ring_slots, chunk_tokens, ring_offset, counts_offset,
+                          flags_offset, counters_offset, counters, counts_at, flags_at, parity,
+                          epoch, timeout_ns, s_next, s_off, s_tot, s_raw, s_first, s_src,
+                          s_rows, warp_copy)
+
+        # The last CTA to finish advances the round.
+        cute.arch.sync_threads()
+        if tidx == 0:
+            old = cute.arch.atomic_add(done, Int32(1), sem="acq_rel", scope="gpu")
+            if old == channels - 1:
+                cute.arch.store(done, Int32(0))
+                cute.arch.store(rounds, epoch)
+
+    @cute.jit
+    def _route(self, topk_ids: cute.Pointer, t, topk, experts, local_experts, my_rank,
+               skip_a2a, shared, shared_begin, shared_end, s_cnt: cute.Tensor,
+               count: cutlass.Constexpr):
+        """(destination-rank bit mask of token t, bad-id bits). A (token, k) pair is valid when
+        its id is in [0, experts) and no earlier k names the same expert; with skip_a2a only this
+        rank's experts count. With `count`, each valid pair adds one to s_cnt[expert]."""
+        ids = cute.make_tensor(topk_ids, cute.make_layout((t + 1) * topk))
+        mask = Int32(0)
+        bad = Int32(0)
+        for k in cutlass.range(topk):
+            e = ids[t * topk + k]
+            if e < 0 or e >= experts:
+                bad = bad | ERROR_ID_RANGE
+            else:
+                twice = Int32(0)
+                for k2 in cutlass.range(k):
+                    if ids[t * topk + k2] == e:
+                        twice = Int32(1)
+                if twice != 0:
+                    bad = bad | ERROR_ID_TWICE
+                else:
+                    d = e // local_experts
+                    if skip_a2a == 0 or d == my_rank:
+                        mask = mask | (Int32(1) << d)
+                        if cutlass.const_expr(count):
+                            cute.arch.atomic_add(s_cnt.iterator + e, Int32(1))
+        if shared != 0 and t >= shared_begin and t < shared_end:
+            mask = mask | (Int32(1) << my_rank)
+        return mask, bad
+
+    @cute.jit
+    def _send(self, lane, channel, t0, t1, peers: cute.Tensor, here, source: cute.Pointer,
+              topk_ids: cute.Pointer, topk_weights: cute.Pointer, streams: cute.Pointer,
+              error: cute.Pointer, topk, experts, local_experts, ranks, my_rank, shared,
+              skip_a2a, shared_begin, shared_end, has_weights, msg_bytes, source_stride,
+              load_bytes, meta_word, channels, ring_slots, chunk_tokens, stages, ring_offset,
+              counters_offset, counters, timeout_ns, stage_buf: cute.Tensor, full: cute.Pointer,
+              s_cnt: cute.Tensor, s_batch: cute.Tensor, s_stage: cute.Tensor, s_pos: cute.Tensor,
+              s_hist: cute.Tensor):
+        """The sender warp: lane 0 drives the bulk copies, the lanes write metadata."""
+        ring = ring_layout(msg_bytes, ring_slots, channels, ranks)
+        meta = metadata_layout(topk)
+        sent_at, head_at, pub_at = 0, MAX_RANKS, 2 * MAX_RANKS
+        if lane < ranks:
+            pos = cute.arch.load(gmem_ptr(Int64, streams.toint()
+                                      + Int64(counters((channel, lane, TAILS, DISPATCH))) * 8, 8),
+                                 Int64)
+            s_pos[sent_at + lane] = pos
+            s_pos[pub_at + lane] = pos
+            s_pos[head_at + lane] = cute.arch.load(
+                gmem_ptr(Int64, here + counters_offset
+                     + Int64(counters((channel, lane, HEADS, DISPATCH))) * 8, 8),
+                Int64, sem="relaxed", scope="sys")
+        cute.arch.sync_warp()
+        lookahead = stages - 2
+        loaded = Int32(0)
+        stored = Int32(0)
+        alive = Int32(1)
+        for batch in cutlass.range(t0, t1, WARP):
+            t = batch + lane
+            mask = Int32(0)
+            if t < t1:
+                mask, _ = self._route(topk_ids, t, topk, experts, local_experts, my_rank,
+                                      skip_a2a, shared, shared_begin, shared_end, s_cnt, False)
+            s_batch[lane] = mask
+            cute.arch.sync_warp()
+            n = t1 - batch
+            if n > WARP:
+                n = Int32(WARP)
+            for b in cutlass.range(n):
+                m = s_batch[b]
+                if m != 0:
+                    tok = batch + b
+                    st = loaded % stages
+                    slot = stage_buf.iterator + st * msg_bytes
+                    if lane == 0:
+                        # Stage st last held message loaded - stages: its store must have read it
+                        # (stores are issued up to loaded - 1 - lookahead).
+                        cute.arch.cp_async_bulk_wait_group(1, read=True)
+                        s_stage[st] = tok
+                        s_stage[MAX_STAGES + st] = m
+                    cute.arch.sync_warp()
+                    words = cute.make_tensor(cute.recast_ptr(slot, dtype=Int32),
+                                             cute.make_layout(meta_word + meta.cosize()))
+                    if lane < topk:
+                        at = Int64(tok) * Int64(topk) + Int64(lane)
+                        words[meta_word + meta((lane, IDS))] = load_i32(
+                            topk_ids.toint() + at * 4)
+                        w = Float32(0.0)
+                        if has_weights != 0:
+                            w = cute.make_tensor(gmem_ptr(Float32, topk_weights.toint() + at * 4, 4),
+                                                 cute.make_layout(1))[0]
+                        cute.make_tensor(cute.recast_ptr(slot, dtype=Float32),
+                                         cute.make_layout(meta_word + meta.cosize()))[
+                            meta_word + meta((lane, WEIGHTS))] = w
+                    if lane == WARP - 1:
+                        words[meta_word - 1] = tok
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    cute.arch.sync_warp()
+                    if lane == 0:
+                        cute.arch.mbarrier_arrive_and_expect_tx(full + st, load_bytes)
+                        bulk_load(slot, source.toint() + Int64(tok) * Int64(source_stride),
+                                  load_bytes, full + st)
+                    loaded = loaded + 1
+                    if loaded - stored > lookahead:
+                        alive = self._store(lane, stored, alive, channel, peers, my_rank, ranks,
+                                            stages, msg_bytes, ring, ring_slots, ring_offset,
+                                            chunk_tokens, here, counters_offset, counters,
+                                            timeout_ns, error, stage_buf, full, s_stage, s_pos,
+                                            s_hist)
+                        stored = stored + 1
+            cute.arch.sync_warp()
+        while stored < loaded:
+            alive = self._store(lane, stored, alive, channel, peers, my_rank, ranks, stages,
+                                msg_bytes, ring, ring_slots, ring_offset, chunk_tokens, here,
+                                counters_offset, counters, timeout_ns, error, stage_buf, full,
+                                s_stage, s_pos, s_hist)
+            stored = stored + 1
+        if lane == 0:
+            cute.arch.cp_async_bulk_wait_group(0)
+            cute.arch.fence_proxy("async.global")
+            cute.arch.fence_acq_rel_sys()
+        cute.arch.sync_warp()
+        if lane < ranks:
+            pos = s_pos[sent_at + lane]
+            if pos != s_pos[pub_at + lane]:
+                tail = peers[lane] + counters_offset + Int64(
+                    counters((channel, my_rank, TAILS, DISPATCH))) * 8
+                cute.arch.store(gmem_ptr(Int64, tail, 8), pos, sem="release", scope="sys")
+            cute.arch.store(gmem_ptr(Int64, streams.toint()
+                                 + Int64(counters((channel, lane, TAILS, DISPATCH))) * 8, 8), pos)
+
+    @cute.jit
+    def _store(self, lane, j, alive, channel, peers: cute.Tensor, my_rank, ranks, stages,
+               msg_bytes, ring, ring_slots, ring_offset, chunk_tokens, here, counters_offset,
+               counters, timeout_ns, error: cute.Pointer, stage_buf: cute.Tensor,
+               full: cute.Pointer, s_stage: cute.Tensor, s_pos: cute.Tensor,
+               s_hist: cute.Tensor):
+        """Lane 0: bulk-store message j (its stage loaded) to the ring slot of every destination
+        it routes to, credit permitting; then publish the tails of messages whose stores are
+        complete. Returns 0 once a wait failed (the rest of the round is dropped)."""
+        sent_at, head_at, pub_at = 0, MAX_RANKS, 2 * MAX_RANKS
+        ok = alive
+        if lane == 0:
+            st = j % stages
+            cute.arch.mbarrier_wait(full + st, (j // stages) % 2)
+            m = s_stage[MAX_STAGES + st]
+            slot = stage_buf.iterator + st * msg_bytes
+            for i in cutlass.range(ranks):
+                d = (my_rank + i) % ranks
+                if (m >> d) & 1 != 0 and ok != 0:
+                    pos = s_pos[sent_at + d]
+                    if pos - s_pos[head_at + d] >= Int64(ring_slots):
+                        head, ok = _wait_at_least(
+                            here + counters_offset
+                            + Int64(counters((channel, d, HEADS, DISPATCH))) * 8,
+                            pos - Int64(ring_slots) + 1, timeout_ns, error, d,
+                            Int32(PHASE_DISPATCH))
+                        s_pos[head_at + d] = head
+                    if ok != 0:
+                        bulk_store(peers[d] + ring_offset + Int64(
+                            ring((0, Int32(pos % Int64(ring_slots)), channel, my_rank))),
+                            slot, msg_bytes)
+                        s_pos[sent_at + d] = pos + 1
+            cute.arch.cp_async_bulk_commit_group()
+            for d in cutlass.range(ranks):
+                s_hist[(j % HISTORY) * MAX_RANKS + d] = s_pos[sent_at + d]
+            # Messages up to j - WRITES_IN_FLIGHT are in the rings: publish at chunk boundaries.
+            done_j = j - WRITES_IN_FLIGHT
+            if done_j >= 0 and (done_j + 1) % chunk_tokens == 0:
+                cute.arch.cp_async_bulk_wait_group(WRITES_IN_FLIGHT)
+                cute.arch.fence_proxy("async.global")
+                cute.arch.fence_acq_rel_sys()
+                for d in cutlass.range(ranks):
+                    pos = s_hist[(done_j % HISTORY) * MAX_RANKS + d]
+                    if pos != s_pos[pub_at + d]:
+                        tail = peers[d] + counters_offset + Int64(
+                            counters((channel, my_rank, TAILS, DISPATCH))) * 8
+                        cute.arch.store(gmem_ptr(Int64, tail, 8), pos, sem="release", scope="sys")
+                        s_pos[pub_at + d] = pos
+        return ok
+
+    @cute.jit
+    def _receive(self, rt, channel, peers: cute.Tensor, here, streams: cute.Pointer,
+                 error: cute.Pointer, tokens: cute.Pointer, scales: cute.Pointer,
+                 scales_offsets: cute.Pointer, row_offsets: cute.Pointer,
+                 expert_ids: cute.Pointer, seg_counts: cute.Pointer, src_info: cute.Pointer,
+                 comb_rows: cute.Pointer, comb_weights: cute.Pointer, comb_tokens: cute.Pointer,
+                 comb_counts: cute.Pointer, max_tokens, topk, local_experts, ranks, my_rank,
+                 shared, shared_begin, shared_end, msg_bytes, meta_word, payload_vectors,
+                 scales_offset, row_capacity, channels, ring_slots, chunk_tokens, ring_offset,
+                 counts_offset, flags_offset, counters_offset, counters, counts_at, flags_at,
+                 parity, epoch, timeout_ns, s_next: cute.Tensor, s_off: cute.Tensor,
+                 s_tot: cute.Tensor, s_raw: cute.Tensor, s_first: cute.Tensor,
+                 s_src: cute.Tensor, s_rows: cute.Tensor, warp_copy: cute.TiledCopy):
+        """The receiver warps (thread rt of RECV_WARPS * 32)."""
+        threads = self.recv_threads
+        rwarp = rt // WARP
+        lane = rt % WARP
+        segments = local_experts + shared
+        # 3a. Every (channel, source)'s counts of this round.
+        for i in cutlass.range(rt, ranks * channels, threads):
+            s = i // channels
+            c = i - s * channels
+            _wait_at_least(here + flags_offset + Int64(flags_at((c, s, parity))) * 8, epoch,
+                           timeout_ns, error, s, Int32(PHASE_DISPATCH))
+        cute.arch.barrier(barrier_id=1, number_of_threads=threads)
+        failed = cute.arch.load(error, Int32, sem="relaxed", scope="gpu") != 0
+        # Per source: messages of this channel, messages of the channels before it, in total.
+        if rt < ranks:
+            n = Int32(0)
+            before = Int32(0)
+            total = Int32(0)
+            if not failed:
+                for c in cutlass.range(channels):
+                    v = self._count(here, counts_offset, counts_at, 0, c, rt, parity, max_tokens,
+                                    error)
+                    if c < channel:
+                        before = before + v
+                    if c == channel:
+                        n = v
+                    total = total + v
+            if total > max_tokens:
+                store_i32(error.toint() + 12, Int32(1))
+                n = Int32(0)
+                total = Int32(0)
+            s_src[rt] = n
+            s_src[MAX_RANKS + rt] = before
+            s_src[2 * MAX_RANKS + rt] = total
+        # Per segment: rows from each source before this channel's, and in all.
+        for g in cutlass.range(rt, segments, threads):
+            run = Int32(0)
+            for s in cutlass.range(ranks):
+                part = Int32(0)
+                total = Int32(0)
+                if not failed:
+                    for c in cutlass.range(channels):
+                        v = self._count(here, counts_offset, counts_at, 1 + g, c, s, parity,
+                                        max_tokens, error)
+                        if c < channel:
+                            part = part + v
+                        total = total + v
+                s_next[s * MAX_SEGMENTS + g] = run + part
+                run = run + total
+            s_raw[g] = run
+            s_tot[g] = (run + self.row_align - 1) // self.row_align * self.row_align
+            if cutlass.const_expr(self.fmt == "nvfp4"):
+                s_first[g] = (run + ATOM_ROWS - 1) // ATOM_ROWS
+        cute.arch.barrier(barrier_id=1, number_of_threads=threads)
+        if rwarp == 0:
+            warp_exclusive_scan(s_tot, s_off, segments, lane)
+            if cutlass.const_expr(self.fmt == "nvfp4"):
+                warp_exclusive_scan(s_first, s_first, segments, lane)
+        cute.arch.barrier(barrier_id=1, number_of_threads=threads)
+        # The segment offsets (and nvfp4 scale blocks), once per rank; padding, shared out.
+        if channel == 0:
+            offsets = cute.make_tensor(row_offsets, cute.make_layout(segments + 1))
+            for g in cutlass.range(rt, segments + 1, threads):
+                offsets[g] = s_off[g]
+            for g in cutlass.range(rt, segments, threads):
+                cute.make_tensor(expert_ids, cute.make_layout(segments))[g] = g - shared
+                cute.make_tensor(seg_counts, cute.make_layout(segments))[g] = s_raw[g]
+                if cutlass.const_expr(self.fmt == "nvfp4"):
+                    cute.make_tensor(scales_offsets, cute.make_layout(segments))[g] = \
+                        s_first[g] - s_off[g] // ATOM_ROWS
+            for s in cutlass.range(rt, ranks, threads):
+                cute.make_tensor(comb_counts, cute.make_layout(ranks))[s] = \
+                    s_src[2 * MAX_RANKS + s]
+        payload_bytes = Int64(payload_vectors) * self.vector_bytes
+        blocks = payload_vectors * self.vector_bytes // FP8_BLOCK
+        scale_cols = payload_vectors * self.vector_bytes * 2 // NVFP4_BLOCK
+        rk = (scale_cols + 3) // 4
+        if cutlass.const_expr(self.row_align > 1):
+            self._zero_row_padding(channel * threads + rt, channels * threads, tokens, scales,
+                                   src_info, s_off, s_raw, segments, payload_bytes, blocks,
+                                   row_capacity)
+        if cutlass.const_expr(self.fmt == "nvfp4"):
+            self._zero_scale_padding(channel * threads + rt, channels * threads, scales, s_raw,
+                                     s_first, segments, rk)
+
+        # 3b. The messages of source s (warps rwarp = s, s + ranks, ... share them: each copies
+        # its share of every payload, the first of them does the rest).
+        per_source = RECV_WARPS // ranks
+        s = rwarp % ranks
+        sub = rwarp // ranks
+        for i in cutlass.range(rt, ranks * segments, threads):
+            s_next[(i // segments) * MAX_SEGMENTS + i % segments] += s_off[i % segments]
+        cute.arch.barrier(barrier_id=1, number_of_threads=threads)
+        if sub > 0 and sub < per_source:
+            # This warp's own copy of the next free row of each segment for source s (warp s
+            # keeps source s's in place).
+            for g in cutlass.range(lane, segments, WARP):
+                s_next[rwarp * MAX_SEGMENTS + g] = s_next[s * MAX_SEGMENTS + g]
+        cute.arch.barrier(barrier_id=1, number_of_threads=threads)
+        if sub < per_source:
+            self._expand(lane, sub, per_source, s, channel, peers, here, streams, error, tokens,
+                         scales, src_info, comb_rows, comb_weights, comb_tokens, max_tokens,
+                         topk, local_experts, ranks, my_rank, shared, shared_begin, shared_end,
+                         msg_bytes, meta_word, payload_vectors, scales_offset, row_capacity,
+                         channels, ring_slots, chunk_tokens, ring_offset, counters_offset,
+                         counters, timeout_ns, s_next, s_off, s_first, s_src, s_rows,
+                         rwarp, warp_copy, payload_bytes, blocks, scale_cols, rk)
+
+    @cute.jit
+    def _count(self, here, counts_offset, counts_at, entry, c, s, parity, max_tokens,
+               error: cute.Pointer):
+        """Entry `entry` of (channel c, source s)'s counts (read past the L1, as peers wrote
+        it); a value outside [0, max_tokens] is reported and read as 0."""
+        v = cute.arch.load(gmem_ptr(Int32, here + counts_offset
+                                + Int64(counts_at((entry, c, s, parity))) * 4, 4),
+                           Int32, sem="relaxed", scope="sys")
+        if v < 0 or v > max_tokens:
+            store_i32(error.toint() + 12, Int32(1))
+            v = Int32(0)
+        return v
+
+    @cute.jit
+    def _expand(self, lane, sub, per_source, s, channel, peers: cute.Tensor, here,
+                streams: cute.Pointer, error: cute.Pointer, tokens: cute.Pointer,
+                scales: cute.Pointer, src_info: cute.Pointer, comb_rows: cute.Pointer,
+                comb_weights: cute.Pointer, comb_tokens: cute.Pointer, max_tokens, topk,
+                local_experts, ranks, my_rank, shared, shared_begin, shared_end, msg_bytes,
+                meta_word, payload_vectors, scales_offset, row_capacity, channels, ring_slots,
+                chunk_tokens, ring_offset, counters_offset, counters, timeout_ns,
+                s_next: cute.Tensor, s_off: cute.Tensor, s_first: cute.Tensor,
+                s_src: cute.Tensor, s_rows: cute.Tensor, rwarp, warp_copy: cute.TiledCopy,
+                payload_bytes, blocks, scale_cols, rk):
+        ring = ring_layout(msg_bytes, ring_slots, channels, ranks)
+        meta = metadata_layout(topk)
+        n = s_src[s]
+        first_msg = s_src[MAX_RANKS + s]
+        consumed = cute.arch.load(gmem_ptr(Int64, streams.toint() + Int64(
+            counters((channel, s, HEADS, DISPATCH))) * 8, 8), Int64)
+        tail_word = here + counters_offset + Int64(counters((channel, s, TAILS, DISPATCH))) * 8
+        head_word = peers[s] + counters_offset + Int64(
+            counters((channel, my_rank, HEADS, DISPATCH))) * 8
+        rows_at = rwarp * 2 * (MAX_TOPK + 4)
+        srows_at = rows_at + MAX_TOPK + 4
+        vec = self.vector_bytes
+        layout = cute.make_layout((payload_vectors, vec), stride=(vec, 1))
+        tiler = (WARP * self.tile_vectors, vec)
+        g_crd = cute.zipped_divide(cute.make_identity_tensor(layout.shape), tiler)
+        thr = warp_copy.get_slice(lane)
+        tiles = cute.ceil_div(payload_vectors, WARP * self.tile_vectors)
+        tail = consumed
+        alive = Int32(1)
+        for j in cutlass.range(n):
+            p = consumed + Int64(j)
+            if lane == 0 and tail <= p and alive != 0:
+                tail, alive = _wait_at_least(tail_word, p + 1, timeout_ns, error, s,
+                                             Int32(PHASE_DISPATCH))
+            alive = cute.arch.shuffle_sync(alive, 0)
+            if alive != 0:
+                msg = here + ring_offset + Int64(
+                    ring((0, Int32(p % Int64(ring_slots)), channel, s)))
+                words = cute.make_tensor(gmem_ptr(Int32, msg, 16),
+                                         cute.make_layout(meta_word + meta.cosize()))
+                weights = cute.make_tensor(gmem_ptr(Float32, msg, 16),
+                                           cute.make_layout(meta_word + meta.cosize()))
+                tok = words[meta_word - 1]
+                e = Int32(-1)
+                if lane < topk:
+                    e = words[meta_word + meta((lane, IDS))]
+                # A later k naming an expert an earlier k named is dropped (as the sender
+                # counted), and so is an id outside the experts.
+                twice = Int32(0)
+                for k2 in cutlass.range(topk):
+                    other = cute.arch.shuffle_sync(e, k2)
+                    if k2 < lane and other == e:
+                        twice = Int32(1)
+                local = e - my_rank * local_experts
+                row = Int32(-1)
+                at = Int64(s) * Int64(max_tokens) + Int64(first_msg + j)
+                if lane < topk:
+                    if twice == 0 and local >= 0 and local < local_experts:
+                        g = local + shared
+                        row = s_next[rwarp * MAX_SEGMENTS + g]
+                        s_next[rwarp * MAX_SEGMENTS + g] = row + 1
+                        if cutlass.const_expr(self.fmt == "nvfp4"):
+                            s_rows[srows_at + lane] = row - s_off[g] + s_first[g] * ATOM_ROWS
+                    s_rows[rows_at + lane] = row
+                    if sub == 0:
+                        store_i32(comb_rows.toint() + (at * Int64(topk) + Int64(lane)) * 4, row)
+                        store_f32(comb_weights.toint() + (at * Int64(topk) + Int64(lane)) * 4,
+                                   weights[meta_word + meta((lane, WEIGHTS))])
+                if lane == topk:
+                    if shared != 0 and s == my_rank and tok >= shared_begin and tok < shared_end:
+                        row = tok - shared_begin  # segment 0, source = this rank only
+                    if cutlass.const_expr(self.fmt == "nvfp4"):
+                        s_rows[srows_at + lane] = row  # segment 0: row r is scale row r
+                    s_rows[rows_at + lane] = row
+                    if sub == 0:
+                        store_i32(comb_tokens.toint() + at * 4, tok)
+                cute.arch.sync_warp()
+                if sub == 0 and lane <= topk:
+                    if row >= 0:
+                        slot = Int32(-1)
+                        if lane < topk:
+                            slot = lane
+                        store_i32(src_info.toint() + Int64(row) * 8, tok)
+                        store_i32(src_info.toint() + Int64(row) * 8 + 4, slot)
+                # The payload: this warp's tiles, loaded once, stored to every row.
+                g_src = cute.zipped_divide(cute.make_tensor(gmem_ptr(Uint8, msg, 16), layout), tiler)
+                for tile in cutlass.range(sub, tiles, per_source):
+                    pred = row_predicate(thr.partition_S(g_crd[((None, None), tile)]),
+                                         payload_vectors)
+                    t_src = thr.partition_S(g_src[((None, None), tile)])
+                    regs = cute.make_fragment_like(t_src)
+                    cute.copy(warp_copy, t_src, regs, pred=pred)
+                    for k in cutlass.range(topk + 1):
+                        r = s_rows[rows_at + k]
+                        if r >= 0:
+                            g_dst = cute.zipped_divide(cute.make_tensor(
+                                gmem_ptr(Uint8, tokens.toint() + Int64(r) * payload_bytes, vec),
+                                layout), tiler)
+                            cute.copy(warp_copy, regs,
+                                      thr.partition_D(g_dst[((None, None), tile)]),
+                                      pred=row_predicate(
+                                          thr.partition_S(g_crd[((None, None), tile)]),
+                                          payload_vectors))
+                if sub == 0:
+                    if cutlass.const_expr(self.fmt == "fp8"):
+                        sc = cute.make_tensor(gmem_ptr(Float32, msg + Int64(scales_offset), 16),
+                                              cute.make_layout(blocks))
+                        for i in cutlass.range(lane, (topk + 1) * blocks, WARP):
+                            k = i // blocks
+                            b = i - k * blocks
+                            r = s_rows[rows_at + k]
+                            if r >= 0:
+                                store_f32(scales.toint() + (Int64(b) * Int64(row_capacity)
+                                                             + Int64(r)) * 4, sc[b])
+                    if cutlass.const_expr(self.fmt == "nvfp4"):
+                        sw = cute.make_tensor(gmem_ptr(Int32, msg + Int64(scales_offset), 16),
+                                              cute.make_layout(rk))
+                        for i in cutlass.range(lane, (topk + 1) * rk, WARP):
+                            k = i // rk
+                            c = i - k * rk
+                            r = s_rows[rows_at + k]
+                            if r >= 0:
+                                word = sw[c]
+                                valid = scale_cols - c * 4
+                                if valid < 4:
+                                    word = word & ((Int32(1) << (valid * 8)) - 1)
+                                store_i32(scales.toint()
+                                           + _scale_word_offset(s_rows[srows_at + k], c, rk),
+                                           word)
+                # Credit back to the source once every warp of s is done with a chunk.
+                if (j + 1) % chunk_tokens == 0 or j == n - 1:
+                    cute.arch.barrier(barrier_id=2 + s, number_of_threads=WARP * per_source)
+                    if sub == 0 and lane == 0:
+                        cute.arch.store(gmem_ptr(Int64, head_word, 8), p + 1, sem="release",
+                                        scope="sys")
+                else:
+                    cute.arch.sync_warp()
+        if sub == 0 and lane == 0:
+            cute.arch.store(gmem_ptr(Int64, streams.toint() + Int64(
+                counters((channel, s, HEADS, DISPATCH))) * 8, 8), consumed + Int64(n))
+
+    @cute.jit
+    def _zero_row_padding(self, first, stride, tokens: cute.Pointer, scales: cute.Pointer,
+                          src_info: cute.Pointer, s_off: cute.Tensor, s_raw: cute.Tensor,
+                          segments, payload_bytes, blocks, row_capacity):
+        """FP8: zero the alignment rows after each segment's rows (payload words, their scales,
+        src_info -1), the receiver threads of every channel striding over them."""
+        words = Int32(payload_bytes // 4)
+        for g in cutlass.range(segments):
+            pad_begin = s_off[g] + s_raw[g]
+            pad_rows = s_off[g + 1] - pad_begin
+            for i in cutlass.range(first, pad_rows * words, stride):
+                store_i32(tokens.toint() + Int64(pad_begin) * payload_bytes + Int64(i) * 4,
+                           Int32(0))
+            for i in cutlass.range(first, pad_rows * blocks, stride):
+                r = pad_begin + i // blocks
+                store_f32(scales.toint()
+                           + (Int64(i % blocks) * Int64(row_capacity) + Int64(r)) * 4,
+                           Float32(0.0))
+            for i in cutlass.range(first, pad_rows * 2, stride):
+                store_i32(src_info.toint() + Int64(pad_begin) * 8 + Int64(i) * 4, Int32(-1))
+
+    @cute.jit
+    def _zero_scale_padding(self, first, stride, scales: cute.Pointer, s_raw: cute.Tensor,
+                            s_first: cute.Tensor, segments, rk):
+        """NVFP4: zero the scale words of the rows past each segment's count in its last
+        128-row block (word w of an atom holds row w / 4 + 32 (w % 4))."""
+        for g in cutlass.range(segments):
+            used = s_raw[g] - (s_first[g + 1] - s_first[g] - 1) * ATOM_ROWS
+            if s_raw[g] > 0 and used < ATOM_ROWS:
+                base = scales.toint() + Int64(s_first[g + 1] - 1) * Int64(rk) * ATOM_BYTES
+                for i in cutlass.range(first, rk * (ATOM_BYTES // 4), stride):
+                    w = i % (ATOM_BYTES // 4)
+                    if w // 4 + 32 * (w % 4) >= used:
+                        store_i32(base + Int64(i) * 4, Int32(0))
+
+
+def dispatch_kernels() -> list:
+    return [EpDispatch(f) for f in FORMATS]
+
+
+__all__ = ["EpDispatch", "dispatch_kernels", "ARCHES"]

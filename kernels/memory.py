@@ -1,0 +1,30 @@
+"""Scalar global-memory accesses by address, shared by the transport kernels (their buffers are
+addressed from a base plus a layout's offset, often in another GPU's memory)."""
+
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+
+def gmem_ptr(dtype, addr, align):
+    """A global-memory pointer of `dtype` at the integer address `addr`."""
+    return cute.make_ptr(dtype, addr, cute.AddressSpace.gmem, assumed_align=align)
+
+
+@cute.jit
+def load_i32(addr):
+    return cute.make_tensor(gmem_ptr(Int32, addr, 4), cute.make_layout(1))[0]
+
+
+@cute.jit
+def load_f32(addr):
+    return cute.make_tensor(gmem_ptr(Float32, addr, 4), cute.make_layout(1))[0]
+
+
+@cute.jit
+def store_i32(addr, value):
+    cute.make_tensor(gmem_ptr(Int32, addr, 4), cute.make_layout(1))[0] = Int32(value)
+
+
+@cute.jit
+def store_f32(addr, value):
+    cute.make_tensor(gmem_ptr(Float32, addr, 4), cute.make_layout(1))[0] = Float32(value)

@@ -1,0 +1,62 @@
+"""`EPConfig`: the parameters of one expert-parallel layer, checked once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from layouts.formats import MessageLayout, message_layout, token_format
+
+FP8_ROW_ALIGN = 4  # FP8 output pads every expert segment to 4 rows
+
+
+@dataclass(frozen=True)
+class EPConfig:
+    hidden: int
+    topk: int
+    experts: int
+    ranks: int
+    max_tokens_per_rank: int
+    format: str = "bf16"
+    fused_shared_expert: bool = False
+
+    def __post_init__(self):
+        fmt = token_format(self.format)
+        if self.ranks < 1:
+            raise ValueError(f"ranks must be at least 1, got {self.ranks}")
+        if self.experts < 1 or self.experts % self.ranks:
+            raise ValueError(f"experts ({self.experts}) must be a positive multiple of ranks "
+                             f"({self.ranks}): E must be divisible by R")
+        if not 1 <= self.topk <= self.experts:
+            raise ValueError(f"top-k ({self.topk}) must be between 1 and the number of experts "
+                             f"({self.experts}): K <= E")
+        if self.max_tokens_per_rank < 1:
+            raise ValueError(f"max_tokens_per_rank must be positive, got {self.max_tokens_per_rank}")
+        fmt.validate_hidden(self.hidden)
+
+    @property
+    def local_experts(self) -> int:
+        return self.experts // self.ranks
+
+    @property
+    def segments(self) -> int:
+        """Grouped-GEMM segments on a rank: the local experts, plus the shared expert if fused."""
+        return self.local_experts + int(self.fused_shared_expert)
+
+    @property
+    def message(self) -> MessageLayout:
+        return message_layout(self.format, self.hidden, self.topk)
+
+    @property
+    def max_recv(self) -> int:
+        """Rows a rank can receive: every token of every rank, once per expert it routes here."""
+        rows = self.max_tokens_per_rank * min(self.experts, self.ranks * self.topk)
+        return rows + self.max_tokens_per_rank * int(self.fused_shared_expert)
+
+    @property
+    def row_align(self) -> int:
+        return FP8_ROW_ALIGN if self.format == "fp8" else 1
+
+    @property
+    def row_capacity(self) -> int:
+        """Output rows including each segment's alignment padding."""
+        return self.max_recv + (self.row_align - 1) * self.segments
