@@ -220,6 +220,9 @@ class Buffer:
             raise ValueError(f"hidden={cfg.hidden}: a {self.msg.size}-byte message leaves fewer "
                              f"than {sizes['min_stages']} send stages in "
                              f"{sizes['stage_bytes']} bytes of shared memory")
+        if self.geo.chunk_tokens > sizes["max_chunk"]:
+            raise ValueError(f"chunk_tokens {self.geo.chunk_tokens} exceeds the kernel's "
+                             f"{sizes['max_chunk']}")
         self.payload_vectors = self.msg.segment("payload").nbytes // sizes["vector_bytes"]
         # Combine CTAs are latency-bound (a message at a time): up to 8 per SM of the budget.
         self.max_ctas = CTAS_PER_SM * device_sms

@@ -12,8 +12,9 @@ has a sender warp and RECV_WARPS receiver warps, and runs three parts:
    into `send_buf`) comes in by a bulk copy (`cp.async.bulk`, completion on the stage's
    mbarrier) while the warp's lanes write its metadata (source token, K ids, K weights); then a
    bulk store copies the stage into the ring slot of every destination rank the token routes to,
-   straight into the peer's memory over NVLink. Loads run `stages - 2` messages ahead of
-   stores; a stage is reloaded once the store that read it has finished reading. A slot is
+   straight into the peer's memory over NVLink. Up to 6 messages' stores may still be reading
+   their stages while loads run the remaining stages ahead; a stage is reloaded once the store
+   that read it has finished reading. A slot is
    written only when the destination has returned credit for it (`heads`); the stream's `tails`
    at the destination advance once the stores are complete (at most WRITES_IN_FLIGHT messages'
    stores pending), every `chunk_tokens` messages and at the end.
@@ -55,10 +56,13 @@ MAX_TOPK = 16
 MAX_SEGMENTS = 272  # local experts + a shared expert, with slack
 MAX_EXPERTS = 2176  # MAX_RANKS x 272
 RECV_WARPS = 8
-STAGE_BYTES = 160 * 1024  # shared memory for the sender's stages
+MAX_CHUNK = 8  # messages a receiver warp takes at once (the ring's chunk_tokens at most)
+ROWS = MAX_TOPK + 1  # rows a message can land in: its K experts and the shared expert
+STAGE_BYTES = 144 * 1024  # shared memory for the sender's stages
 MAX_STAGES = 16
 MIN_STAGES = 3
 WRITES_IN_FLIGHT = 6  # messages whose bulk stores may still be completing
+READS_IN_FLIGHT = (6, 4, 2, 1)  # messages whose bulk stores may still be reading their stage
 HISTORY = 8  # > WRITES_IN_FLIGHT: stream positions remembered per message for the tails
 FP8_BLOCK = 128
 NVFP4_BLOCK = 16
@@ -67,7 +71,12 @@ PHASE_DISPATCH = 1  # the error record's phase (layouts.buffers.PHASES order, 1-
 IDS, WEIGHTS = METADATA_FIELDS.index("expert_ids"), METADATA_FIELDS.index("weights")
 LIMITS = {"max_ranks": MAX_RANKS, "max_topk": MAX_TOPK, "max_segments": MAX_SEGMENTS - 1,
           "max_experts": MAX_EXPERTS, "stage_bytes": STAGE_BYTES, "max_stages": MAX_STAGES,
-          "min_stages": MIN_STAGES}
+          "min_stages": MIN_STAGES, "max_chunk": MAX_CHUNK}
+# Per receiver warp: raw ids, local segment ids, rows and scale rows of a chunk's messages.
+IDS_AT, SEGS_AT, TOKS_AT = 0, MAX_CHUNK * MAX_TOPK, 2 * MAX_CHUNK * MAX_TOPK
+ROWS_AT = TOKS_AT + MAX_CHUNK
+SROWS_AT = ROWS_AT + MAX_CHUNK * ROWS
+SCRATCH = SROWS_AT + MAX_CHUNK * ROWS
 assert DISPATCH == 0 and COMBINE == 1 and TAILS == 0 and HEADS == 1
 
 
@@ -96,6 +105,20 @@ def _wait_at_least(addr, target, timeout_ns, error: cute.Pointer, missing, phase
 
 
 @cute.jit
+def _wait_reads(reading):
+    """Wait until at most `reading` of this thread's bulk-store groups are still reading shared
+    memory (the largest READS_IN_FLIGHT step not above it: the wait takes a constant)."""
+    if reading >= READS_IN_FLIGHT[0]:
+        cute.arch.cp_async_bulk_wait_group(READS_IN_FLIGHT[0], read=True)
+    elif reading >= READS_IN_FLIGHT[1]:
+        cute.arch.cp_async_bulk_wait_group(READS_IN_FLIGHT[1], read=True)
+    elif reading >= READS_IN_FLIGHT[2]:
+        cute.arch.cp_async_bulk_wait_group(READS_IN_FLIGHT[2], read=True)
+    else:
+        cute.arch.cp_async_bulk_wait_group(READS_IN_FLIGHT[3], read=True)
+
+
+@cute.jit
 def _scale_word_offset(srow, group, rk):
     """Byte offset, in the 128x4 scale layout (`layouts.scales`), of scale row `srow`'s columns
     4 group .. 4 group + 3."""
@@ -121,7 +144,7 @@ class EpDispatch:
                  + RECV_WARPS * MAX_SEGMENTS  # s_next
                  + 4 * (MAX_SEGMENTS + 4)  # s_off, s_tot, s_raw, s_first
                  + 4 * MAX_RANKS  # s_src
-                 + RECV_WARPS * 2 * (MAX_TOPK + 4)  # s_rows
+                 + RECV_WARPS * (SCRATCH + MAX_CHUNK * MAX_TOPK)  # s_scratch, s_wts
                  + WARP + 2 * MAX_STAGES)  # s_batch, s_stage
         dwords = MAX_STAGES + 4 * MAX_RANKS + HISTORY * MAX_RANKS
         return STAGE_BYTES + 4 * words + 8 * dwords + 16 * 16 + 128
@@ -251,8 +274,10 @@ class EpDispatch:
         s_first = smem.allocate_tensor(Int32, cute.make_layout(MAX_SEGMENTS + 4),
                                        byte_alignment=16)
         s_src = smem.allocate_tensor(Int32, cute.make_layout(4 * MAX_RANKS), byte_alignment=16)
-        s_rows = smem.allocate_tensor(Int32, cute.make_layout(RECV_WARPS * 2 * (MAX_TOPK + 4)),
+        s_rows = smem.allocate_tensor(Int32, cute.make_layout(RECV_WARPS * SCRATCH),
                                       byte_alignment=16)
+        s_wts = smem.allocate_tensor(Float32, cute.make_layout(RECV_WARPS * MAX_CHUNK * MAX_TOPK),
+                                     byte_alignment=16)
         s_batch = smem.allocate_tensor(Int32, cute.make_layout(WARP), byte_alignment=16)
         s_stage = smem.allocate_tensor(Int32, cute.make_layout(2 * MAX_STAGES), byte_alignment=16)
         s_pos = smem.allocate_tensor(Int64, cute.make_layout(4 * MAX_RANKS), byte_alignment=16)
@@ -338,7 +363,7 @@ class EpDispatch:
                           channels, ring_slots, chunk_tokens, ring_offset, counts_offset,
                           flags_offset, counters_offset, counters, counts_at, flags_at, parity,
                           epoch, timeout_ns, s_next, s_off, s_tot, s_raw, s_first, s_src,
-                          s_rows, warp_copy)
+                          s_rows, s_wts, warp_copy)
 
         # The last CTA to finish advances the round.
         cute.arch.sync_threads()
@@ -403,7 +428,12 @@ class EpDispatch:
                      + Int64(counters((channel, lane, HEADS, DISPATCH))) * 8, 8),
                 Int64, sem="relaxed", scope="sys")
         cute.arch.sync_warp()
-        lookahead = stages - 2
+        # Stores may still be reading `reading` stages when a stage is reloaded; loads run
+        # `lookahead` = stages - 1 - reading messages ahead of stores.
+        reading = stages - 2
+        if reading > READS_IN_FLIGHT[0]:
+            reading = Int32(READS_IN_FLIGHT[0])
+        lookahead = stages - 1 - reading
         loaded = Int32(0)
         stored = Int32(0)
         alive = Int32(1)
@@ -426,8 +456,9 @@ class EpDispatch:
                     slot = stage_buf.iterator + st * msg_bytes
                     if lane == 0:
                         # Stage st last held message loaded - stages: its store must have read it
-                        # (stores are issued up to loaded - 1 - lookahead).
-                        cute.arch.cp_async_bulk_wait_group(1, read=True)
+                        # (stores are issued up to loaded - 1 - lookahead, so all but the newest
+                        # `reading` of them).
+                        _wait_reads(reading)
                         s_stage[st] = tok
                         s_stage[MAX_STAGES + st] = m
                     cute.arch.sync_warp()
@@ -543,7 +574,8 @@ class EpDispatch:
                  counts_offset, flags_offset, counters_offset, counters, counts_at, flags_at,
                  parity, epoch, timeout_ns, s_next: cute.Tensor, s_off: cute.Tensor,
                  s_tot: cute.Tensor, s_raw: cute.Tensor, s_first: cute.Tensor,
-                 s_src: cute.Tensor, s_rows: cute.Tensor, warp_copy: cute.TiledCopy):
+                 s_src: cute.Tensor, s_rows: cute.Tensor, s_wts: cute.Tensor,
+                 warp_copy: cute.TiledCopy):
         """The receiver warps (thread rt of RECV_WARPS * 32)."""
         threads = self.recv_threads
         rwarp = rt // WARP
@@ -649,7 +681,7 @@ class EpDispatch:
                          topk, local_experts, ranks, my_rank, shared, shared_begin, shared_end,
                          msg_bytes, meta_word, payload_vectors, scales_offset, row_capacity,
                          channels, ring_slots, chunk_tokens, ring_offset, counters_offset,
-                         counters, timeout_ns, s_next, s_off, s_first, s_src, s_rows,
+                         counters, timeout_ns, s_next, s_off, s_first, s_src, s_rows, s_wts,
                          rwarp, warp_copy, payload_bytes, blocks, scale_cols, rk)
 
     @cute.jit
@@ -674,8 +706,11 @@ class EpDispatch:
                 meta_word, payload_vectors, scales_offset, row_capacity, channels, ring_slots,
                 chunk_tokens, ring_offset, counters_offset, counters, timeout_ns,
                 s_next: cute.Tensor, s_off: cute.Tensor, s_first: cute.Tensor,
-                s_src: cute.Tensor, s_rows: cute.Tensor, rwarp, warp_copy: cute.TiledCopy,
-                payload_bytes, blocks, scale_cols, rk):
+                s_src: cute.Tensor, s_scratch: cute.Tensor, s_wts: cute.Tensor, rwarp,
+                warp_copy: cute.TiledCopy, payload_bytes, blocks, scale_cols, rk):
+        """One warp of source s: s's messages of this channel, a chunk at a time. Every warp of
+        s reads a chunk's metadata and places its rows (so each keeps the same next-row
+        counters); message m of the chunk is then copied by warp m % per_source."""
         ring = ring_layout(msg_bytes, ring_slots, channels, ranks)
         meta = metadata_layout(topk)
         n = s_src[s]
@@ -685,8 +720,10 @@ class EpDispatch:
         tail_word = here + counters_offset + Int64(counters((channel, s, TAILS, DISPATCH))) * 8
         head_word = peers[s] + counters_offset + Int64(
             counters((channel, my_rank, HEADS, DISPATCH))) * 8
-        rows_at = rwarp * 2 * (MAX_TOPK + 4)
-        srows_at = rows_at + MAX_TOPK + 4
+        scratch = rwarp * SCRATCH
+        wts = rwarp * MAX_CHUNK * MAX_TOPK
+        next_at = rwarp * MAX_SEGMENTS
+        lo = my_rank * local_experts
         vec = self.vector_bytes
         layout = cute.make_layout((payload_vectors, vec), stride=(vec, 1))
         tiler = (WARP * self.tile_vectors, vec)
@@ -695,117 +732,165 @@ class EpDispatch:
         tiles = cute.ceil_div(payload_vectors, WARP * self.tile_vectors)
         tail = consumed
         alive = Int32(1)
-        for j in cutlass.range(n):
-            p = consumed + Int64(j)
-            if lane == 0 and tail <= p and alive != 0:
-                tail, alive = _wait_at_least(tail_word, p + 1, timeout_ns, error, s,
+        for j0 in cutlass.range(0, n, chunk_tokens):
+            cnt = n - j0
+            if cnt > chunk_tokens:
+                cnt = chunk_tokens
+            p0 = consumed + Int64(j0)
+            if lane == 0 and tail < p0 + Int64(cnt) and alive != 0:
+                tail, alive = _wait_at_least(tail_word, p0 + Int64(cnt), timeout_ns, error, s,
                                              Int32(PHASE_DISPATCH))
             alive = cute.arch.shuffle_sync(alive, 0)
             if alive != 0:
-                msg = here + ring_offset + Int64(
-                    ring((0, Int32(p % Int64(ring_slots)), channel, s)))
-                words = cute.make_tensor(gmem_ptr(Int32, msg, 16),
-                                         cute.make_layout(meta_word + meta.cosize()))
-                weights = cute.make_tensor(gmem_ptr(Float32, msg, 16),
-                                           cute.make_layout(meta_word + meta.cosize()))
-                tok = words[meta_word - 1]
-                e = Int32(-1)
-                if lane < topk:
-                    e = words[meta_word + meta((lane, IDS))]
-                # A later k naming an expert an earlier k named is dropped (as the sender
-                # counted), and so is an id outside the experts.
-                twice = Int32(0)
-                for k2 in cutlass.range(topk):
-                    other = cute.arch.shuffle_sync(e, k2)
-                    if k2 < lane and other == e:
-                        twice = Int32(1)
-                local = e - my_rank * local_experts
-                row = Int32(-1)
-                at = Int64(s) * Int64(max_tokens) + Int64(first_msg + j)
-                if lane < topk:
-                    if twice == 0 and local >= 0 and local < local_experts:
-                        g = local + shared
-                        row = s_next[rwarp * MAX_SEGMENTS + g]
-                        s_next[rwarp * MAX_SEGMENTS + g] = row + 1
-                        if cutlass.const_expr(self.fmt == "nvfp4"):
-                            s_rows[srows_at + lane] = row - s_off[g] + s_first[g] * ATOM_ROWS
-                    s_rows[rows_at + lane] = row
-                    if sub == 0:
-                        store_i32(comb_rows.toint() + (at * Int64(topk) + Int64(lane)) * 4, row)
-                        store_f32(comb_weights.toint() + (at * Int64(topk) + Int64(lane)) * 4,
-                                   weights[meta_word + meta((lane, WEIGHTS))])
-                if lane == topk:
-                    if shared != 0 and s == my_rank and tok >= shared_begin and tok < shared_end:
-                        row = tok - shared_begin  # segment 0, source = this rank only
-                    if cutlass.const_expr(self.fmt == "nvfp4"):
-                        s_rows[srows_at + lane] = row  # segment 0: row r is scale row r
-                    s_rows[rows_at + lane] = row
-                    if sub == 0:
-                        store_i32(comb_tokens.toint() + at * 4, tok)
+                # The chunk's metadata: ids, weights, source tokens (loads into shared memory,
+                # all in flight together).
+                for i in cutlass.range(lane, cnt * topk, WARP):
+                    m = i // topk
+                    k = i - m * topk
+                    msg = here + ring_offset + Int64(
+                        ring((0, Int32((p0 + Int64(m)) % Int64(ring_slots)), channel, s)))
+                    words = cute.make_tensor(gmem_ptr(Int32, msg, 16),
+                                             cute.make_layout(meta_word + meta.cosize()))
+                    s_scratch[scratch + IDS_AT + i] = words[meta_word + meta((k, IDS))]
+                    s_wts[wts + i] = cute.make_tensor(
+                        gmem_ptr(Float32, msg, 16),
+                        cute.make_layout(meta_word + meta.cosize()))[meta_word + meta((k, WEIGHTS))]
+                if lane < cnt:
+                    msg = here + ring_offset + Int64(
+                        ring((0, Int32((p0 + Int64(lane)) % Int64(ring_slots)), channel, s)))
+                    s_scratch[scratch + TOKS_AT + lane] = cute.make_tensor(
+                        gmem_ptr(Int32, msg, 16), cute.make_layout(meta_word))[meta_word - 1]
                 cute.arch.sync_warp()
-                if sub == 0 and lane <= topk:
-                    if row >= 0:
-                        slot = Int32(-1)
-                        if lane < topk:
-                            slot = lane
-                        store_i32(src_info.toint() + Int64(row) * 8, tok)
-                        store_i32(src_info.toint() + Int64(row) * 8 + 4, slot)
-                # The payload: this warp's tiles, loaded once, stored to every row.
-                g_src = cute.zipped_divide(cute.make_tensor(gmem_ptr(Uint8, msg, 16), layout), tiler)
-                for tile in cutlass.range(sub, tiles, per_source):
-                    pred = row_predicate(thr.partition_S(g_crd[((None, None), tile)]),
-                                         payload_vectors)
-                    t_src = thr.partition_S(g_src[((None, None), tile)])
-                    regs = cute.make_fragment_like(t_src)
-                    cute.copy(warp_copy, t_src, regs, pred=pred)
-                    for k in cutlass.range(topk + 1):
-                        r = s_rows[rows_at + k]
-                        if r >= 0:
-                            g_dst = cute.zipped_divide(cute.make_tensor(
-                                gmem_ptr(Uint8, tokens.toint() + Int64(r) * payload_bytes, vec),
-                                layout), tiler)
-                            cute.copy(warp_copy, regs,
-                                      thr.partition_D(g_dst[((None, None), tile)]),
-                                      pred=row_predicate(
-                                          thr.partition_S(g_crd[((None, None), tile)]),
-                                          payload_vectors))
+                # Each (message, k)'s local segment: -1 for another rank's expert, an id
+                # outside the experts, or a later k naming an expert an earlier k named (the
+                # sender counted the same pairs).
+                for i in cutlass.range(lane, cnt * topk, WARP):
+                    m = i // topk
+                    k = i - m * topk
+                    e = s_scratch[scratch + IDS_AT + i]
+                    g = Int32(-1)
+                    if e >= lo and e < lo + local_experts:
+                        g = e - lo + shared
+                        for k2 in cutlass.range(k):
+                            if s_scratch[scratch + IDS_AT + m * topk + k2] == e:
+                                g = Int32(-1)
+                    s_scratch[scratch + SEGS_AT + i] = g
+                cute.arch.sync_warp()
+                # Rows, message by message (the experts of one message differ, so its lanes
+                # never share a counter).
+                for m in cutlass.range(cnt):
+                    row = Int32(-1)
+                    if lane < topk:
+                        g = s_scratch[scratch + SEGS_AT + m * topk + lane]
+                        if g >= 0:
+                            row = s_next[next_at + g]
+                            s_next[next_at + g] = row + 1
+                            if cutlass.const_expr(self.fmt == "nvfp4"):
+                                s_scratch[scratch + SROWS_AT + m * ROWS + lane] = \
+                                    row - s_off[g] + s_first[g] * ATOM_ROWS
+                    if lane == topk:
+                        tok = s_scratch[scratch + TOKS_AT + m]
+                        if shared != 0 and s == my_rank and tok >= shared_begin \
+                                and tok < shared_end:
+                            row = tok - shared_begin  # segment 0: this rank's tokens in order
+                        if cutlass.const_expr(self.fmt == "nvfp4"):
+                            s_scratch[scratch + SROWS_AT + m * ROWS + lane] = row
+                    if lane <= topk:
+                        s_scratch[scratch + ROWS_AT + m * ROWS + lane] = row
+                cute.arch.sync_warp()
                 if sub == 0:
-                    if cutlass.const_expr(self.fmt == "fp8"):
-                        sc = cute.make_tensor(gmem_ptr(Float32, msg + Int64(scales_offset), 16),
-                                              cute.make_layout(blocks))
-                        for i in cutlass.range(lane, (topk + 1) * blocks, WARP):
-                            k = i // blocks
-                            b = i - k * blocks
-                            r = s_rows[rows_at + k]
+                    self._record(lane, s, first_msg + j0, cnt, topk, max_tokens, src_info,
+                                 comb_rows, comb_weights, comb_tokens, s_scratch, s_wts, scratch,
+                                 wts)
+                for m in cutlass.range(sub, cnt, per_source):
+                    msg = here + ring_offset + Int64(
+                        ring((0, Int32((p0 + Int64(m)) % Int64(ring_slots)), channel, s)))
+                    rows_at = scratch + ROWS_AT + m * ROWS
+                    g_src = cute.zipped_divide(cute.make_tensor(gmem_ptr(Uint8, msg, 16), layout),
+                                               tiler)
+                    for tile in cutlass.range(tiles):
+                        pred = row_predicate(thr.partition_S(g_crd[((None, None), tile)]),
+                                             payload_vectors)
+                        t_src = thr.partition_S(g_src[((None, None), tile)])
+                        regs = cute.make_fragment_like(t_src)
+                        cute.copy(warp_copy, t_src, regs, pred=pred)
+                        for k in cutlass.range(topk + 1):
+                            r = s_scratch[rows_at + k]
                             if r >= 0:
-                                store_f32(scales.toint() + (Int64(b) * Int64(row_capacity)
-                                                             + Int64(r)) * 4, sc[b])
-                    if cutlass.const_expr(self.fmt == "nvfp4"):
-                        sw = cute.make_tensor(gmem_ptr(Int32, msg + Int64(scales_offset), 16),
-                                              cute.make_layout(rk))
-                        for i in cutlass.range(lane, (topk + 1) * rk, WARP):
-                            k = i // rk
-                            c = i - k * rk
-                            r = s_rows[rows_at + k]
-                            if r >= 0:
-                                word = sw[c]
-                                valid = scale_cols - c * 4
-                                if valid < 4:
-                                    word = word & ((Int32(1) << (valid * 8)) - 1)
-                                store_i32(scales.toint()
-                                           + _scale_word_offset(s_rows[srows_at + k], c, rk),
-                                           word)
-                # Credit back to the source once every warp of s is done with a chunk.
-                if (j + 1) % chunk_tokens == 0 or j == n - 1:
-                    cute.arch.barrier(barrier_id=2 + s, number_of_threads=WARP * per_source)
-                    if sub == 0 and lane == 0:
-                        cute.arch.store(gmem_ptr(Int64, head_word, 8), p + 1, sem="release",
-                                        scope="sys")
-                else:
-                    cute.arch.sync_warp()
+                                g_dst = cute.zipped_divide(cute.make_tensor(gmem_ptr(
+                                    Uint8, tokens.toint() + Int64(r) * payload_bytes, vec),
+                                    layout), tiler)
+                                cute.copy(warp_copy, regs,
+                                          thr.partition_D(g_dst[((None, None), tile)]),
+                                          pred=row_predicate(
+                                              thr.partition_S(g_crd[((None, None), tile)]),
+                                              payload_vectors))
+                    self._scales(lane, msg, scales, scales_offset, row_capacity, topk, blocks,
+                                 scale_cols, rk, s_scratch, rows_at,
+                                 scratch + SROWS_AT + m * ROWS)
+            # Credit back to the source once every warp of s is done with the chunk.
+            cute.arch.barrier(barrier_id=2 + s, number_of_threads=WARP * per_source)
+            if sub == 0 and lane == 0 and alive != 0:
+                cute.arch.store(gmem_ptr(Int64, head_word, 8), p0 + Int64(cnt), sem="release",
+                                scope="sys")
         if sub == 0 and lane == 0:
             cute.arch.store(gmem_ptr(Int64, streams.toint() + Int64(
                 counters((channel, s, HEADS, DISPATCH))) * 8, 8), consumed + Int64(n))
+
+    @cute.jit
+    def _record(self, lane, s, first, cnt, topk, max_tokens, src_info: cute.Pointer,
+                comb_rows: cute.Pointer, comb_weights: cute.Pointer, comb_tokens: cute.Pointer,
+                s_scratch: cute.Tensor, s_wts: cute.Tensor, scratch, wts):
+        """What combine needs of the chunk's messages first .. first + cnt - 1 of source s (row
+        and weight per k, source token), and src_info of every row they filled."""
+        for i in cutlass.range(lane, cnt * topk, WARP):
+            m = i // topk
+            k = i - m * topk
+            at = (Int64(s) * Int64(max_tokens) + Int64(first + m)) * Int64(topk) + Int64(k)
+            store_i32(comb_rows.toint() + at * 4, s_scratch[scratch + ROWS_AT + m * ROWS + k])
+            store_f32(comb_weights.toint() + at * 4, s_wts[wts + i])
+        if lane < cnt:
+            store_i32(comb_tokens.toint()
+                      + (Int64(s) * Int64(max_tokens) + Int64(first + lane)) * 4,
+                      s_scratch[scratch + TOKS_AT + lane])
+        for i in cutlass.range(lane, cnt * (topk + 1), WARP):
+            m = i // (topk + 1)
+            k = i - m * (topk + 1)
+            r = s_scratch[scratch + ROWS_AT + m * ROWS + k]
+            if r >= 0:
+                slot = Int32(-1)
+                if k < topk:
+                    slot = k
+                store_i32(src_info.toint() + Int64(r) * 8, s_scratch[scratch + TOKS_AT + m])
+                store_i32(src_info.toint() + Int64(r) * 8 + 4, slot)
+
+    @cute.jit
+    def _scales(self, lane, msg, scales: cute.Pointer, scales_offset, row_capacity, topk,
+                blocks, scale_cols, rk, s_scratch: cute.Tensor, rows_at, srows_at):
+        """A message's scales into every row it filled: each lane loads its scales once, then
+        stores them to every row (fp8: transposed [H / 128, rows]; nvfp4: 128x4 words)."""
+        if cutlass.const_expr(self.fmt == "fp8"):
+            sc = cute.make_tensor(gmem_ptr(Float32, msg + Int64(scales_offset), 16),
+                                  cute.make_layout(blocks))
+            for b in cutlass.range(lane, blocks, WARP):
+                v = sc[b]
+                for k in cutlass.range(topk + 1):
+                    r = s_scratch[rows_at + k]
+                    if r >= 0:
+                        store_f32(scales.toint() + (Int64(b) * Int64(row_capacity) + Int64(r)) * 4,
+                                  v)
+        if cutlass.const_expr(self.fmt == "nvfp4"):
+            sw = cute.make_tensor(gmem_ptr(Int32, msg + Int64(scales_offset), 16),
+                                  cute.make_layout(rk))
+            for c in cutlass.range(lane, rk, WARP):
+                word = sw[c]
+                valid = scale_cols - c * 4
+                if valid < 4:
+                    word = word & ((Int32(1) << (valid * 8)) - 1)
+                for k in cutlass.range(topk + 1):
+                    if s_scratch[rows_at + k] >= 0:
+                        store_i32(scales.toint()
+                                  + _scale_word_offset(s_scratch[srows_at + k], c, rk), word)
 
     @cute.jit
     def _zero_row_padding(self, first, stride, tokens: cute.Pointer, scales: cute.Pointer,

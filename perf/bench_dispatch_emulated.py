@@ -1,0 +1,81 @@
+"""Dispatch with every rank emulated on one GPU (`Buffer.emulated`): the transport's kernels
+without NVLink, so a time here is what the kernel itself costs (its counts, flow control and
+expansion), not the link.
+
+    python perf/bench_dispatch_emulated.py [--ranks 2,4] [--sms 24] [--tokens 4096]
+
+Each emulated rank runs its dispatch on its own CUDA stream; time = median over --reps of all
+ranks' dispatches started together (events on a joining stream).
+"""
+
+import argparse
+import statistics
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+
+def _time_all(bufs, args_of, reps):
+    streams = [torch.cuda.Stream() for _ in bufs]
+    main = torch.cuda.current_stream()
+    times = []
+    for i in range(reps + 3):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(main)
+        for buf, stream, args in zip(bufs, streams, args_of):
+            stream.wait_stream(main)
+            with torch.cuda.stream(stream):
+                buf.dispatch(*args[0], **args[1])
+        for stream in streams:
+            main.wait_stream(stream)
+        end.record(main)
+        end.synchronize()
+        if i >= 3:
+            times.append(start.elapsed_time(end) * 1e3)
+    for buf in bufs:
+        buf.check()
+    return statistics.median(times)
+
+
+def main():
+    from cute_ep.ep import Buffer
+    from layouts import EPConfig
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ranks", default="2,4")
+    parser.add_argument("--sms", default="24")
+    parser.add_argument("--formats", default="bf16,fp8")
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--reps", type=int, default=10)
+    args = parser.parse_args()
+    table = Table(title=f"{torch.cuda.get_device_name()}: emulated ranks, {args.tokens} tokens/rank, "
+                        f"H={args.hidden} K=8 E=256, median of {args.reps}")
+    for col in ("format", "ranks", "SMs per rank", "dispatch us (all ranks)"):
+        table.add_column(col)
+    for fmt in args.formats.split(","):
+        for r in map(int, args.ranks.split(",")):
+            for sms in map(int, args.sms.split(",")):
+                cfg = EPConfig(args.hidden, 8, 256, r, args.tokens, fmt)
+                bufs = Buffer.emulated(cfg, sms=sms, timeout_s=30.0)
+                gen = torch.Generator(device="cuda").manual_seed(r)
+                call = []
+                for _ in range(r):
+                    x = torch.randn(args.tokens, args.hidden, device="cuda",
+                                    generator=gen).to(torch.bfloat16)
+                    ids = torch.rand(args.tokens, 256, device="cuda",
+                                     generator=gen).argsort(1)[:, :8].int()
+                    w = torch.rand(args.tokens, 8, device="cuda", generator=gen)
+                    quant = {"global_scale": torch.tensor([100.0], device="cuda")} \
+                        if fmt == "nvfp4" else {}
+                    call.append(((x, ids, w), quant))
+                us = _time_all(bufs, call, args.reps)
+                table.add_row(fmt, str(r), str(sms), f"{us:.1f}")
+                del bufs
+    Console().print(table)
+
+
+if __name__ == "__main__":
+    main()
