@@ -26,13 +26,15 @@ from layouts import EPConfig  # noqa: E402
 del _ops
 
 
-def buffer_bytes(cfg: EPConfig) -> int:
-    """Bytes of GPU memory one rank's `Buffer(cfg)` takes (both buffer groups of peer-visible
-    memory, its local buffers, and one dispatch's outputs), computed from the layouts alone: no
-    GPU, no allocation. `cute-ep layouts` prints the breakdown."""
+def buffer_bytes(cfg: EPConfig, channels: int | None = None) -> int:
+    """Bytes of GPU memory one rank's `Buffer(cfg, sms=channels)` takes (its peer-visible rings,
+    its local buffers, and one dispatch's outputs; channels defaults to the Buffer's default
+    budget), computed from the layouts alone: no GPU, no allocation. `cute-ep layouts` prints
+    the breakdown."""
     from layouts.buffers import total_bytes
+    from layouts.channels import DEFAULT_CHANNELS
 
-    return total_bytes(cfg)
+    return total_bytes(cfg, DEFAULT_CHANNELS if channels is None else channels)
 
 
 __all__ = ["__version__", "Buffer", "EPConfig", "DispatchOutput", "DispatchHandle",

@@ -1,9 +1,10 @@
 """Intranode expert parallelism over NVLink: one `Buffer` per EP group.
 
-One process per GPU under `torch.distributed`. A `Buffer` allocates the peer-visible buffers of
-both buffer groups once from torch symmetric memory (sized by `layouts`), checks that every rank
-asked for the same configuration, and launches the kernels of `kernels/ep.py` on the current
-stream:
+One process per GPU under `torch.distributed`. A `Buffer` allocates its peer-visible rings once
+from torch symmetric memory (sized by `layouts.channels`, not by the token count), checks that
+every rank asked for the same configuration, and launches one kernel per dispatch and one per
+combine (`kernels/dispatch.py`, `kernels/combine.py`; fp8 and nvfp4 quantize first in
+`kernels/encode.py`) on the current stream:
 
     buf = Buffer(EPConfig(hidden=7168, topk=8, experts=256, ranks=4, max_tokens_per_rank=4096))
     out = buf.dispatch(x, topk_ids, topk_weights)       # expert-grouped rows + handle
@@ -48,16 +49,15 @@ from cute_ep.runtime.comm import (DEFAULT_TIMEOUT_S, ConfigMismatch, PeerTimeout
 from cute_ep.runtime.launch import check_tensor, device_arch, runtime
 from cute_ep.torch_ops import DISPATCH_FIELDS, register_buffer
 from layouts import EPConfig
-from layouts.buffers import (BUFFER_GROUPS, ERROR_ID_RANGE, ERROR_ID_TWICE, buffer_sizes,
-                             combine_routes, control_buffers, group_offsets, output_scales,
+from layouts.buffers import (ERROR_CHANNELS, ERROR_ID_RANGE, ERROR_ID_TWICE, buffer_sizes,
+                             channel_messages, combine_routes, control_buffers, output_scales,
                              peer_visible_bytes, total_bytes)
-from layouts.channels import DEFAULT_CHANNELS, ChannelGeometry
+from layouts.channels import DEFAULT_CHANNELS, ChannelGeometry, active_channels
 
-CTAS_PER_SM = 8
 # The SM budget engines give communication (DeepEP's tuned default is 20-24): the rest of the GPU
 # stays free for the other micro-batch's GEMMs. Dispatch runs one persistent CTA per SM of it.
 DEFAULT_SMS = DEFAULT_CHANNELS
-# Limits of the compiled kernels (kernels/ep.py: shared-memory tables and per-k scratch).
+# Limits of the compiled kernels (kernels/dispatch.py: shared-memory tables, per-k scratch).
 MAX_RANKS = 8
 MAX_TOPK = 16
 MAX_SEGMENTS = 271
@@ -65,7 +65,6 @@ FORMATS = ("bf16", "fp8", "nvfp4")
 # The NVFP4 encoder's e2m1 conversion by architecture (the hardware one is sm_100a only).
 E2M1_OF_ARCH = {"sm_90a": "software", "sm_100a": "hardware"}
 PHASES = {1: "dispatch", 2: "combine"}
-DISPATCH, COMBINE = 0, 1
 
 __all__ = ["Buffer", "DispatchOutput", "DispatchHandle", "Routing", "ConfigMismatch",
            "PeerTimeout"]
@@ -84,7 +83,7 @@ def _zeros(buffer, device) -> torch.Tensor:
 class Routing:
     """This rank's side of one dispatch, as combine needs it."""
 
-    group: int  # buffer group the dispatch used (-1: rebuilt by the combine operator)
+    channels: int  # channels the dispatch split its tokens over (its combine uses the same)
     num_tokens: int
     weighted: bool  # topk_weights given: combine reduces; otherwise [T, K, H]
     skip_a2a: bool
@@ -95,13 +94,14 @@ class Routing:
 
 @dataclass
 class DispatchHandle:
-    """What combine needs from a dispatch (device tensors, valid until two dispatches later)."""
+    """What combine needs from a dispatch (device tensors)."""
 
     routing: Routing
     rows: torch.Tensor  # int32 [R, max_tokens, K]: row of (source, message, k) here, or -1
     weights: torch.Tensor  # float32 [R, max_tokens, K]
     tokens: torch.Tensor  # int32 [R, max_tokens]: source token index of each message
     messages: torch.Tensor  # int32 [R]: messages received from each source
+    channels: torch.Tensor  # int32 [channels, R]: messages received per (channel, source)
 
 
 @dataclass
@@ -129,9 +129,7 @@ class _PendingDispatch:
 
 @dataclass
 class _PendingCombine:
-    group: int
-    handle: DispatchHandle
-    y: torch.Tensor
+    out: torch.Tensor
 
 
 class Buffer:
@@ -193,14 +191,12 @@ class Buffer:
         self._sms = device_sms if sms is None else min(sms, device_sms)
         t = cfg.max_tokens_per_rank
         self.msg = cfg.message
-        self.entries = 1 + cfg.segments
-        # Byte offsets inside one token message (layouts.formats).
+        # Byte offsets inside one token message (layouts.formats): scales, and the metadata
+        # (everything before it is what a bulk load brings in).
         self.scales_at = self.msg.segment("scales").offset if cfg.format != "bf16" else 0
         self.meta_at = self.msg.segment("src_token").offset
         self.geo = ChannelGeometry(cfg, channels=self._sms)
         self.channel_offsets = self.geo.peer_offsets()
-        self.offsets = group_offsets(cfg)
-        self.group_bytes = self.offsets["group_bytes"]
         self.peer_visible_bytes = peer_visible_bytes(cfg, self._sms)
         # Bytes of the NVFP4 128x4 scale output, from its layout once (not on every dispatch).
         self.nvfp4_scale_bytes = output_scales(cfg).layout.cosize() \
@@ -211,83 +207,51 @@ class Buffer:
         self.k_encode = rt.select("ep_encode", dev, format=cfg.format, **encode) \
             if cfg.format != "bf16" else None
         self.k_dispatch = rt.select("ep_dispatch", dev, format=cfg.format)
-        self.k_combine_send = rt.select("ep_combine_send", dev)
-        self.k_combine_recv = rt.select("ep_combine_recv", dev)
-        self.combine_tokens_per_cta = self.k_combine_recv.spec.sizes["tokens_per_cta"]
+        self.k_combine = rt.select("ep_combine", dev)
         sizes = self.k_dispatch.spec.sizes
         self.stages = min(sizes["max_stages"], sizes["stage_bytes"] // self.msg.size)
         if self.stages < sizes["min_stages"]:
             raise ValueError(f"hidden={cfg.hidden}: a {self.msg.size}-byte message leaves fewer "
                              f"than {sizes['min_stages']} send stages in "
                              f"{sizes['stage_bytes']} bytes of shared memory")
+        if self.geo.ring_slots < max(self.geo.chunk_tokens, cfg.topk):
+            raise ValueError(f"a ring of {self.geo.ring_slots} slots cannot hold a chunk of "
+                             f"{self.geo.chunk_tokens} messages or one token's {cfg.topk} rows")
         if self.geo.chunk_tokens > sizes["max_chunk"]:
             raise ValueError(f"chunk_tokens {self.geo.chunk_tokens} exceeds the kernel's "
                              f"{sizes['max_chunk']}")
         self.payload_vectors = self.msg.segment("payload").nbytes // sizes["vector_bytes"]
-        # Combine CTAs are latency-bound (a message at a time): up to 8 per SM of the budget.
-        self.max_ctas = CTAS_PER_SM * device_sms
 
         self.send_buf = torch.empty(t * self.msg.size, dtype=torch.uint8, device=dev) \
             if cfg.format != "bf16" else None
-        control = {b.name: _zeros(b, dev) for b in control_buffers(cfg)}
-        self.rounds = control["round_counters"]  # [phase, group]
-        self.done = control["completion_counters"]  # [phase, destination or all]
+        control = {b.name: _zeros(b, dev) for b in control_buffers(cfg, self._sms)}
+        self.dispatch_epoch = control["dispatch_round"]  # dispatches completed
+        self.dispatch_done = control["dispatch_done"]
+        self.streams = control["stream_positions"]  # (channel, rank, kind, phase)
         self.error = control["error"]  # ERROR_FIELDS
-        # Transport v2's own state: stream positions per (channel, rank, kind, phase), and the
-        # dispatch round with its finished-CTA count.
-        self.streams = torch.zeros(self.geo.counters().cosize(), dtype=torch.int64, device=dev)
-        self.dispatch_epoch = torch.zeros(1, dtype=torch.int64, device=dev)
-        self.dispatch_done = torch.zeros(1, dtype=torch.int32, device=dev)
-        self._routes = combine_routes(cfg)  # a dispatch's handle, allocated per dispatch
+        # A dispatch's handle, allocated per dispatch.
+        self._routes = [*combine_routes(cfg), channel_messages(cfg, self._sms)]
         self._no_f32 = torch.zeros(4, dtype=torch.float32, device=dev)
         self._no_i32 = torch.zeros(4, dtype=torch.int32, device=dev)
-        self.dispatch_round = 0
-        self.combine_round = 0
+        self._no_i64 = torch.zeros(4, dtype=torch.int64, device=dev)
+        # Set by `trace_dispatch(True)`: each dispatch then records its channels' timeline.
+        self.trace: torch.Tensor | None = None
 
     def _attach(self, sym: torch.Tensor, peer_addresses: list[int]) -> None:
         """Take `sym` (this rank's peer-visible bytes) and every rank's address of its own."""
         self.sym = sym
-        bases = torch.tensor(peer_addresses, dtype=torch.int64)
-        chan = self.channel_offsets["total"]
-        self.channel_bases = bases.to(self.device)
-        self.peer_bases = torch.stack([bases + chan + g * self.group_bytes
-                                       for g in range(BUFFER_GROUPS)]).to(self.device)
-        self._prepare_views()
+        self.channel_bases = torch.tensor(peer_addresses, dtype=torch.int64).to(self.device)
 
     # Sizes -------------------------------------------------------------------------------
 
     def buffer_bytes(self) -> dict[str, dict[str, int]]:
-        """Bytes of every buffer of this config (peer-visible ones per buffer group)."""
+        """Bytes of every buffer of this config, by where it lives."""
         return buffer_sizes(self.cfg, self.sms)
 
     @property
     def nbytes(self) -> int:
         """GPU memory this rank needs for the layer, outputs of one dispatch included."""
         return total_bytes(self.cfg, self.sms)
-
-    # Views of the symmetric allocation ----------------------------------------------------
-
-    def _view(self, group: int, name: str, dtype: torch.dtype, count: int,
-              skip: int = 0) -> torch.Tensor:
-        size = torch.tensor([], dtype=dtype).element_size()
-        start = (self.channel_offsets["total"] + group * self.group_bytes + self.offsets[name]
-                 + skip * size)
-        return self.sym[start:start + count * size].view(dtype)
-
-    def _prepare_views(self) -> None:
-        """The per-buffer-group views every combine launch passes, made once here rather than
-        on every call (each costs microseconds of host time, and a decode layer's kernels take
-        tens)."""
-        cfg = self.cfg
-        r, t = cfg.ranks, cfg.max_tokens_per_rank
-        self._groups = [{
-            "peer_bases": self.peer_bases[g],
-            "combine_recv": self._view(g, "combine_recv", torch.bfloat16,
-                                       t * cfg.topk * cfg.hidden),
-            "combine_flags": self._view(g, "arrival_flags", torch.int64, r),
-            "combine_round": self.rounds[COMBINE, g:g + 1],
-        } for g in range(BUFFER_GROUPS)]
-        self._done = (self.done[DISPATCH], self.done[COMBINE])
 
     # Dispatch -----------------------------------------------------------------------------
 
@@ -302,14 +266,15 @@ class Buffer:
         x: bf16 [T, H], T <= max_tokens_per_rank; topk_ids: int32/int64 [T, K];
         topk_weights: float32 [T, K] or None (combine then returns the unreduced [T, K, H]).
         skip_a2a: every rank holds all tokens and keeps only its own experts (allreduce mode).
-        num_input_tokens: an upper bound on T over all ranks (decode); must be >= T.
+        num_input_tokens: an upper bound on T over all ranks (decode), the same on every rank;
+        it splits the tokens over fewer channels (`active_channels`). Must be >= T.
         global_scale: nvfp4 only (and required there): fp32 CUDA tensor of one element, the
         `gs` of `sf = e4m3(gs * amax / 6)`, `q = e2m1(x * gs / sf)`; the same on every rank.
         """
         cfg = self.cfg
         num_tokens = self._check_dispatch_inputs(x, topk_ids, topk_weights)
         self._check_global_scale(global_scale)
-        if num_input_tokens is not None and not num_tokens <= int(num_input_tokens):
+        if num_input_tokens is not None and not 0 <= num_tokens <= int(num_input_tokens):
             raise ValueError(f"num_input_tokens={num_input_tokens} is below this rank's "
                              f"{num_tokens} tokens")
         ids = topk_ids if topk_ids.dtype == torch.int32 and topk_ids.is_contiguous() \
@@ -319,7 +284,7 @@ class Buffer:
             raise ValueError("fused_shared_expert needs topk_weights: the unreduced [T, K, H] "
                              "combine output has no slot for the shared expert")
         shared_begin, shared_end = self._shared_tokens(num_tokens, skip_a2a)
-        self.dispatch_round += 1
+        active = self.active_channels(num_input_tokens)
         weights = topk_weights if weighted else self._no_f32
 
         if cfg.format == "bf16":
@@ -330,8 +295,8 @@ class Buffer:
                 num_tokens, cfg.hidden, self.msg.size, self.scales_at)
             source, stride = self.send_buf, self.msg.size
 
-        out = self._dispatch_outputs(Routing(0, num_tokens, weighted, skip_a2a, shared_begin,
-                                             shared_end, ids))
+        out = self._dispatch_outputs(Routing(active, num_tokens, weighted, skip_a2a,
+                                             shared_begin, shared_end, ids))
         h = out.handle
         geo, off = self.geo, self.channel_offsets
         meta_word = self.msg.metadata_base
@@ -341,13 +306,14 @@ class Buffer:
             out.scales if out.scales is not None else self._no_f32,
             out.scales_offsets if out.scales_offsets is not None else self._no_i32,
             out.row_offsets, out.expert_ids, out.counts, out.src_info, h.rows, h.weights,
-            h.tokens, h.messages, num_tokens, cfg.max_tokens_per_rank, cfg.topk,
+            h.tokens, h.messages, h.channels, num_tokens, cfg.max_tokens_per_rank, cfg.topk,
             cfg.local_experts, cfg.ranks, self.rank, int(cfg.fused_shared_expert),
             int(skip_a2a), shared_begin, shared_end, int(weighted), self.msg.size, stride,
-            (meta_word - 1) * 4, meta_word, self.payload_vectors, self.scales_at,
-            cfg.row_capacity, geo.channels, geo.ring_slots, geo.chunk_tokens, self.stages,
+            self.meta_at, meta_word, self.payload_vectors, self.scales_at,
+            cfg.row_capacity, geo.channels, active, geo.ring_slots, geo.chunk_tokens, self.stages,
             off["dispatch_rings"], off["counts"], off["count_flags"], off["counters"],
-            int(self.timeout_s * 1e9))
+            int(self.timeout_s * 1e9), self.trace if self.trace is not None else self._no_i64,
+            int(self.trace is not None))
         return _PendingDispatch(out)
 
     def dispatch_wait(self, pending: _PendingDispatch) -> DispatchOutput:
@@ -373,9 +339,9 @@ class Buffer:
         expert_ids = torch.empty(segs, dtype=torch.int32, device=dev)
         counts = torch.empty(segs, dtype=torch.int32, device=dev)
         src_info = torch.empty(cap, 2, dtype=torch.int32, device=dev)
-        rows, weights, sources, messages = (_empty(b, dev) for b in self._routes)
+        rows, weights, sources, messages, channels = (_empty(b, dev) for b in self._routes)
         handle = DispatchHandle(routing=route, rows=rows, weights=weights, tokens=sources,
-                                messages=messages)
+                                messages=messages, channels=channels)
         return DispatchOutput(tokens, scales, row_offsets, expert_ids, src_info, counts, handle,
                               scales_offsets)
 
@@ -393,42 +359,33 @@ class Buffer:
     # Combine ------------------------------------------------------------------------------
 
     def combine_async(self, y: torch.Tensor, handle: DispatchHandle) -> _PendingCombine:
-        """Send each token's partial sum over this rank's experts home (bf16 `y` [rows, H] in
-        dispatch's row order)."""
-        cfg = self.cfg
+        """Launch the whole combine (one kernel): each token's partial sum over this rank's
+        experts goes home, and this rank's tokens are reduced (bf16 `y` [rows, H] in dispatch's
+        row order). `combine_wait` returns the output."""
+        cfg, r = self.cfg, handle.routing
         check_tensor(y, name="y", dtype="bfloat16", align=16, device_index=self.device.index)
         if y.dim() != 2 or y.shape[1] != cfg.hidden:
             raise ValueError(f"y must be bf16 [rows, {cfg.hidden}], got {tuple(y.shape)}")
         if y.shape[0] < cfg.row_capacity:
             raise ValueError(f"y has {y.shape[0]} rows; dispatch's outputs have row_capacity="
                              f"{cfg.row_capacity} rows (pass the full expert output buffer)")
-        group = self.combine_round % BUFFER_GROUPS
-        self.combine_round += 1
-        ctas = self._ctas_per_rank(cfg.max_tokens_per_rank)
-        views = self._groups[group]
-        self.k_combine_send.launch_unchecked(
-            views["peer_bases"], y, handle.rows, handle.weights, handle.tokens,
-            handle.messages, self._done[COMBINE], views["combine_round"],
-            cfg.max_tokens_per_rank, cfg.ranks, self.rank, cfg.topk, cfg.hidden,
-            int(handle.routing.weighted), self.offsets["combine_recv"],
-            self.offsets["arrival_flags"], ctas)
-        return _PendingCombine(group, handle, y)
+        t, k, hidden = r.num_tokens, cfg.topk, cfg.hidden
+        out = torch.empty((t, hidden) if r.weighted else (t, k, hidden), dtype=torch.bfloat16,
+                          device=self.device)
+        geo, off = self.geo, self.channel_offsets
+        self.k_combine.launch_unchecked(
+            self.channel_bases, y, handle.rows, handle.weights, handle.channels, r.topk_ids, out,
+            self.streams, self.error, t, cfg.max_tokens_per_rank, k, cfg.local_experts,
+            cfg.ranks, self.rank, int(r.weighted), int(r.skip_a2a),
+            int(cfg.fused_shared_expert), r.shared_begin, r.shared_end, hidden, geo.channels,
+            r.channels, geo.ring_slots, geo.chunk_tokens, off["combine_rings"], off["counters"],
+            int(self.timeout_s * 1e9))
+        return _PendingCombine(out)
 
     def combine_wait(self, pending: _PendingCombine) -> torch.Tensor:
-        """Wait for every rank's partial sums (bounded) and reduce: bf16 [T, H], or the
-        unreduced [T, K, H] when dispatch had no weights."""
-        cfg, h, g = self.cfg, pending.handle.routing, pending.group
-        t, k, hidden = h.num_tokens, cfg.topk, cfg.hidden
-        shape = (t, hidden) if h.weighted else (t, k, hidden)
-        out = torch.empty(shape, dtype=torch.bfloat16, device=self.device)
-        chunks = self._cap(max(1, -(-t // self.combine_tokens_per_cta)), 1)
-        views = self._groups[g]
-        self.k_combine_recv.launch_unchecked(
-            views["combine_recv"], views["combine_flags"], views["combine_round"], self.error,
-            out, pending.y, h.topk_ids, t, cfg.ranks, self.rank, k, hidden,
-            cfg.local_experts, int(h.weighted), int(h.skip_a2a), int(cfg.fused_shared_expert),
-            h.shared_begin, h.shared_end, int(self.timeout_s * 1e9), chunks)
-        return out
+        """The combined tokens: bf16 [T, H], or the unreduced [T, K, H] when dispatch had no
+        weights (stream-ordered: kernels queued after this see them)."""
+        return pending.out
 
     def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """`combine_async` then `combine_wait` (see both). Under `torch.compile` this is the
@@ -436,8 +393,8 @@ class Buffer:
         if torch.compiler.is_compiling():
             r = handle.routing
             return torch.ops.cute_ep.combine(self.op_id, y, r.topk_ids, handle.rows,
-                                             handle.weights, handle.tokens, handle.messages,
-                                             r.weighted, r.skip_a2a)
+                                             handle.weights, handle.channels, r.weighted,
+                                             r.skip_a2a, r.channels)
         return self.combine_wait(self.combine_async(y, handle))
 
     # Errors -------------------------------------------------------------------------------
@@ -462,9 +419,13 @@ class Buffer:
                 what.append("a token listing the same expert twice (the later k was dropped)")
             raise ValueError(f"topk_ids held {' and '.join(what)}; those (token, k) pairs were "
                              f"dropped from this dispatch and its combine")
+        if bad_counts & ERROR_CHANNELS:
+            raise ValueError("ranks dispatched with different num_input_tokens (so over different "
+                             "numbers of channels); pass the same value on every rank. This "
+                             "Buffer's streams are now out of step: recreate it")
         if bad_counts:
-            raise RuntimeError("received counts or positions were inconsistent; the affected "
-                               "rows were dropped")
+            raise RuntimeError("received counts were inconsistent; the affected rows were "
+                               "dropped")
 
     # For the custom operators (cute_ep.torch_ops) --------------------------------------------
 
@@ -474,9 +435,10 @@ class Buffer:
         t = torch.ops.cute_ep.dispatch(self.op_id, x, topk_ids, topk_weights, skip_a2a,
                                        num_input_tokens, global_scale)
         fields = dict(zip(DISPATCH_FIELDS, t))
-        handle = self.handle_of(topk_ids, fields["rows"], fields["weights"],
-                                fields["source_tokens"], fields["messages"],
-                                topk_weights is not None, skip_a2a)
+        handle = self.handle_of(topk_ids, fields["rows"], fields["weights"], fields["channels"],
+                                topk_weights is not None, skip_a2a,
+                                self.active_channels(num_input_tokens), fields["source_tokens"],
+                                fields["messages"])
         fmt = self.cfg.format
         return DispatchOutput(fields["tokens"], fields["scales"] if fmt != "bf16" else None,
                               fields["row_offsets"], fields["expert_ids"], fields["src_info"],
@@ -499,15 +461,36 @@ class Buffer:
         return [tokens, scales, ((segs + 1,), torch.int32), ((segs,), torch.int32),
                 ((cap, 2), torch.int32), ((segs,), torch.int32), scales_offsets, *routes]
 
-    def handle_of(self, topk_ids, rows, weights, source_tokens, messages, weighted: bool,
-                  skip_a2a: bool) -> DispatchHandle:
-        """A DispatchHandle from its tensors (what the dispatch operator returned) and the
-        dispatch's arguments."""
+    def handle_of(self, topk_ids, rows, weights, channels, weighted: bool, skip_a2a: bool,
+                  active: int, source_tokens=None, messages=None) -> DispatchHandle:
+        """A DispatchHandle from the tensors combine reads (what the dispatch operator
+        returned) and the dispatch's arguments (`active`: its `active_channels`)."""
         num_tokens = topk_ids.shape[0]
         begin, end = self._shared_tokens(num_tokens, skip_a2a)
-        return DispatchHandle(Routing(-1, num_tokens, bool(weighted), bool(skip_a2a), begin, end,
-                                      topk_ids.to(torch.int32).contiguous()),
-                              rows, weights, source_tokens, messages)
+        none = rows.new_empty(0)
+        return DispatchHandle(Routing(int(active), num_tokens, bool(weighted), bool(skip_a2a),
+                                      begin, end, topk_ids.to(torch.int32).contiguous()),
+                              rows, weights, none if source_tokens is None else source_tokens,
+                              none if messages is None else messages, channels)
+
+    def active_channels(self, num_input_tokens: int | None) -> int:
+        """The channels a dispatch splits each rank's tokens over: every channel of the budget,
+        or for a small `num_input_tokens` (decode) one per TOKENS_PER_CHANNEL tokens, so fewer
+        CTAs run, wait and count. Every rank must pass the same `num_input_tokens`."""
+        return active_channels(self.geo.channels, self.cfg.max_tokens_per_rank, num_input_tokens)
+
+    def trace_dispatch(self, on: bool = True) -> None:
+        """Record, on every later dispatch, each channel's timeline (`layouts.channels.
+        TRACE_FIELDS`: %globaltimer stamps, then the sender's wait times) into `self.trace`, an
+        int64 [channels, fields] tensor; off: record nothing (the default, no cost)."""
+        from layouts.channels import TRACE_FIELDS, trace_layout
+
+        if not on:
+            self.trace = None
+            return
+        layout = trace_layout(self.geo.channels)
+        self.trace = torch.zeros(layout.cosize(), dtype=torch.int64, device=self.device).view(
+            self.geo.channels, len(TRACE_FIELDS))
 
     # Internals ----------------------------------------------------------------------------
 
@@ -524,16 +507,6 @@ class Buffer:
     def sms(self) -> int:
         """The SMs this layer's communication occupies (fixed at construction)."""
         return self._sms
-
-    def _cap(self, ctas: int, per: int) -> int:
-        """`ctas` CTAs for each of `per` grid rows, within the `sms` budget (combine)."""
-        return max(1, min(ctas, self._sms // per))
-
-    def _ctas_per_rank(self, tokens: int) -> int:
-        """CTAs per peer rank for a kernel that walks up to `tokens` messages from each rank."""
-        return self._cap(max(1, min(self.max_ctas // self.cfg.ranks, -(-tokens // 4))),
-                         self.cfg.ranks)
-
 
     def _check_dispatch_inputs(self, x, topk_ids, topk_weights) -> int:
         cfg, dev = self.cfg, self.device.index

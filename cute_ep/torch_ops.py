@@ -137,7 +137,7 @@ def _(x, global_scales, row_offsets, scales, scale_rows):
 # Dispatch and combine -------------------------------------------------------------------------
 
 DISPATCH_FIELDS = ("tokens", "scales", "row_offsets", "expert_ids", "src_info", "counts",
-                    "scales_offsets", "rows", "weights", "source_tokens", "messages")
+                    "scales_offsets", "rows", "weights", "source_tokens", "messages", "channels")
 
 
 @custom_op("cute_ep::dispatch", mutates_args=())
@@ -153,7 +153,7 @@ def dispatch(op_id: int, x: torch.Tensor, topk_ids: torch.Tensor,
     return [out.tokens, out.scales if out.scales is not None else empty.float(),
             out.row_offsets, out.expert_ids, out.src_info, out.counts,
             out.scales_offsets if out.scales_offsets is not None else empty,
-            h.rows, h.weights, h.tokens, h.messages]
+            h.rows, h.weights, h.tokens, h.messages, h.channels]
 
 
 @dispatch.register_fake
@@ -163,16 +163,17 @@ def _(op_id, x, topk_ids, topk_weights, skip_a2a, num_input_tokens, global_scale
 
 @custom_op("cute_ep::combine", mutates_args=())
 def combine(op_id: int, y: torch.Tensor, topk_ids: torch.Tensor, rows: torch.Tensor,
-            weights: torch.Tensor, source_tokens: torch.Tensor, messages: torch.Tensor,
-            weighted: bool, skip_a2a: bool) -> torch.Tensor:
-    """`Buffer.combine` of Buffer `op_id` for the dispatch whose handle tensors are given."""
+            weights: torch.Tensor, channels: torch.Tensor, weighted: bool, skip_a2a: bool,
+            active: int) -> torch.Tensor:
+    """`Buffer.combine` of Buffer `op_id` for the dispatch whose handle tensors are given
+    (`active`: the channels that dispatch used)."""
     buf = _buffer(op_id)
-    return buf.combine(y, buf.handle_of(topk_ids, rows, weights, source_tokens, messages,
-                                        weighted, skip_a2a))
+    return buf.combine(y, buf.handle_of(topk_ids, rows, weights, channels, weighted, skip_a2a,
+                                        active))
 
 
 @combine.register_fake
-def _(op_id, y, topk_ids, rows, weights, source_tokens, messages, weighted, skip_a2a):
+def _(op_id, y, topk_ids, rows, weights, channels, weighted, skip_a2a, active):
     t, k = topk_ids.shape
     shape = (t, y.shape[1]) if weighted else (t, k, y.shape[1])
     return y.new_empty(shape, dtype=torch.bfloat16)

@@ -39,13 +39,14 @@ from cutlass import Float32, Int32, Int64, Uint8
 
 from kernels.bulk_copy import bulk_load, bulk_store
 from kernels.copy import row_predicate, row_tiled_copy
-from kernels.memory import gmem_ptr, load_i32, store_f32, store_i32
+from kernels.memory import error_field, gmem_ptr, load_f32, load_i32, store_f32, store_i32
+from kernels.routing import channel_tokens, route_token
 from kernels.scan import warp_exclusive_scan
-from layouts.abi import ARCHES, GridRule, KernelSpec, Param
-from layouts.buffers import ERROR_ID_RANGE, ERROR_ID_TWICE
-from layouts.channels import (COMBINE, DISPATCH, HEADS, TAILS,
-                              count_flags_layout, counters_layout,
-                              counts_layout, ring_layout)
+from layouts.abi import GridRule, KernelSpec, Param
+from layouts.buffers import ERROR_CHANNELS, ERROR_COUNTS
+from layouts.channels import (DISPATCH, HEADS, TAILS, TRACE_FIELDS, channel_messages_layout,
+                              count_flags_layout, counters_layout, counts_layout, ring_layout,
+                              trace_layout)
 from layouts.config import FP8_ROW_ALIGN
 from layouts.formats import METADATA_FIELDS, metadata_layout
 from layouts.scales import ATOM_BYTES, ATOM_ROWS
@@ -63,11 +64,13 @@ MAX_STAGES = 16
 MIN_STAGES = 3
 WRITES_IN_FLIGHT = 6  # messages whose bulk stores may still be completing
 READS_IN_FLIGHT = (6, 4, 2, 1)  # messages whose bulk stores may still be reading their stage
+WAITS_AT = 3 * MAX_RANKS  # s_pos words of the sender's wait times (traced)
 HISTORY = 8  # > WRITES_IN_FLIGHT: stream positions remembered per message for the tails
 FP8_BLOCK = 128
 NVFP4_BLOCK = 16
 FORMATS = ("bf16", "fp8", "nvfp4")
 PHASE_DISPATCH = 1  # the error record's phase (layouts.buffers.PHASES order, 1-based)
+FLAG_ROUND = 256  # a count flag holds epoch * FLAG_ROUND + the channels its source used
 IDS, WEIGHTS = METADATA_FIELDS.index("expert_ids"), METADATA_FIELDS.index("weights")
 LIMITS = {"max_ranks": MAX_RANKS, "max_topk": MAX_TOPK, "max_segments": MAX_SEGMENTS - 1,
           "max_experts": MAX_EXPERTS, "stage_bytes": STAGE_BYTES, "max_stages": MAX_STAGES,
@@ -77,14 +80,14 @@ IDS_AT, SEGS_AT, TOKS_AT = 0, MAX_CHUNK * MAX_TOPK, 2 * MAX_CHUNK * MAX_TOPK
 ROWS_AT = TOKS_AT + MAX_CHUNK
 SROWS_AT = ROWS_AT + MAX_CHUNK * ROWS
 SCRATCH = SROWS_AT + MAX_CHUNK * ROWS
-assert DISPATCH == 0 and COMBINE == 1 and TAILS == 0 and HEADS == 1
 
 
 @cute.jit
 def _wait_at_least(addr, target, timeout_ns, error: cute.Pointer, missing, phase):
     """Poll the 64-bit word at `addr` (acquire, system scope) until it reaches `target`.
     Returns (value, 1), or (value, 0) when `timeout_ns` passed (recording `missing` and `phase`
-    in the error record) or another wait of the layer already failed."""
+    in the error record) or another wait of the layer already failed (a missing rank, or ranks
+    that split their tokens over different channels)."""
     word = gmem_ptr(Int64, addr, 8)
     value = cute.arch.load(word, Int64, sem="acquire", scope="sys")
     ok = Int32(1)
@@ -93,15 +96,26 @@ def _wait_at_least(addr, target, timeout_ns, error: cute.Pointer, missing, phase
         while value < target and ok != 0:
             value = cute.arch.load(word, Int64, sem="acquire", scope="sys")
             if value < target:
-                if cute.arch.load(error, Int32, sem="relaxed", scope="gpu") != 0:
+                if cute.arch.load(error, Int32, sem="relaxed", scope="gpu") != 0 or \
+                        (cute.arch.load(error_field(error, "bad_counts"), Int32, sem="relaxed",
+                                        scope="gpu") & ERROR_CHANNELS) != 0:
                     ok = Int32(0)
                 elif cute.arch.globaltimer() - start > timeout_ns:
                     ok = Int32(0)
                     old = cute.arch.atomic_cas(error, cmp=Int32(0), val=Int32(missing + 1),
                                                sem="relaxed", scope="gpu")
                     if old == 0:
-                        store_i32(error.toint() + 4, phase)
+                        cute.arch.store(error_field(error, "phase"), Int32(phase))
     return value, ok
+
+
+@cute.jit
+def _stamp(trace: cute.Pointer, tracing, channel, field: cutlass.Constexpr, value):
+    """With tracing on, word `field` (TRACE_FIELDS) of this channel's trace = value."""
+    if tracing != 0:
+        at = trace.toint() + Int64(trace_layout(channel + 1)((TRACE_FIELDS.index(field),
+                                                                channel))) * 8
+        cute.arch.store(gmem_ptr(Int64, at, 8), Int64(value))
 
 
 @cute.jit
@@ -127,7 +141,7 @@ def _scale_word_offset(srow, group, rk):
 
 
 class EpDispatch:
-    def __init__(self, fmt: str, tile_vectors: int = 16):
+    def __init__(self, fmt: str, tile_vectors: int = 32):
         if fmt not in FORMATS:
             raise ValueError(f"ep_dispatch formats: {FORMATS}, not {fmt!r}")
         self.fmt = fmt
@@ -142,10 +156,12 @@ class EpDispatch:
     def smem_bytes(self) -> int:
         words = (MAX_EXPERTS + 2 * MAX_RANKS + 8  # s_cnt
                  + RECV_WARPS * MAX_SEGMENTS  # s_next
+                 + MAX_RANKS * MAX_SEGMENTS  # s_totals
                  + 4 * (MAX_SEGMENTS + 4)  # s_off, s_tot, s_raw, s_first
                  + 4 * MAX_RANKS  # s_src
                  + RECV_WARPS * (SCRATCH + MAX_CHUNK * MAX_TOPK)  # s_scratch, s_wts
-                 + WARP + 2 * MAX_STAGES)  # s_batch, s_stage
+                 + WARP + 2 * MAX_STAGES  # s_batch, s_stage
+                 + 2 * WARP * MAX_TOPK)  # s_bids, s_bw
         dwords = MAX_STAGES + 4 * MAX_RANKS + HISTORY * MAX_RANKS
         return STAGE_BYTES + 4 * words + 8 * dwords + 16 * 16 + 128
 
@@ -175,6 +191,8 @@ class EpDispatch:
                 Param("comb_tokens", "ptr", "int32", align=4, writes=True),
                 Param("comb_counts", "ptr", "int32", align=4, writes=True,
                       min_elements=("ranks", 1)),
+                Param("chan_msgs", "ptr", "int32", align=4, writes=True,
+                      min_elements=("ranks", 1)),
                 Param("num_tokens", "i32"),
                 Param("max_tokens", "i32"),
                 Param("topk", "i32"),
@@ -194,6 +212,7 @@ class EpDispatch:
                 Param("scales_offset", "i32"),
                 Param("row_capacity", "i32"),
                 Param("channels", "i32"),
+                Param("active", "i32"),
                 Param("ring_slots", "i32"),
                 Param("chunk_tokens", "i32"),
                 Param("stages", "i32"),
@@ -202,9 +221,11 @@ class EpDispatch:
                 Param("flags_offset", "i64"),
                 Param("counters_offset", "i64"),
                 Param("timeout_ns", "i64"),
+                Param("trace", "ptr", "int64", align=8, writes=True),
+                Param("tracing", "i32"),
             ),
             block=(self.threads, 1, 1),
-            grid=(GridRule(ceil_div=("channels", 1)), GridRule(constant=1),
+            grid=(GridRule(ceil_div=("active", 1)), GridRule(constant=1),
                   GridRule(constant=1)),
             smem_bytes=self.smem_bytes,
             sizes=dict(LIMITS, row_align=self.row_align, vector_bytes=self.vector_bytes,
@@ -218,24 +239,28 @@ class EpDispatch:
                  scales: cute.Pointer, scales_offsets: cute.Pointer, row_offsets: cute.Pointer,
                  expert_ids: cute.Pointer, seg_counts: cute.Pointer, src_info: cute.Pointer,
                  comb_rows: cute.Pointer, comb_weights: cute.Pointer, comb_tokens: cute.Pointer,
-                 comb_counts: cute.Pointer, num_tokens: Int32, max_tokens: Int32, topk: Int32,
+                 comb_counts: cute.Pointer, chan_msgs: cute.Pointer, num_tokens: Int32,
+                 max_tokens: Int32, topk: Int32,
                  local_experts: Int32, ranks: Int32, my_rank: Int32, shared: Int32,
                  skip_a2a: Int32, shared_begin: Int32, shared_end: Int32, has_weights: Int32,
                  msg_bytes: Int32, source_stride: Int32, load_bytes: Int32, meta_word: Int32,
                  payload_vectors: Int32, scales_offset: Int32, row_capacity: Int32,
-                 channels: Int32, ring_slots: Int32, chunk_tokens: Int32, stages: Int32,
+                 channels: Int32, active: Int32, ring_slots: Int32, chunk_tokens: Int32,
+                 stages: Int32,
                  ring_offset: Int64, counts_offset: Int64, flags_offset: Int64,
-                 counters_offset: Int64, timeout_ns: Int64, stream):
+                 counters_offset: Int64, timeout_ns: Int64, trace: cute.Pointer,
+                 tracing: Int32, stream):
         self.kernel(peer_bases, source, topk_ids, topk_weights, streams, rounds, done, error,
                     tokens, scales, scales_offsets, row_offsets, expert_ids, seg_counts,
-                    src_info, comb_rows, comb_weights, comb_tokens, comb_counts, num_tokens,
+                    src_info, comb_rows, comb_weights, comb_tokens, comb_counts, chan_msgs,
+                    num_tokens,
                     max_tokens, topk, local_experts, ranks, my_rank, shared, skip_a2a,
                     shared_begin, shared_end, has_weights, msg_bytes, source_stride, load_bytes,
-                    meta_word, payload_vectors, scales_offset, row_capacity, channels,
+                    meta_word, payload_vectors, scales_offset, row_capacity, channels, active,
                     ring_slots, chunk_tokens, stages, ring_offset, counts_offset, flags_offset,
-                    counters_offset, timeout_ns,
+                    counters_offset, timeout_ns, trace, tracing,
                     row_tiled_copy(WARP, Uint8, self.vector_bytes)).launch(
-            grid=(channels, 1, 1), block=(self.threads, 1, 1), smem=self.smem_bytes,
+            grid=(active, 1, 1), block=(self.threads, 1, 1), smem=self.smem_bytes,
             stream=stream)
 
     @cute.kernel
@@ -245,14 +270,17 @@ class EpDispatch:
                scales: cute.Pointer, scales_offsets: cute.Pointer, row_offsets: cute.Pointer,
                expert_ids: cute.Pointer, seg_counts: cute.Pointer, src_info: cute.Pointer,
                comb_rows: cute.Pointer, comb_weights: cute.Pointer, comb_tokens: cute.Pointer,
-               comb_counts: cute.Pointer, num_tokens: Int32, max_tokens: Int32, topk: Int32,
-               local_experts: Int32, ranks: Int32, my_rank: Int32, shared: Int32,
+               comb_counts: cute.Pointer, chan_msgs: cute.Pointer, num_tokens: Int32,
+               max_tokens: Int32, topk: Int32, local_experts: Int32, ranks: Int32,
+               my_rank: Int32, shared: Int32,
                skip_a2a: Int32, shared_begin: Int32, shared_end: Int32, has_weights: Int32,
                msg_bytes: Int32, source_stride: Int32, load_bytes: Int32, meta_word: Int32,
                payload_vectors: Int32, scales_offset: Int32, row_capacity: Int32,
-               channels: Int32, ring_slots: Int32, chunk_tokens: Int32, stages: Int32,
+               channels: Int32, active: Int32, ring_slots: Int32, chunk_tokens: Int32,
+               stages: Int32,
                ring_offset: Int64, counts_offset: Int64, flags_offset: Int64,
-               counters_offset: Int64, timeout_ns: Int64, warp_copy: cute.TiledCopy):
+               counters_offset: Int64, timeout_ns: Int64, trace: cute.Pointer, tracing: Int32,
+               warp_copy: cute.TiledCopy):
         tidx, _, _ = cute.arch.thread_idx()
         channel, _, _ = cute.arch.block_idx()
         warp = tidx // WARP
@@ -268,6 +296,8 @@ class EpDispatch:
                                      byte_alignment=16)
         s_next = smem.allocate_tensor(Int32, cute.make_layout(RECV_WARPS * MAX_SEGMENTS),
                                       byte_alignment=16)
+        s_totals = smem.allocate_tensor(Int32, cute.make_layout(MAX_RANKS * MAX_SEGMENTS),
+                                        byte_alignment=16)
         s_off = smem.allocate_tensor(Int32, cute.make_layout(MAX_SEGMENTS + 4), byte_alignment=16)
         s_tot = smem.allocate_tensor(Int32, cute.make_layout(MAX_SEGMENTS + 4), byte_alignment=16)
         s_raw = smem.allocate_tensor(Int32, cute.make_layout(MAX_SEGMENTS + 4), byte_alignment=16)
@@ -279,11 +309,15 @@ class EpDispatch:
         s_wts = smem.allocate_tensor(Float32, cute.make_layout(RECV_WARPS * MAX_CHUNK * MAX_TOPK),
                                      byte_alignment=16)
         s_batch = smem.allocate_tensor(Int32, cute.make_layout(WARP), byte_alignment=16)
+        s_bids = smem.allocate_tensor(Int32, cute.make_layout(WARP * MAX_TOPK), byte_alignment=16)
+        s_bw = smem.allocate_tensor(Float32, cute.make_layout(WARP * MAX_TOPK), byte_alignment=16)
         s_stage = smem.allocate_tensor(Int32, cute.make_layout(2 * MAX_STAGES), byte_alignment=16)
         s_pos = smem.allocate_tensor(Int64, cute.make_layout(4 * MAX_RANKS), byte_alignment=16)
         s_hist = smem.allocate_tensor(Int64, cute.make_layout(HISTORY * MAX_RANKS),
                                       byte_alignment=16)
 
+        if tidx == 0:
+            _stamp(trace, tracing, channel, "start", cute.arch.globaltimer())
         peers = cute.make_tensor(peer_bases, cute.make_layout(ranks))
         here = peers[my_rank]
         epoch = cute.arch.load(rounds, Int64, sem="relaxed", scope="gpu") + 1
@@ -292,15 +326,7 @@ class EpDispatch:
         flags_at = count_flags_layout(channels, ranks)
         counters = counters_layout(channels, ranks)
 
-        # The channel's tokens [t0, t1): the first num_tokens % channels channels hold one more.
-        per = num_tokens // channels
-        extra = num_tokens - per * channels
-        t0 = channel * per + extra
-        if channel < extra:
-            t0 = channel * per + channel
-        t1 = t0 + per
-        if channel < extra:
-            t1 = t1 + 1
+        t0, t1 = channel_tokens(channel, num_tokens, active)
 
         # 1. Counts --------------------------------------------------------------------------
         msgs_at = MAX_EXPERTS  # s_cnt[msgs_at + d]: messages to d; [shared_at]: shared tokens
@@ -313,10 +339,10 @@ class EpDispatch:
             cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
         for t in cutlass.range(t0 + tidx, t1, self.threads):
-            mask, bad = self._route(topk_ids, t, topk, experts, local_experts, my_rank,
+            mask, bad = route_token(topk_ids, t, topk, experts, local_experts, my_rank,
                                     skip_a2a, shared, shared_begin, shared_end, s_cnt, True)
             if bad != 0:
-                cute.arch.atomic_or(gmem_ptr(Int32, error.toint() + 8, 4), bad, sem="relaxed",
+                cute.arch.atomic_or(error_field(error, "bad_ids"), bad, sem="relaxed",
                                     scope="gpu")
             for d in cutlass.range(ranks):
                 if (mask >> d) & 1 != 0:
@@ -338,11 +364,13 @@ class EpDispatch:
             store_i32(peers[d] + counts_offset
                        + Int64(counts_at((entry, channel, my_rank, parity))) * 4, value)
         cute.arch.sync_threads()
-        if tidx == 0:
-            cute.arch.fence_acq_rel_sys()
         if tidx < ranks:
+            cute.arch.fence_acq_rel_sys()
             flag = peers[tidx] + flags_offset + Int64(flags_at((channel, my_rank, parity))) * 8
-            cute.arch.store(gmem_ptr(Int64, flag, 8), epoch, sem="release", scope="sys")
+            cute.arch.store(gmem_ptr(Int64, flag, 8), epoch * FLAG_ROUND + Int64(active),
+                            sem="release", scope="sys")
+        if tidx == 0:
+            _stamp(trace, tracing, channel, "counts_sent", cute.arch.globaltimer())
 
         # 2. Send ----------------------------------------------------------------------------
         if warp == 0:
@@ -351,58 +379,30 @@ class EpDispatch:
                        skip_a2a, shared_begin, shared_end, has_weights, msg_bytes,
                        source_stride, load_bytes, meta_word, channels, ring_slots,
                        chunk_tokens, stages, ring_offset, counters_offset, counters, timeout_ns,
-                       stage_buf, full, s_cnt, s_batch, s_stage, s_pos, s_hist)
+                       stage_buf, full, s_cnt, s_batch, s_bids, s_bw, s_stage, s_pos, s_hist,
+                       trace, tracing)
 
         # 3. Receive -------------------------------------------------------------------------
         if warp > 0:
             self._receive(tidx - WARP, channel, peers, here, streams, error, tokens, scales,
                           scales_offsets, row_offsets, expert_ids, seg_counts, src_info,
-                          comb_rows, comb_weights, comb_tokens, comb_counts, max_tokens, topk,
+                          comb_rows, comb_weights, comb_tokens, comb_counts, chan_msgs,
+                          max_tokens, topk,
                           local_experts, ranks, my_rank, shared, shared_begin, shared_end,
                           msg_bytes, meta_word, payload_vectors, scales_offset, row_capacity,
-                          channels, ring_slots, chunk_tokens, ring_offset, counts_offset,
-                          flags_offset, counters_offset, counters, counts_at, flags_at, parity,
-                          epoch, timeout_ns, s_next, s_off, s_tot, s_raw, s_first, s_src,
-                          s_rows, s_wts, warp_copy)
+                          channels, active, ring_slots, chunk_tokens, ring_offset,
+                          counts_offset, flags_offset, counters_offset, counters, counts_at,
+                          flags_at, parity, epoch, timeout_ns, s_next, s_totals, s_off, s_tot,
+                          s_raw, s_first, s_src, s_rows, s_wts, warp_copy, trace, tracing)
 
         # The last CTA to finish advances the round.
         cute.arch.sync_threads()
         if tidx == 0:
+            _stamp(trace, tracing, channel, "end", cute.arch.globaltimer())
             old = cute.arch.atomic_add(done, Int32(1), sem="acq_rel", scope="gpu")
-            if old == channels - 1:
+            if old == active - 1:
                 cute.arch.store(done, Int32(0))
                 cute.arch.store(rounds, epoch)
-
-    @cute.jit
-    def _route(self, topk_ids: cute.Pointer, t, topk, experts, local_experts, my_rank,
-               skip_a2a, shared, shared_begin, shared_end, s_cnt: cute.Tensor,
-               count: cutlass.Constexpr):
-        """(destination-rank bit mask of token t, bad-id bits). A (token, k) pair is valid when
-        its id is in [0, experts) and no earlier k names the same expert; with skip_a2a only this
-        rank's experts count. With `count`, each valid pair adds one to s_cnt[expert]."""
-        ids = cute.make_tensor(topk_ids, cute.make_layout((t + 1) * topk))
-        mask = Int32(0)
-        bad = Int32(0)
-        for k in cutlass.range(topk):
-            e = ids[t * topk + k]
-            if e < 0 or e >= experts:
-                bad = bad | ERROR_ID_RANGE
-            else:
-                twice = Int32(0)
-                for k2 in cutlass.range(k):
-                    if ids[t * topk + k2] == e:
-                        twice = Int32(1)
-                if twice != 0:
-                    bad = bad | ERROR_ID_TWICE
-                else:
-                    d = e // local_experts
-                    if skip_a2a == 0 or d == my_rank:
-                        mask = mask | (Int32(1) << d)
-                        if cutlass.const_expr(count):
-                            cute.arch.atomic_add(s_cnt.iterator + e, Int32(1))
-        if shared != 0 and t >= shared_begin and t < shared_end:
-            mask = mask | (Int32(1) << my_rank)
-        return mask, bad
 
     @cute.jit
     def _send(self, lane, channel, t0, t1, peers: cute.Tensor, here, source: cute.Pointer,
@@ -411,8 +411,9 @@ class EpDispatch:
               skip_a2a, shared_begin, shared_end, has_weights, msg_bytes, source_stride,
               load_bytes, meta_word, channels, ring_slots, chunk_tokens, stages, ring_offset,
               counters_offset, counters, timeout_ns, stage_buf: cute.Tensor, full: cute.Pointer,
-              s_cnt: cute.Tensor, s_batch: cute.Tensor, s_stage: cute.Tensor, s_pos: cute.Tensor,
-              s_hist: cute.Tensor):
+              s_cnt: cute.Tensor, s_batch: cute.Tensor, s_bids: cute.Tensor, s_bw: cute.Tensor,
+              s_stage: cute.Tensor, s_pos: cute.Tensor,
+              s_hist: cute.Tensor, trace: cute.Pointer, tracing):
         """The sender warp: lane 0 drives the bulk copies, the lanes write metadata."""
         ring = ring_layout(msg_bytes, ring_slots, channels, ranks)
         meta = metadata_layout(topk)
@@ -427,6 +428,9 @@ class EpDispatch:
                 gmem_ptr(Int64, here + counters_offset
                      + Int64(counters((channel, lane, HEADS, DISPATCH))) * 8, 8),
                 Int64, sem="relaxed", scope="sys")
+        if lane == 0:
+            s_pos[WAITS_AT] = Int64(0)
+            s_pos[WAITS_AT + 1] = Int64(0)
         cute.arch.sync_warp()
         # Stores may still be reading `reading` stages when a stage is reloaded; loads run
         # `lookahead` = stages - 1 - reading messages ahead of stores.
@@ -441,9 +445,18 @@ class EpDispatch:
             t = batch + lane
             mask = Int32(0)
             if t < t1:
-                mask, _ = self._route(topk_ids, t, topk, experts, local_experts, my_rank,
+                mask, _ = route_token(topk_ids, t, topk, experts, local_experts, my_rank,
                                       skip_a2a, shared, shared_begin, shared_end, s_cnt, False)
             s_batch[lane] = mask
+            # The batch's ids and weights, a token per lane, for the metadata of its messages.
+            if t < t1:
+                for k in cutlass.range(topk):
+                    at = Int64(t) * Int64(topk) + Int64(k)
+                    s_bids[lane * MAX_TOPK + k] = load_i32(topk_ids.toint() + at * 4)
+                    w = Float32(0.0)
+                    if has_weights != 0:
+                        w = load_f32(topk_weights.toint() + at * 4)
+                    s_bw[lane * MAX_TOPK + k] = w
             cute.arch.sync_warp()
             n = t1 - batch
             if n > WARP:
@@ -457,32 +470,27 @@ class EpDispatch:
                     if lane == 0:
                         # Stage st last held message loaded - stages: its store must have read it
                         # (stores are issued up to loaded - 1 - lookahead, so all but the newest
-                        # `reading` of them).
+                        # `reading` of them). The payload's load starts at once.
                         _wait_reads(reading)
                         s_stage[st] = tok
                         s_stage[MAX_STAGES + st] = m
+                        cute.arch.mbarrier_arrive_and_expect_tx(full + st, load_bytes)
+                        bulk_load(slot, source.toint() + Int64(tok) * Int64(source_stride),
+                                  load_bytes, full + st)
                     cute.arch.sync_warp()
+                    # The metadata, beside the payload (the bulk store reads it much later,
+                    # after this warp's proxy fence).
                     words = cute.make_tensor(cute.recast_ptr(slot, dtype=Int32),
                                              cute.make_layout(meta_word + meta.cosize()))
                     if lane < topk:
-                        at = Int64(tok) * Int64(topk) + Int64(lane)
-                        words[meta_word + meta((lane, IDS))] = load_i32(
-                            topk_ids.toint() + at * 4)
-                        w = Float32(0.0)
-                        if has_weights != 0:
-                            w = cute.make_tensor(gmem_ptr(Float32, topk_weights.toint() + at * 4, 4),
-                                                 cute.make_layout(1))[0]
+                        words[meta_word + meta((lane, IDS))] = s_bids[b * MAX_TOPK + lane]
                         cute.make_tensor(cute.recast_ptr(slot, dtype=Float32),
                                          cute.make_layout(meta_word + meta.cosize()))[
-                            meta_word + meta((lane, WEIGHTS))] = w
+                            meta_word + meta((lane, WEIGHTS))] = s_bw[b * MAX_TOPK + lane]
                     if lane == WARP - 1:
                         words[meta_word - 1] = tok
                     cute.arch.fence_proxy("async.shared", space="cta")
                     cute.arch.sync_warp()
-                    if lane == 0:
-                        cute.arch.mbarrier_arrive_and_expect_tx(full + st, load_bytes)
-                        bulk_load(slot, source.toint() + Int64(tok) * Int64(source_stride),
-                                  load_bytes, full + st)
                     loaded = loaded + 1
                     if loaded - stored > lookahead:
                         alive = self._store(lane, stored, alive, channel, peers, my_rank, ranks,
@@ -499,9 +507,14 @@ class EpDispatch:
                                 s_stage, s_pos, s_hist)
             stored = stored + 1
         if lane == 0:
+            start = cute.arch.globaltimer()
             cute.arch.cp_async_bulk_wait_group(0)
             cute.arch.fence_proxy("async.global")
             cute.arch.fence_acq_rel_sys()
+            now = cute.arch.globaltimer()
+            _stamp(trace, tracing, channel, "send_done", now)
+            _stamp(trace, tracing, channel, "credit_wait_ns", s_pos[WAITS_AT])
+            _stamp(trace, tracing, channel, "store_wait_ns", s_pos[WAITS_AT + 1] + now - start)
         cute.arch.sync_warp()
         if lane < ranks:
             pos = s_pos[sent_at + lane]
@@ -533,12 +546,14 @@ class EpDispatch:
                 if (m >> d) & 1 != 0 and ok != 0:
                     pos = s_pos[sent_at + d]
                     if pos - s_pos[head_at + d] >= Int64(ring_slots):
+                        start = cute.arch.globaltimer()
                         head, ok = _wait_at_least(
                             here + counters_offset
                             + Int64(counters((channel, d, HEADS, DISPATCH))) * 8,
                             pos - Int64(ring_slots) + 1, timeout_ns, error, d,
                             Int32(PHASE_DISPATCH))
                         s_pos[head_at + d] = head
+                        s_pos[WAITS_AT] = s_pos[WAITS_AT] + cute.arch.globaltimer() - start
                     if ok != 0:
                         bulk_store(peers[d] + ring_offset + Int64(
                             ring((0, Int32(pos % Int64(ring_slots)), channel, my_rank))),
@@ -550,7 +565,9 @@ class EpDispatch:
             # Messages up to j - WRITES_IN_FLIGHT are in the rings: publish at chunk boundaries.
             done_j = j - WRITES_IN_FLIGHT
             if done_j >= 0 and (done_j + 1) % chunk_tokens == 0:
+                start = cute.arch.globaltimer()
                 cute.arch.cp_async_bulk_wait_group(WRITES_IN_FLIGHT)
+                s_pos[WAITS_AT + 1] = s_pos[WAITS_AT + 1] + cute.arch.globaltimer() - start
                 cute.arch.fence_proxy("async.global")
                 cute.arch.fence_acq_rel_sys()
                 for d in cutlass.range(ranks):
@@ -568,63 +585,78 @@ class EpDispatch:
                  scales_offsets: cute.Pointer, row_offsets: cute.Pointer,
                  expert_ids: cute.Pointer, seg_counts: cute.Pointer, src_info: cute.Pointer,
                  comb_rows: cute.Pointer, comb_weights: cute.Pointer, comb_tokens: cute.Pointer,
-                 comb_counts: cute.Pointer, max_tokens, topk, local_experts, ranks, my_rank,
+                 comb_counts: cute.Pointer, chan_msgs: cute.Pointer, max_tokens, topk,
+                 local_experts, ranks, my_rank,
                  shared, shared_begin, shared_end, msg_bytes, meta_word, payload_vectors,
-                 scales_offset, row_capacity, channels, ring_slots, chunk_tokens, ring_offset,
-                 counts_offset, flags_offset, counters_offset, counters, counts_at, flags_at,
-                 parity, epoch, timeout_ns, s_next: cute.Tensor, s_off: cute.Tensor,
+                 scales_offset, row_capacity, channels, active, ring_slots, chunk_tokens,
+                 ring_offset, counts_offset, flags_offset, counters_offset, counters, counts_at,
+                 flags_at, parity, epoch, timeout_ns, s_next: cute.Tensor, s_totals: cute.Tensor,
+                 s_off: cute.Tensor,
                  s_tot: cute.Tensor, s_raw: cute.Tensor, s_first: cute.Tensor,
                  s_src: cute.Tensor, s_rows: cute.Tensor, s_wts: cute.Tensor,
-                 warp_copy: cute.TiledCopy):
+                 warp_copy: cute.TiledCopy, trace: cute.Pointer, tracing):
         """The receiver warps (thread rt of RECV_WARPS * 32)."""
         threads = self.recv_threads
         rwarp = rt // WARP
         lane = rt % WARP
         segments = local_experts + shared
-        # 3a. Every (channel, source)'s counts of this round.
-        for i in cutlass.range(rt, ranks * channels, threads):
-            s = i // channels
-            c = i - s * channels
-            _wait_at_least(here + flags_offset + Int64(flags_at((c, s, parity))) * 8, epoch,
-                           timeout_ns, error, s, Int32(PHASE_DISPATCH))
+        # 3a. Every (channel, source)'s counts of this round. A source that split its tokens
+        # over another number of channels (another num_input_tokens) is reported, not waited
+        # for past its channels.
+        for i in cutlass.range(rt, ranks * active, threads):
+            s = i // active
+            c = i - s * active
+            flag, ok = _wait_at_least(here + flags_offset + Int64(flags_at((c, s, parity))) * 8,
+                                      epoch * FLAG_ROUND, timeout_ns, error, s,
+                                      Int32(PHASE_DISPATCH))
+            if ok != 0 and flag % FLAG_ROUND != Int64(active):
+                cute.arch.atomic_or(error_field(error, "bad_counts"), Int32(ERROR_CHANNELS),
+                                    sem="relaxed", scope="gpu")
         cute.arch.barrier(barrier_id=1, number_of_threads=threads)
-        failed = cute.arch.load(error, Int32, sem="relaxed", scope="gpu") != 0
+        if rt == 0:
+            _stamp(trace, tracing, channel, "counts_arrived", cute.arch.globaltimer())
+        failed = cute.arch.load(error, Int32, sem="relaxed", scope="gpu") != 0 or \
+            (cute.arch.load(error_field(error, "bad_counts"), Int32, sem="relaxed",
+                            scope="gpu") & ERROR_CHANNELS) != 0
         # Per source: messages of this channel, messages of the channels before it, in total.
         if rt < ranks:
             n = Int32(0)
             before = Int32(0)
             total = Int32(0)
             if not failed:
-                for c in cutlass.range(channels):
-                    v = self._count(here, counts_offset, counts_at, 0, c, rt, parity, max_tokens,
-                                    error)
-                    if c < channel:
-                        before = before + v
-                    if c == channel:
-                        n = v
-                    total = total + v
+                before, total = self._sum_counts(here, counts_offset, counts_at, 0, rt, parity,
+                                                 channel, active, max_tokens, error)
+                n = self._count(here, counts_offset, counts_at, 0, channel, rt, parity)
+                if n < 0 or n > max_tokens:
+                    n = Int32(0)
             if total > max_tokens:
-                store_i32(error.toint() + 12, Int32(1))
+                cute.arch.atomic_or(error_field(error, "bad_counts"), Int32(ERROR_COUNTS),
+                                    sem="relaxed", scope="gpu")
                 n = Int32(0)
                 total = Int32(0)
             s_src[rt] = n
+            cute.make_tensor(chan_msgs, channel_messages_layout(ranks, channels).to_cute())[
+                (rt, channel)] = n
             s_src[MAX_RANKS + rt] = before
             s_src[2 * MAX_RANKS + rt] = total
-        # Per segment: rows from each source before this channel's, and in all.
+        # Per (source, segment): rows before this channel's and in all, a thread each (the
+        # channels' counts loaded together); then per segment, the sources in order.
+        for i in cutlass.range(rt, ranks * segments, threads):
+            s = i // segments
+            g = i - s * segments
+            part = Int32(0)
+            total = Int32(0)
+            if not failed:
+                part, total = self._sum_counts(here, counts_offset, counts_at, 1 + g, s, parity,
+                                               channel, active, max_tokens, error)
+            s_next[s * MAX_SEGMENTS + g] = part
+            s_totals[s * MAX_SEGMENTS + g] = total
+        cute.arch.barrier(barrier_id=1, number_of_threads=threads)
         for g in cutlass.range(rt, segments, threads):
             run = Int32(0)
             for s in cutlass.range(ranks):
-                part = Int32(0)
-                total = Int32(0)
-                if not failed:
-                    for c in cutlass.range(channels):
-                        v = self._count(here, counts_offset, counts_at, 1 + g, c, s, parity,
-                                        max_tokens, error)
-                        if c < channel:
-                            part = part + v
-                        total = total + v
-                s_next[s * MAX_SEGMENTS + g] = run + part
-                run = run + total
+                s_next[s * MAX_SEGMENTS + g] = s_next[s * MAX_SEGMENTS + g] + run
+                run = run + s_totals[s * MAX_SEGMENTS + g]
             s_raw[g] = run
             s_tot[g] = (run + self.row_align - 1) // self.row_align * self.row_align
             if cutlass.const_expr(self.fmt == "nvfp4"):
@@ -654,11 +686,11 @@ class EpDispatch:
         scale_cols = payload_vectors * self.vector_bytes * 2 // NVFP4_BLOCK
         rk = (scale_cols + 3) // 4
         if cutlass.const_expr(self.row_align > 1):
-            self._zero_row_padding(channel * threads + rt, channels * threads, tokens, scales,
+            self._zero_row_padding(channel * threads + rt, active * threads, tokens, scales,
                                    src_info, s_off, s_raw, segments, payload_bytes, blocks,
                                    row_capacity)
         if cutlass.const_expr(self.fmt == "nvfp4"):
-            self._zero_scale_padding(channel * threads + rt, channels * threads, scales, s_raw,
+            self._zero_scale_padding(channel * threads + rt, active * threads, scales, s_raw,
                                      s_first, segments, rk)
 
         # 3b. The messages of source s (warps rwarp = s, s + ranks, ... share them: each copies
@@ -675,6 +707,8 @@ class EpDispatch:
             for g in cutlass.range(lane, segments, WARP):
                 s_next[rwarp * MAX_SEGMENTS + g] = s_next[s * MAX_SEGMENTS + g]
         cute.arch.barrier(barrier_id=1, number_of_threads=threads)
+        if rt == 0:
+            _stamp(trace, tracing, channel, "layout_ready", cute.arch.globaltimer())
         if sub < per_source:
             self._expand(lane, sub, per_source, s, channel, peers, here, streams, error, tokens,
                          scales, src_info, comb_rows, comb_weights, comb_tokens, max_tokens,
@@ -685,17 +719,32 @@ class EpDispatch:
                          rwarp, warp_copy, payload_bytes, blocks, scale_cols, rk)
 
     @cute.jit
-    def _count(self, here, counts_offset, counts_at, entry, c, s, parity, max_tokens,
-               error: cute.Pointer):
-        """Entry `entry` of (channel c, source s)'s counts (read past the L1, as peers wrote
-        it); a value outside [0, max_tokens] is reported and read as 0."""
-        v = cute.arch.load(gmem_ptr(Int32, here + counts_offset
-                                + Int64(counts_at((entry, c, s, parity))) * 4, 4),
-                           Int32, sem="relaxed", scope="sys")
-        if v < 0 or v > max_tokens:
-            store_i32(error.toint() + 12, Int32(1))
-            v = Int32(0)
-        return v
+    def _count(self, here, counts_offset, counts_at, entry, c, s, parity):
+        """Entry `entry` of (channel c, source s)'s counts, read past the L1 (peers wrote it)."""
+        return cute.arch.load(gmem_ptr(Int32, here + counts_offset
+                                       + Int64(counts_at((entry, c, s, parity))) * 4, 4),
+                              Int32, sem="relaxed", scope="sys")
+
+    @cute.jit
+    def _sum_counts(self, here, counts_offset, counts_at, entry, s, parity, channel, active,
+                    max_tokens, error: cute.Pointer):
+        """(sum over the channels before `channel`, sum over the `active` channels) of entry
+        `entry` of source s's counts. A value outside [0, max_tokens] is reported, counted 0."""
+        part = Int32(0)
+        total = Int32(0)
+        bad = Int32(0)
+        for c in cutlass.range(active, unroll=8):
+            v = self._count(here, counts_offset, counts_at, entry, c, s, parity)
+            if v < 0 or v > max_tokens:
+                bad = Int32(1)
+                v = Int32(0)
+            if c < channel:
+                part = part + v
+            total = total + v
+        if bad != 0:
+            cute.arch.atomic_or(error_field(error, "bad_counts"), Int32(ERROR_COUNTS),
+                                    sem="relaxed", scope="gpu")
+        return part, total
 
     @cute.jit
     def _expand(self, lane, sub, per_source, s, channel, peers: cute.Tensor, here,
@@ -744,7 +793,7 @@ class EpDispatch:
             if alive != 0:
                 # The chunk's metadata: ids, weights, source tokens (loads into shared memory,
                 # all in flight together).
-                for i in cutlass.range(lane, cnt * topk, WARP):
+                for i in cutlass.range(lane, cnt * topk, WARP, unroll=4):
                     m = i // topk
                     k = i - m * topk
                     msg = here + ring_offset + Int64(
@@ -931,5 +980,3 @@ class EpDispatch:
 def dispatch_kernels() -> list:
     return [EpDispatch(f) for f in FORMATS]
 
-
-__all__ = ["EpDispatch", "dispatch_kernels", "ARCHES"]

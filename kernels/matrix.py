@@ -9,7 +9,8 @@ from kernels.block_memcpy import BlockMemcpy
 from kernels.block_prefix_sum import BlockPrefixSum
 from kernels.bulk_copy import BulkSend
 from kernels.dispatch import dispatch_kernels
-from kernels.ep import ep_kernels
+from kernels.combine import combine_kernels
+from kernels.encode import encode_kernels
 from kernels.nvfp4 import QuantizeNvfp4
 from kernels.peer_exchange import PeerExchange
 from kernels.silu import silu_kernels
@@ -24,8 +25,9 @@ def full_matrix() -> list:
         BlockPrefixSum(exclusive=True),
         *(BulkSend(chunk, stages) for chunk, stages in ((16384, 8), (8192, 12), (32768, 6))),
         *(PeerExchange(ranks) for ranks in RANK_COUNTS),
+        *encode_kernels(),
         *dispatch_kernels(),
-        *ep_kernels(),
+        *combine_kernels(),
         *(QuantizeNvfp4(scales, e2m1) for scales in ("linear", "128x4")
           for e2m1 in ("software", "hardware")),
         *silu_kernels(),

@@ -4,6 +4,8 @@ addressed from a base plus a layout's offset, often in another GPU's memory)."""
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
+from layouts.buffers import ERROR_FIELDS
+
 
 def gmem_ptr(dtype, addr, align):
     """A global-memory pointer of `dtype` at the integer address `addr`."""
@@ -28,3 +30,8 @@ def store_i32(addr, value):
 @cute.jit
 def store_f32(addr, value):
     cute.make_tensor(gmem_ptr(Float32, addr, 4), cute.make_layout(1))[0] = Float32(value)
+
+
+def error_field(error: cute.Pointer, name: str):
+    """A pointer to word `name` (ERROR_FIELDS) of the device error record at `error`."""
+    return gmem_ptr(Int32, error.toint() + 4 * ERROR_FIELDS.index(name), 4)

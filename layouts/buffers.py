@@ -3,11 +3,10 @@
 `EPConfig` holds the parameters (H, K, E, R, max_tokens_per_rank, format, fused shared expert)
 and checks them; the functions below derive each buffer from it:
 
-- peer-visible (written by other ranks over NVLink): dispatch's rings, counts and counters
-  (`layouts.channels`, sized by the channels, not the tokens), and combine's receive buffer and
-  arrival flags, one copy per buffer group, two groups so a fast rank's next layer never
-  overwrites data still being read;
-- local: the dispatch send buffer (fp8 / nvfp4 messages, quantized once), round counters;
+- peer-visible (written by other ranks over NVLink): the rings, counts and counters of
+  dispatch and combine (`layouts.channels`, sized by the channels, not the tokens);
+- local: the dispatch send buffer (fp8 / nvfp4 messages, quantized once), the dispatch round,
+  the stream positions, the error record;
 - dispatch outputs: expert-grouped rows, scales, row_offsets, expert_ids, src_info, counts.
 """
 
@@ -16,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from layouts.algebra import Layout, align_up, flatten, make_layout
-from layouts.channels import DEFAULT_CHANNELS, ChannelGeometry
+from layouts.channels import DEFAULT_CHANNELS, ChannelGeometry, channel_messages_layout
 from layouts.config import EPConfig
 from layouts.formats import ALIGN, token_format
 from layouts.scales import scale_layout, scale_rows_capacity
@@ -26,12 +25,14 @@ ELEMENT_BYTES = {
     "uint8": 1, "int8": 1, "float8_e4m3fn": 1, "bfloat16": 2, "float16": 2, "int32": 4,
     "uint32": 4, "float32": 4, "int64": 8, "uint64": 8,
 }
-BUFFER_GROUPS = 2
-PHASES = 2  # dispatch, combine: the order of every per-phase mode below
+PHASES = 2  # dispatch, combine: the error record's phase is 1 + this order
 # The words of the device error record, in order. bad_ids holds bits ERROR_ID_RANGE (an id
 # outside [0, E)) and ERROR_ID_TWICE (a token listing one expert at two k).
 ERROR_FIELDS = ("missing_rank", "phase", "bad_ids", "bad_counts")
 ERROR_ID_RANGE, ERROR_ID_TWICE = 1, 2
+# bad_counts holds bits ERROR_COUNTS (a count outside [0, max tokens]) and ERROR_CHANNELS (ranks
+# split their tokens over different numbers of channels: different num_input_tokens).
+ERROR_COUNTS, ERROR_CHANNELS = 1, 2
 
 
 @dataclass(frozen=True)
@@ -54,46 +55,6 @@ class Buffer:
         return tuple(reversed(flatten(self.layout.shape)))
 
 
-# Peer-visible ------------------------------------------------------------------------------
-
-
-def combine_recv_buffer(cfg: EPConfig) -> Buffer:
-    """(hidden, k slot, token): a row per (token, k), so unreduced [T, K, H] output fits too;
-    with weights, a rank's pre-reduced partial sum goes to the slot of its first expert."""
-    h, k = cfg.hidden, cfg.topk
-    return Buffer("combine_recv", "bfloat16",
-                  Layout((h, k, cfg.max_tokens_per_rank), (1, h, h * k)),
-                  "expert outputs returning to this rank's tokens")
-
-
-def arrival_flags(cfg: EPConfig) -> Buffer:
-    """(source rank): combine's arrival flags, one per source."""
-    return Buffer("arrival_flags", "uint64", Layout(cfg.ranks, 1),
-                  "per-source arrival flags of combine")
-
-
-def peer_buffers(cfg: EPConfig) -> list[Buffer]:
-    """Combine's peer-visible buffers (one copy per buffer group); dispatch's rings and counts
-    are `layouts.channels`."""
-    return [combine_recv_buffer(cfg), arrival_flags(cfg)]
-
-
-def group_offsets(cfg: EPConfig) -> dict[str, int]:
-    """Byte offset of each peer-visible buffer inside one buffer group (16-byte aligned)."""
-    offsets, at = {}, 0
-    for b in peer_buffers(cfg):
-        offsets[b.name] = at
-        at += b.nbytes
-    offsets["group_bytes"] = at
-    return offsets
-
-
-def buffer_groups(cfg: EPConfig) -> Layout:
-    """(byte in group, group): the symmetric allocation holding both buffer groups."""
-    size = group_offsets(cfg)["group_bytes"]
-    return Layout((size, BUFFER_GROUPS), (1, size))
-
-
 # Local -------------------------------------------------------------------------------------
 
 
@@ -105,19 +66,15 @@ def dispatch_send_buffer(cfg: EPConfig) -> Buffer:
                   "this rank's token messages, encoded once")
 
 
-def completion_counters(cfg: EPConfig) -> Buffer:
-    """(destination rank or R for 'all destinations', phase): CTAs finished sending to each
-    destination, then destinations finished; the last one resets it."""
-    r1 = cfg.ranks + 1
-    return Buffer("completion_counters", "int32", Layout((r1, PHASES), (1, r1)),
-                  "finished senders per destination and phase; reset by the last")
+def dispatch_round() -> Buffer:
+    """The number of dispatches completed (a round's counts carry it + 1 as their epoch)."""
+    return Buffer("dispatch_round", "int64", Layout(1, 1), "dispatches completed")
 
 
-def round_counters(cfg: EPConfig) -> Buffer:
-    """(buffer group, phase): the epoch of the last round completed; a round's flags are raised
-    to it + 1."""
-    return Buffer("round_counters", "int64", Layout((BUFFER_GROUPS, PHASES), (1, BUFFER_GROUPS)),
-                  "epoch per buffer group and phase")
+def dispatch_done() -> Buffer:
+    """Channels of the current dispatch that finished; the last one advances the round and
+    resets it."""
+    return Buffer("dispatch_done", "int32", Layout(1, 1), "finished channels of a dispatch")
 
 
 def error_words() -> Buffer:
@@ -126,10 +83,15 @@ def error_words() -> Buffer:
                   "missing rank + 1, its phase, bad expert id bits, inconsistent counts")
 
 
-def control_buffers(cfg: EPConfig) -> list[Buffer]:
-    """The local state combine keeps between its kernels (the counters that order its rounds)
-    and the device error record."""
-    return [completion_counters(cfg), round_counters(cfg), error_words()]
+def control_buffers(cfg: EPConfig, channels: int = DEFAULT_CHANNELS) -> list[Buffer]:
+    """The local state the transport keeps between calls: the dispatch round, every stream's
+    position (`layouts.channels.counters_layout`: messages sent, messages consumed) and the
+    device error record."""
+    positions = ChannelGeometry(cfg, channels).counters()
+    return [dispatch_round(), dispatch_done(),
+            Buffer("stream_positions", "int64", positions,
+                   "messages sent / consumed per (channel, rank, kind, phase)"),
+            error_words()]
 
 
 # Dispatch handle: what combine needs from the dispatch ---------------------------------------
@@ -147,6 +109,13 @@ def combine_routes(cfg: EPConfig) -> list[Buffer]:
                "source token index of (message, source)"),
         Buffer("route_messages", "int32", Layout(r, 1), "messages received from each source"),
     ]
+
+
+def channel_messages(cfg: EPConfig, channels: int) -> Buffer:
+    """(source, channel): messages a dispatch received from each (source, channel) stream, the
+    order combine sends their rows back in."""
+    return Buffer("route_channels", "int32", channel_messages_layout(cfg.ranks, channels),
+                  "messages received per (source, channel)")
 
 
 # Dispatch outputs --------------------------------------------------------------------------
@@ -191,11 +160,11 @@ def output_metadata(cfg: EPConfig) -> list[Buffer]:
     return out
 
 
-def dispatch_outputs(cfg: EPConfig) -> list[Buffer]:
+def dispatch_outputs(cfg: EPConfig, channels: int = DEFAULT_CHANNELS) -> list[Buffer]:
     """Everything one dispatch allocates: its outputs and its handle for combine."""
     scales = output_scales(cfg)
     return [output_tokens(cfg), *([scales] if scales else []), *output_metadata(cfg),
-            *combine_routes(cfg)]
+            *combine_routes(cfg), channel_messages(cfg, channels)]
 
 
 def dispatch_rows(counts: list[list[int]], row_align: int = 1) -> tuple[list[int], dict]:
@@ -218,22 +187,19 @@ def dispatch_rows(counts: list[list[int]], row_align: int = 1) -> tuple[list[int
 
 def buffer_sizes(cfg: EPConfig, channels: int = DEFAULT_CHANNELS) -> dict[str, dict[str, int]]:
     """Bytes of every buffer, by where it lives, for a layer on `channels` SMs."""
-    geo = ChannelGeometry(cfg, channels)
-    local = [*control_buffers(cfg)]
+    local = [*control_buffers(cfg, channels)]
     if cfg.format != "bf16":
         local.insert(0, dispatch_send_buffer(cfg))
     return {
-        "peer-visible (dispatch)": geo.peer_bytes(),
-        "peer-visible (combine, per group)": {b.name: b.nbytes for b in peer_buffers(cfg)},
-        "local": {**{b.name: b.nbytes for b in local},
-                  "stream_positions": geo.peer_bytes()["counters"]},
-        "dispatch outputs": {b.name: b.nbytes for b in dispatch_outputs(cfg)},
+        "peer-visible": ChannelGeometry(cfg, channels).peer_bytes(),
+        "local": {b.name: b.nbytes for b in local},
+        "dispatch outputs": {b.name: b.nbytes for b in dispatch_outputs(cfg, channels)},
     }
 
 
 def peer_visible_bytes(cfg: EPConfig, channels: int = DEFAULT_CHANNELS) -> int:
-    """Peer-visible bytes one rank maps: dispatch's channels and both combine groups."""
-    return ChannelGeometry(cfg, channels).peer_offsets()["total"] + buffer_groups(cfg).cosize()
+    """Peer-visible bytes one rank maps: the rings, counts and counters of its channels."""
+    return ChannelGeometry(cfg, channels).peer_offsets()["total"]
 
 
 def total_bytes(cfg: EPConfig, channels: int = DEFAULT_CHANNELS) -> int:

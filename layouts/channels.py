@@ -8,7 +8,9 @@ The source publishes progress in the destination's `tails[c, source]` (messages 
 across rounds, so nothing is reset between layers); the destination's receiver returns credit in
 the source's `heads[c, destination]` (messages consumed). A sender may write message m of a
 channel only when m - head < ring slots, so the ring is reused as many times as the round needs.
-Combine sends expert outputs back through rings of bf16 rows of the same shape.
+Combine sends expert outputs back through rings of bf16 rows of the same shape, in the order
+dispatch delivered the messages (a weighted combine one row per message, an unreduced one a row
+per expert of the message that lives there), so it needs no counts of its own.
 
 Before any message, each channel tells every destination what it will send this round: the
 `counts` entries (entry 0 the messages, entry 1 + g the rows for segment g) of
@@ -65,6 +67,24 @@ def counters_layout(channels, ranks) -> Layout:
     return Layout((channels, ranks, 2, 2), (1, channels, channels * ranks, 2 * channels * ranks))
 
 
+def channel_messages_layout(ranks, channels) -> Layout:
+    """(source, channel) -> int32 word: messages a dispatch received on that stream."""
+    return Layout((ranks, channels), (1, ranks))
+
+
+# What a traced dispatch records per channel (int64 each, `trace_layout`): %globaltimer at the
+# kernel's start, once its counts are sent, once every channel's counts arrived, once the row
+# layout is known, when its sender finished, at the kernel's end; then the nanoseconds its
+# sender waited for ring credit and for its stores to complete.
+TRACE_FIELDS = ("start", "counts_sent", "counts_arrived", "layout_ready", "send_done", "end",
+                "credit_wait_ns", "store_wait_ns")
+
+
+def trace_layout(channels) -> Layout:
+    """(field, channel) -> int64 word of a dispatch trace (TRACE_FIELDS)."""
+    return Layout((len(TRACE_FIELDS), channels), (1, len(TRACE_FIELDS)))
+
+
 @dataclass(frozen=True)
 class ChannelGeometry:
     cfg: EPConfig
@@ -111,6 +131,7 @@ class ChannelGeometry:
         """Peer-visible bytes per rank, by part, in the order `peer_offsets` places them."""
         return {
             "dispatch_rings": align_up(self.dispatch_ring().cosize(), ALIGN),
+            "combine_rings": align_up(self.combine_ring().cosize(), ALIGN),
             "counts": align_up(self.counts().cosize() * 4, ALIGN),
             "count_flags": align_up(self.count_flags().cosize() * 8, ALIGN),
             "counters": align_up(self.counters().cosize() * COUNTER_BYTES, ALIGN),
@@ -129,6 +150,17 @@ class ChannelGeometry:
     def token_range(self, channel: int, num_tokens: int) -> tuple[int, int]:
         """The source tokens [begin, end) channel `channel` sends: contiguous, balanced."""
         return channel_tokens(channel, num_tokens, self.channels)
+
+
+TOKENS_PER_CHANNEL = 16  # a dispatch of few tokens (decode) uses one channel per this many
+
+
+def active_channels(channels: int, max_tokens: int, num_input_tokens: int | None) -> int:
+    """The channels a dispatch (and its combine) split each rank's tokens over: all `channels`
+    of the budget, or for a small bound on the tokens (`num_input_tokens`, the same on every
+    rank) one per TOKENS_PER_CHANNEL tokens, so fewer CTAs run, wait and count."""
+    bound = max_tokens if num_input_tokens is None else num_input_tokens
+    return min(channels, max(1, -(-int(bound) // TOKENS_PER_CHANNEL)))
 
 
 def channel_tokens(channel: int, num_tokens: int, channels: int) -> tuple[int, int]:

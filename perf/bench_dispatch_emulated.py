@@ -1,11 +1,13 @@
-"""Dispatch with every rank emulated on one GPU (`Buffer.emulated`): the transport's kernels
-without NVLink, so a time here is what the kernel itself costs (its counts, flow control and
-expansion), not the link.
+"""Dispatch and combine with every rank emulated on one GPU (`Buffer.emulated`): the transport's
+kernels without NVLink, so a time here is what the kernels themselves cost (counts, flow control,
+expansion, reduction), not the link.
 
     python perf/bench_dispatch_emulated.py [--ranks 2,4] [--sms 24] [--tokens 4096]
 
 Each emulated rank runs its dispatch on its own CUDA stream; time = median over --reps of all
-ranks' dispatches started together (events on a joining stream).
+ranks' dispatches started together (events on a joining stream). One more traced dispatch
+(`Buffer.trace_dispatch`) then gives where a channel's time goes: the latest channel's
+%globaltimer stamps from the kernel's start, and the sender's waits (the longest channel's).
 """
 
 import argparse
@@ -16,7 +18,9 @@ from rich.console import Console
 from rich.table import Table
 
 
-def _time_all(bufs, args_of, reps):
+def _time_all(bufs, args_of, reps, call=lambda buf, args: buf.dispatch(*args[0], **args[1])):
+    """Median us of every rank's `call` (default: its dispatch) started together (reps + 3
+    runs, 3 warm-ups)."""
     streams = [torch.cuda.Stream() for _ in bufs]
     main = torch.cuda.current_stream()
     times = []
@@ -27,7 +31,7 @@ def _time_all(bufs, args_of, reps):
         for buf, stream, args in zip(bufs, streams, args_of):
             stream.wait_stream(main)
             with torch.cuda.stream(stream):
-                buf.dispatch(*args[0], **args[1])
+                call(buf, args)
         for stream in streams:
             main.wait_stream(stream)
         end.record(main)
@@ -36,7 +40,19 @@ def _time_all(bufs, args_of, reps):
             times.append(start.elapsed_time(end) * 1e3)
     for buf in bufs:
         buf.check()
-    return statistics.median(times)
+    return statistics.median(times) if times else None
+
+
+def _dispatch_all(bufs, call):
+    """Every rank's dispatch, side by side; their outputs."""
+    streams = [torch.cuda.Stream() for _ in bufs]
+    torch.cuda.synchronize()
+    outs = []
+    for buf, stream, c in zip(bufs, streams, call):
+        with torch.cuda.stream(stream):
+            outs.append(buf.dispatch(*c[0], **c[1]))
+    torch.cuda.synchronize()
+    return outs
 
 
 def main():
@@ -53,7 +69,11 @@ def main():
     args = parser.parse_args()
     table = Table(title=f"{torch.cuda.get_device_name()}: emulated ranks, {args.tokens} tokens/rank, "
                         f"H={args.hidden} K=8 E=256, median of {args.reps}")
-    for col in ("format", "ranks", "SMs per rank", "dispatch us (all ranks)"):
+    from layouts.channels import TRACE_FIELDS
+
+    stamps = TRACE_FIELDS[1:6]
+    for col in ("format", "ranks", "SMs per rank", "dispatch us (all ranks)", "combine us",
+                *(f"{f} us" for f in stamps), "credit wait us", "store wait us"):
         table.add_column(col)
     for fmt in args.formats.split(","):
         for r in map(int, args.ranks.split(",")):
@@ -72,7 +92,25 @@ def main():
                         if fmt == "nvfp4" else {}
                     call.append(((x, ids, w), quant))
                 us = _time_all(bufs, call, args.reps)
-                table.add_row(fmt, str(r), str(sms), f"{us:.1f}")
+                # Combine of one dispatch, repeated; random expert outputs (one tensor all
+                # ranks read, to keep memory to one row_capacity x H).
+                outs = _dispatch_all(bufs, call)
+                y = torch.randn(cfg.row_capacity, args.hidden, device="cuda",
+                                generator=gen).to(torch.bfloat16)
+                combine_us = _time_all(bufs, outs, args.reps,
+                                       lambda buf, out: buf.combine(y, out.handle))
+                del outs
+                for buf in bufs:
+                    buf.trace_dispatch(True)
+                _time_all(bufs, call, 0)
+                trace = torch.stack([buf.trace for buf in bufs]).double() / 1e3  # us
+                start = trace[:, :, 0].min()
+                cells = [f"{(trace[:, :, TRACE_FIELDS.index(f)].max() - start).item():.1f}"
+                         for f in stamps]
+                waits = [f"{trace[:, :, TRACE_FIELDS.index(f)].max().item():.1f}"
+                         for f in ("credit_wait_ns", "store_wait_ns")]
+                table.add_row(fmt, str(r), str(sms), f"{us:.1f}", f"{combine_us:.1f}", *cells,
+                              *waits)
                 del bufs
     Console().print(table)
 

@@ -115,7 +115,7 @@ def test_cli_writes_the_ci_subset_where_asked(tmp_path):
 
 
 def _fp4_kernel(name, e2m1):
-    from kernels.ep import EpEncode
+    from kernels.encode import EpEncode
     from kernels.nvfp4 import QuantizeNvfp4
     from kernels.silu import FusedSilu
 

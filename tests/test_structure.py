@@ -115,3 +115,44 @@ def test_the_readme_maps_every_package_and_module():
     modules = {str(p.relative_to(ROOT)) for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")
                if p.name != "__init__.py"}
     assert modules <= named, f"modules missing from the README's map: {sorted(modules - named)}"
+
+
+def _selected_families(tree) -> dict[str, str]:
+    """`self.k_x = rt.select("family", ...)` assignments: attribute -> family."""
+    found = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Attribute):
+            calls = [c for c in ast.walk(node.value) if isinstance(c, ast.Call)
+                     and isinstance(c.func, ast.Attribute) and c.func.attr == "select"]
+            if calls and isinstance(calls[0].args[0], ast.Constant):
+                found[node.targets[0].attr] = calls[0].args[0].value
+    return found
+
+
+@pytest.mark.build
+def test_every_unchecked_launch_passes_the_arguments_its_kernel_declares():
+    """`launch_unchecked` skips the per-argument ABI checks, so a call that misses or adds an
+    argument is only caught when it runs on a GPU; here it is caught without one, against the
+    parameter lists the build compiles."""
+    from kernels.matrix import full_matrix
+
+    params = {}
+    for kernel in full_matrix():
+        spec = kernel.spec()
+        params.setdefault(spec.family, set()).add(len(spec.params))
+    calls = 0
+    for path in (ROOT / "cute_ep").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        families = _selected_families(tree)
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "launch_unchecked"
+                    and isinstance(node.func.value, ast.Attribute)):
+                continue
+            family = families[node.func.value.attr]
+            assert not any(isinstance(a, ast.Starred) for a in node.args), path
+            assert params[family] == {len(node.args)}, \
+                f"{path.name}:{node.lineno}: {family} takes {params[family]} arguments, " \
+                f"the call passes {len(node.args)}"
+            calls += 1
+    assert calls >= 3  # encode, dispatch, combine

@@ -5,13 +5,16 @@ For each token format, on every rank, with the same inputs each time:
   each bracketed by CUDA events after a device synchronisation, an L2 flush and a barrier
   (host launch included); median of `--iters` (>= 50) after 5 warm-ups; once per SM budget of
   `--sms` (`Buffer(sms=)`: the SMs the layer's communication occupies; "all" = every SM);
+- **where dispatch's time goes**: one traced dispatch per budget (`Buffer.trace_dispatch`): when
+  each channel sent its counts, had every rank's, knew its row layout, finished sending, ended,
+  and how long its sender waited for ring credit and for its stores;
 - **baselines in the same run**: NCCL `all_to_all_single` moving the same token bytes (each token
   once to every rank hosting one of its experts; it produces no expert-grouped rows), and a
   copy-engine peer-to-peer copy of this rank's outgoing bytes into every peer's memory, one
   stream per peer (the practical NVLink ceiling);
-- **decode** (`--decode-tokens` per rank, default 128): eager and CUDA-graph replay times of
-  dispatch and of dispatch + combine (combine = the difference), and the host time of one call
-  (the Python call returning, no synchronisation).
+- **decode** (`--decode-tokens` per rank, default 128, passed as `num_input_tokens`): eager and
+  CUDA-graph replay times of dispatch and of dispatch + combine (combine = the difference), and
+  the host time of one call (the Python call returning, no synchronisation).
 
 Figures, each with its formula in the output:
 - DeepEP's metric: received token rows, own rank included, x bytes per token row / time, with
@@ -207,6 +210,7 @@ def _throughput(rank, world, args, fmt, budgets, flush) -> dict:
             "combine_deepep_gbps": received * 2 * cfg.hidden / t["combine_us"] / 1e3,
             "combine_nvlink_gbps": from_peers * 2 * cfg.hidden / t["combine_us"] / 1e3,
             "ctas": _ctas(buf, args.tokens),
+            "dispatch_trace_us": _dispatch_trace(buf, x, ids, w, quant),
         })
         del buf
 
@@ -237,15 +241,36 @@ def _throughput(rank, world, args, fmt, budgets, flush) -> dict:
     }
 
 
+def _dispatch_trace(buf, x, ids, w, quant) -> dict:
+    """One traced dispatch (`Buffer.trace_dispatch`) after a barrier: per TRACE_FIELDS stamp, the
+    latest channel's time from this rank's earliest start (us); per wait, the longest channel's."""
+    import torch.distributed as dist
+
+    from layouts.channels import TRACE_FIELDS
+
+    buf.trace_dispatch(True)
+    torch.cuda.synchronize()
+    dist.barrier()
+    buf.dispatch(x, ids, w, **quant)
+    torch.cuda.synchronize()
+    trace = buf.trace.double().cpu()
+    buf.trace_dispatch(False)
+    start = trace[:, 0].min()
+    out = {}
+    for i, field in enumerate(TRACE_FIELDS):
+        if field.endswith("_ns"):
+            out[field[:-3] + "_us"] = trace[:, i].max().item() / 1e3
+        elif field != "start":
+            out[field] = (trace[:, i].max() - start).item() / 1e3
+    return out
+
+
 def _ctas(buf, tokens) -> dict:
     """CTAs each communicating kernel launches at this budget (what `sms` sets)."""
-    r = buf.cfg.ranks
-    return {"dispatch": buf.sms,
-            "combine_send": r * buf._ctas_per_rank(buf.cfg.max_tokens_per_rank),
-            "combine_recv": buf._cap(max(1, -(-tokens // buf.combine_tokens_per_cta)), 1)}
+    return {"dispatch": buf.sms, "combine": buf.sms}
 
 
-STAGE_KERNELS = ("Encode", "Dispatch", "CombineSend", "CombineRecv")
+STAGE_KERNELS = ("Encode", "Dispatch", "Combine")
 STAGE_ITERS = 20
 
 
@@ -274,7 +299,7 @@ def _stages(world, args, fmt, tokens, rank) -> dict:
     del buf
     totals = dict.fromkeys(STAGE_KERNELS, 0.0)
     for item in prof.key_averages():
-        m = re.search(r"kernels(?:ep|dispatch)Ep([A-Za-z]+)_object", item.key)
+        m = re.search(r"kernels(?:encode|dispatch|combine)Ep([A-Za-z]+)_object", item.key)
         if m and m.group(1) in totals:
             total = getattr(item, "device_time_total", None)
             if total is None:
@@ -318,6 +343,7 @@ def _decode(rank, world, args, fmt, flush) -> dict:
     cfg = EPConfig(args.hidden, args.topk, args.experts, world, t, fmt)
     buf = Buffer(cfg)
     x, ids, w, y, quant = _inputs(cfg, t, 100 + rank)
+    quant = dict(quant, num_input_tokens=t)  # the decode path: channels sized for t tokens
     eager = _layer_times(buf, x, ids, w, y, quant, args.iters, flush)
     eager.pop("out")
 
@@ -371,6 +397,28 @@ def record_path(folder: Path, day: str, machine: str) -> Path:
 # Report --------------------------------------------------------------------------------------
 
 
+def _print_traces(console, record, formats) -> None:
+    """Where a dispatch's time went: its traced timeline (the slowest rank's figure per cell)."""
+    from rich.table import Table
+
+    ranks = record["ranks"]
+    first = ranks[0]["formats"][formats[0]]["throughput"]["sweep"][0]
+    if "dispatch_trace_us" not in first:
+        return
+    fields = list(first["dispatch_trace_us"])
+    t = Table(title="dispatch timeline (us from the kernel's start; waits: longest channel), one "
+                    "traced dispatch, slowest rank")
+    for col in ("format", "SMs", *fields):
+        t.add_column(col, justify="left" if col == "format" else "right")
+    for fmt in formats:
+        per = [r["formats"][fmt]["throughput"] for r in ranks]
+        for i, point in enumerate(per[0]["sweep"]):
+            cells = [p["sweep"][i]["dispatch_trace_us"] for p in per]
+            t.add_row(fmt, str(point["sms"]), *(f"{max(c[f] for c in cells):.1f}"
+                                                for f in fields))
+    console.print(t)
+
+
 def _print(record, formats) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -400,6 +448,7 @@ def _print(record, formats) -> None:
                       f"{worst(p['nccl_all_to_all_us'] for p in per):.1f}" if i == 0 else "",
                       f"{worst(p['p2p_copy_us'] or 0 for p in per):.1f}" if i == 0 else "")
     console.print(t)
+    _print_traces(console, record, formats)
     console.print("DeepEP GB/s = received token rows (own rank included) x bytes per token row "
                   "(payload + scales) / time; combine: the same rows x 2H / time. NVLink GB/s = "
                   "bytes this GPU sent to other GPUs (whole messages) / time. NCCL a2a: "
@@ -438,7 +487,7 @@ def _print(record, formats) -> None:
             s.add_row(fmt, str(per[0]["tokens"]),
                       *(f"{worst(p[k] for p in per):.1f}" for k in kernels))
     console.print(s)
-    console.print("Dispatch and CombineRecv include the wait for the slowest peer's data.")
+    console.print("Dispatch and Combine include the wait for the slowest peer's data.")
 
 
 if __name__ == "__main__":

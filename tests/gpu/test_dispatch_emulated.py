@@ -13,7 +13,8 @@ from tests.multigpu.test_ep import _expert_outputs, _global_scales, _inputs
 pytestmark = pytest.mark.gpu
 
 
-def _layer(bufs, seed, tokens, routing="uniform", weighted=True, skip_a2a=False):
+def _layer(bufs, seed, tokens, routing="uniform", weighted=True, skip_a2a=False,
+           num_input_tokens=None):
     from cute_ep.reference import ep as reference
     from cute_ep.reference.ep import dispatch_mismatch
 
@@ -28,7 +29,8 @@ def _layer(bufs, seed, tokens, routing="uniform", weighted=True, skip_a2a=False)
             "global_scale": torch.tensor([gs[r]], dtype=torch.float32, device="cuda")}
         with torch.cuda.stream(stream):
             outs.append(buf.dispatch(xs[r], ids[r], ws[r] if weighted else None,
-                                     skip_a2a=skip_a2a, **quant))
+                                     skip_a2a=skip_a2a, num_input_tokens=num_input_tokens,
+                                     **quant))
     torch.cuda.synchronize()
     for buf in bufs:
         buf.check()
@@ -60,7 +62,7 @@ def _layer(bufs, seed, tokens, routing="uniform", weighted=True, skip_a2a=False)
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
 @pytest.mark.parametrize("ranks,sms,hidden", [(2, 8, 2048), (4, 24, 2048), (3, 5, 2048),
-                                              (2, 24, 7168), (4, 16, 7168)])
+                                              (8, 16, 2048), (2, 24, 7168), (4, 16, 7168)])
 def test_emulated_ranks_match_the_reference_round_after_round(fmt, ranks, sms, hidden):
     """Rings wrap many times per round (up to 1024 tokens a channel of 8-32 slots); 7168 moves
     a bf16 payload in two tiles per warp."""
@@ -90,3 +92,71 @@ def test_emulated_shared_expert_and_skip_a2a(fmt):
     _layer(bufs, 1, [512, 3, 0, 200])
     _layer(bufs, 2, [500] * 4, skip_a2a=True)
     _layer(bufs, 3, [512] * 4, routing="hot")
+
+
+def test_a_traced_dispatch_records_each_channels_timeline():
+    from cute_ep.ep import Buffer
+    from layouts import EPConfig
+    from layouts.channels import TRACE_FIELDS
+
+    cfg = EPConfig(2048, 8, 32, 2, 1024, "bf16")
+    bufs = Buffer.emulated(cfg, timeout_s=20.0, sms=6)
+    for buf in bufs:
+        buf.trace_dispatch(True)
+    _layer(bufs, 5, [1024, 700])
+    field = {f: i for i, f in enumerate(TRACE_FIELDS)}
+    for buf in bufs:
+        t = buf.trace.cpu()
+        assert t.shape == (6, len(TRACE_FIELDS))
+        for a, b in [("start", "counts_sent"), ("counts_sent", "end"),
+                     ("counts_arrived", "layout_ready"), ("layout_ready", "end"),
+                     ("start", "send_done"), ("send_done", "end")]:
+            assert (t[:, field[a]] <= t[:, field[b]]).all(), (a, b)
+        assert (t[:, field["start"]] > 0).all()
+        waits = t[:, [field["credit_wait_ns"], field["store_wait_ns"]]]
+        assert (waits >= 0).all()
+        assert (waits.sum(1) <= t[:, field["end"]] - t[:, field["start"]]).all()
+        buf.trace_dispatch(False)
+        assert buf.trace is None
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
+def test_decode_splits_tokens_over_fewer_channels(fmt):
+    """num_input_tokens (the same on every rank) sizes the channels a dispatch and its combine
+    use; layers of both sizes then alternate on the same rings."""
+    from cute_ep.ep import Buffer
+    from layouts import EPConfig
+    from layouts.channels import TOKENS_PER_CHANNEL
+
+    cfg = EPConfig(2048, 8, 64, 4, 512, fmt)
+    bufs = Buffer.emulated(cfg, timeout_s=20.0, sms=24)
+    assert bufs[0].active_channels(40) == -(-40 // TOKENS_PER_CHANNEL)
+    assert bufs[0].active_channels(None) == 24
+    for i, (tokens, bound) in enumerate([([40, 7, 0, 33], 40), ([512, 300, 1, 0], None),
+                                         ([16, 16, 16, 16], 16), ([1, 0, 0, 1], 1)]):
+        _layer(bufs, 60 + i, tokens, num_input_tokens=bound)
+    _layer(bufs, 70, [40, 40, 40, 40], weighted=False, num_input_tokens=40)
+
+
+def test_ranks_that_disagree_on_num_input_tokens_get_an_error_not_a_hang():
+    import time
+
+    from cute_ep.ep import Buffer
+    from layouts import EPConfig
+
+    cfg = EPConfig(1024, 4, 16, 2, 256, "bf16")
+    bufs = Buffer.emulated(cfg, timeout_s=30.0, sms=16)
+    x = torch.randn(32, 1024, device="cuda").to(torch.bfloat16)
+    ids = torch.randint(0, 16, (32, 1), device="cuda").repeat(1, 4)
+    ids = (ids + torch.arange(4, device="cuda")) % 16
+    w = torch.rand(32, 4, device="cuda")
+    streams = [torch.cuda.Stream() for _ in bufs]
+    start = time.monotonic()
+    for buf, stream, bound in zip(bufs, streams, (32, 256)):
+        with torch.cuda.stream(stream):
+            buf.dispatch(x, ids.int(), w, num_input_tokens=bound)
+    torch.cuda.synchronize()
+    assert time.monotonic() - start < 20, "the mismatch was waited out, not detected"
+    for buf in bufs:
+        with pytest.raises(ValueError, match="different num_input_tokens"):
+            buf.check()

@@ -47,7 +47,7 @@ def test_layouts_mirror_the_dsl():
     """The same (shape, stride) as a DSL `cute.Layout` gives the same offset at every coordinate."""
     import cutlass.cute as cute
 
-    from layouts.buffers import EPConfig, combine_recv_buffer
+    from layouts.buffers import EPConfig, combine_routes
     from layouts.channels import ChannelGeometry
     from layouts.scales import scale_layout
     from layouts.swiglu import swiglu_views
@@ -58,7 +58,8 @@ def test_layouts_mirror_the_dsl():
         scale_layout(40, 128, 32),
         ChannelGeometry(cfg, 3, chunk_tokens=2, ring_chunks=2).dispatch_ring(),
         ChannelGeometry(cfg, 3).counts(),
-        combine_recv_buffer(cfg).layout,
+        ChannelGeometry(cfg, 3).combine_ring(),
+        combine_routes(cfg)[0].layout,
         swiglu_views(5, 6, interleaved=True)[1].layout,
         tile_to_shape(Layout((4, 2), (2, 1)), (12, 6), (1, 0)),
     ]

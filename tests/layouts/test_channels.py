@@ -3,7 +3,8 @@
 import pytest
 
 from layouts.buffers import EPConfig
-from layouts.channels import COUNTER_BYTES, ChannelGeometry
+from layouts.channels import (COUNTER_BYTES, TOKENS_PER_CHANNEL, ChannelGeometry,
+                              active_channels, channel_tokens)
 
 from .conftest import MODELS
 
@@ -51,3 +52,16 @@ def test_channels_split_the_tokens_into_contiguous_runs(tokens, channels):
 def test_bad_geometry_names_the_parameter():
     with pytest.raises(ValueError, match="ring_chunks"):
         ChannelGeometry(EPConfig(128, 2, 8, 2, 64), 4, ring_chunks=0)
+
+
+@pytest.mark.parametrize("channels", [1, 5, 24, 132])
+def test_decode_uses_one_channel_per_few_tokens(channels):
+    assert active_channels(channels, 4096, None) == min(channels, 4096 // TOKENS_PER_CHANNEL)
+    for bound in (0, 1, TOKENS_PER_CHANNEL, TOKENS_PER_CHANNEL + 1, 128, 4096):
+        active = active_channels(channels, 4096, bound)
+        assert 1 <= active <= channels
+        assert active == channels or active * TOKENS_PER_CHANNEL >= bound > \
+            (active - 1) * TOKENS_PER_CHANNEL or (bound == 0 and active == 1)
+        # every token below the bound has a channel, and the runs tile [0, T)
+        runs = [channel_tokens(c, bound, active) for c in range(active)]
+        assert runs[0][0] == 0 and runs[-1][1] == bound

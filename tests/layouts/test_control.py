@@ -9,9 +9,9 @@ import itertools
 
 import pytest
 
-from layouts.buffers import (BUFFER_GROUPS, ELEMENT_BYTES, ERROR_FIELDS, PHASES, EPConfig,
-                             arrival_flags, combine_routes, completion_counters, control_buffers,
-                             error_words, round_counters)
+from layouts.buffers import (ELEMENT_BYTES, ERROR_FIELDS, EPConfig, channel_messages,
+                             combine_routes, control_buffers, error_words)
+from layouts.channels import counters_layout
 from layouts.formats import FORMATS, METADATA_FIELDS, message_layout
 
 from .conftest import MODELS
@@ -50,17 +50,18 @@ def test_message_metadata_words(fmt, hidden, topk):
 
 
 @pytest.mark.parametrize("cfg", SMALL, ids=repr)
-def test_counts_and_flags(cfg):
+@pytest.mark.parametrize("channels", [1, 5])
+def test_control_state(cfg, channels):
     r = cfg.ranks
-    for (s,) in coordinates(arrival_flags(cfg)):
-        assert byte_of(arrival_flags(cfg), s) == s * 8
-    done = completion_counters(cfg)
-    for d, phase in coordinates(done):  # torch [phase, R + 1]; d = R counts destinations
-        assert byte_of(done, (d, phase)) == (phase * (r + 1) + d) * 4
-    rounds = round_counters(cfg)
-    for g, phase in coordinates(rounds):  # torch [phase, group]
-        assert byte_of(rounds, (g, phase)) == (phase * BUFFER_GROUPS + g) * 8
-    assert rounds.layout.size() == BUFFER_GROUPS * PHASES
+    control = {b.name: b for b in control_buffers(cfg, channels)}
+    assert list(control) == ["dispatch_round", "dispatch_done", "stream_positions", "error"]
+    assert control["stream_positions"].layout == counters_layout(channels, r)
+    for c, rank, kind, phase in coordinates(control["stream_positions"]):
+        assert byte_of(control["stream_positions"], (c, rank, kind, phase)) == \
+            (((phase * 2 + kind) * r + rank) * channels + c) * 8
+    per_channel = channel_messages(cfg, channels)
+    for s, c in coordinates(per_channel):
+        assert byte_of(per_channel, (s, c)) == (c * r + s) * 4
 
 
 def test_error_record_fields():
@@ -83,7 +84,7 @@ def test_dispatch_handle(cfg):
 
 @pytest.mark.parametrize("cfg", SMALL, ids=repr)
 def test_every_buffer_is_a_compact_torch_tensor(cfg):
-    for b in [*control_buffers(cfg), *combine_routes(cfg)]:
+    for b in [*control_buffers(cfg), *combine_routes(cfg), channel_messages(cfg, 3)]:
         shape = b.torch_shape
         numel = 1
         for n in shape:

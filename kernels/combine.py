@@ -1,0 +1,517 @@
+"""`ep_combine`: one persistent launch per combine, a CTA per channel (transport v2).
+
+Combine retraces dispatch's streams backwards through `layouts.channels`' combine rings: the
+messages rank d received from source s on channel c go back, in the same order, on the stream
+(c, d -> s). Both ends know every stream's length from the dispatch (the expert side from its
+handle, the home side from its own topk_ids), so no counts travel. Each CTA has SEND_WARPS
+sender warps and RECV_WARPS receiver warps:
+
+- Senders (the expert side): the warps of home rank s take s's messages of this channel a chunk
+  at a time. A weighted combine sends one bf16 row per message, the fp32 sum of w_k * y[row_k]
+  over the message's rows here (zeros for a message that only brought the shared expert's
+  token); an unreduced one sends each of the message's rows, in k order. Rows are stored
+  straight into the home rank's ring slots over NVLink once the home rank has returned credit;
+  after a chunk the stream's tail there advances.
+- Receivers (the home side): a chunk of this channel's tokens at a time (one token when
+  unreduced, whose rows can fill a ring), each token by one warp: a weighted combine adds, in
+  fp32, the row of every rank the token went to and the shared expert's row (this rank's `y`,
+  unweighted); an unreduced one copies each k's row (zeros where none). Credit returns to every
+  rank after the chunk.
+
+Waits are bounded by `timeout_ns` like dispatch's (the missing rank and phase are recorded). It
+runs on the `active` channels its dispatch used.
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, Int64
+
+from kernels.copy import row_predicate, row_tiled_copy
+from kernels.dispatch import MAX_CHUNK, MAX_RANKS, MAX_TOPK, WARP, _wait_at_least
+from kernels.memory import gmem_ptr, load_f32, load_i32
+from kernels.routing import channel_tokens, route_token, valid_expert
+from layouts.abi import GridRule, KernelSpec, Param
+from layouts.channels import (COMBINE, HEADS, TAILS, channel_messages_layout, counters_layout,
+                              ring_layout)
+
+SEND_WARPS = 8
+RECV_WARPS = 4
+ROW_VECTOR = 8  # bf16 elements per 16-byte access
+SUM_ROWS = 4  # expert rows a sender loads together
+PHASE_COMBINE = 2  # the error record's phase (1-based, layouts.buffers.PHASES order)
+LIMITS = {"max_ranks": MAX_RANKS, "max_topk": MAX_TOPK, "max_chunk": MAX_CHUNK}
+
+
+class EpCombine:
+    def __init__(self, send_vectors: int = 4, recv_vectors: int = 2):
+        self.threads = WARP * (SEND_WARPS + RECV_WARPS)
+        # 16-byte vectors per lane in one step of a row: a sender has SUM_ROWS rows in flight,
+        # a receiver every rank's row and the shared expert's.
+        self.send_vectors = send_vectors
+        self.recv_vectors = recv_vectors
+
+    @property
+    def smem_bytes(self) -> int:
+        words = (SEND_WARPS * 2 * MAX_TOPK  # rows and weights of a sender's message
+                 + 2 * MAX_CHUNK * MAX_RANKS  # receivers: first item per (token, rank), counts
+                 + MAX_CHUNK + 4 * MAX_RANKS + 8)
+        return 4 * words + 8 * 2 * MAX_RANKS + 16 * 16
+
+    def spec(self) -> KernelSpec:
+        return KernelSpec(
+            family="ep_combine",
+            config={"send_vectors": self.send_vectors, "recv_vectors": self.recv_vectors},
+            params=(
+                Param("peer_bases", "ptr", "int64", align=8, min_elements=("ranks", 1)),
+                Param("y", "ptr", "bfloat16", align=16),
+                Param("comb_rows", "ptr", "int32", align=4),
+                Param("comb_weights", "ptr", "float32", align=4),
+                Param("chan_msgs", "ptr", "int32", align=4, min_elements=("ranks", 1)),
+                Param("topk_ids", "ptr", "int32", align=4),
+                Param("out", "ptr", "bfloat16", align=16, writes=True),
+                Param("streams", "ptr", "int64", align=8, writes=True),
+                Param("error", "ptr", "int32", align=4, writes=True),
+                Param("num_tokens", "i32"),
+                Param("max_tokens", "i32"),
+                Param("topk", "i32"),
+                Param("local_experts", "i32"),
+                Param("ranks", "i32"),
+                Param("my_rank", "i32"),
+                Param("weighted", "i32"),
+                Param("skip_a2a", "i32"),
+                Param("shared", "i32"),
+                Param("shared_begin", "i32"),
+                Param("shared_end", "i32"),
+                Param("hidden", "i32"),
+                Param("channels", "i32"),
+                Param("active", "i32"),
+                Param("ring_slots", "i32"),
+                Param("chunk_tokens", "i32"),
+                Param("ring_offset", "i64"),
+                Param("counters_offset", "i64"),
+                Param("timeout_ns", "i64"),
+            ),
+            block=(self.threads, 1, 1),
+            grid=(GridRule(ceil_div=("active", 1)), GridRule(constant=1),
+                  GridRule(constant=1)),
+            smem_bytes=self.smem_bytes,
+            sizes=dict(LIMITS),
+        )
+
+    @cute.jit
+    def __call__(self, peer_bases: cute.Pointer, y: cute.Pointer, comb_rows: cute.Pointer,
+                 comb_weights: cute.Pointer, chan_msgs: cute.Pointer, topk_ids: cute.Pointer,
+                 out: cute.Pointer, streams: cute.Pointer, error: cute.Pointer,
+                 num_tokens: Int32, max_tokens: Int32, topk: Int32, local_experts: Int32,
+                 ranks: Int32, my_rank: Int32, weighted: Int32, skip_a2a: Int32, shared: Int32,
+                 shared_begin: Int32, shared_end: Int32, hidden: Int32, channels: Int32,
+                 active: Int32, ring_slots: Int32, chunk_tokens: Int32, ring_offset: Int64,
+                 counters_offset: Int64, timeout_ns: Int64, stream):
+        self.kernel(peer_bases, y, comb_rows, comb_weights, chan_msgs, topk_ids, out, streams,
+                    error, num_tokens, max_tokens, topk, local_experts, ranks, my_rank,
+                    weighted, skip_a2a, shared, shared_begin, shared_end, hidden, channels,
+                    active, ring_slots, chunk_tokens, ring_offset, counters_offset, timeout_ns,
+                    row_tiled_copy(WARP, BFloat16, ROW_VECTOR)).launch(
+            grid=(active, 1, 1), block=(self.threads, 1, 1), smem=self.smem_bytes,
+            stream=stream)
+
+    @cute.kernel
+    def kernel(self, peer_bases: cute.Pointer, y: cute.Pointer, comb_rows: cute.Pointer,
+               comb_weights: cute.Pointer, chan_msgs: cute.Pointer, topk_ids: cute.Pointer,
+               out: cute.Pointer, streams: cute.Pointer, error: cute.Pointer,
+               num_tokens: Int32, max_tokens: Int32, topk: Int32, local_experts: Int32,
+               ranks: Int32, my_rank: Int32, weighted: Int32, skip_a2a: Int32, shared: Int32,
+               shared_begin: Int32, shared_end: Int32, hidden: Int32, channels: Int32,
+               active: Int32, ring_slots: Int32, chunk_tokens: Int32, ring_offset: Int64,
+               counters_offset: Int64, timeout_ns: Int64, row_copy: cute.TiledCopy):
+        tidx, _, _ = cute.arch.thread_idx()
+        channel, _, _ = cute.arch.block_idx()
+        warp = tidx // WARP
+        lane = tidx % WARP
+        smem = cutlass.memory.SmemAllocator()
+        s_rows = smem.allocate_tensor(Int32, cute.make_layout(SEND_WARPS * MAX_TOPK),
+                                      byte_alignment=16)
+        s_w = smem.allocate_tensor(Float32, cute.make_layout(SEND_WARPS * MAX_TOPK),
+                                   byte_alignment=16)
+        s_first = smem.allocate_tensor(Int32, cute.make_layout(MAX_CHUNK * MAX_RANKS),
+                                       byte_alignment=16)
+        s_items = smem.allocate_tensor(Int32, cute.make_layout(MAX_CHUNK * MAX_RANKS),
+                                       byte_alignment=16)
+        s_mask = smem.allocate_tensor(Int32, cute.make_layout(MAX_CHUNK + 4), byte_alignment=16)
+        s_flag = smem.allocate_tensor(Int32, cute.make_layout(4 * MAX_RANKS + 8),
+                                      byte_alignment=16)
+        s_pos = smem.allocate_tensor(Int64, cute.make_layout(2 * MAX_RANKS), byte_alignment=16)
+        peers = cute.make_tensor(peer_bases, cute.make_layout(ranks))
+        here = peers[my_rank]
+        counters = counters_layout(channels, ranks)
+        ring = ring_layout(hidden * 2, ring_slots, channels, ranks)
+        vectors = hidden // ROW_VECTOR
+        layout = cute.make_layout((vectors, ROW_VECTOR), stride=(ROW_VECTOR, 1))
+        thr = row_copy.get_slice(lane)
+
+        if warp < SEND_WARPS:
+            tiler = (WARP * self.send_vectors, ROW_VECTOR)
+            g_crd = cute.zipped_divide(cute.make_identity_tensor(layout.shape), tiler)
+            steps = cute.ceil_div(vectors, WARP * self.send_vectors)
+            self._send(warp, lane, channel, peers, here, y, comb_rows, comb_weights, chan_msgs,
+                       streams, error, max_tokens, topk, ranks, my_rank, weighted, channels,
+                       ring_slots, chunk_tokens, ring_offset, counters_offset, counters, ring,
+                       timeout_ns, layout, tiler, g_crd, steps, vectors, thr, row_copy, s_rows,
+                       s_w)
+        else:
+            tiler = (WARP * self.recv_vectors, ROW_VECTOR)
+            g_crd = cute.zipped_divide(cute.make_identity_tensor(layout.shape), tiler)
+            steps = cute.ceil_div(vectors, WARP * self.recv_vectors)
+            self._receive(warp - SEND_WARPS, lane, channel, peers, here, y, topk_ids, out,
+                          streams, error, num_tokens, topk, local_experts, ranks, my_rank,
+                          weighted, skip_a2a, shared, shared_begin, shared_end, channels,
+                          active, ring_slots, chunk_tokens, ring_offset, counters_offset, counters,
+                          ring, timeout_ns, layout, tiler, g_crd, steps, vectors, thr, row_copy,
+                          s_first, s_items, s_mask, s_flag, s_pos)
+
+    # Expert side ---------------------------------------------------------------------------
+
+    @cute.jit
+    def _send(self, w, lane, channel, peers: cute.Tensor, here, y: cute.Pointer,
+              comb_rows: cute.Pointer, comb_weights: cute.Pointer, chan_msgs: cute.Pointer,
+              streams: cute.Pointer, error: cute.Pointer, max_tokens, topk, ranks, my_rank,
+              weighted, channels, ring_slots, chunk_tokens, ring_offset, counters_offset,
+              counters, ring, timeout_ns, layout, tiler, g_crd, steps, vectors, thr,
+              row_copy: cute.TiledCopy, s_rows: cute.Tensor, s_w: cute.Tensor):
+        per_home = SEND_WARPS // ranks
+        s = w % ranks
+        sub = w // ranks
+        if sub < per_home:
+            msgs = cute.make_tensor(chan_msgs, channel_messages_layout(ranks, channels).to_cute())
+            n = msgs[(s, channel)]
+            first = Int32(0)
+            for c in cutlass.range(channel):
+                first = first + msgs[(s, c)]
+            pos = cute.arch.load(gmem_ptr(Int64, streams.toint() + Int64(
+                counters((channel, s, TAILS, COMBINE))) * 8, 8), Int64)
+            head_word = here + counters_offset + Int64(counters((channel, s, HEADS, COMBINE))) * 8
+            tail_word = peers[s] + counters_offset + Int64(
+                counters((channel, my_rank, TAILS, COMBINE))) * 8
+            head = pos
+            alive = Int32(1)
+            at = w * MAX_TOPK
+            # A chunk's rows must fit a ring: unreduced, a message's rows (<= K) at a time.
+            step = chunk_tokens
+            if weighted == 0:
+                step = Int32(1)
+            for j0 in cutlass.range(0, n, step):
+                cnt = n - j0
+                if cnt > step:
+                    cnt = step
+                # Items of the chunk's messages: 1 each (weighted), or their rows here.
+                mine = Int32(0)
+                if lane < cnt:
+                    mine = Int32(1)
+                    if weighted == 0:
+                        mine = self._rows_here(comb_rows, s, first + j0 + lane, topk, max_tokens)
+                incl = mine
+                for shift in cutlass.range_constexpr(3):
+                    up = cute.arch.shuffle_sync_up(incl, 1 << shift)
+                    if lane >= (1 << shift):
+                        incl = incl + up
+                total = cute.arch.shuffle_sync(incl, MAX_CHUNK - 1)
+                if lane == 0 and alive != 0 and pos + Int64(total) - head > Int64(ring_slots):
+                    head, alive = _wait_at_least(head_word, pos + Int64(total) - Int64(ring_slots),
+                                                 timeout_ns, error, s, Int32(PHASE_COMBINE))
+                alive = cute.arch.shuffle_sync(alive, 0)
+                if alive != 0:
+                    for m in cutlass.range(sub, cnt, per_home):
+                        item = pos + Int64(cute.arch.shuffle_sync(incl - mine, m))
+                        j = first + j0 + m
+                        if lane < topk:
+                            k_at = (Int64(s) * Int64(max_tokens) + Int64(j)) * Int64(topk) \
+                                + Int64(lane)
+                            s_rows[at + lane] = load_i32(comb_rows.toint() + k_at * 4)
+                            s_w[at + lane] = load_f32(comb_weights.toint() + k_at * 4)
+                        cute.arch.sync_warp()
+                        if weighted != 0:
+                            self._send_sum(lane, peers[s], ring_offset, ring, item, ring_slots,
+                                           channel, my_rank, y, topk, s_rows, s_w, at, layout,
+                                           tiler, g_crd, steps, vectors, thr, row_copy)
+                        else:
+                            self._send_rows(lane, peers[s], ring_offset, ring, item, ring_slots,
+                                            channel, my_rank, y, topk, s_rows, at, layout,
+                                            tiler, g_crd, steps, vectors, thr, row_copy)
+                        cute.arch.sync_warp()
+                # The chunk is written by every warp of s: publish it.
+                cute.arch.barrier(barrier_id=1 + s, number_of_threads=WARP * per_home)
+                pos = pos + Int64(total)
+                if sub == 0 and lane == 0 and alive != 0:
+                    cute.arch.fence_acq_rel_sys()
+                    cute.arch.store(gmem_ptr(Int64, tail_word, 8), pos, sem="release",
+                                    scope="sys")
+            if sub == 0 and lane == 0:
+                cute.arch.store(gmem_ptr(Int64, streams.toint() + Int64(
+                    counters((channel, s, TAILS, COMBINE))) * 8, 8), pos)
+
+    @cute.jit
+    def _rows_here(self, comb_rows: cute.Pointer, s, j, topk, max_tokens):
+        """How many of message j of source s's k landed in a row here."""
+        rows = cute.make_tensor(comb_rows, cute.make_layout((Int32(s) + 1) * max_tokens * topk))
+        count = Int32(0)
+        for k in cutlass.range(topk):
+            if rows[(s * max_tokens + j) * topk + k] >= 0:
+                count = count + 1
+        return count
+
+    @cute.jit
+    def _send_sum(self, lane, peer, ring_offset, ring, item, ring_slots, channel, my_rank,
+                  y: cute.Pointer, topk, s_rows: cute.Tensor, s_w: cute.Tensor, at, layout,
+                  tiler, g_crd, steps, vectors, thr, row_copy: cute.TiledCopy):
+        """Item = bf16(sum of w_k * y[row_k] over the message's rows here), in fp32; SUM_ROWS
+        rows' loads in flight together."""
+        dst = cute.zipped_divide(cute.make_tensor(gmem_ptr(BFloat16, peer + ring_offset + Int64(
+            ring((0, Int32(item % Int64(ring_slots)), channel, my_rank))), 16), layout), tiler)
+        for step in cutlass.range(steps):
+            crd = thr.partition_S(g_crd[((None, None), step)])
+            t_dst = thr.partition_D(dst[((None, None), step)])
+            acc = cute.make_fragment_like(t_dst, Float32)
+            acc.fill(0.0)
+            for k0 in cutlass.range(0, topk, SUM_ROWS):
+                frags = []
+                for i in cutlass.range_constexpr(SUM_ROWS):
+                    k = k0 + i
+                    kk = k
+                    if kk > topk - 1:
+                        kk = topk - 1
+                    row = s_rows[at + kk]
+                    live = Int32(k < topk) & Int32(row >= 0)
+                    if row < 0:
+                        row = Int32(0)
+                    src = cute.zipped_divide(cute.make_tensor(
+                        gmem_ptr(BFloat16, y.toint() + Int64(row) * Int64(vectors * 16), 16),
+                        layout), tiler)
+                    t_src = thr.partition_S(src[((None, None), step)])
+                    regs = cute.make_fragment_like(t_src)
+                    regs.fill(0.0)
+                    cute.copy(row_copy, t_src, regs, pred=row_predicate(crd, vectors * live))
+                    frags.append(regs)
+                for i in cutlass.range_constexpr(SUM_ROWS):
+                    kk = k0 + i
+                    if kk > topk - 1:
+                        kk = topk - 1
+                    wk = s_w[at + kk]
+                    if k0 + i >= topk or s_rows[at + kk] < 0:
+                        wk = Float32(0.0)
+                    acc.store(acc.load() + frags[i].load().to(Float32) * wk)
+            res = cute.make_fragment_like(t_dst)
+            res.store(acc.load().to(BFloat16))
+            cute.copy(row_copy, res, t_dst, pred=row_predicate(crd, vectors))
+
+    @cute.jit
+    def _send_rows(self, lane, peer, ring_offset, ring, item, ring_slots, channel, my_rank,
+                   y: cute.Pointer, topk, s_rows: cute.Tensor, at, layout, tiler, g_crd, steps,
+                   vectors, thr, row_copy: cute.TiledCopy):
+        """Unreduced: each of the message's rows here, in k order, to items item, item + 1..."""
+        idx = Int64(0)
+        for k in cutlass.range(topk):
+            row = s_rows[at + k]
+            if row >= 0:
+                dst = cute.zipped_divide(cute.make_tensor(gmem_ptr(
+                    BFloat16, peer + ring_offset + Int64(ring((0, Int32((item + idx) % Int64(
+                        ring_slots)), channel, my_rank))), 16), layout), tiler)
+                src = cute.zipped_divide(cute.make_tensor(
+                    gmem_ptr(BFloat16, y.toint() + Int64(row) * Int64(vectors * 16), 16),
+                    layout), tiler)
+                for step in cutlass.range(steps):
+                    crd = thr.partition_S(g_crd[((None, None), step)])
+                    t_src = thr.partition_S(src[((None, None), step)])
+                    regs = cute.make_fragment_like(t_src)
+                    cute.copy(row_copy, t_src, regs, pred=row_predicate(crd, vectors))
+                    cute.copy(row_copy, regs, thr.partition_D(dst[((None, None), step)]),
+                              pred=row_predicate(crd, vectors))
+                idx = idx + 1
+
+    # Home side -----------------------------------------------------------------------------
+
+    @cute.jit
+    def _receive(self, rw, lane, channel, peers: cute.Tensor, here, y: cute.Pointer,
+                 topk_ids: cute.Pointer, out: cute.Pointer, streams: cute.Pointer,
+                 error: cute.Pointer, num_tokens, topk, local_experts, ranks, my_rank, weighted,
+                 skip_a2a, shared, shared_begin, shared_end, channels, active, ring_slots,
+                 chunk_tokens, ring_offset, counters_offset, counters, ring, timeout_ns, layout,
+                 tiler, g_crd, steps, vectors, thr, row_copy: cute.TiledCopy, s_first: cute.Tensor,
+                 s_items: cute.Tensor, s_mask: cute.Tensor, s_flag: cute.Tensor,
+                 s_pos: cute.Tensor):
+        threads = WARP * RECV_WARPS
+        experts = local_experts * ranks
+        t0, t1 = channel_tokens(channel, num_tokens, active)  # as dispatch split them
+        group = chunk_tokens
+        if weighted == 0:
+            group = Int32(1)  # a token's rows from one rank can fill most of a ring
+        if rw == 0 and lane < ranks:
+            s_pos[lane] = cute.arch.load(gmem_ptr(Int64, streams.toint() + Int64(
+                counters((channel, lane, HEADS, COMBINE))) * 8, 8), Int64)  # consumed
+            s_pos[MAX_RANKS + lane] = s_pos[lane]  # tail seen
+        if rw == 0 and lane == 0:
+            s_flag[0] = Int32(1)  # alive
+        cute.arch.barrier(barrier_id=9, number_of_threads=threads)
+        for base in cutlass.range(t0, t1, group):
+            g = t1 - base
+            if g > group:
+                g = group
+            # The chunk's routes and where each token's items start in each rank's stream.
+            if rw == 0:
+                if lane < g:
+                    t = base + lane
+                    mask, _ = route_token(topk_ids, t, topk, experts, local_experts, my_rank,
+                                          skip_a2a, shared, shared_begin, shared_end, s_first,
+                                          False)
+                    s_mask[lane] = mask
+                    for d in cutlass.range(ranks):
+                        items = (mask >> d) & 1
+                        if weighted == 0:
+                            items = self._pairs_at(topk_ids, t, topk, experts, local_experts, d)
+                        s_items[lane * MAX_RANKS + d] = items
+                cute.arch.sync_warp()
+                if lane < ranks:
+                    d = lane
+                    run = s_pos[d]
+                    for i in cutlass.range(g):
+                        s_first[i * MAX_RANKS + d] = Int32(run - s_pos[d])
+                        run = run + Int64(s_items[i * MAX_RANKS + d])
+                    need = run
+                    ok = Int32(1)
+                    if need > s_pos[MAX_RANKS + d] and s_flag[0] != 0:
+                        tail, ok = _wait_at_least(
+                            here + counters_offset
+                            + Int64(counters((channel, d, TAILS, COMBINE))) * 8,
+                            need, timeout_ns, error, d, Int32(PHASE_COMBINE))
+                        s_pos[MAX_RANKS + d] = tail
+                    if ok == 0:
+                        s_flag[0] = Int32(0)
+                    s_flag[1 + d] = Int32(need - s_pos[d])  # items consumed from d
+            cute.arch.barrier(barrier_id=9, number_of_threads=threads)
+            for i in cutlass.range(rw, g, RECV_WARPS):
+                t = base + i
+                if s_flag[0] == 0:
+                    t = t1  # a wait failed: nothing to read
+                if t < t1 and weighted != 0:
+                    self._sum_token(lane, t, i, here, ring_offset, ring, ring_slots, channel,
+                                    ranks, my_rank, y, out, shared, shared_begin, shared_end,
+                                    layout, tiler, g_crd, steps, vectors, thr, row_copy, s_first,
+                                    s_mask, s_pos)
+                if t < t1 and weighted == 0:
+                    self._copy_token(lane, t, i, here, ring_offset, ring, ring_slots, channel,
+                                     topk, experts, local_experts, skip_a2a, my_rank, out,
+                                     layout, tiler, g_crd, steps, vectors, thr, row_copy,
+                                     topk_ids, s_first, s_pos)
+            cute.arch.barrier(barrier_id=9, number_of_threads=threads)
+            # Credit back to every rank the chunk read from.
+            if rw == 0 and lane < ranks:
+                used = s_flag[1 + lane]
+                if used > 0:
+                    s_pos[lane] = s_pos[lane] + Int64(used)
+                    if s_flag[0] != 0:
+                        cute.arch.store(gmem_ptr(Int64, peers[lane] + counters_offset + Int64(
+                            counters((channel, my_rank, HEADS, COMBINE))) * 8, 8), s_pos[lane],
+                            sem="release", scope="sys")
+            cute.arch.barrier(barrier_id=9, number_of_threads=threads)
+        if rw == 0 and lane < ranks:
+            cute.arch.store(gmem_ptr(Int64, streams.toint() + Int64(
+                counters((channel, lane, HEADS, COMBINE))) * 8, 8), s_pos[lane])
+
+    @cute.jit
+    def _pairs_at(self, topk_ids: cute.Pointer, t, topk, experts, local_experts, d):
+        """Unreduced: how many valid (t, k) pairs go to rank d."""
+        ids = cute.make_tensor(topk_ids, cute.make_layout((t + 1) * topk))
+        count = Int32(0)
+        for k in cutlass.range(topk):
+            if valid_expert(ids, t, k, topk, experts) != 0:
+                if ids[t * topk + k] // local_experts == d:
+                    count = count + 1
+        return count
+
+    @cute.jit
+    def _sum_token(self, lane, t, i, here, ring_offset, ring, ring_slots, channel, ranks,
+                   my_rank, y: cute.Pointer, out: cute.Pointer, shared, shared_begin, shared_end,
+                   layout, tiler, g_crd, steps, vectors, thr, row_copy: cute.TiledCopy,
+                   s_first: cute.Tensor, s_mask: cute.Tensor, s_pos: cute.Tensor):
+        """out[t] = bf16(sum, in fp32, of the row from every rank t went to, plus the shared
+        expert's row): every rank's loads of a step in flight together."""
+        mask = s_mask[i]
+        own = Int32(shared != 0) & Int32(t >= shared_begin) & Int32(t < shared_end)
+        dst = cute.zipped_divide(cute.make_tensor(
+            gmem_ptr(BFloat16, out.toint() + Int64(t) * Int64(vectors * 16), 16), layout), tiler)
+        srcs = []
+        for d in cutlass.range_constexpr(MAX_RANKS):
+            live = Int32(d < ranks) & ((mask >> d) & 1)
+            item = s_pos[d] + Int64(s_first[i * MAX_RANKS + d])
+            if live == 0:
+                item = Int64(0)
+            srcs.append(cute.zipped_divide(cute.make_tensor(gmem_ptr(
+                BFloat16, here + ring_offset + Int64(ring((0, Int32(item % Int64(ring_slots)),
+                                                            channel, d))), 16), layout), tiler))
+        row = t - shared_begin
+        if own == 0:
+            row = Int32(0)
+        own_src = cute.zipped_divide(cute.make_tensor(
+            gmem_ptr(BFloat16, y.toint() + Int64(row) * Int64(vectors * 16), 16), layout), tiler)
+        for step in cutlass.range(steps):
+            crd = thr.partition_S(g_crd[((None, None), step)])
+            t_dst = thr.partition_D(dst[((None, None), step)])
+            frags = []
+            for d in cutlass.range_constexpr(MAX_RANKS):
+                live = Int32(d < ranks) & ((mask >> d) & 1)
+                t_src = thr.partition_S(srcs[d][((None, None), step)])
+                regs = cute.make_fragment_like(t_src)
+                regs.fill(0.0)
+                cute.copy(row_copy, t_src, regs, pred=row_predicate(crd, vectors * live))
+                frags.append(regs)
+            t_own = thr.partition_S(own_src[((None, None), step)])
+            mine = cute.make_fragment_like(t_own)
+            mine.fill(0.0)
+            cute.copy(row_copy, t_own, mine, pred=row_predicate(crd, vectors * own))
+            acc = cute.make_fragment_like(t_dst, Float32)
+            acc.store(mine.load().to(Float32))
+            for d in cutlass.range_constexpr(MAX_RANKS):
+                acc.store(acc.load() + frags[d].load().to(Float32))
+            res = cute.make_fragment_like(t_dst)
+            res.store(acc.load().to(BFloat16))
+            cute.copy(row_copy, res, t_dst, pred=row_predicate(crd, vectors))
+
+    @cute.jit
+    def _copy_token(self, lane, t, i, here, ring_offset, ring, ring_slots, channel, topk,
+                    experts, local_experts, skip_a2a, my_rank, out: cute.Pointer, layout, tiler,
+                    g_crd, steps, vectors, thr, row_copy: cute.TiledCopy,
+                    topk_ids: cute.Pointer, s_first: cute.Tensor, s_pos: cute.Tensor):
+        """Unreduced: out[t, k] = the row of (t, k) from its expert's rank, zeros where none."""
+        ids = cute.make_tensor(topk_ids, cute.make_layout((t + 1) * topk))
+        for k in cutlass.range(topk):
+            live = valid_expert(ids, t, k, topk, experts)
+            d = Int32(0)
+            idx = Int32(0)
+            if live != 0:
+                d = ids[t * topk + k] // local_experts
+                if skip_a2a != 0 and d != my_rank:
+                    live = Int32(0)
+                for k2 in cutlass.range(k):
+                    if valid_expert(ids, t, k2, topk, experts) != 0 and \
+                            ids[t * topk + k2] // local_experts == d:
+                        idx = idx + 1
+            item = Int64(0)
+            if live != 0:
+                item = s_pos[d] + Int64(s_first[i * MAX_RANKS + d] + idx)
+            src = cute.zipped_divide(cute.make_tensor(gmem_ptr(
+                BFloat16, here + ring_offset + Int64(ring((0, Int32(item % Int64(ring_slots)),
+                                                            channel, d))), 16), layout), tiler)
+            dst = cute.zipped_divide(cute.make_tensor(gmem_ptr(
+                BFloat16, out.toint() + (Int64(t) * Int64(topk) + Int64(k))
+                * Int64(vectors * 16), 16), layout), tiler)
+            for step in cutlass.range(steps):
+                crd = thr.partition_S(g_crd[((None, None), step)])
+                t_src = thr.partition_S(src[((None, None), step)])
+                regs = cute.make_fragment_like(t_src)
+                regs.fill(0.0)
+                cute.copy(row_copy, t_src, regs, pred=row_predicate(crd, vectors * live))
+                cute.copy(row_copy, regs, thr.partition_D(dst[((None, None), step)]),
+                          pred=row_predicate(crd, vectors))
+
+
+def combine_kernels() -> list:
+    return [EpCombine()]

@@ -1,0 +1,65 @@
+"""Which channel owns a token and which ranks and experts it goes to: the rules dispatch and
+combine both apply."""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32
+
+from layouts.buffers import ERROR_ID_RANGE, ERROR_ID_TWICE
+
+
+@cute.jit
+def channel_tokens(channel, num_tokens, channels):
+    """[t0, t1): the contiguous run of tokens channel `channel` owns, the first
+    num_tokens % channels channels one token more (`layouts.channels.channel_tokens`)."""
+    per = num_tokens // channels
+    extra = num_tokens - per * channels
+    t0 = channel * per + extra
+    t1 = t0 + per
+    if channel < extra:
+        t0 = channel * per + channel
+        t1 = t0 + per + 1
+    return t0, t1
+
+
+@cute.jit
+def valid_expert(ids: cute.Tensor, t, k, topk, experts):
+    """1 if (token t, slot k) is a valid pair: its id is in [0, experts) and no earlier k names
+    the same expert (`ids`: the [T, K] ids, flat)."""
+    e = ids[t * topk + k]
+    ok = Int32(1)
+    if e < 0 or e >= experts:
+        ok = Int32(0)
+    else:
+        for k2 in cutlass.range(k):
+            if ids[t * topk + k2] == e:
+                ok = Int32(0)
+    return ok
+
+
+@cute.jit
+def route_token(topk_ids: cute.Pointer, t, topk, experts, local_experts, my_rank, skip_a2a,
+                shared, shared_begin, shared_end, s_cnt: cute.Tensor, count: cutlass.Constexpr):
+    """(destination-rank bit mask of token t, bad-id bits). A (token, k) pair is valid when its
+    id is in [0, experts) and no earlier k names the same expert; with skip_a2a only this rank's
+    experts count. A fused shared expert adds this rank for its tokens [shared_begin,
+    shared_end). With `count`, each valid pair adds one to s_cnt[expert]."""
+    ids = cute.make_tensor(topk_ids, cute.make_layout((t + 1) * topk))
+    mask = Int32(0)
+    bad = Int32(0)
+    for k in cutlass.range(topk):
+        e = ids[t * topk + k]
+        if e < 0 or e >= experts:
+            bad = bad | ERROR_ID_RANGE
+        else:
+            if valid_expert(ids, t, k, topk, experts) == 0:
+                bad = bad | ERROR_ID_TWICE
+            else:
+                d = e // local_experts
+                if skip_a2a == 0 or d == my_rank:
+                    mask = mask | (Int32(1) << d)
+                    if cutlass.const_expr(count):
+                        cute.arch.atomic_add(s_cnt.iterator + e, Int32(1))
+    if shared != 0 and t >= shared_begin and t < shared_end:
+        mask = mask | (Int32(1) << my_rank)
+    return mask, bad
