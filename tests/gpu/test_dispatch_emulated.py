@@ -12,6 +12,22 @@ from tests.multigpu.test_ep import _expert_outputs, _global_scales, _inputs
 
 pytestmark = pytest.mark.gpu
 
+_STREAMS: dict[tuple, list] = {}
+
+
+def _streams(bufs):
+    """One CUDA stream per emulated rank, the same for every layer of these Buffers: the caching
+    allocator then reuses each rank's output blocks instead of growing until it must free its
+    cache, a device-wide synchronisation that would stall every rank's waiting kernel until the
+    peer timeout."""
+    key = (id(bufs[0]), len(bufs))
+    if key not in _STREAMS:
+        _STREAMS.clear()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        _STREAMS[key] = [torch.cuda.Stream() for _ in bufs]
+    return _STREAMS[key]
+
 
 def _layer(bufs, seed, tokens, routing="uniform", weighted=True, skip_a2a=False,
            num_input_tokens=None):
@@ -21,7 +37,7 @@ def _layer(bufs, seed, tokens, routing="uniform", weighted=True, skip_a2a=False,
     cfg = bufs[0].cfg
     xs, ids, ws = _inputs(cfg, seed, tokens, routing, same_everywhere=skip_a2a)
     gs = _global_scales(cfg, seed)
-    streams = [torch.cuda.Stream() for _ in bufs]
+    streams = _streams(bufs)
     torch.cuda.synchronize()
     outs = []
     for r, (buf, stream) in enumerate(zip(bufs, streams)):
