@@ -40,7 +40,7 @@ from cutlass import Float32, Int32, Int64, Uint8
 from kernels.bulk_copy import bulk_load, bulk_store
 from kernels.copy import row_predicate, row_tiled_copy
 from kernels.memory import error_field, gmem_ptr, load_f32, load_i32, store_f32, store_i32
-from kernels.routing import channel_tokens, route_token
+from kernels.routing import channel_tokens, route_ids, route_token
 from kernels.scan import warp_exclusive_scan
 from layouts.abi import GridRule, KernelSpec, Param
 from layouts.buffers import ERROR_CHANNELS, ERROR_COUNTS
@@ -84,17 +84,20 @@ SCRATCH = SROWS_AT + MAX_CHUNK * ROWS
 
 @cute.jit
 def _wait_at_least(addr, target, timeout_ns, error: cute.Pointer, missing, phase):
-    """Poll the 64-bit word at `addr` (acquire, system scope) until it reaches `target`.
-    Returns (value, 1), or (value, 0) when `timeout_ns` passed (recording `missing` and `phase`
-    in the error record) or another wait of the layer already failed (a missing rank, or ranks
-    that split their tokens over different channels)."""
+    """Poll the 64-bit word at `addr` (system scope) until it reaches `target`, then read it once
+    more with acquire semantics. Returns (value, 1), or (value, 0) when `timeout_ns` passed
+    (recording `missing` and `phase` in the error record) or another wait of the layer already
+    failed (a missing rank, or ranks that split their tokens over different channels).
+
+    The polls are relaxed: an acquire load also invalidates the SM's L1 cache, which, once per
+    poll of several spinning warps, starves the SM's other warps and its bulk copies."""
     word = gmem_ptr(Int64, addr, 8)
-    value = cute.arch.load(word, Int64, sem="acquire", scope="sys")
+    value = cute.arch.load(word, Int64, sem="relaxed", scope="sys")
     ok = Int32(1)
     if value < target:
         start = cute.arch.globaltimer()
         while value < target and ok != 0:
-            value = cute.arch.load(word, Int64, sem="acquire", scope="sys")
+            value = cute.arch.load(word, Int64, sem="relaxed", scope="sys")
             if value < target:
                 if cute.arch.load(error, Int32, sem="relaxed", scope="gpu") != 0 or \
                         (cute.arch.load(error_field(error, "bad_counts"), Int32, sem="relaxed",
@@ -106,6 +109,8 @@ def _wait_at_least(addr, target, timeout_ns, error: cute.Pointer, missing, phase
                                                sem="relaxed", scope="gpu")
                     if old == 0:
                         cute.arch.store(error_field(error, "phase"), Int32(phase))
+    if ok != 0:
+        value = cute.arch.load(word, Int64, sem="acquire", scope="sys")
     return value, ok
 
 
@@ -318,6 +323,7 @@ class EpDispatch:
 
         if tidx == 0:
             _stamp(trace, tracing, channel, "start", cute.arch.globaltimer())
+            _stamp(trace, tracing, channel, "recv_wait_ns", 0)  # a max over the receivers
         peers = cute.make_tensor(peer_bases, cute.make_layout(ranks))
         here = peers[my_rank]
         epoch = cute.arch.load(rounds, Int64, sem="relaxed", scope="gpu") + 1
@@ -428,9 +434,8 @@ class EpDispatch:
                 gmem_ptr(Int64, here + counters_offset
                      + Int64(counters((channel, lane, HEADS, DISPATCH))) * 8, 8),
                 Int64, sem="relaxed", scope="sys")
-        if lane == 0:
-            s_pos[WAITS_AT] = Int64(0)
-            s_pos[WAITS_AT + 1] = Int64(0)
+        if lane < 7:
+            s_pos[WAITS_AT + lane] = Int64(0)
         cute.arch.sync_warp()
         # Stores may still be reading `reading` stages when a stage is reloaded; loads run
         # `lookahead` = stages - 1 - reading messages ahead of stores.
@@ -442,25 +447,46 @@ class EpDispatch:
         stored = Int32(0)
         alive = Int32(1)
         for batch in cutlass.range(t0, t1, WARP):
+            batch_start = Int64(0)
+            if tracing != 0:
+                batch_start = cute.arch.globaltimer()
             t = batch + lane
-            mask = Int32(0)
-            if t < t1:
-                mask, _ = route_token(topk_ids, t, topk, experts, local_experts, my_rank,
-                                      skip_a2a, shared, shared_begin, shared_end, s_cnt, False)
-            s_batch[lane] = mask
-            # The batch's ids and weights, a token per lane, for the metadata of its messages.
-            if t < t1:
-                for k in cutlass.range(topk):
-                    at = Int64(t) * Int64(topk) + Int64(k)
-                    s_bids[lane * MAX_TOPK + k] = load_i32(topk_ids.toint() + at * 4)
-                    w = Float32(0.0)
-                    if has_weights != 0:
-                        w = load_f32(topk_weights.toint() + at * 4)
-                    s_bw[lane * MAX_TOPK + k] = w
-            cute.arch.sync_warp()
             n = t1 - batch
             if n > WARP:
                 n = Int32(WARP)
+            # The batch's ids and weights (contiguous in [T, K]: coalesced loads, all in flight
+            # together), token b's at b * MAX_TOPK, for the routing and the metadata.
+            # Every load is issued before the first store: indices past the batch read its last
+            # word again (in bounds), and only the batch's words are kept.
+            at = Int64(batch) * Int64(topk)
+            batch_words = n * topk
+            ids_regs = []
+            wts_regs = []
+            for k in cutlass.range_constexpr(MAX_TOPK):
+                i = cutlass.min(k * WARP + lane, batch_words - 1)
+                ids_regs.append(load_i32(topk_ids.toint() + (at + Int64(i)) * 4))
+                # Without weights, word 0 of the placeholder is read and replaced by 0.
+                wts_regs.append(load_f32(topk_weights.toint()
+                                         + (at + Int64(i)) * 4 * Int64(has_weights)))
+            for k in cutlass.range_constexpr(MAX_TOPK):
+                i = k * WARP + lane
+                if i < batch_words:
+                    b = i // topk
+                    w = wts_regs[k]
+                    if has_weights == 0:
+                        w = Float32(0.0)
+                    s_bids[b * MAX_TOPK + i - b * topk] = ids_regs[k]
+                    s_bw[b * MAX_TOPK + i - b * topk] = w
+            cute.arch.sync_warp()
+            mask = Int32(0)
+            if t < t1:
+                mask, _ = route_ids(s_bids, lane, MAX_TOPK, t, topk, experts, local_experts,
+                                    my_rank, skip_a2a, shared, shared_begin, shared_end, s_cnt,
+                                    False)
+            s_batch[lane] = mask
+            cute.arch.sync_warp()
+            if tracing != 0 and lane == 0:
+                s_pos[WAITS_AT + 4] += cute.arch.globaltimer() - batch_start
             for b in cutlass.range(n):
                 m = s_batch[b]
                 if m != 0:
@@ -471,7 +497,12 @@ class EpDispatch:
                         # Stage st last held message loaded - stages: its store must have read it
                         # (stores are issued up to loaded - 1 - lookahead, so all but the newest
                         # `reading` of them). The payload's load starts at once.
+                        start = Int64(0)
+                        if tracing != 0:
+                            start = cute.arch.globaltimer()
                         _wait_reads(reading)
+                        if tracing != 0:
+                            s_pos[WAITS_AT + 2] += cute.arch.globaltimer() - start
                         s_stage[st] = tok
                         s_stage[MAX_STAGES + st] = m
                         cute.arch.mbarrier_arrive_and_expect_tx(full + st, load_bytes)
@@ -497,14 +528,14 @@ class EpDispatch:
                                             stages, msg_bytes, ring, ring_slots, ring_offset,
                                             chunk_tokens, here, counters_offset, counters,
                                             timeout_ns, error, stage_buf, full, s_stage, s_pos,
-                                            s_hist)
+                                            s_hist, tracing)
                         stored = stored + 1
             cute.arch.sync_warp()
         while stored < loaded:
             alive = self._store(lane, stored, alive, channel, peers, my_rank, ranks, stages,
                                 msg_bytes, ring, ring_slots, ring_offset, chunk_tokens, here,
                                 counters_offset, counters, timeout_ns, error, stage_buf, full,
-                                s_stage, s_pos, s_hist)
+                                s_stage, s_pos, s_hist, tracing)
             stored = stored + 1
         if lane == 0:
             start = cute.arch.globaltimer()
@@ -515,6 +546,11 @@ class EpDispatch:
             _stamp(trace, tracing, channel, "send_done", now)
             _stamp(trace, tracing, channel, "credit_wait_ns", s_pos[WAITS_AT])
             _stamp(trace, tracing, channel, "store_wait_ns", s_pos[WAITS_AT + 1] + now - start)
+            _stamp(trace, tracing, channel, "read_wait_ns", s_pos[WAITS_AT + 2])
+            _stamp(trace, tracing, channel, "load_wait_ns", s_pos[WAITS_AT + 3])
+            _stamp(trace, tracing, channel, "batch_ns", s_pos[WAITS_AT + 4])
+            _stamp(trace, tracing, channel, "publish_ns", s_pos[WAITS_AT + 5])
+            _stamp(trace, tracing, channel, "store_steps_ns", s_pos[WAITS_AT + 6])
         cute.arch.sync_warp()
         if lane < ranks:
             pos = s_pos[sent_at + lane]
@@ -530,15 +566,23 @@ class EpDispatch:
                msg_bytes, ring, ring_slots, ring_offset, chunk_tokens, here, counters_offset,
                counters, timeout_ns, error: cute.Pointer, stage_buf: cute.Tensor,
                full: cute.Pointer, s_stage: cute.Tensor, s_pos: cute.Tensor,
-               s_hist: cute.Tensor):
+               s_hist: cute.Tensor, tracing):
         """Lane 0: bulk-store message j (its stage loaded) to the ring slot of every destination
         it routes to, credit permitting; then publish the tails of messages whose stores are
         complete. Returns 0 once a wait failed (the rest of the round is dropped)."""
         sent_at, head_at, pub_at = 0, MAX_RANKS, 2 * MAX_RANKS
         ok = alive
         if lane == 0:
+            entered = Int64(0)
+            if tracing != 0:
+                entered = cute.arch.globaltimer()
             st = j % stages
+            start = Int64(0)
+            if tracing != 0:
+                start = cute.arch.globaltimer()
             cute.arch.mbarrier_wait(full + st, (j // stages) % 2)
+            if tracing != 0:
+                s_pos[WAITS_AT + 3] += cute.arch.globaltimer() - start
             m = s_stage[MAX_STAGES + st]
             slot = stage_buf.iterator + st * msg_bytes
             for i in cutlass.range(ranks):
@@ -567,7 +611,10 @@ class EpDispatch:
             if done_j >= 0 and (done_j + 1) % chunk_tokens == 0:
                 start = cute.arch.globaltimer()
                 cute.arch.cp_async_bulk_wait_group(WRITES_IN_FLIGHT)
-                s_pos[WAITS_AT + 1] = s_pos[WAITS_AT + 1] + cute.arch.globaltimer() - start
+                fenced = cute.arch.globaltimer()
+                s_pos[WAITS_AT + 1] = s_pos[WAITS_AT + 1] + fenced - start
+                # One system-scope fence releases the stores to every destination (a fence,
+                # then relaxed stores: a release pattern without a fence per destination).
                 cute.arch.fence_proxy("async.global")
                 cute.arch.fence_acq_rel_sys()
                 for d in cutlass.range(ranks):
@@ -575,8 +622,11 @@ class EpDispatch:
                     if pos != s_pos[pub_at + d]:
                         tail = peers[d] + counters_offset + Int64(
                             counters((channel, my_rank, TAILS, DISPATCH))) * 8
-                        cute.arch.store(gmem_ptr(Int64, tail, 8), pos, sem="release", scope="sys")
+                        cute.arch.store(gmem_ptr(Int64, tail, 8), pos, sem="relaxed", scope="sys")
                         s_pos[pub_at + d] = pos
+                s_pos[WAITS_AT + 5] += cute.arch.globaltimer() - fenced
+            if tracing != 0:
+                s_pos[WAITS_AT + 6] += cute.arch.globaltimer() - entered
         return ok
 
     @cute.jit
@@ -716,7 +766,7 @@ class EpDispatch:
                          msg_bytes, meta_word, payload_vectors, scales_offset, row_capacity,
                          channels, ring_slots, chunk_tokens, ring_offset, counters_offset,
                          counters, timeout_ns, s_next, s_off, s_first, s_src, s_rows, s_wts,
-                         rwarp, warp_copy, payload_bytes, blocks, scale_cols, rk)
+                         rwarp, warp_copy, payload_bytes, blocks, scale_cols, rk, trace, tracing)
 
     @cute.jit
     def _count(self, here, counts_offset, counts_at, entry, c, s, parity):
@@ -756,7 +806,8 @@ class EpDispatch:
                 chunk_tokens, ring_offset, counters_offset, counters, timeout_ns,
                 s_next: cute.Tensor, s_off: cute.Tensor, s_first: cute.Tensor,
                 s_src: cute.Tensor, s_scratch: cute.Tensor, s_wts: cute.Tensor, rwarp,
-                warp_copy: cute.TiledCopy, payload_bytes, blocks, scale_cols, rk):
+                warp_copy: cute.TiledCopy, payload_bytes, blocks, scale_cols, rk,
+                trace: cute.Pointer, tracing):
         """One warp of source s: s's messages of this channel, a chunk at a time. Every warp of
         s reads a chunk's metadata and places its rows (so each keeps the same next-row
         counters); message m of the chunk is then copied by warp m % per_source."""
@@ -781,14 +832,20 @@ class EpDispatch:
         tiles = cute.ceil_div(payload_vectors, WARP * self.tile_vectors)
         tail = consumed
         alive = Int32(1)
+        waited = Int64(0)
         for j0 in cutlass.range(0, n, chunk_tokens):
             cnt = n - j0
             if cnt > chunk_tokens:
                 cnt = chunk_tokens
             p0 = consumed + Int64(j0)
             if lane == 0 and tail < p0 + Int64(cnt) and alive != 0:
+                start = Int64(0)
+                if tracing != 0:
+                    start = cute.arch.globaltimer()
                 tail, alive = _wait_at_least(tail_word, p0 + Int64(cnt), timeout_ns, error, s,
                                              Int32(PHASE_DISPATCH))
+                if tracing != 0:
+                    waited = waited + cute.arch.globaltimer() - start
             alive = cute.arch.shuffle_sync(alive, 0)
             if alive != 0:
                 # The chunk's metadata: ids, weights, source tokens (loads into shared memory,
@@ -885,6 +942,10 @@ class EpDispatch:
         if sub == 0 and lane == 0:
             cute.arch.store(gmem_ptr(Int64, streams.toint() + Int64(
                 counters((channel, s, HEADS, DISPATCH))) * 8, 8), consumed + Int64(n))
+            if tracing != 0:
+                at = trace.toint() + Int64(trace_layout(channel + 1)(
+                    (TRACE_FIELDS.index("recv_wait_ns"), channel))) * 8
+                cute.arch.atomic_max(gmem_ptr(Int64, at, 8), waited)
 
     @cute.jit
     def _record(self, lane, s, first, cnt, topk, max_tokens, src_info: cute.Pointer,

@@ -23,36 +23,38 @@ def channel_tokens(channel, num_tokens, channels):
 
 
 @cute.jit
-def valid_expert(ids: cute.Tensor, t, k, topk, experts):
-    """1 if (token t, slot k) is a valid pair: its id is in [0, experts) and no earlier k names
-    the same expert (`ids`: the [T, K] ids, flat)."""
-    e = ids[t * topk + k]
+def valid_expert(ids: cute.Tensor, row, k, stride, experts):
+    """1 if (row, slot k) of `ids` (flat, rows `stride` apart: the [T, K] ids in global memory,
+    or a copy of some in shared memory) is a valid pair: its id is in [0, experts) and no earlier
+    k names the same expert."""
+    e = ids[row * stride + k]
     ok = Int32(1)
     if e < 0 or e >= experts:
         ok = Int32(0)
     else:
         for k2 in cutlass.range(k):
-            if ids[t * topk + k2] == e:
+            if ids[row * stride + k2] == e:
                 ok = Int32(0)
     return ok
 
 
 @cute.jit
-def route_token(topk_ids: cute.Pointer, t, topk, experts, local_experts, my_rank, skip_a2a,
-                shared, shared_begin, shared_end, s_cnt: cute.Tensor, count: cutlass.Constexpr):
-    """(destination-rank bit mask of token t, bad-id bits). A (token, k) pair is valid when its
-    id is in [0, experts) and no earlier k names the same expert; with skip_a2a only this rank's
-    experts count. A fused shared expert adds this rank for its tokens [shared_begin,
-    shared_end). With `count`, each valid pair adds one to s_cnt[expert]."""
-    ids = cute.make_tensor(topk_ids, cute.make_layout((t + 1) * topk))
+def route_ids(ids: cute.Tensor, row, stride, t, topk, experts, local_experts, my_rank,
+              skip_a2a, shared, shared_begin, shared_end, s_cnt: cute.Tensor,
+              count: cutlass.Constexpr):
+    """(destination-rank bit mask of token t, bad-id bits), its K ids at row `row` of `ids`
+    (rows `stride` apart). A (token, k) pair is valid when its id is in [0, experts) and no
+    earlier k names the same expert; with skip_a2a only this rank's experts count. A fused
+    shared expert adds this rank for its tokens [shared_begin, shared_end). With `count`, each
+    valid pair adds one to s_cnt[expert]."""
     mask = Int32(0)
     bad = Int32(0)
     for k in cutlass.range(topk):
-        e = ids[t * topk + k]
+        e = ids[row * stride + k]
         if e < 0 or e >= experts:
             bad = bad | ERROR_ID_RANGE
         else:
-            if valid_expert(ids, t, k, topk, experts) == 0:
+            if valid_expert(ids, row, k, stride, experts) == 0:
                 bad = bad | ERROR_ID_TWICE
             else:
                 d = e // local_experts
@@ -63,3 +65,12 @@ def route_token(topk_ids: cute.Pointer, t, topk, experts, local_experts, my_rank
     if shared != 0 and t >= shared_begin and t < shared_end:
         mask = mask | (Int32(1) << my_rank)
     return mask, bad
+
+
+@cute.jit
+def route_token(topk_ids: cute.Pointer, t, topk, experts, local_experts, my_rank, skip_a2a,
+                shared, shared_begin, shared_end, s_cnt: cute.Tensor, count: cutlass.Constexpr):
+    """`route_ids` of token t, its ids read from the [T, K] `topk_ids`."""
+    ids = cute.make_tensor(topk_ids, cute.make_layout((t + 1) * topk))
+    return route_ids(ids, t, topk, t, topk, experts, local_experts, my_rank, skip_a2a, shared,
+                     shared_begin, shared_end, s_cnt, count)

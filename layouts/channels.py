@@ -75,9 +75,13 @@ def channel_messages_layout(ranks, channels) -> Layout:
 # What a traced dispatch records per channel (int64 each, `trace_layout`): %globaltimer at the
 # kernel's start, once its counts are sent, once every channel's counts arrived, once the row
 # layout is known, when its sender finished, at the kernel's end; then the nanoseconds its
-# sender waited for ring credit and for its stores to complete.
+# sender waited for ring credit, for its stores to complete, for a stage's earlier store to
+# finish reading it, for a payload's load, spent routing and reading batches of 32 tokens' ids
+# and weights, releasing tails (system fences), and in its store steps in all (their waits
+# included); last, the longest any source's messages kept this channel's receivers waiting.
 TRACE_FIELDS = ("start", "counts_sent", "counts_arrived", "layout_ready", "send_done", "end",
-                "credit_wait_ns", "store_wait_ns")
+                "credit_wait_ns", "store_wait_ns", "read_wait_ns", "load_wait_ns", "batch_ns",
+                "publish_ns", "store_steps_ns", "recv_wait_ns")
 
 
 def trace_layout(channels) -> Layout:
