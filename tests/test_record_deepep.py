@@ -1,0 +1,65 @@
+"""perf/record_deepep.py: a DeepEP test_intranode log becomes a JSON record beside the bench
+record of its lease."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+sys.path.insert(0, "perf")
+from record_deepep import parse  # noqa: E402
+
+LOG = """[config] num_tokens=4096, hidden=7168, num_topk=8
+[layout] Kernel performance: 0.034 ms
+[testing] Running with BF16, without top-k (async=False, previous=False) ... passed
+[testing] Running with FP8, with top-k (async=True, previous=True) ... passed
+[testing] Running with FP8, without top-k (async=True, previous=True) ... failed
+[tuning] SMs 24, NVL chunk 4: 101.00 GB/s (NVL), 900.00 us
+[tuning] Best dispatch (FP8): SMs 24, NVL chunk 26, 340.19 GB/s (NVL), t: 321.20 us
+[tuning] Best dispatch (BF16): SMs 24, NVL chunk 8, 401.88 GB/s (NVL), t: 527.31 us
+[tuning] Best combine: SMs 24, NVL chunk 9: 355.82 GB/s (NVL), t: 595.57 us
+"""
+
+
+def test_the_best_lines_and_cases_are_read_exactly():
+    record = parse(LOG)
+    assert record["config"] == {"tokens": 4096, "hidden": 7168, "topk": 8}
+    assert (record["cases_passed"], record["cases_failed"]) == (2, 1)
+    assert record["best"] == {
+        "dispatch_fp8": {"sms": 24, "nvl_chunk": 26, "nvl_gbps": 340.19, "us": 321.2},
+        "dispatch_bf16": {"sms": 24, "nvl_chunk": 8, "nvl_gbps": 401.88, "us": 527.31},
+        "combine": {"sms": 24, "nvl_chunk": 9, "nvl_gbps": 355.82, "us": 595.57}}
+
+
+def test_a_log_without_config_or_results_is_refused():
+    with pytest.raises(ValueError, match="not a DeepEP"):
+        parse("Traceback (most recent call last):\n")
+    with pytest.raises(ValueError, match="did not finish"):
+        parse(LOG.split("[tuning]")[0])
+
+
+def test_the_record_lands_beside_the_bench_record(tmp_path):
+    bench = tmp_path / "bench-2026-11-22-4xH200.json"
+    bench.write_text(json.dumps({"date": "2026-11-22T23:23:09+00:00", "device": "NVIDIA H200",
+                                 "gpus": 4}))
+    log = tmp_path / "deepep.log"
+    log.write_text(LOG)
+    subprocess.run([sys.executable, "perf/record_deepep.py", str(log), "--beside", str(bench)],
+                   check=True, capture_output=True)
+    record = json.loads((tmp_path / "deepep-2026-11-22-4xH200.json").read_text())
+    assert (record["beside"], record["gpus"], record["best"]["dispatch_bf16"]["us"]) == \
+        (bench.name, 4, 527.31)
+
+
+def test_the_committed_baselines_name_a_committed_bench_record():
+    from pathlib import Path
+
+    records = sorted(Path("perf/results").glob("deepep-*.json"))
+    assert records
+    for path in records:
+        record = json.loads(path.read_text())
+        bench = json.loads((path.parent / record["beside"]).read_text())
+        assert (record["date"], record["gpus"]) == (bench["date"], bench["gpus"])
+        assert record["cases_failed"] == 0 and set(record["best"]) == {
+            "dispatch_fp8", "dispatch_bf16", "combine"}
