@@ -1,0 +1,101 @@
+"""Where the Python time of a dispatch and a combine call goes, on one GPU.
+
+    python perf/profile_host.py [--ranks 2] [--tokens 4096] [--format bf16] [--calls 200]
+
+Every rank of the layer is emulated on this GPU (`Buffer.emulated`, a stream per rank), so the
+host path is exactly the one a multi-GPU run takes. Each round launches every rank's dispatch
+and then its combine, timing each Python call from entry to return (the GPU work still queued),
+and waits for the round. Prints the median host time per call, then the functions that took
+the most of it (cProfile over the same rounds, self time first).
+"""
+
+import argparse
+import cProfile
+import io
+import pstats
+import statistics
+import time
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+
+def _inputs(cfg, tokens, gen):
+    x = torch.randn(tokens, cfg.hidden, device="cuda", generator=gen).to(torch.bfloat16)
+    ids = torch.rand(tokens, cfg.experts, device="cuda", generator=gen).argsort(1)[
+        :, :cfg.topk].int()
+    w = torch.rand(tokens, cfg.topk, device="cuda", generator=gen)
+    quant = {"global_scale": torch.tensor([100.0], device="cuda")} \
+        if cfg.format == "nvfp4" else {}
+    return (x, ids, w), quant
+
+
+def _round(bufs, streams, calls, y, times):
+    outs = []
+    for buf, stream, (args, quant) in zip(bufs, streams, calls):
+        with torch.cuda.stream(stream):
+            start = time.perf_counter()
+            outs.append(buf.dispatch(*args, **quant))
+            times["dispatch"].append((time.perf_counter() - start) * 1e6)
+    for buf, stream, out in zip(bufs, streams, outs):
+        with torch.cuda.stream(stream):
+            start = time.perf_counter()
+            buf.combine(y[:out.tokens.shape[0]], out.handle)
+            times["combine"].append((time.perf_counter() - start) * 1e6)
+    torch.cuda.synchronize()
+
+
+def main():
+    from cute_ep.ep import Buffer
+    from layouts import EPConfig
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--format", default="bf16")
+    parser.add_argument("--sms", type=int, default=24)
+    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--top", type=int, default=25)
+    args = parser.parse_args()
+    if args.calls < 10:
+        raise SystemExit("--calls: at least 10")
+
+    cfg = EPConfig(args.hidden, 8, 256, args.ranks, args.tokens, args.format)
+    bufs = Buffer.emulated(cfg, sms=args.sms, timeout_s=60.0)
+    streams = [torch.cuda.Stream() for _ in bufs]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    calls = [_inputs(cfg, args.tokens, gen) for _ in bufs]
+    y = torch.randn(cfg.row_capacity, cfg.hidden, device="cuda", generator=gen).to(
+        torch.bfloat16)
+    times = {"dispatch": [], "combine": []}
+    for _ in range(5):  # warm-up: kernels loaded, allocator blocks cached per stream
+        _round(bufs, streams, calls, y, times)
+    times = {"dispatch": [], "combine": []}
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(args.calls // args.ranks):
+        _round(bufs, streams, calls, y, times)
+    profile.disable()
+    for buf in bufs:
+        buf.check()
+
+    console = Console()
+    table = Table(title=f"host time per call, {args.format}, {args.ranks} emulated ranks, "
+                        f"{args.tokens} tokens/rank, H={args.hidden}, {args.sms} SMs")
+    for col in ("call", "median us", "p10 us", "p90 us", "calls"):
+        table.add_column(col)
+    for name, ts in times.items():
+        q = statistics.quantiles(ts, n=10)
+        table.add_row(name, f"{statistics.median(ts):.1f}", f"{q[0]:.1f}", f"{q[-1]:.1f}",
+                      str(len(ts)))
+    console.print(table)
+    text = io.StringIO()
+    stats = pstats.Stats(profile, stream=text)
+    stats.sort_stats("tottime").print_stats(args.top)
+    console.print(text.getvalue())
+
+
+if __name__ == "__main__":
+    main()
