@@ -62,6 +62,7 @@ class Result:
 @dataclass
 class Report:
     results: list[Result] = field(default_factory=list)
+    removed: int = 0  # cubins of configurations no longer in the manifest, deleted
 
     def count(self, status: str) -> int:
         return sum(r.status == status for r in self.results)
@@ -269,6 +270,12 @@ def build(kernels: list, out: Path, arches=ARCHES, force: bool = False,
         "kernels": [entries[k] for k in sorted(entries)],
     }
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    # Cubins of configurations the manifest no longer lists would only bloat a wheel.
+    listed = {(out / e["cubin"]).resolve() for e in manifest["kernels"]}
+    for path in out.glob("*/*.cubin"):
+        if path.resolve() not in listed:
+            path.unlink()
+            report.removed += 1
     return report
 
 
@@ -286,7 +293,8 @@ def print_report(report: Report, out: Path) -> None:
     console = Console()
     console.print(table)
     console.print(f"{report.count('built')} built, {report.count('unchanged')} unchanged, "
-                  f"{report.count('failed')} failed")
+                  f"{report.count('failed')} failed"
+                  + (f", {report.removed} stale cubins removed" if report.removed else ""))
     for r in report.failed:
         console.print(f"[red]{escape(r.key)} {r.arch}[/]\n{escape(r.error)}")
 

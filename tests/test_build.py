@@ -58,6 +58,19 @@ def test_unchanged_configs_are_not_rebuilt_and_damaged_ones_are(built):
     assert hashlib.sha256((out / victim["cubin"]).read_bytes()).hexdigest() == victim["sha256"]
 
 
+def test_a_rebuild_removes_cubins_the_manifest_no_longer_lists(built):
+    from kernels.build import build
+    from kernels.matrix import ci_matrix
+
+    out, _ = built
+    stale = out / "sm_90a" / "ep_combine-000000000000.cubin"
+    stale.write_bytes(b"an old configuration")
+    report = build(ci_matrix(), out, progress=False)
+    assert report.removed == 1 and not stale.exists()
+    listed = {e["cubin"] for e in _manifest(out)["kernels"]}
+    assert {str(p.relative_to(out)) for p in out.glob("*/*.cubin")} == listed
+
+
 def _broken_kernel():
     """A kernel whose compilation fails: the build must report it and carry on."""
     import cutlass.cute as cute
