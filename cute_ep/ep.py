@@ -236,6 +236,7 @@ class Buffer:
         self._no_i64 = torch.zeros(4, dtype=torch.int64, device=dev)
         # Set by `trace_dispatch(True)`: each dispatch then records its channels' timeline.
         self.trace: torch.Tensor | None = None
+        self.combine_trace: torch.Tensor | None = None  # the same for combine
 
     def _attach(self, sym: torch.Tensor, peer_addresses: list[int]) -> None:
         """Take `sym` (this rank's peer-visible bytes) and every rank's address of its own."""
@@ -379,7 +380,9 @@ class Buffer:
             cfg.ranks, self.rank, int(r.weighted), int(r.skip_a2a),
             int(cfg.fused_shared_expert), r.shared_begin, r.shared_end, hidden, geo.channels,
             r.channels, geo.ring_slots, geo.chunk_tokens, off["combine_rings"], off["counters"],
-            int(self.timeout_s * 1e9))
+            int(self.timeout_s * 1e9),
+            self.combine_trace if self.combine_trace is not None else self._no_i64,
+            int(self.combine_trace is not None))
         return _PendingCombine(out)
 
     def combine_wait(self, pending: _PendingCombine) -> torch.Tensor:
@@ -491,6 +494,20 @@ class Buffer:
         layout = trace_layout(self.geo.channels)
         self.trace = torch.zeros(layout.cosize(), dtype=torch.int64, device=self.device).view(
             self.geo.channels, len(TRACE_FIELDS))
+
+    def trace_combine(self, on: bool = True) -> None:
+        """Record, on every later combine, each channel's timeline (`layouts.channels.
+        COMBINE_TRACE_FIELDS`: when its senders and receivers finished, their longest waits)
+        into `self.combine_trace`, an int64 [channels, fields] tensor; off: record nothing."""
+        from layouts.channels import COMBINE_TRACE_FIELDS, trace_layout
+
+        if not on:
+            self.combine_trace = None
+            return
+        layout = trace_layout(self.geo.channels, COMBINE_TRACE_FIELDS)
+        self.combine_trace = torch.zeros(layout.cosize(), dtype=torch.int64,
+                                         device=self.device).view(self.geo.channels,
+                                                                  len(COMBINE_TRACE_FIELDS))
 
     # Internals ----------------------------------------------------------------------------
 
