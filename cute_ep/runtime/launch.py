@@ -63,13 +63,6 @@ class Kernel:
         self.device_index = device_index
         self._scalars = [p.name for p in self.spec.params if p.kind != "ptr"]
         self._is_ptr = tuple(p.kind == "ptr" for p in self.spec.params)
-        # Each grid dimension as (constant, None, None, None) or (None, argument index, divisor,
-        # max), so an unchecked launch evaluates it without building a dict of scalars.
-        position = {p.name: i for i, p in enumerate(self.spec.params)}
-        self._grid_plan = tuple(
-            (rule.constant, None, None, None) if rule.constant is not None
-            else (None, position[rule.ceil_div[0]], rule.ceil_div[1], rule.max)
-            for rule in self.spec.grid)
         # Parameter storage and the void** array pointing into it, built once and refilled per
         # launch: cuLaunchKernel copies the values, so reuse is safe (also under graph capture).
         self._slots = [_CTYPES[p.kind]() for p in self.spec.params]
@@ -112,32 +105,6 @@ class Kernel:
     def launch(self, *args) -> None:
         scalars = self.check_args(args)
         self._launch(args, tuple(rule.evaluate(scalars) for rule in self.spec.grid))
-
-    def launch_unchecked(self, *args) -> None:
-        """`launch` without the per-argument ABI checks, for a caller that allocated or validated
-        every argument itself (`cute_ep.ep.Buffer` checks user tensors once at its API): the
-        checks cost tens of microseconds of Python per launch, more than a decode kernel runs.
-        A pointer argument may be a tensor or a device address (an int) inside one."""
-        if len(args) != len(self._is_ptr):
-            raise TypeError(f"{self.spec.key} takes {len(self._is_ptr)} arguments, got "
-                            f"{len(args)}")
-        self._launch(args, self.grid_of(args))
-
-    def bind(self, varying: tuple[str, ...], **constants) -> "Launcher":
-        """A caller's own argument block for this kernel: `constants` (every parameter not
-        named in `varying`) checked against the ABI and written once; see `Launcher`."""
-        return Launcher(self, varying, constants)
-
-    def grid_of(self, args) -> tuple[int, int, int]:
-        """The launch grid for these arguments (the spec's grid rules, by argument position)."""
-        grid = []
-        for constant, at, divisor, most in self._grid_plan:
-            if constant is not None:
-                grid.append(constant)
-            else:
-                value = -(-args[at] // divisor)
-                grid.append(value if most is None else min(value, most))
-        return tuple(grid)
 
     def _launch(self, args, grid: tuple[int, int, int]) -> None:
         if 0 in grid:
@@ -207,14 +174,10 @@ class Launcher:
         self._lock = threading.Lock()
 
     def __call__(self, *values: int) -> None:
-        grid = []
-        for dim in self._grid:
-            if dim.__class__ is int:
-                grid.append(dim)
-            else:
-                at, divisor, most = dim
-                n = -(-values[at] // divisor)
-                grid.append(n if most is None else min(n, most))
+        if len(values) != len(self._varying):
+            raise TypeError(f"{self.kernel.spec.key}: a bound launch takes "
+                            f"{len(self._varying)} varying arguments, got {len(values)}")
+        grid = self.grid_of(values)
         if 0 in grid:
             return
         kernel = self.kernel
@@ -225,6 +188,19 @@ class Launcher:
             check(driver.cuLaunchKernel(
                 kernel.function, *grid, *kernel.spec.block, kernel.spec.smem_bytes,
                 driver.CUstream(stream), ctypes.addressof(self._argv), 0))
+
+
+    def grid_of(self, values) -> list[int]:
+        """The launch grid for these varying arguments (the spec's grid rules)."""
+        grid = []
+        for dim in self._grid:
+            if dim.__class__ is int:
+                grid.append(dim)
+            else:
+                at, divisor, most = dim
+                n = -(-values[at] // divisor)
+                grid.append(n if most is None else min(n, most))
+        return grid
 
 
 def _current_raw_stream(device_index: int) -> int:
