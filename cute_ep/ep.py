@@ -427,7 +427,7 @@ class Buffer:
         trace = self.trace
         self._dispatch_launch(
             source, ids.data_ptr(), weights.data_ptr(), out.tokens.data_ptr(),
-            (out.scales if out.scales is not None else self._no_f32).data_ptr(),
+            out._address("scales") if cfg.format != "bf16" else self._no_f32.data_ptr(),
             out._address("scales_offsets") if cfg.format == "nvfp4"
             else self._no_i32.data_ptr(), *carved, num_tokens, int(skip_a2a), shared_begin,
             shared_end, int(weighted), active,
@@ -441,8 +441,11 @@ class Buffer:
         cap, segs = cfg.row_capacity, cfg.segments
         outputs = [("row_offsets", (segs + 1,), torch.int32), ("expert_ids", (segs,), torch.int32),
                    ("counts", (segs,), torch.int32), ("src_info", (cap, 2), torch.int32)]
+        if cfg.format == "fp8":
+            outputs.append(("scales", (cfg.hidden // 128, cap), torch.float32))
         if cfg.format == "nvfp4":
-            outputs.append(("scales_offsets", (segs,), torch.int32))
+            outputs += [("scales", (self.nvfp4_scale_bytes,), torch.uint8),
+                        ("scales_offsets", (segs,), torch.int32)]
         self._output_carve = _Carve(outputs)
         names = ("rows", "weights", "tokens", "messages", "channels")  # self._routes' order
         self._handle_carve = _Carve([(name, b.torch_shape, getattr(torch, b.dtype))
@@ -460,24 +463,23 @@ class Buffer:
         cap, h = cfg.row_capacity, cfg.hidden
         if cfg.format == "fp8":
             tokens = torch.empty(cap, h, dtype=torch.float8_e4m3fn, device=dev)
-            scales = torch.empty(h // 128, cap, dtype=torch.float32, device=dev)
         elif cfg.format == "nvfp4":
             tokens = torch.empty(cap, h // 2, dtype=torch.uint8, device=dev)
-            scales = torch.empty(self.nvfp4_scale_bytes, dtype=torch.uint8, device=dev)
         else:
             tokens = torch.empty(cap, h, dtype=torch.bfloat16, device=dev)
-            scales = None
-        absent = {} if cfg.format == "nvfp4" else {"scales_offsets": None}
+        absent = {"scales": None, "scales_offsets": None} if cfg.format == "bf16" else \
+            {"scales_offsets": None} if cfg.format == "fp8" else {}
         if separate:
             return DispatchOutput._of(
-                None, None, tokens=tokens, scales=scales, **absent,
-                **self._output_carve.separate(dev),
+                None, None, tokens=tokens, **absent, **self._output_carve.separate(dev),
                 handle=DispatchHandle._of(None, None, routing=route,
                                           **self._handle_carve.separate(dev)))
+        # The rows on their own (a caller may free them after its GEMM while it keeps the
+        # handle for combine); scales, metadata and handle in one allocation.
         flat = torch.empty(self._handle_carve.end, dtype=torch.uint8, device=dev)
         handle = DispatchHandle._of(flat, self._handle_carve, routing=route)
-        return DispatchOutput._of(flat, self._output_carve, tokens=tokens, scales=scales,
-                                  handle=handle, **absent)
+        return DispatchOutput._of(flat, self._output_carve, tokens=tokens, handle=handle,
+                                  **absent)
 
     def dispatch(self, x, topk_ids, topk_weights=None, *, skip_a2a=False,
                  num_input_tokens=None, global_scale=None) -> DispatchOutput:
@@ -497,12 +499,18 @@ class Buffer:
         experts goes home, and this rank's tokens are reduced (bf16 `y` [rows, H] in dispatch's
         row order). `combine_wait` returns the output."""
         cfg, r = self.cfg, handle.routing
-        check_tensor(y, name="y", dtype="bfloat16", align=16, device_index=self.device.index)
-        if y.dim() != 2 or y.shape[1] != cfg.hidden:
-            raise ValueError(f"y must be bf16 [rows, {cfg.hidden}], got {tuple(y.shape)}")
-        if y.shape[0] < cfg.row_capacity:
-            raise ValueError(f"y has {y.shape[0]} rows; dispatch's outputs have row_capacity="
-                             f"{cfg.row_capacity} rows (pass the full expert output buffer)")
+        if not (type(y) is torch.Tensor and y.dtype is torch.bfloat16 and y.dim() == 2
+                and y.shape[1] == cfg.hidden and y.shape[0] >= cfg.row_capacity
+                and y.get_device() == self.device.index and y.is_contiguous()
+                and not y.data_ptr() % 16):  # else say what is wrong
+            check_tensor(y, name="y", dtype="bfloat16", align=16,
+                         device_index=self.device.index)
+            if y.dim() != 2 or y.shape[1] != cfg.hidden:
+                raise ValueError(f"y must be bf16 [rows, {cfg.hidden}], got {tuple(y.shape)}")
+            if y.shape[0] < cfg.row_capacity:
+                raise ValueError(f"y has {y.shape[0]} rows; dispatch's outputs have "
+                                 f"row_capacity={cfg.row_capacity} rows (pass the full expert "
+                                 f"output buffer)")
         t, k, hidden = r.num_tokens, cfg.topk, cfg.hidden
         out = torch.empty((t, hidden) if r.weighted else (t, k, hidden), dtype=torch.bfloat16,
                           device=self.device)
@@ -656,6 +664,22 @@ class Buffer:
 
     def _check_dispatch_inputs(self, x, topk_ids, topk_weights) -> int:
         cfg, dev = self.cfg, self.device.index
+        # The common case in one expression of cheap reads (a microsecond or two); anything
+        # else, good or bad, takes the detailed checks below, which say what is wrong.
+        tensor = torch.Tensor
+        if type(x) is tensor and type(topk_ids) is tensor and x.dim() == 2:
+            t = x.shape[0]
+            if (x.dtype is torch.bfloat16 and x.shape[1] == cfg.hidden
+                    and t <= cfg.max_tokens_per_rank and x.get_device() == dev
+                    and x.is_contiguous() and not x.data_ptr() % 16
+                    and topk_ids.dtype is torch.int32 and topk_ids.shape == (t, cfg.topk)
+                    and topk_ids.get_device() == dev and topk_ids.is_contiguous()
+                    and (topk_weights is None or (
+                        type(topk_weights) is tensor and topk_weights.dtype is torch.float32
+                        and topk_weights.shape == (t, cfg.topk)
+                        and topk_weights.get_device() == dev and topk_weights.is_contiguous()
+                        and not topk_weights.data_ptr() % 4))):
+                return t
         check_tensor(x, name="x", dtype="bfloat16", align=16, device_index=dev)
         if x.dim() != 2 or x.shape[1] != cfg.hidden:
             raise ValueError(f"x must be bf16 [T, {cfg.hidden}], got {tuple(x.shape)}")

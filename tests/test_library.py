@@ -80,7 +80,7 @@ def test_a_bind_names_every_parameter_once_and_a_launch_passes_each_varying_one(
         Launcher(kernel, ("out", "x", "big"), {"n": 1 << 31})
     with pytest.raises(TypeError, match="must be an int"):
         Launcher(kernel, ("out", "x", "big"), {"n": 1.0})
-    launcher = Launcher(kernel, ("out", "n", "big"), {"x": 2})
+    launcher = kernel.bind(("out", "n", "big"), x=2)
     assert launcher.grid_of([0, 17, 0]) == [3, 1, 1]
     assert launcher.grid_of([0, 1000, 0]) == [4, 1, 1]
     with pytest.raises(TypeError, match="takes 3 varying arguments, got 2"):
@@ -177,3 +177,28 @@ def test_import_needs_neither_the_dsl_nor_a_gpu():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == __import__("cute_ep").__version__
+
+
+def test_a_launch_writes_each_varying_argument_where_the_driver_reads_it():
+    """The argument block the driver gets (an array of addresses, one per parameter): a
+    varying value packed by the launch and a fixed one written at bind both read back, at
+    their widths, through it."""
+    import ctypes
+
+    spec = KernelSpec(
+        family="f", config={},
+        params=(Param("a", "ptr", "int32", align=4), Param("n", "i32"), Param("m", "i32"),
+                Param("big", "i64"), Param("last", "i32")),
+        block=(128, 1, 1), grid=(GridRule(ceil_div=("n", 1)), GridRule(constant=1),
+                                 GridRule(constant=1)),
+        smem_bytes=0, sizes={})
+    entry = Entry(spec=spec, arch="sm_90a", symbol="k", cubin=Path("k.cubin"), sha256="")
+    launcher = Kernel(entry, function=None, device_index=0).bind(("a", "n", "big", "last"), m=7)
+    launcher._pack(launcher._packed, 0, 0x12_3456_7890, -5, -(1 << 40), 1 << 30)
+    argv = launcher._argv
+    assert ctypes.c_uint64.from_address(argv[0]).value == 0x12_3456_7890
+    assert ctypes.c_int32.from_address(argv[1]).value == -5
+    assert ctypes.c_int32.from_address(argv[2]).value == 7
+    assert ctypes.c_int64.from_address(argv[3]).value == -(1 << 40)
+    assert ctypes.c_int32.from_address(argv[4]).value == 1 << 30
+
