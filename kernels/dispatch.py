@@ -1,7 +1,7 @@
 """`ep_dispatch`: one persistent launch per dispatch, a CTA per channel (transport v2).
 
 Channel c of every rank owns a contiguous run of that rank's tokens (`layouts.channels`). Its CTA
-has a sender warp, RECV_WARPS receiver warps and a publisher warp, and runs three parts:
+has a sender warp and RECV_WARPS receiver warps, and runs three parts:
 
 1. Counts (all warps): the channel's tokens are routed (each valid (token, k) pair, a later k
    naming the same expert dropped, ids outside [0, E) dropped and reported) and counted per
@@ -17,9 +17,7 @@ has a sender warp, RECV_WARPS receiver warps and a publisher warp, and runs thre
    that read it has finished reading. A slot is
    written only when the destination has returned credit for it (`heads`); the stream's `tails`
    at the destination advance once the stores are complete (at most WRITES_IN_FLIGHT messages'
-   stores pending), every `chunk_tokens` messages and at the end. The tail stores and the
-   system-scope fence before them are a publisher warp's: the sender only queues the positions
-   (PUB_SLOTS requests), so a fence never stalls its bulk copies.
+   stores pending), every `chunk_tokens` messages and at the end.
 3. Receive (the receiver warps): they wait for every (channel, source)'s counts, from which each
    CTA derives the whole row layout (segments padded to the format's row alignment, NVFP4
    segments on fresh 128-row scale blocks) and the first row of every (segment, source) that
@@ -66,10 +64,7 @@ MAX_STAGES = 16
 MIN_STAGES = 3
 WRITES_IN_FLIGHT = 6  # messages whose bulk stores may still be completing
 READS_IN_FLIGHT = (6, 4, 2, 1)  # messages whose bulk stores may still be reading their stage
-WAITS_AT = 3 * MAX_RANKS  # s_pos words of the sender's wait times (traced, 9 of them)
-COUNT_LOADS = 16  # count words one thread has in flight while it sums a source's channels
-PUB_SLOTS = 4  # tail releases the sender may have queued for the publisher warp
-REQS_AT = 3 * MAX_RANKS + 9  # s_pos word: tail releases queued so far
+WAITS_AT = 3 * MAX_RANKS  # s_pos words of the sender's wait times (traced)
 HISTORY = 8  # > WRITES_IN_FLIGHT: stream positions remembered per message for the tails
 FP8_BLOCK = 128
 NVFP4_BLOCK = 16
@@ -143,36 +138,6 @@ def _wait_reads(reading):
 
 
 @cute.jit
-def _post(s_req: cute.Tensor, pub_bars: cute.Pointer, s_pos: cute.Tensor, positions: cute.Tensor,
-          at, ranks):
-    """(The sender's lane 0) queue a tail release for the publisher warp: positions[at + d] for
-    every destination d, or with at < 0 the publisher's stop. Waits for the request slot only if
-    the publisher is PUB_SLOTS requests behind."""
-    k = Int32(s_pos[REQS_AT])
-    slot = k % PUB_SLOTS
-    if k >= PUB_SLOTS:
-        cute.arch.mbarrier_wait(pub_bars + PUB_SLOTS + slot, (k // PUB_SLOTS - 1) % 2)
-    for d in cutlass.range(ranks):
-        value = Int64(-1)
-        if at >= 0:
-            value = positions[at + d]
-        s_req[slot * MAX_RANKS + d] = value
-    cute.arch.mbarrier_arrive(pub_bars + slot)
-    s_pos[REQS_AT] = Int64(k + 1)
-
-
-@cute.jit
-def _picked_word(s_scratch: cute.Tensor, toks_at, g0, i, cnt, topk):
-    """Where word i of the compacted ids of a group's selected tokens (token m's ids at
-    m * topk) sits among the group's ids (token g0 + b's at b * topk): the selected tokens are
-    s_scratch[toks_at + m]. Indices past the selection give some word of the group."""
-    i = cutlass.min(i, cnt * topk - 1)
-    m = i // topk
-    b = s_scratch[toks_at + cutlass.max(m, 0)] - g0
-    return cutlass.max(cutlass.min(b * topk + i - m * topk, MAX_CHUNK * MAX_TOPK - 1), 0)
-
-
-@cute.jit
 def _scale_word_offset(srow, group, rk):
     """Byte offset, in the 128x4 scale layout (`layouts.scales`), of scale row `srow`'s columns
     4 group .. 4 group + 3."""
@@ -185,8 +150,7 @@ class EpDispatch:
         if fmt not in FORMATS:
             raise ValueError(f"ep_dispatch formats: {FORMATS}, not {fmt!r}")
         self.fmt = fmt
-        # The sender warp, the receiver warps, the publisher warp.
-        self.threads = WARP * (2 + RECV_WARPS)
+        self.threads = WARP * (1 + RECV_WARPS)
         self.recv_threads = WARP * RECV_WARPS
         self.row_align = FP8_ROW_ALIGN if fmt == "fp8" else 1
         # Payload rows move in 16-byte vectors, NVFP4 rows (H / 2 bytes) in 8-byte ones.
@@ -203,8 +167,7 @@ class EpDispatch:
                  + RECV_WARPS * (SCRATCH + MAX_CHUNK * MAX_TOPK)  # s_scratch, s_wts
                  + WARP + 2 * MAX_STAGES  # s_batch, s_stage
                  + 2 * WARP * MAX_TOPK)  # s_bids, s_bw
-        dwords = (MAX_STAGES + 5 * MAX_RANKS + HISTORY * MAX_RANKS
-                  + PUB_SLOTS * MAX_RANKS + 2 * PUB_SLOTS)
+        dwords = MAX_STAGES + 4 * MAX_RANKS + HISTORY * MAX_RANKS
         return STAGE_BYTES + 4 * words + 8 * dwords + 16 * 16 + 128
 
     def spec(self) -> KernelSpec:
@@ -334,9 +297,6 @@ class EpDispatch:
         smem = cutlass.memory.SmemAllocator()
         stage_buf = smem.allocate_tensor(Uint8, cute.make_layout(STAGE_BYTES), byte_alignment=128)
         full = smem.allocate_array(Int64, MAX_STAGES)
-        # Tail releases handed to the publisher warp: PUB_SLOTS requests of a position per
-        # destination, with a full and an empty mbarrier each.
-        pub_bars = smem.allocate_array(Int64, 2 * PUB_SLOTS)
         s_cnt = smem.allocate_tensor(Int32, cute.make_layout(MAX_EXPERTS + 2 * MAX_RANKS + 8),
                                      byte_alignment=16)
         s_next = smem.allocate_tensor(Int32, cute.make_layout(RECV_WARPS * MAX_SEGMENTS),
@@ -357,11 +317,9 @@ class EpDispatch:
         s_bids = smem.allocate_tensor(Int32, cute.make_layout(WARP * MAX_TOPK), byte_alignment=16)
         s_bw = smem.allocate_tensor(Float32, cute.make_layout(WARP * MAX_TOPK), byte_alignment=16)
         s_stage = smem.allocate_tensor(Int32, cute.make_layout(2 * MAX_STAGES), byte_alignment=16)
-        s_pos = smem.allocate_tensor(Int64, cute.make_layout(5 * MAX_RANKS), byte_alignment=16)
+        s_pos = smem.allocate_tensor(Int64, cute.make_layout(4 * MAX_RANKS), byte_alignment=16)
         s_hist = smem.allocate_tensor(Int64, cute.make_layout(HISTORY * MAX_RANKS),
                                       byte_alignment=16)
-        s_req = smem.allocate_tensor(Int64, cute.make_layout(PUB_SLOTS * MAX_RANKS),
-                                     byte_alignment=16)
 
         if tidx == 0:
             _stamp(trace, tracing, channel, "start", cute.arch.globaltimer())
@@ -384,8 +342,6 @@ class EpDispatch:
         if tidx == 0:
             for s in cutlass.range_constexpr(MAX_STAGES):
                 cute.arch.mbarrier_init(full + s, 1)
-            for s in cutlass.range_constexpr(2 * PUB_SLOTS):
-                cute.arch.mbarrier_init(pub_bars + s, 1)
             cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
         for t in cutlass.range(t0 + tidx, t1, self.threads):
@@ -430,16 +386,11 @@ class EpDispatch:
                        source_stride, load_bytes, meta_word, channels, ring_slots,
                        chunk_tokens, stages, ring_offset, counters_offset, counters, timeout_ns,
                        stage_buf, full, s_cnt, s_batch, s_bids, s_bw, s_stage, s_pos, s_hist,
-                       s_req, pub_bars, trace, tracing)
-        if warp == RECV_WARPS + 1:
-            self._publish(lane, channel, peers, my_rank, ranks, counters_offset, counters,
-                          s_req, pub_bars)
+                       trace, tracing)
 
         # 3. Receive -------------------------------------------------------------------------
-        if warp > 0 and warp <= RECV_WARPS:
-            self._receive(tidx - WARP, channel, t0, t1, source, source_stride, topk_ids,
-                          topk_weights, has_weights, skip_a2a, peers, here, streams, error,
-                          tokens, scales,
+        if warp > 0:
+            self._receive(tidx - WARP, channel, peers, here, streams, error, tokens, scales,
                           scales_offsets, row_offsets, expert_ids, seg_counts, src_info,
                           comb_rows, comb_weights, comb_tokens, comb_counts, chan_msgs,
                           max_tokens, topk,
@@ -467,23 +418,24 @@ class EpDispatch:
               load_bytes, meta_word, channels, ring_slots, chunk_tokens, stages, ring_offset,
               counters_offset, counters, timeout_ns, stage_buf: cute.Tensor, full: cute.Pointer,
               s_cnt: cute.Tensor, s_batch: cute.Tensor, s_bids: cute.Tensor, s_bw: cute.Tensor,
-              s_stage: cute.Tensor, s_pos: cute.Tensor, s_hist: cute.Tensor,
-              s_req: cute.Tensor, pub_bars: cute.Pointer, trace: cute.Pointer, tracing):
+              s_stage: cute.Tensor, s_pos: cute.Tensor,
+              s_hist: cute.Tensor, trace: cute.Pointer, tracing):
         """The sender warp: lane 0 drives the bulk copies, the lanes write metadata."""
         ring = ring_layout(msg_bytes, ring_slots, channels, ranks)
         meta = metadata_layout(topk)
-        sent_at, head_at = 0, MAX_RANKS
+        sent_at, head_at, pub_at = 0, MAX_RANKS, 2 * MAX_RANKS
         if lane < ranks:
             pos = cute.arch.load(gmem_ptr(Int64, streams.toint()
                                       + Int64(counters((channel, lane, TAILS, DISPATCH))) * 8, 8),
                                  Int64)
             s_pos[sent_at + lane] = pos
+            s_pos[pub_at + lane] = pos
             s_pos[head_at + lane] = cute.arch.load(
                 gmem_ptr(Int64, here + counters_offset
                      + Int64(counters((channel, lane, HEADS, DISPATCH))) * 8, 8),
                 Int64, sem="relaxed", scope="sys")
-        if lane < 10:
-            s_pos[WAITS_AT + lane] = Int64(0)  # the wait times and REQS_AT
+        if lane < 7:
+            s_pos[WAITS_AT + lane] = Int64(0)
         cute.arch.sync_warp()
         # Stores may still be reading `reading` stages when a stage is reloaded; loads run
         # `lookahead` = stages - 1 - reading messages ahead of stores.
@@ -531,8 +483,7 @@ class EpDispatch:
                 mask, _ = route_ids(s_bids, lane, MAX_TOPK, t, topk, experts, local_experts,
                                     my_rank, skip_a2a, shared, shared_begin, shared_end, s_cnt,
                                     False)
-            # This rank's own tokens reach its receivers without a message (see _expand).
-            s_batch[lane] = mask & ~(Int32(1) << my_rank)
+            s_batch[lane] = mask
             cute.arch.sync_warp()
             if tracing != 0 and lane == 0:
                 s_pos[WAITS_AT + 4] += cute.arch.globaltimer() - batch_start
@@ -555,12 +506,8 @@ class EpDispatch:
                         s_stage[st] = tok
                         s_stage[MAX_STAGES + st] = m
                         cute.arch.mbarrier_arrive_and_expect_tx(full + st, load_bytes)
-                        if tracing != 0:
-                            start = cute.arch.globaltimer()
                         bulk_load(slot, source.toint() + Int64(tok) * Int64(source_stride),
                                   load_bytes, full + st)
-                        if tracing != 0:
-                            s_pos[WAITS_AT + 8] += cute.arch.globaltimer() - start
                     cute.arch.sync_warp()
                     # The metadata, beside the payload (the bulk store reads it much later,
                     # after this warp's proxy fence).
@@ -581,22 +528,20 @@ class EpDispatch:
                                             stages, msg_bytes, ring, ring_slots, ring_offset,
                                             chunk_tokens, here, counters_offset, counters,
                                             timeout_ns, error, stage_buf, full, s_stage, s_pos,
-                                            s_hist, s_req, pub_bars, tracing)
+                                            s_hist, tracing)
                         stored = stored + 1
             cute.arch.sync_warp()
         while stored < loaded:
             alive = self._store(lane, stored, alive, channel, peers, my_rank, ranks, stages,
                                 msg_bytes, ring, ring_slots, ring_offset, chunk_tokens, here,
                                 counters_offset, counters, timeout_ns, error, stage_buf, full,
-                                s_stage, s_pos, s_hist, s_req, pub_bars, tracing)
+                                s_stage, s_pos, s_hist, tracing)
             stored = stored + 1
         if lane == 0:
             start = cute.arch.globaltimer()
             cute.arch.cp_async_bulk_wait_group(0)
             cute.arch.fence_proxy("async.global")
-            # The final positions (every store complete), then the publisher's stop.
-            _post(s_req, pub_bars, s_pos, s_pos, sent_at, ranks)
-            _post(s_req, pub_bars, s_pos, s_pos, -1, ranks)
+            cute.arch.fence_acq_rel_sys()
             now = cute.arch.globaltimer()
             _stamp(trace, tracing, channel, "send_done", now)
             _stamp(trace, tracing, channel, "credit_wait_ns", s_pos[WAITS_AT])
@@ -606,53 +551,26 @@ class EpDispatch:
             _stamp(trace, tracing, channel, "batch_ns", s_pos[WAITS_AT + 4])
             _stamp(trace, tracing, channel, "publish_ns", s_pos[WAITS_AT + 5])
             _stamp(trace, tracing, channel, "store_steps_ns", s_pos[WAITS_AT + 6])
-            _stamp(trace, tracing, channel, "store_issue_ns", s_pos[WAITS_AT + 7])
-            _stamp(trace, tracing, channel, "load_issue_ns", s_pos[WAITS_AT + 8])
         cute.arch.sync_warp()
         if lane < ranks:
             pos = s_pos[sent_at + lane]
+            if pos != s_pos[pub_at + lane]:
+                tail = peers[lane] + counters_offset + Int64(
+                    counters((channel, my_rank, TAILS, DISPATCH))) * 8
+                cute.arch.store(gmem_ptr(Int64, tail, 8), pos, sem="release", scope="sys")
             cute.arch.store(gmem_ptr(Int64, streams.toint()
                                  + Int64(counters((channel, lane, TAILS, DISPATCH))) * 8, 8), pos)
-
-    @cute.jit
-    def _publish(self, lane, channel, peers: cute.Tensor, my_rank, ranks, counters_offset,
-                 counters, s_req: cute.Tensor, pub_bars: cute.Pointer):
-        """The publisher warp: the sender's tail releases, in order, until its stop. Lane d
-        stores destination d's tail after one system-scope fence (a release pattern: the
-        sender saw its bulk stores complete and fenced the async proxy before queueing)."""
-        k = Int32(0)
-        last = Int64(-1)
-        running = Int32(1)
-        while running != 0:
-            slot = k % PUB_SLOTS
-            cute.arch.mbarrier_wait(pub_bars + slot, (k // PUB_SLOTS) % 2)
-            if s_req[slot * MAX_RANKS] < 0:
-                running = Int32(0)
-            else:
-                cute.arch.fence_acq_rel_sys()
-                if lane < ranks:
-                    pos = s_req[slot * MAX_RANKS + lane]
-                    if pos != last:
-                        tail = peers[lane] + counters_offset + Int64(
-                            counters((channel, my_rank, TAILS, DISPATCH))) * 8
-                        cute.arch.store(gmem_ptr(Int64, tail, 8), pos, sem="relaxed",
-                                        scope="sys")
-                        last = pos
-            cute.arch.sync_warp()
-            if lane == 0:
-                cute.arch.mbarrier_arrive(pub_bars + PUB_SLOTS + slot)
-            k = k + 1
 
     @cute.jit
     def _store(self, lane, j, alive, channel, peers: cute.Tensor, my_rank, ranks, stages,
                msg_bytes, ring, ring_slots, ring_offset, chunk_tokens, here, counters_offset,
                counters, timeout_ns, error: cute.Pointer, stage_buf: cute.Tensor,
                full: cute.Pointer, s_stage: cute.Tensor, s_pos: cute.Tensor,
-               s_hist: cute.Tensor, s_req: cute.Tensor, pub_bars: cute.Pointer, tracing):
+               s_hist: cute.Tensor, tracing):
         """Lane 0: bulk-store message j (its stage loaded) to the ring slot of every destination
         it routes to, credit permitting; then publish the tails of messages whose stores are
         complete. Returns 0 once a wait failed (the rest of the round is dropped)."""
-        sent_at, head_at = 0, MAX_RANKS
+        sent_at, head_at, pub_at = 0, MAX_RANKS, 2 * MAX_RANKS
         ok = alive
         if lane == 0:
             entered = Int64(0)
@@ -681,14 +599,9 @@ class EpDispatch:
                         s_pos[head_at + d] = head
                         s_pos[WAITS_AT] = s_pos[WAITS_AT] + cute.arch.globaltimer() - start
                     if ok != 0:
-                        dst = peers[d] + ring_offset + Int64(
-                            ring((0, Int32(pos % Int64(ring_slots)), channel, my_rank)))
-                        issued = Int64(0)
-                        if tracing != 0:
-                            issued = cute.arch.globaltimer()
-                        bulk_store(dst, slot, msg_bytes)
-                        if tracing != 0:
-                            s_pos[WAITS_AT + 7] += cute.arch.globaltimer() - issued
+                        bulk_store(peers[d] + ring_offset + Int64(
+                            ring((0, Int32(pos % Int64(ring_slots)), channel, my_rank))),
+                            slot, msg_bytes)
                         s_pos[sent_at + d] = pos + 1
             cute.arch.cp_async_bulk_commit_group()
             for d in cutlass.range(ranks):
@@ -700,19 +613,24 @@ class EpDispatch:
                 cute.arch.cp_async_bulk_wait_group(WRITES_IN_FLIGHT)
                 fenced = cute.arch.globaltimer()
                 s_pos[WAITS_AT + 1] = s_pos[WAITS_AT + 1] + fenced - start
-                # The positions go to the publisher warp, whose system fence and tail stores
-                # then keep this thread's bulk copies flowing.
+                # One system-scope fence releases the stores to every destination (a fence,
+                # then relaxed stores: a release pattern without a fence per destination).
                 cute.arch.fence_proxy("async.global")
-                _post(s_req, pub_bars, s_pos, s_hist, (done_j % HISTORY) * MAX_RANKS, ranks)
+                cute.arch.fence_acq_rel_sys()
+                for d in cutlass.range(ranks):
+                    pos = s_hist[(done_j % HISTORY) * MAX_RANKS + d]
+                    if pos != s_pos[pub_at + d]:
+                        tail = peers[d] + counters_offset + Int64(
+                            counters((channel, my_rank, TAILS, DISPATCH))) * 8
+                        cute.arch.store(gmem_ptr(Int64, tail, 8), pos, sem="relaxed", scope="sys")
+                        s_pos[pub_at + d] = pos
                 s_pos[WAITS_AT + 5] += cute.arch.globaltimer() - fenced
             if tracing != 0:
                 s_pos[WAITS_AT + 6] += cute.arch.globaltimer() - entered
         return ok
 
     @cute.jit
-    def _receive(self, rt, channel, t0, t1, source: cute.Pointer, source_stride,
-                 topk_ids: cute.Pointer, topk_weights: cute.Pointer, has_weights, skip_a2a,
-                 peers: cute.Tensor, here, streams: cute.Pointer,
+    def _receive(self, rt, channel, peers: cute.Tensor, here, streams: cute.Pointer,
                  error: cute.Pointer, tokens: cute.Pointer, scales: cute.Pointer,
                  scales_offsets: cute.Pointer, row_offsets: cute.Pointer,
                  expert_ids: cute.Pointer, seg_counts: cute.Pointer, src_info: cute.Pointer,
@@ -842,9 +760,7 @@ class EpDispatch:
         if rt == 0:
             _stamp(trace, tracing, channel, "layout_ready", cute.arch.globaltimer())
         if sub < per_source:
-            self._expand(lane, sub, per_source, s, channel, t0, t1, source, source_stride,
-                         topk_ids, topk_weights, has_weights, skip_a2a, peers, here, streams,
-                         error, tokens,
+            self._expand(lane, sub, per_source, s, channel, peers, here, streams, error, tokens,
                          scales, src_info, comb_rows, comb_weights, comb_tokens, max_tokens,
                          topk, local_experts, ranks, my_rank, shared, shared_begin, shared_end,
                          msg_bytes, meta_word, payload_vectors, scales_offset, row_capacity,
@@ -867,32 +783,21 @@ class EpDispatch:
         part = Int32(0)
         total = Int32(0)
         bad = Int32(0)
-        # COUNT_LOADS channels at a time, every load issued before the first is used (a channel
-        # past the last reads the last one again and is not counted).
-        for c0 in cutlass.range(0, active, COUNT_LOADS):
-            values = [self._count(here, counts_offset, counts_at, entry,
-                                  cutlass.min(c0 + i, active - 1), s, parity)
-                      for i in range(COUNT_LOADS)]
-            for i in cutlass.range_constexpr(COUNT_LOADS):
-                v = values[i]
-                c = c0 + i
-                if c >= active:
-                    v = Int32(0)
-                if v < 0 or v > max_tokens:
-                    bad = Int32(1)
-                    v = Int32(0)
-                if c < channel:
-                    part = part + v
-                total = total + v
+        for c in cutlass.range(active, unroll=8):
+            v = self._count(here, counts_offset, counts_at, entry, c, s, parity)
+            if v < 0 or v > max_tokens:
+                bad = Int32(1)
+                v = Int32(0)
+            if c < channel:
+                part = part + v
+            total = total + v
         if bad != 0:
             cute.arch.atomic_or(error_field(error, "bad_counts"), Int32(ERROR_COUNTS),
                                     sem="relaxed", scope="gpu")
         return part, total
 
     @cute.jit
-    def _expand(self, lane, sub, per_source, s, channel, t0, t1, source: cute.Pointer,
-                source_stride, topk_ids: cute.Pointer, topk_weights: cute.Pointer, has_weights,
-                skip_a2a, peers: cute.Tensor, here,
+    def _expand(self, lane, sub, per_source, s, channel, peers: cute.Tensor, here,
                 streams: cute.Pointer, error: cute.Pointer, tokens: cute.Pointer,
                 scales: cute.Pointer, src_info: cute.Pointer, comb_rows: cute.Pointer,
                 comb_weights: cute.Pointer, comb_tokens: cute.Pointer, max_tokens, topk,
@@ -905,8 +810,7 @@ class EpDispatch:
                 trace: cute.Pointer, tracing):
         """One warp of source s: s's messages of this channel, a chunk at a time. Every warp of
         s reads a chunk's metadata and places its rows (so each keeps the same next-row
-        counters); message m of the chunk is then copied by warp m % per_source. For s = this
-        rank the chunks are its own tokens, read where the sender would have read them."""
+        counters); message m of the chunk is then copied by warp m % per_source."""
         ring = ring_layout(msg_bytes, ring_slots, channels, ranks)
         meta = metadata_layout(topk)
         n = s_src[s]
@@ -920,218 +824,128 @@ class EpDispatch:
         wts = rwarp * MAX_CHUNK * MAX_TOPK
         next_at = rwarp * MAX_SEGMENTS
         lo = my_rank * local_experts
-        tail = consumed
-        alive = Int32(1)
-        waited = Int64(0)
-        if s == my_rank:
-            # This rank's own tokens never enter a ring: the channel's tokens are scanned
-            # MAX_CHUNK at a time, in order, and those routed here are taken from `source`
-            # (the message the sender would have built, less its metadata).
-            ids_view = cute.make_tensor(s_scratch.iterator + scratch + IDS_AT,
-                                        cute.make_layout(MAX_CHUNK * MAX_TOPK))
-            j = Int32(0)
-            for g0 in cutlass.range(t0, t1, MAX_CHUNK):
-                group = t1 - g0
-                if group > MAX_CHUNK:
-                    group = Int32(MAX_CHUNK)
-                # The group's ids, all loads in flight (indices past it reread its last word).
-                vals = [load_i32(topk_ids.toint() + (Int64(g0) * Int64(topk) + Int64(
-                    cutlass.min(q * WARP + lane, group * topk - 1))) * 4)
-                    for q in range(MAX_CHUNK * MAX_TOPK // WARP)]
-                for q in cutlass.range_constexpr(MAX_CHUNK * MAX_TOPK // WARP):
-                    if q * WARP + lane < group * topk:
-                        ids_view[q * WARP + lane] = vals[q]
-                cute.arch.sync_warp()
-                here_bit = Int32(0)
-                if lane < group:
-                    mask, _ = route_ids(ids_view, lane, topk, g0 + lane, topk,
-                                        local_experts * ranks, local_experts, my_rank, skip_a2a,
-                                        shared, shared_begin, shared_end, s_next, False)
-                    here_bit = (mask >> my_rank) & 1
-                sel = cute.arch.vote_ballot_sync(here_bit != 0)
-                cnt = cute.arch.popc(sel)
-                if j + cnt > n:
-                    cnt = n - j  # never past the count this rank sent itself
-                # The selected tokens in order, then their ids moved to the front (every lane
-                # reads its words before any lane writes).
-                if here_bit != 0:
-                    rank_in = cute.arch.popc(sel & ((Int32(1) << lane) - Int32(1)))
-                    if rank_in < cnt:
-                        s_scratch[scratch + TOKS_AT + rank_in] = g0 + lane
-                cute.arch.sync_warp()
-                picked = [ids_view[_picked_word(s_scratch, scratch + TOKS_AT, g0,
-                                                q * WARP + lane, cnt, topk)]
-                          for q in range(MAX_CHUNK * MAX_TOPK // WARP)]
-                cute.arch.sync_warp()
-                for q in cutlass.range_constexpr(MAX_CHUNK * MAX_TOPK // WARP):
-                    if q * WARP + lane < cnt * topk:
-                        ids_view[q * WARP + lane] = picked[q]
-                cute.arch.sync_warp()
-                for i in cutlass.range(lane, cnt * topk, WARP, unroll=4):
-                    m = i // topk
-                    w = Float32(0.0)
-                    if has_weights != 0:
-                        w = load_f32(topk_weights.toint() + (Int64(s_scratch[
-                            scratch + TOKS_AT + m]) * Int64(topk) + Int64(i - m * topk)) * 4)
-                    s_wts[wts + i] = w
-                cute.arch.sync_warp()
-                if cnt > 0:
-                    self._chunk(lane, sub, per_source, s, cnt, first_msg + j, Int32(0), Int64(0),
-                                here, ring_offset, ring, ring_slots, channel, source,
-                                source_stride, tokens, scales, src_info, comb_rows, comb_weights,
-                                comb_tokens, max_tokens, topk, local_experts, my_rank, shared,
-                                shared_begin, shared_end, scales_offset, row_capacity, s_next,
-                                s_off, s_first, s_scratch, s_wts, scratch, wts, next_at, lo,
-                                warp_copy, payload_vectors, payload_bytes, blocks, scale_cols,
-                                rk)
-                j = j + cnt
-                cute.arch.sync_warp()  # the next group reuses this warp's scratch
-        else:
-            for j0 in cutlass.range(0, n, chunk_tokens):
-                cnt = n - j0
-                if cnt > chunk_tokens:
-                    cnt = chunk_tokens
-                p0 = consumed + Int64(j0)
-                if lane == 0 and tail < p0 + Int64(cnt) and alive != 0:
-                    start = Int64(0)
-                    if tracing != 0:
-                        start = cute.arch.globaltimer()
-                    tail, alive = _wait_at_least(tail_word, p0 + Int64(cnt), timeout_ns, error,
-                                                 s, Int32(PHASE_DISPATCH))
-                    if tracing != 0:
-                        waited = waited + cute.arch.globaltimer() - start
-                alive = cute.arch.shuffle_sync(alive, 0)
-                if alive != 0:
-                    # The chunk's metadata: ids, weights, source tokens (loads into shared
-                    # memory, all in flight together).
-                    for i in cutlass.range(lane, cnt * topk, WARP, unroll=4):
-                        m = i // topk
-                        k = i - m * topk
-                        msg = here + ring_offset + Int64(
-                            ring((0, Int32((p0 + Int64(m)) % Int64(ring_slots)), channel, s)))
-                        words = cute.make_tensor(gmem_ptr(Int32, msg, 16),
-                                                 cute.make_layout(meta_word + meta.cosize()))
-                        s_scratch[scratch + IDS_AT + i] = words[meta_word + meta((k, IDS))]
-                        s_wts[wts + i] = cute.make_tensor(
-                            gmem_ptr(Float32, msg, 16), cute.make_layout(
-                                meta_word + meta.cosize()))[meta_word + meta((k, WEIGHTS))]
-                    if lane < cnt:
-                        msg = here + ring_offset + Int64(
-                            ring((0, Int32((p0 + Int64(lane)) % Int64(ring_slots)), channel, s)))
-                        s_scratch[scratch + TOKS_AT + lane] = cute.make_tensor(
-                            gmem_ptr(Int32, msg, 16), cute.make_layout(meta_word))[meta_word - 1]
-                    cute.arch.sync_warp()
-                    self._chunk(lane, sub, per_source, s, cnt, first_msg + j0, Int32(1), p0,
-                                here, ring_offset, ring, ring_slots, channel, source,
-                                source_stride, tokens, scales, src_info, comb_rows, comb_weights,
-                                comb_tokens, max_tokens, topk, local_experts, my_rank, shared,
-                                shared_begin, shared_end, scales_offset, row_capacity, s_next,
-                                s_off, s_first, s_scratch, s_wts, scratch, wts, next_at, lo,
-                                warp_copy, payload_vectors, payload_bytes, blocks, scale_cols,
-                                rk)
-                # Credit back to the source once every warp of s is done with the chunk.
-                cute.arch.barrier(barrier_id=2 + s, number_of_threads=WARP * per_source)
-                if sub == 0 and lane == 0 and alive != 0:
-                    cute.arch.store(gmem_ptr(Int64, head_word, 8), p0 + Int64(cnt),
-                                    sem="release", scope="sys")
-        if sub == 0 and lane == 0:
-            if s != my_rank:
-                cute.arch.store(gmem_ptr(Int64, streams.toint() + Int64(
-                    counters((channel, s, HEADS, DISPATCH))) * 8, 8), consumed + Int64(n))
-            if tracing != 0:
-                at = trace.toint() + Int64(trace_layout(channel + 1)(
-                    (TRACE_FIELDS.index("recv_wait_ns"), channel))) * 8
-                cute.arch.atomic_max(gmem_ptr(Int64, at, 8), waited)
-
-    @cute.jit
-    def _chunk(self, lane, sub, per_source, s, cnt, first, from_ring, p0, here, ring_offset,
-               ring, ring_slots, channel, source: cute.Pointer, source_stride,
-               tokens: cute.Pointer, scales: cute.Pointer, src_info: cute.Pointer,
-               comb_rows: cute.Pointer, comb_weights: cute.Pointer, comb_tokens: cute.Pointer,
-               max_tokens, topk, local_experts, my_rank, shared, shared_begin, shared_end,
-               scales_offset, row_capacity, s_next: cute.Tensor, s_off: cute.Tensor,
-               s_first: cute.Tensor, s_scratch: cute.Tensor, s_wts: cute.Tensor, scratch, wts,
-               next_at, lo, warp_copy: cute.TiledCopy, payload_vectors, payload_bytes, blocks,
-               scale_cols, rk):
-        """A chunk of cnt messages of source s (messages first .. first + cnt - 1 of its round),
-        their ids, weights and source tokens in this warp's scratch: place their rows, record
-        them (warp sub 0), and copy message m (warps m % per_source) from its ring slot
-        (from_ring, slots p0 ..) or, for this rank's own tokens, from `source`."""
         vec = self.vector_bytes
         layout = cute.make_layout((payload_vectors, vec), stride=(vec, 1))
         tiler = (WARP * self.tile_vectors, vec)
         g_crd = cute.zipped_divide(cute.make_identity_tensor(layout.shape), tiler)
         thr = warp_copy.get_slice(lane)
         tiles = cute.ceil_div(payload_vectors, WARP * self.tile_vectors)
-        # Each (message, k)'s local segment: -1 for another rank's expert, an id
-        # outside the experts, or a later k naming an expert an earlier k named (the
-        # sender counted the same pairs).
-        for i in cutlass.range(lane, cnt * topk, WARP):
-            m = i // topk
-            k = i - m * topk
-            e = s_scratch[scratch + IDS_AT + i]
-            g = Int32(-1)
-            if e >= lo and e < lo + local_experts:
-                g = e - lo + shared
-                for k2 in cutlass.range(k):
-                    if s_scratch[scratch + IDS_AT + m * topk + k2] == e:
-                        g = Int32(-1)
-            s_scratch[scratch + SEGS_AT + i] = g
-        cute.arch.sync_warp()
-        # Rows, message by message (the experts of one message differ, so its lanes
-        # never share a counter).
-        for m in cutlass.range(cnt):
-            row = Int32(-1)
-            if lane < topk:
-                g = s_scratch[scratch + SEGS_AT + m * topk + lane]
-                if g >= 0:
-                    row = s_next[next_at + g]
-                    s_next[next_at + g] = row + 1
-                    if cutlass.const_expr(self.fmt == "nvfp4"):
-                        s_scratch[scratch + SROWS_AT + m * ROWS + lane] = \
-                            row - s_off[g] + s_first[g] * ATOM_ROWS
-            if lane == topk:
-                tok = s_scratch[scratch + TOKS_AT + m]
-                if shared != 0 and s == my_rank and tok >= shared_begin \
-                        and tok < shared_end:
-                    row = tok - shared_begin  # segment 0: this rank's tokens in order
-                if cutlass.const_expr(self.fmt == "nvfp4"):
-                    s_scratch[scratch + SROWS_AT + m * ROWS + lane] = row
-            if lane <= topk:
-                s_scratch[scratch + ROWS_AT + m * ROWS + lane] = row
-        cute.arch.sync_warp()
-        if sub == 0:
-            self._record(lane, s, first, cnt, topk, max_tokens, src_info,
-                         comb_rows, comb_weights, comb_tokens, s_scratch, s_wts, scratch,
-                         wts)
-        for m in cutlass.range(sub, cnt, per_source):
-            msg = source.toint() + Int64(s_scratch[scratch + TOKS_AT + m]) * Int64(source_stride)
-            if from_ring != 0:
-                msg = here + ring_offset + Int64(
-                    ring((0, Int32((p0 + Int64(m)) % Int64(ring_slots)), channel, s)))
-            rows_at = scratch + ROWS_AT + m * ROWS
-            g_src = cute.zipped_divide(cute.make_tensor(gmem_ptr(Uint8, msg, 16), layout),
-                                       tiler)
-            for tile in cutlass.range(tiles):
-                pred = row_predicate(thr.partition_S(g_crd[((None, None), tile)]),
-                                     payload_vectors)
-                t_src = thr.partition_S(g_src[((None, None), tile)])
-                regs = cute.make_fragment_like(t_src)
-                cute.copy(warp_copy, t_src, regs, pred=pred)
-                for k in cutlass.range(topk + 1):
-                    r = s_scratch[rows_at + k]
-                    if r >= 0:
-                        g_dst = cute.zipped_divide(cute.make_tensor(gmem_ptr(
-                            Uint8, tokens.toint() + Int64(r) * payload_bytes, vec),
-                            layout), tiler)
-                        cute.copy(warp_copy, regs,
-                                  thr.partition_D(g_dst[((None, None), tile)]),
-                                  pred=row_predicate(
-                                      thr.partition_S(g_crd[((None, None), tile)]),
-                                      payload_vectors))
-            self._scales(lane, msg, scales, scales_offset, row_capacity, topk, blocks,
-                         scale_cols, rk, s_scratch, rows_at,
-                         scratch + SROWS_AT + m * ROWS)
+        tail = consumed
+        alive = Int32(1)
+        waited = Int64(0)
+        for j0 in cutlass.range(0, n, chunk_tokens):
+            cnt = n - j0
+            if cnt > chunk_tokens:
+                cnt = chunk_tokens
+            p0 = consumed + Int64(j0)
+            if lane == 0 and tail < p0 + Int64(cnt) and alive != 0:
+                start = Int64(0)
+                if tracing != 0:
+                    start = cute.arch.globaltimer()
+                tail, alive = _wait_at_least(tail_word, p0 + Int64(cnt), timeout_ns, error, s,
+                                             Int32(PHASE_DISPATCH))
+                if tracing != 0:
+                    waited = waited + cute.arch.globaltimer() - start
+            alive = cute.arch.shuffle_sync(alive, 0)
+            if alive != 0:
+                # The chunk's metadata: ids, weights, source tokens (loads into shared memory,
+                # all in flight together).
+                for i in cutlass.range(lane, cnt * topk, WARP, unroll=4):
+                    m = i // topk
+                    k = i - m * topk
+                    msg = here + ring_offset + Int64(
+                        ring((0, Int32((p0 + Int64(m)) % Int64(ring_slots)), channel, s)))
+                    words = cute.make_tensor(gmem_ptr(Int32, msg, 16),
+                                             cute.make_layout(meta_word + meta.cosize()))
+                    s_scratch[scratch + IDS_AT + i] = words[meta_word + meta((k, IDS))]
+                    s_wts[wts + i] = cute.make_tensor(
+                        gmem_ptr(Float32, msg, 16),
+                        cute.make_layout(meta_word + meta.cosize()))[meta_word + meta((k, WEIGHTS))]
+                if lane < cnt:
+                    msg = here + ring_offset + Int64(
+                        ring((0, Int32((p0 + Int64(lane)) % Int64(ring_slots)), channel, s)))
+                    s_scratch[scratch + TOKS_AT + lane] = cute.make_tensor(
+                        gmem_ptr(Int32, msg, 16), cute.make_layout(meta_word))[meta_word - 1]
+                cute.arch.sync_warp()
+                # Each (message, k)'s local segment: -1 for another rank's expert, an id
+                # outside the experts, or a later k naming an expert an earlier k named (the
+                # sender counted the same pairs).
+                for i in cutlass.range(lane, cnt * topk, WARP):
+                    m = i // topk
+                    k = i - m * topk
+                    e = s_scratch[scratch + IDS_AT + i]
+                    g = Int32(-1)
+                    if e >= lo and e < lo + local_experts:
+                        g = e - lo + shared
+                        for k2 in cutlass.range(k):
+                            if s_scratch[scratch + IDS_AT + m * topk + k2] == e:
+                                g = Int32(-1)
+                    s_scratch[scratch + SEGS_AT + i] = g
+                cute.arch.sync_warp()
+                # Rows, message by message (the experts of one message differ, so its lanes
+                # never share a counter).
+                for m in cutlass.range(cnt):
+                    row = Int32(-1)
+                    if lane < topk:
+                        g = s_scratch[scratch + SEGS_AT + m * topk + lane]
+                        if g >= 0:
+                            row = s_next[next_at + g]
+                            s_next[next_at + g] = row + 1
+                            if cutlass.const_expr(self.fmt == "nvfp4"):
+                                s_scratch[scratch + SROWS_AT + m * ROWS + lane] = \
+                                    row - s_off[g] + s_first[g] * ATOM_ROWS
+                    if lane == topk:
+                        tok = s_scratch[scratch + TOKS_AT + m]
+                        if shared != 0 and s == my_rank and tok >= shared_begin \
+                                and tok < shared_end:
+                            row = tok - shared_begin  # segment 0: this rank's tokens in order
+                        if cutlass.const_expr(self.fmt == "nvfp4"):
+                            s_scratch[scratch + SROWS_AT + m * ROWS + lane] = row
+                    if lane <= topk:
+                        s_scratch[scratch + ROWS_AT + m * ROWS + lane] = row
+                cute.arch.sync_warp()
+                if sub == 0:
+                    self._record(lane, s, first_msg + j0, cnt, topk, max_tokens, src_info,
+                                 comb_rows, comb_weights, comb_tokens, s_scratch, s_wts, scratch,
+                                 wts)
+                for m in cutlass.range(sub, cnt, per_source):
+                    msg = here + ring_offset + Int64(
+                        ring((0, Int32((p0 + Int64(m)) % Int64(ring_slots)), channel, s)))
+                    rows_at = scratch + ROWS_AT + m * ROWS
+                    g_src = cute.zipped_divide(cute.make_tensor(gmem_ptr(Uint8, msg, 16), layout),
+                                               tiler)
+                    for tile in cutlass.range(tiles):
+                        pred = row_predicate(thr.partition_S(g_crd[((None, None), tile)]),
+                                             payload_vectors)
+                        t_src = thr.partition_S(g_src[((None, None), tile)])
+                        regs = cute.make_fragment_like(t_src)
+                        cute.copy(warp_copy, t_src, regs, pred=pred)
+                        for k in cutlass.range(topk + 1):
+                            r = s_scratch[rows_at + k]
+                            if r >= 0:
+                                g_dst = cute.zipped_divide(cute.make_tensor(gmem_ptr(
+                                    Uint8, tokens.toint() + Int64(r) * payload_bytes, vec),
+                                    layout), tiler)
+                                cute.copy(warp_copy, regs,
+                                          thr.partition_D(g_dst[((None, None), tile)]),
+                                          pred=row_predicate(
+                                              thr.partition_S(g_crd[((None, None), tile)]),
+                                              payload_vectors))
+                    self._scales(lane, msg, scales, scales_offset, row_capacity, topk, blocks,
+                                 scale_cols, rk, s_scratch, rows_at,
+                                 scratch + SROWS_AT + m * ROWS)
+            # Credit back to the source once every warp of s is done with the chunk.
+            cute.arch.barrier(barrier_id=2 + s, number_of_threads=WARP * per_source)
+            if sub == 0 and lane == 0 and alive != 0:
+                cute.arch.store(gmem_ptr(Int64, head_word, 8), p0 + Int64(cnt), sem="release",
+                                scope="sys")
+        if sub == 0 and lane == 0:
+            cute.arch.store(gmem_ptr(Int64, streams.toint() + Int64(
+                counters((channel, s, HEADS, DISPATCH))) * 8, 8), consumed + Int64(n))
+            if tracing != 0:
+                at = trace.toint() + Int64(trace_layout(channel + 1)(
+                    (TRACE_FIELDS.index("recv_wait_ns"), channel))) * 8
+                cute.arch.atomic_max(gmem_ptr(Int64, at, 8), waited)
 
     @cute.jit
     def _record(self, lane, s, first, cnt, topk, max_tokens, src_info: cute.Pointer,

@@ -77,14 +77,11 @@ def channel_messages_layout(ranks, channels) -> Layout:
 # layout is known, when its sender finished, at the kernel's end; then the nanoseconds its
 # sender waited for ring credit, for its stores to complete, for a stage's earlier store to
 # finish reading it, for a payload's load, spent routing and reading batches of 32 tokens' ids
-# and weights, queueing tail releases for the publisher warp, and in its store steps in all (their waits
-# included), then in issuing its bulk stores and its bulk loads (the instructions alone: a full
-# bulk-copy queue shows here); last, the longest any source's messages kept this channel's
-# receivers waiting.
+# and weights, releasing tails (system fences), and in its store steps in all (their waits
+# included); last, the longest any source's messages kept this channel's receivers waiting.
 TRACE_FIELDS = ("start", "counts_sent", "counts_arrived", "layout_ready", "send_done", "end",
                 "credit_wait_ns", "store_wait_ns", "read_wait_ns", "load_wait_ns", "batch_ns",
-                "publish_ns", "store_steps_ns", "store_issue_ns", "load_issue_ns",
-                "recv_wait_ns")
+                "publish_ns", "store_steps_ns", "recv_wait_ns")
 
 
 # What a traced combine records per channel (int64 each): %globaltimer at the kernel's start,
