@@ -38,6 +38,7 @@ per-row alphas. Expert outputs come back to combine in bf16 as for the other for
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -65,6 +66,16 @@ FORMATS = ("bf16", "fp8", "nvfp4")
 # The NVFP4 encoder's e2m1 conversion by architecture (the hardware one is sm_100a only).
 E2M1_OF_ARCH = {"sm_90a": "software", "sm_100a": "hardware"}
 PHASES = {1: "dispatch", 2: "combine"}
+# The kernel arguments that change from call to call, in the order the Buffer passes them (the
+# rest are fixed for a Buffer's life and written once: `Kernel.bind`).
+DISPATCH_VARYING = ("source", "topk_ids", "topk_weights", "tokens", "scales", "scales_offsets",
+                    "row_offsets", "expert_ids", "seg_counts", "src_info", "comb_rows",
+                    "comb_weights", "comb_tokens", "comb_counts", "chan_msgs", "num_tokens",
+                    "skip_a2a", "shared_begin", "shared_end", "has_weights", "active", "trace",
+                    "tracing")
+COMBINE_VARYING = ("y", "comb_rows", "comb_weights", "chan_msgs", "topk_ids", "out",
+                   "num_tokens", "weighted", "skip_a2a", "shared_begin", "shared_end", "active",
+                   "trace", "tracing")
 
 __all__ = ["Buffer", "DispatchOutput", "DispatchHandle", "Routing", "ConfigMismatch",
            "PeerTimeout"]
@@ -77,6 +88,62 @@ def _empty(buffer, device) -> torch.Tensor:
 
 def _zeros(buffer, device) -> torch.Tensor:
     return _empty(buffer, device).zero_()
+
+
+class _Carve:
+    """Small tensors of one call laid out in one allocation, planned once per Buffer: a call
+    allocates once, its kernels take addresses inside it, and a view is made only of what the
+    caller reads (each view costs Python time; most are never read outside combine)."""
+
+    ALIGN = 256
+
+    def __init__(self, parts: list[tuple[str, tuple[int, ...], torch.dtype]], start: int = 0):
+        self.parts: dict[str, tuple[int, tuple[int, ...], torch.dtype, int]] = {}
+        at = start
+        for name, shape, dtype in parts:
+            nbytes = math.prod(shape) * dtype.itemsize
+            self.parts[name] = (at, shape, dtype, nbytes)
+            at = -(-(at + nbytes) // self.ALIGN) * self.ALIGN
+        self.end = at
+
+    def view(self, flat: torch.Tensor, name: str) -> torch.Tensor:
+        at, shape, dtype, nbytes = self.parts[name]
+        return flat[at:at + nbytes].view(dtype).view(shape)
+
+    def address(self, base: int, name: str) -> int:
+        return base + self.parts[name][0]
+
+    def separate(self, device) -> dict[str, torch.Tensor]:
+        """Each part in its own allocation (outputs of a custom operator may not alias)."""
+        return {name: torch.empty(shape, dtype=dtype, device=device)
+                for name, (_, shape, dtype, _) in self.parts.items()}
+
+
+class _Carved:
+    """A dataclass whose tensor fields may live in one carved allocation (`_flat`, laid out by
+    `_carve`): such a field becomes a tensor view on its first read."""
+
+    def __getattr__(self, name):
+        fields = self.__dict__
+        carve = fields.get("_carve")
+        if carve is None or name not in carve.parts:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        view = fields[name] = carve.view(fields["_flat"], name)
+        return view
+
+    def _address(self, name: str) -> int:
+        """The device address of field `name`, without making its view."""
+        fields = self.__dict__
+        if name in fields:
+            return fields[name].data_ptr()
+        return fields["_carve"].address(fields["_flat"].data_ptr(), name)
+
+    @classmethod
+    def _of(cls, flat: torch.Tensor | None, carve: _Carve | None, **fields):
+        """An instance with `fields` set and the rest carved from `flat`."""
+        obj = cls.__new__(cls)
+        obj.__dict__.update(fields, _flat=flat, _carve=carve)
+        return obj
 
 
 @dataclass
@@ -93,7 +160,7 @@ class Routing:
 
 
 @dataclass
-class DispatchHandle:
+class DispatchHandle(_Carved):
     """What combine needs from a dispatch (device tensors)."""
 
     routing: Routing
@@ -105,7 +172,7 @@ class DispatchHandle:
 
 
 @dataclass
-class DispatchOutput:
+class DispatchOutput(_Carved):
     """One rank's dispatch result (SPEC section 3). Rows past `row_offsets[-1]` are undefined."""
 
     tokens: torch.Tensor  # [row_capacity, H] bf16 or float8_e4m3fn; nvfp4: uint8 [.., H / 2]
@@ -118,8 +185,9 @@ class DispatchOutput:
     counts: torch.Tensor  # int32 [segments]: rows received per segment
     handle: DispatchHandle
     # nvfp4: int32 [segments], segment g's scales start at 128-row block
-    # row_offsets[g] // 128 + scales_offsets[g]; None for the other formats
-    scales_offsets: torch.Tensor | None = None
+    # row_offsets[g] // 128 + scales_offsets[g]; None for the other formats (no default: a
+    # class attribute would hide the carved field from `_Carved.__getattr__`)
+    scales_offsets: torch.Tensor | None
 
 
 @dataclass
@@ -231,16 +299,41 @@ class Buffer:
         self.error = control["error"]  # ERROR_FIELDS
         # A dispatch's handle, allocated per dispatch.
         self._routes = [*combine_routes(cfg), channel_messages(cfg, self._sms)]
+        self._plan_outputs()
+        self._active: dict[int | None, int] = {}  # active_channels by num_input_tokens
         self._no_f32 = torch.zeros(4, dtype=torch.float32, device=dev)
         self._no_i32 = torch.zeros(4, dtype=torch.int32, device=dev)
         self._no_i64 = torch.zeros(4, dtype=torch.int64, device=dev)
         # Set by `trace_dispatch(True)`: each dispatch then records its channels' timeline.
         self.trace: torch.Tensor | None = None
+        self.combine_trace: torch.Tensor | None = None  # the same for combine
 
     def _attach(self, sym: torch.Tensor, peer_addresses: list[int]) -> None:
-        """Take `sym` (this rank's peer-visible bytes) and every rank's address of its own."""
+        """Take `sym` (this rank's peer-visible bytes) and every rank's address of its own, and
+        write every kernel argument fixed for the Buffer's life once (`Kernel.bind`)."""
         self.sym = sym
         self.channel_bases = torch.tensor(peer_addresses, dtype=torch.int64).to(self.device)
+        cfg, geo, off = self.cfg, self.geo, self.channel_offsets
+        common = dict(peer_bases=self.channel_bases, streams=self.streams, error=self.error,
+                      max_tokens=cfg.max_tokens_per_rank, topk=cfg.topk,
+                      local_experts=cfg.local_experts, ranks=cfg.ranks, my_rank=self.rank,
+                      shared=int(cfg.fused_shared_expert), channels=geo.channels,
+                      ring_slots=geo.ring_slots, chunk_tokens=geo.chunk_tokens,
+                      counters_offset=off["counters"], timeout_ns=self._timeout_ns)
+        self._dispatch_launch = self.k_dispatch.bind(
+            DISPATCH_VARYING, **common, rounds=self.dispatch_epoch, done=self.dispatch_done,
+            msg_bytes=self.msg.size,
+            source_stride=2 * cfg.hidden if cfg.format == "bf16" else self.msg.size,
+            load_bytes=self.meta_at, meta_word=self.msg.metadata_base,
+            payload_vectors=self.payload_vectors, scales_offset=self.scales_at,
+            row_capacity=cfg.row_capacity, stages=self.stages, ring_offset=off["dispatch_rings"],
+            counts_offset=off["counts"], flags_offset=off["count_flags"])
+        self._combine_launch = self.k_combine.bind(
+            COMBINE_VARYING, **common, hidden=cfg.hidden, ring_offset=off["combine_rings"])
+        self._encode_launch = self.k_encode.bind(
+            ("x", "global_scale", "num_tokens"), send_buf=self.send_buf, hidden=cfg.hidden,
+            msg_bytes=self.msg.size, scales_offset=self.scales_at) \
+            if self.k_encode is not None else None
 
     # Sizes -------------------------------------------------------------------------------
 
@@ -271,12 +364,36 @@ class Buffer:
         global_scale: nvfp4 only (and required there): fp32 CUDA tensor of one element, the
         `gs` of `sf = e4m3(gs * amax / 6)`, `q = e2m1(x * gs / sf)`; the same on every rank.
         """
-        cfg = self.cfg
+        return _PendingDispatch(self._checked_dispatch(x, topk_ids, topk_weights, skip_a2a,
+                                                       num_input_tokens, global_scale))
+
+    def _checked_dispatch(self, x, topk_ids, topk_weights, skip_a2a, num_input_tokens,
+                          global_scale, separate=False) -> DispatchOutput:
         num_tokens = self._check_dispatch_inputs(x, topk_ids, topk_weights)
         self._check_global_scale(global_scale)
         if num_input_tokens is not None and not 0 <= num_tokens <= int(num_input_tokens):
             raise ValueError(f"num_input_tokens={num_input_tokens} is below this rank's "
                              f"{num_tokens} tokens")
+        return self._launch_dispatch(x, topk_ids, topk_weights, num_tokens, skip_a2a,
+                                     num_input_tokens, global_scale, separate)
+
+    def dispatch_for_operator(self, x, topk_ids, topk_weights, skip_a2a, num_input_tokens,
+                              global_scale) -> DispatchOutput:
+        """`dispatch` with every output tensor in its own allocation, as the `cute_ep::dispatch`
+        operator must return them (a custom operator's outputs may not alias each other)."""
+        return self._checked_dispatch(x, topk_ids, topk_weights, skip_a2a, num_input_tokens,
+                                      global_scale, separate=True)
+
+    def dispatch_wait(self, pending: _PendingDispatch) -> DispatchOutput:
+        """The expert-grouped rows of the dispatch `pending` came from (stream-ordered: kernels
+        queued after this see them)."""
+        return pending.output
+
+    def _launch_dispatch(self, x, topk_ids, topk_weights, num_tokens, skip_a2a,
+                         num_input_tokens, global_scale, separate=False) -> DispatchOutput:
+        """Allocate the outputs and launch (inputs checked). The outputs' small tensors share
+        one allocation unless `separate` (the custom operator's outputs may not alias)."""
+        cfg = self.cfg
         ids = topk_ids if topk_ids.dtype == torch.int32 and topk_ids.is_contiguous() \
             else topk_ids.to(torch.int32).contiguous()
         weighted = topk_weights is not None
@@ -284,66 +401,85 @@ class Buffer:
             raise ValueError("fused_shared_expert needs topk_weights: the unreduced [T, K, H] "
                              "combine output has no slot for the shared expert")
         shared_begin, shared_end = self._shared_tokens(num_tokens, skip_a2a)
-        active = self.active_channels(num_input_tokens)
+        active = self._active.get(num_input_tokens)
+        if active is None:
+            active = self._active[num_input_tokens] = self.active_channels(num_input_tokens)
         weights = topk_weights if weighted else self._no_f32
 
         if cfg.format == "bf16":
-            source, stride = x, 2 * cfg.hidden
+            source = x.data_ptr()
         else:
-            self.k_encode.launch_unchecked(
-                self.send_buf, x, global_scale if global_scale is not None else self._no_f32,
-                num_tokens, cfg.hidden, self.msg.size, self.scales_at)
-            source, stride = self.send_buf, self.msg.size
+            self._encode_launch(x.data_ptr(), global_scale.data_ptr()
+                                if global_scale is not None else self._no_f32.data_ptr(),
+                                num_tokens)
+            source = self.send_buf.data_ptr()
 
         out = self._dispatch_outputs(Routing(active, num_tokens, weighted, skip_a2a,
-                                             shared_begin, shared_end, ids))
-        h = out.handle
-        geo, off = self.geo, self.channel_offsets
-        meta_word = self.msg.metadata_base
-        self.k_dispatch.launch_unchecked(
-            self.channel_bases, source, ids, weights, self.streams, self.dispatch_epoch,
-            self.dispatch_done, self.error, out.tokens.view(torch.uint8),
-            out.scales if out.scales is not None else self._no_f32,
-            out.scales_offsets if out.scales_offsets is not None else self._no_i32,
-            out.row_offsets, out.expert_ids, out.counts, out.src_info, h.rows, h.weights,
-            h.tokens, h.messages, h.channels, num_tokens, cfg.max_tokens_per_rank, cfg.topk,
-            cfg.local_experts, cfg.ranks, self.rank, int(cfg.fused_shared_expert),
-            int(skip_a2a), shared_begin, shared_end, int(weighted), self.msg.size, stride,
-            self.meta_at, meta_word, self.payload_vectors, self.scales_at,
-            cfg.row_capacity, geo.channels, active, geo.ring_slots, geo.chunk_tokens, self.stages,
-            off["dispatch_rings"], off["counts"], off["count_flags"], off["counters"],
-            int(self.timeout_s * 1e9), self.trace if self.trace is not None else self._no_i64,
-            int(self.trace is not None))
-        return _PendingDispatch(out)
+                                             shared_begin, shared_end, ids), separate)
+        flat = out.__dict__["_flat"]
+        if flat is not None:  # the carved outputs, at fixed offsets in one allocation
+            base = flat.data_ptr()
+            carved = [base + at for at in self._carved_at]
+        else:
+            h = out.handle
+            carved = [out._address(name) for name in self._carved_names[:4]] + \
+                [h._address(name) for name in self._carved_names[4:]]
+        trace = self.trace
+        self._dispatch_launch(
+            source, ids.data_ptr(), weights.data_ptr(), out.tokens.data_ptr(),
+            out._address("scales") if cfg.format != "bf16" else self._no_f32.data_ptr(),
+            out._address("scales_offsets") if cfg.format == "nvfp4"
+            else self._no_i32.data_ptr(), *carved, num_tokens, int(skip_a2a), shared_begin,
+            shared_end, int(weighted), active,
+            (trace if trace is not None else self._no_i64).data_ptr(), int(trace is not None))
+        return out
 
-    def dispatch_wait(self, pending: _PendingDispatch) -> DispatchOutput:
-        """The expert-grouped rows of the dispatch `pending` came from (stream-ordered: kernels
-        queued after this see them)."""
-        return pending.output
+    def _plan_outputs(self) -> None:
+        """The layout of a dispatch's small outputs and its handle in one allocation (their
+        shapes depend on the config only)."""
+        cfg = self.cfg
+        cap, segs = cfg.row_capacity, cfg.segments
+        outputs = [("row_offsets", (segs + 1,), torch.int32), ("expert_ids", (segs,), torch.int32),
+                   ("counts", (segs,), torch.int32), ("src_info", (cap, 2), torch.int32)]
+        if cfg.format == "fp8":
+            outputs.append(("scales", (cfg.hidden // 128, cap), torch.float32))
+        if cfg.format == "nvfp4":
+            outputs += [("scales", (self.nvfp4_scale_bytes,), torch.uint8),
+                        ("scales_offsets", (segs,), torch.int32)]
+        self._output_carve = _Carve(outputs)
+        names = ("rows", "weights", "tokens", "messages", "channels")  # self._routes' order
+        self._handle_carve = _Carve([(name, b.torch_shape, getattr(torch, b.dtype))
+                                     for name, b in zip(names, self._routes)],
+                                    start=self._output_carve.end)
+        self._timeout_ns = int(self.timeout_s * 1e9)
+        # The carved tensors the dispatch kernel takes, in DISPATCH_VARYING's order.
+        self._carved_names = ("row_offsets", "expert_ids", "counts", "src_info", "rows",
+                              "weights", "tokens", "messages", "channels")
+        self._carved_at = [self._output_carve.parts[n][0] for n in self._carved_names[:4]] + \
+            [self._handle_carve.parts[n][0] for n in self._carved_names[4:]]
 
-    def _dispatch_outputs(self, route: Routing) -> DispatchOutput:
+    def _dispatch_outputs(self, route: Routing, separate: bool = False) -> DispatchOutput:
         cfg, dev = self.cfg, self.device
-        cap, h, segs = cfg.row_capacity, cfg.hidden, cfg.segments
-        scales_offsets = None
+        cap, h = cfg.row_capacity, cfg.hidden
         if cfg.format == "fp8":
             tokens = torch.empty(cap, h, dtype=torch.float8_e4m3fn, device=dev)
-            scales = torch.empty(h // 128, cap, dtype=torch.float32, device=dev)
         elif cfg.format == "nvfp4":
             tokens = torch.empty(cap, h // 2, dtype=torch.uint8, device=dev)
-            scales = torch.empty(self.nvfp4_scale_bytes, dtype=torch.uint8, device=dev)
-            scales_offsets = torch.empty(segs, dtype=torch.int32, device=dev)
         else:
             tokens = torch.empty(cap, h, dtype=torch.bfloat16, device=dev)
-            scales = None
-        row_offsets = torch.empty(segs + 1, dtype=torch.int32, device=dev)
-        expert_ids = torch.empty(segs, dtype=torch.int32, device=dev)
-        counts = torch.empty(segs, dtype=torch.int32, device=dev)
-        src_info = torch.empty(cap, 2, dtype=torch.int32, device=dev)
-        rows, weights, sources, messages, channels = (_empty(b, dev) for b in self._routes)
-        handle = DispatchHandle(routing=route, rows=rows, weights=weights, tokens=sources,
-                                messages=messages, channels=channels)
-        return DispatchOutput(tokens, scales, row_offsets, expert_ids, src_info, counts, handle,
-                              scales_offsets)
+        absent = {"scales": None, "scales_offsets": None} if cfg.format == "bf16" else \
+            {"scales_offsets": None} if cfg.format == "fp8" else {}
+        if separate:
+            return DispatchOutput._of(
+                None, None, tokens=tokens, **absent, **self._output_carve.separate(dev),
+                handle=DispatchHandle._of(None, None, routing=route,
+                                          **self._handle_carve.separate(dev)))
+        # The rows on their own (a caller may free them after its GEMM while it keeps the
+        # handle for combine); scales, metadata and handle in one allocation.
+        flat = torch.empty(self._handle_carve.end, dtype=torch.uint8, device=dev)
+        handle = DispatchHandle._of(flat, self._handle_carve, routing=route)
+        return DispatchOutput._of(flat, self._output_carve, tokens=tokens, handle=handle,
+                                  **absent)
 
     def dispatch(self, x, topk_ids, topk_weights=None, *, skip_a2a=False,
                  num_input_tokens=None, global_scale=None) -> DispatchOutput:
@@ -363,23 +499,27 @@ class Buffer:
         experts goes home, and this rank's tokens are reduced (bf16 `y` [rows, H] in dispatch's
         row order). `combine_wait` returns the output."""
         cfg, r = self.cfg, handle.routing
-        check_tensor(y, name="y", dtype="bfloat16", align=16, device_index=self.device.index)
-        if y.dim() != 2 or y.shape[1] != cfg.hidden:
-            raise ValueError(f"y must be bf16 [rows, {cfg.hidden}], got {tuple(y.shape)}")
-        if y.shape[0] < cfg.row_capacity:
-            raise ValueError(f"y has {y.shape[0]} rows; dispatch's outputs have row_capacity="
-                             f"{cfg.row_capacity} rows (pass the full expert output buffer)")
+        if not (type(y) is torch.Tensor and y.dtype is torch.bfloat16 and y.dim() == 2
+                and y.shape[1] == cfg.hidden and y.shape[0] >= cfg.row_capacity
+                and y.get_device() == self.device.index and y.is_contiguous()
+                and not y.data_ptr() % 16):  # else say what is wrong
+            check_tensor(y, name="y", dtype="bfloat16", align=16,
+                         device_index=self.device.index)
+            if y.dim() != 2 or y.shape[1] != cfg.hidden:
+                raise ValueError(f"y must be bf16 [rows, {cfg.hidden}], got {tuple(y.shape)}")
+            if y.shape[0] < cfg.row_capacity:
+                raise ValueError(f"y has {y.shape[0]} rows; dispatch's outputs have "
+                                 f"row_capacity={cfg.row_capacity} rows (pass the full expert "
+                                 f"output buffer)")
         t, k, hidden = r.num_tokens, cfg.topk, cfg.hidden
         out = torch.empty((t, hidden) if r.weighted else (t, k, hidden), dtype=torch.bfloat16,
                           device=self.device)
-        geo, off = self.geo, self.channel_offsets
-        self.k_combine.launch_unchecked(
-            self.channel_bases, y, handle.rows, handle.weights, handle.channels, r.topk_ids, out,
-            self.streams, self.error, t, cfg.max_tokens_per_rank, k, cfg.local_experts,
-            cfg.ranks, self.rank, int(r.weighted), int(r.skip_a2a),
-            int(cfg.fused_shared_expert), r.shared_begin, r.shared_end, hidden, geo.channels,
-            r.channels, geo.ring_slots, geo.chunk_tokens, off["combine_rings"], off["counters"],
-            int(self.timeout_s * 1e9))
+        trace = self.combine_trace
+        self._combine_launch(
+            y.data_ptr(), handle._address("rows"), handle._address("weights"),
+            handle._address("channels"), r.topk_ids.data_ptr(), out.data_ptr(), t,
+            int(r.weighted), int(r.skip_a2a), r.shared_begin, r.shared_end, r.channels,
+            (trace if trace is not None else self._no_i64).data_ptr(), int(trace is not None))
         return _PendingCombine(out)
 
     def combine_wait(self, pending: _PendingCombine) -> torch.Tensor:
@@ -492,6 +632,20 @@ class Buffer:
         self.trace = torch.zeros(layout.cosize(), dtype=torch.int64, device=self.device).view(
             self.geo.channels, len(TRACE_FIELDS))
 
+    def trace_combine(self, on: bool = True) -> None:
+        """Record, on every later combine, each channel's timeline (`layouts.channels.
+        COMBINE_TRACE_FIELDS`: when its senders and receivers finished, their longest waits)
+        into `self.combine_trace`, an int64 [channels, fields] tensor; off: record nothing."""
+        from layouts.channels import COMBINE_TRACE_FIELDS, trace_layout
+
+        if not on:
+            self.combine_trace = None
+            return
+        layout = trace_layout(self.geo.channels, COMBINE_TRACE_FIELDS)
+        self.combine_trace = torch.zeros(layout.cosize(), dtype=torch.int64,
+                                         device=self.device).view(self.geo.channels,
+                                                                  len(COMBINE_TRACE_FIELDS))
+
     # Internals ----------------------------------------------------------------------------
 
     def _shared_tokens(self, num_tokens: int, skip_a2a: bool) -> tuple[int, int]:
@@ -510,6 +664,22 @@ class Buffer:
 
     def _check_dispatch_inputs(self, x, topk_ids, topk_weights) -> int:
         cfg, dev = self.cfg, self.device.index
+        # The common case in one expression of cheap reads (a microsecond or two); anything
+        # else, good or bad, takes the detailed checks below, which say what is wrong.
+        tensor = torch.Tensor
+        if type(x) is tensor and type(topk_ids) is tensor and x.dim() == 2:
+            t = x.shape[0]
+            if (x.dtype is torch.bfloat16 and x.shape[1] == cfg.hidden
+                    and t <= cfg.max_tokens_per_rank and x.get_device() == dev
+                    and x.is_contiguous() and not x.data_ptr() % 16
+                    and topk_ids.dtype is torch.int32 and topk_ids.shape == (t, cfg.topk)
+                    and topk_ids.get_device() == dev and topk_ids.is_contiguous()
+                    and (topk_weights is None or (
+                        type(topk_weights) is tensor and topk_weights.dtype is torch.float32
+                        and topk_weights.shape == (t, cfg.topk)
+                        and topk_weights.get_device() == dev and topk_weights.is_contiguous()
+                        and not topk_weights.data_ptr() % 4))):
+                return t
         check_tensor(x, name="x", dtype="bfloat16", align=16, device_index=dev)
         if x.dim() != 2 or x.shape[1] != cfg.hidden:
             raise ValueError(f"x must be bf16 [T, {cfg.hidden}], got {tuple(x.shape)}")

@@ -146,8 +146,8 @@ def dispatch(op_id: int, x: torch.Tensor, topk_ids: torch.Tensor,
              global_scale: torch.Tensor | None) -> list[torch.Tensor]:
     """`Buffer.dispatch` of Buffer `op_id`: the DispatchOutput's tensors and its handle's, in
     `DISPATCH_FIELDS` order (an absent `scales` / `scales_offsets` is an empty tensor)."""
-    out = _buffer(op_id).dispatch(x, topk_ids, topk_weights, skip_a2a=skip_a2a,
-                                  num_input_tokens=num_input_tokens, global_scale=global_scale)
+    out = _buffer(op_id).dispatch_for_operator(x, topk_ids, topk_weights, skip_a2a,
+                                               num_input_tokens, global_scale)
     empty = x.new_empty(0, dtype=torch.int32)
     h = out.handle
     return [out.tokens, out.scales if out.scales is not None else empty.float(),

@@ -29,10 +29,10 @@ from cutlass import BFloat16, Float32, Int32, Int64
 from kernels.copy import row_predicate, row_tiled_copy
 from kernels.dispatch import MAX_CHUNK, MAX_RANKS, MAX_TOPK, WARP, _wait_at_least
 from kernels.memory import gmem_ptr, load_f32, load_i32
-from kernels.routing import channel_tokens, route_token, valid_expert
+from kernels.routing import channel_tokens, route_ids, valid_expert
 from layouts.abi import GridRule, KernelSpec, Param
-from layouts.channels import (COMBINE, HEADS, TAILS, channel_messages_layout, counters_layout,
-                              ring_layout)
+from layouts.channels import (COMBINE, COMBINE_TRACE_FIELDS, HEADS, TAILS,
+                              channel_messages_layout, counters_layout, ring_layout, trace_layout)
 
 SEND_WARPS = 8
 RECV_WARPS = 4
@@ -42,8 +42,35 @@ PHASE_COMBINE = 2  # the error record's phase (1-based, layouts.buffers.PHASES o
 LIMITS = {"max_ranks": MAX_RANKS, "max_topk": MAX_TOPK, "max_chunk": MAX_CHUNK}
 
 
+@cute.jit
+def _handle_word(i, words, topk, sub, per_home, first, s, max_tokens):
+    """Element index, in the dispatch handle's [R, max_tokens, K] rows and weights, of word i of
+    a sender warp's chunk: its q-th message (message first + sub + q * per_home of home s),
+    slot k, for i = q * topk + k. Indices past `words` read a word in bounds, never used."""
+    i = cutlass.max(cutlass.min(i, words - 1), 0)
+    q = i // topk
+    j = cutlass.min(first + sub + q * per_home, max_tokens - 1)
+    return (Int64(s) * Int64(max_tokens) + Int64(j)) * Int64(topk) + Int64(i - q * topk)
+
+
+@cute.jit
+def _trace_word(trace: cute.Pointer, channel, field: cutlass.Constexpr):
+    return gmem_ptr(Int64, trace.toint() + Int64(trace_layout(channel + 1, COMBINE_TRACE_FIELDS)(
+        (COMBINE_TRACE_FIELDS.index(field), channel))) * 8, 8)
+
+
+@cute.jit
+def _trace_set(trace: cute.Pointer, channel, field: cutlass.Constexpr, value):
+    cute.arch.store(_trace_word(trace, channel, field), Int64(value))
+
+
+@cute.jit
+def _trace_max(trace: cute.Pointer, channel, field: cutlass.Constexpr, value):
+    cute.arch.atomic_max(_trace_word(trace, channel, field), Int64(value))
+
+
 class EpCombine:
-    def __init__(self, send_vectors: int = 4, recv_vectors: int = 2):
+    def __init__(self, send_vectors: int = 4, recv_vectors: int = 4):
         self.threads = WARP * (SEND_WARPS + RECV_WARPS)
         # 16-byte vectors per lane in one step of a row: a sender has SUM_ROWS rows in flight,
         # a receiver every rank's row and the shared expert's.
@@ -52,9 +79,11 @@ class EpCombine:
 
     @property
     def smem_bytes(self) -> int:
-        words = (SEND_WARPS * 2 * MAX_TOPK  # rows and weights of a sender's message
+        words = (SEND_WARPS * 2 * MAX_CHUNK * MAX_TOPK  # rows, weights of a sender's chunk
                  + 2 * MAX_CHUNK * MAX_RANKS  # receivers: first item per (token, rank), counts
-                 + MAX_CHUNK + 4 * MAX_RANKS + 8)
+                 + MAX_CHUNK + 4 * MAX_RANKS + 8
+                 + MAX_CHUNK * MAX_TOPK  # receivers: a chunk's ids
+                 + 2 * RECV_WARPS * (MAX_RANKS + 1))  # receivers: a token's row addresses
         return 4 * words + 8 * 2 * MAX_RANKS + 16 * 16
 
     def spec(self) -> KernelSpec:
@@ -90,6 +119,8 @@ class EpCombine:
                 Param("ring_offset", "i64"),
                 Param("counters_offset", "i64"),
                 Param("timeout_ns", "i64"),
+                Param("trace", "ptr", "int64", align=8, writes=True),
+                Param("tracing", "i32"),
             ),
             block=(self.threads, 1, 1),
             grid=(GridRule(ceil_div=("active", 1)), GridRule(constant=1),
@@ -106,12 +137,13 @@ class EpCombine:
                  ranks: Int32, my_rank: Int32, weighted: Int32, skip_a2a: Int32, shared: Int32,
                  shared_begin: Int32, shared_end: Int32, hidden: Int32, channels: Int32,
                  active: Int32, ring_slots: Int32, chunk_tokens: Int32, ring_offset: Int64,
-                 counters_offset: Int64, timeout_ns: Int64, stream):
+                 counters_offset: Int64, timeout_ns: Int64, trace: cute.Pointer,
+                 tracing: Int32, stream):
         self.kernel(peer_bases, y, comb_rows, comb_weights, chan_msgs, topk_ids, out, streams,
                     error, num_tokens, max_tokens, topk, local_experts, ranks, my_rank,
                     weighted, skip_a2a, shared, shared_begin, shared_end, hidden, channels,
                     active, ring_slots, chunk_tokens, ring_offset, counters_offset, timeout_ns,
-                    row_tiled_copy(WARP, BFloat16, ROW_VECTOR)).launch(
+                    trace, tracing, row_tiled_copy(WARP, BFloat16, ROW_VECTOR)).launch(
             grid=(active, 1, 1), block=(self.threads, 1, 1), smem=self.smem_bytes,
             stream=stream)
 
@@ -123,15 +155,16 @@ class EpCombine:
                ranks: Int32, my_rank: Int32, weighted: Int32, skip_a2a: Int32, shared: Int32,
                shared_begin: Int32, shared_end: Int32, hidden: Int32, channels: Int32,
                active: Int32, ring_slots: Int32, chunk_tokens: Int32, ring_offset: Int64,
-               counters_offset: Int64, timeout_ns: Int64, row_copy: cute.TiledCopy):
+               counters_offset: Int64, timeout_ns: Int64, trace: cute.Pointer, tracing: Int32,
+               row_copy: cute.TiledCopy):
         tidx, _, _ = cute.arch.thread_idx()
         channel, _, _ = cute.arch.block_idx()
         warp = tidx // WARP
         lane = tidx % WARP
         smem = cutlass.memory.SmemAllocator()
-        s_rows = smem.allocate_tensor(Int32, cute.make_layout(SEND_WARPS * MAX_TOPK),
+        s_rows = smem.allocate_tensor(Int32, cute.make_layout(SEND_WARPS * MAX_CHUNK * MAX_TOPK),
                                       byte_alignment=16)
-        s_w = smem.allocate_tensor(Float32, cute.make_layout(SEND_WARPS * MAX_TOPK),
+        s_w = smem.allocate_tensor(Float32, cute.make_layout(SEND_WARPS * MAX_CHUNK * MAX_TOPK),
                                    byte_alignment=16)
         s_first = smem.allocate_tensor(Int32, cute.make_layout(MAX_CHUNK * MAX_RANKS),
                                        byte_alignment=16)
@@ -141,6 +174,10 @@ class EpCombine:
         s_flag = smem.allocate_tensor(Int32, cute.make_layout(4 * MAX_RANKS + 8),
                                       byte_alignment=16)
         s_pos = smem.allocate_tensor(Int64, cute.make_layout(2 * MAX_RANKS), byte_alignment=16)
+        s_ids = smem.allocate_tensor(Int32, cute.make_layout(MAX_CHUNK * MAX_TOPK),
+                                     byte_alignment=16)
+        s_addr = smem.allocate_tensor(Int64, cute.make_layout(RECV_WARPS * (MAX_RANKS + 1)),
+                                      byte_alignment=16)
         peers = cute.make_tensor(peer_bases, cute.make_layout(ranks))
         here = peers[my_rank]
         counters = counters_layout(channels, ranks)
@@ -148,6 +185,13 @@ class EpCombine:
         vectors = hidden // ROW_VECTOR
         layout = cute.make_layout((vectors, ROW_VECTOR), stride=(ROW_VECTOR, 1))
         thr = row_copy.get_slice(lane)
+        if tracing != 0:
+            if tidx == 0:
+                _trace_set(trace, channel, "start", cute.arch.globaltimer())
+            if tidx > 0 and tidx < len(COMBINE_TRACE_FIELDS):
+                cute.arch.store(gmem_ptr(Int64, trace.toint() + Int64(trace_layout(
+                    channel + 1, COMBINE_TRACE_FIELDS)((tidx, channel))) * 8, 8), Int64(0))
+        cute.arch.sync_threads()
 
         if warp < SEND_WARPS:
             tiler = (WARP * self.send_vectors, ROW_VECTOR)
@@ -157,7 +201,7 @@ class EpCombine:
                        streams, error, max_tokens, topk, ranks, my_rank, weighted, channels,
                        ring_slots, chunk_tokens, ring_offset, counters_offset, counters, ring,
                        timeout_ns, layout, tiler, g_crd, steps, vectors, thr, row_copy, s_rows,
-                       s_w)
+                       s_w, trace, tracing)
         else:
             tiler = (WARP * self.recv_vectors, ROW_VECTOR)
             g_crd = cute.zipped_divide(cute.make_identity_tensor(layout.shape), tiler)
@@ -167,7 +211,11 @@ class EpCombine:
                           weighted, skip_a2a, shared, shared_begin, shared_end, channels,
                           active, ring_slots, chunk_tokens, ring_offset, counters_offset, counters,
                           ring, timeout_ns, layout, tiler, g_crd, steps, vectors, thr, row_copy,
-                          s_first, s_items, s_mask, s_flag, s_pos)
+                          s_first, s_items, s_mask, s_flag, s_pos, s_ids, s_addr, trace,
+                          tracing)
+        cute.arch.sync_threads()
+        if tracing != 0 and tidx == 0:
+            _trace_set(trace, channel, "end", cute.arch.globaltimer())
 
     # Expert side ---------------------------------------------------------------------------
 
@@ -177,16 +225,22 @@ class EpCombine:
               streams: cute.Pointer, error: cute.Pointer, max_tokens, topk, ranks, my_rank,
               weighted, channels, ring_slots, chunk_tokens, ring_offset, counters_offset,
               counters, ring, timeout_ns, layout, tiler, g_crd, steps, vectors, thr,
-              row_copy: cute.TiledCopy, s_rows: cute.Tensor, s_w: cute.Tensor):
+              row_copy: cute.TiledCopy, s_rows: cute.Tensor, s_w: cute.Tensor,
+              trace: cute.Pointer, tracing):
         per_home = SEND_WARPS // ranks
+        waited = Int64(0)
         s = w % ranks
         sub = w // ranks
         if sub < per_home:
             msgs = cute.make_tensor(chan_msgs, channel_messages_layout(ranks, channels).to_cute())
             n = msgs[(s, channel)]
+            # Messages of the channels before this one, 16 loads in flight at a time.
             first = Int32(0)
-            for c in cutlass.range(channel):
-                first = first + msgs[(s, c)]
+            for c0 in cutlass.range(0, channel, 16):
+                vals = [msgs[(s, cutlass.min(c0 + i, channel - 1))] for i in range(16)]
+                for i in cutlass.range_constexpr(16):
+                    if c0 + i < channel:
+                        first = first + vals[i]
             pos = cute.arch.load(gmem_ptr(Int64, streams.toint() + Int64(
                 counters((channel, s, TAILS, COMBINE))) * 8, 8), Int64)
             head_word = here + counters_offset + Int64(counters((channel, s, HEADS, COMBINE))) * 8
@@ -194,7 +248,7 @@ class EpCombine:
                 counters((channel, my_rank, TAILS, COMBINE))) * 8
             head = pos
             alive = Int32(1)
-            at = w * MAX_TOPK
+            at = w * MAX_CHUNK * MAX_TOPK
             # A chunk's rows must fit a ring: unreduced, a message's rows (<= K) at a time.
             step = chunk_tokens
             if weighted == 0:
@@ -216,26 +270,54 @@ class EpCombine:
                         incl = incl + up
                 total = cute.arch.shuffle_sync(incl, MAX_CHUNK - 1)
                 if lane == 0 and alive != 0 and pos + Int64(total) - head > Int64(ring_slots):
+                    start = Int64(0)
+                    if tracing != 0:
+                        start = cute.arch.globaltimer()
                     head, alive = _wait_at_least(head_word, pos + Int64(total) - Int64(ring_slots),
                                                  timeout_ns, error, s, Int32(PHASE_COMBINE))
+                    if tracing != 0:
+                        waited = waited + cute.arch.globaltimer() - start
                 alive = cute.arch.shuffle_sync(alive, 0)
                 if alive != 0:
+                    # The rows and weights of this warp's messages of the chunk (its q-th at
+                    # at + q * MAX_TOPK), every load in flight before the first is used.
+                    words = (cnt - sub + per_home - 1) // per_home * topk
+                    at_of = [_handle_word(lane + q * WARP, words, topk, sub, per_home,
+                                          first + j0, s, max_tokens)
+                             for q in range(MAX_CHUNK * MAX_TOPK // WARP)]
+                    rows_v = [load_i32(comb_rows.toint() + a * 4) for a in at_of]
+                    wts_v = [load_f32(comb_weights.toint() + a * 4) for a in at_of]
+                    for q in cutlass.range_constexpr(MAX_CHUNK * MAX_TOPK // WARP):
+                        i = lane + q * WARP
+                        if i < words:
+                            qq = i // topk
+                            s_rows[at + qq * MAX_TOPK + i - qq * topk] = rows_v[q]
+                            s_w[at + qq * MAX_TOPK + i - qq * topk] = wts_v[q]
+                    cute.arch.sync_warp()
                     for m in cutlass.range(sub, cnt, per_home):
                         item = pos + Int64(cute.arch.shuffle_sync(incl - mine, m))
-                        j = first + j0 + m
+                        mat = at + (m - sub) // per_home * MAX_TOPK
+                        # The message's rows here, moved to the front in k order.
+                        row = Int32(-1)
+                        wk = Float32(0.0)
                         if lane < topk:
-                            k_at = (Int64(s) * Int64(max_tokens) + Int64(j)) * Int64(topk) \
-                                + Int64(lane)
-                            s_rows[at + lane] = load_i32(comb_rows.toint() + k_at * 4)
-                            s_w[at + lane] = load_f32(comb_weights.toint() + k_at * 4)
+                            row = s_rows[mat + lane]
+                            wk = s_w[mat + lane]
+                        here_rows = cute.arch.vote_ballot_sync(row >= 0)
+                        live = cute.arch.popc(here_rows)
+                        cute.arch.sync_warp()
+                        if row >= 0:
+                            p = cute.arch.popc(here_rows & ((Int32(1) << lane) - Int32(1)))
+                            s_rows[mat + p] = row
+                            s_w[mat + p] = wk
                         cute.arch.sync_warp()
                         if weighted != 0:
                             self._send_sum(lane, peers[s], ring_offset, ring, item, ring_slots,
-                                           channel, my_rank, y, topk, s_rows, s_w, at, layout,
+                                           channel, my_rank, y, live, s_rows, s_w, mat, layout,
                                            tiler, g_crd, steps, vectors, thr, row_copy)
                         else:
                             self._send_rows(lane, peers[s], ring_offset, ring, item, ring_slots,
-                                            channel, my_rank, y, topk, s_rows, at, layout,
+                                            channel, my_rank, y, live, s_rows, mat, layout,
                                             tiler, g_crd, steps, vectors, thr, row_copy)
                         cute.arch.sync_warp()
                 # The chunk is written by every warp of s: publish it.
@@ -248,6 +330,9 @@ class EpCombine:
             if sub == 0 and lane == 0:
                 cute.arch.store(gmem_ptr(Int64, streams.toint() + Int64(
                     counters((channel, s, TAILS, COMBINE))) * 8, 8), pos)
+        if tracing != 0 and lane == 0:
+            _trace_max(trace, channel, "send_done", cute.arch.globaltimer())
+            _trace_max(trace, channel, "credit_wait_ns", waited)
 
     @cute.jit
     def _rows_here(self, comb_rows: cute.Pointer, s, j, topk, max_tokens):
@@ -261,10 +346,10 @@ class EpCombine:
 
     @cute.jit
     def _send_sum(self, lane, peer, ring_offset, ring, item, ring_slots, channel, my_rank,
-                  y: cute.Pointer, topk, s_rows: cute.Tensor, s_w: cute.Tensor, at, layout,
+                  y: cute.Pointer, live, s_rows: cute.Tensor, s_w: cute.Tensor, at, layout,
                   tiler, g_crd, steps, vectors, thr, row_copy: cute.TiledCopy):
-        """Item = bf16(sum of w_k * y[row_k] over the message's rows here), in fp32; SUM_ROWS
-        rows' loads in flight together."""
+        """Item = bf16(sum of w_k * y[row_k] over the message's `live` rows here, at
+        s_rows[at ..] in k order), in fp32; SUM_ROWS rows' loads in flight together."""
         dst = cute.zipped_divide(cute.make_tensor(gmem_ptr(BFloat16, peer + ring_offset + Int64(
             ring((0, Int32(item % Int64(ring_slots)), channel, my_rank))), 16), layout), tiler)
         for step in cutlass.range(steps):
@@ -272,31 +357,24 @@ class EpCombine:
             t_dst = thr.partition_D(dst[((None, None), step)])
             acc = cute.make_fragment_like(t_dst, Float32)
             acc.fill(0.0)
-            for k0 in cutlass.range(0, topk, SUM_ROWS):
+            for k0 in cutlass.range(0, live, SUM_ROWS):
                 frags = []
                 for i in cutlass.range_constexpr(SUM_ROWS):
                     k = k0 + i
-                    kk = k
-                    if kk > topk - 1:
-                        kk = topk - 1
+                    kk = cutlass.min(k, live - 1)
                     row = s_rows[at + kk]
-                    live = Int32(k < topk) & Int32(row >= 0)
-                    if row < 0:
-                        row = Int32(0)
                     src = cute.zipped_divide(cute.make_tensor(
                         gmem_ptr(BFloat16, y.toint() + Int64(row) * Int64(vectors * 16), 16),
                         layout), tiler)
                     t_src = thr.partition_S(src[((None, None), step)])
                     regs = cute.make_fragment_like(t_src)
                     regs.fill(0.0)
-                    cute.copy(row_copy, t_src, regs, pred=row_predicate(crd, vectors * live))
+                    cute.copy(row_copy, t_src, regs,
+                              pred=row_predicate(crd, vectors * Int32(k < live)))
                     frags.append(regs)
                 for i in cutlass.range_constexpr(SUM_ROWS):
-                    kk = k0 + i
-                    if kk > topk - 1:
-                        kk = topk - 1
-                    wk = s_w[at + kk]
-                    if k0 + i >= topk or s_rows[at + kk] < 0:
+                    wk = s_w[at + cutlass.min(k0 + i, live - 1)]
+                    if k0 + i >= live:
                         wk = Float32(0.0)
                     acc.store(acc.load() + frags[i].load().to(Float32) * wk)
             res = cute.make_fragment_like(t_dst)
@@ -305,11 +383,12 @@ class EpCombine:
 
     @cute.jit
     def _send_rows(self, lane, peer, ring_offset, ring, item, ring_slots, channel, my_rank,
-                   y: cute.Pointer, topk, s_rows: cute.Tensor, at, layout, tiler, g_crd, steps,
+                   y: cute.Pointer, live, s_rows: cute.Tensor, at, layout, tiler, g_crd, steps,
                    vectors, thr, row_copy: cute.TiledCopy):
-        """Unreduced: each of the message's rows here, in k order, to items item, item + 1..."""
+        """Unreduced: each of the message's `live` rows here (s_rows[at ..], in k order), to
+        items item, item + 1..."""
         idx = Int64(0)
-        for k in cutlass.range(topk):
+        for k in cutlass.range(live):
             row = s_rows[at + k]
             if row >= 0:
                 dst = cute.zipped_divide(cute.make_tensor(gmem_ptr(
@@ -337,8 +416,11 @@ class EpCombine:
                  chunk_tokens, ring_offset, counters_offset, counters, ring, timeout_ns, layout,
                  tiler, g_crd, steps, vectors, thr, row_copy: cute.TiledCopy, s_first: cute.Tensor,
                  s_items: cute.Tensor, s_mask: cute.Tensor, s_flag: cute.Tensor,
-                 s_pos: cute.Tensor):
+                 s_pos: cute.Tensor, s_ids: cute.Tensor, s_addr: cute.Tensor,
+                 trace: cute.Pointer, tracing):
         threads = WARP * RECV_WARPS
+        waited = Int64(0)
+        routing = Int64(0)
         experts = local_experts * ranks
         t0, t1 = channel_tokens(channel, num_tokens, active)  # as dispatch split them
         group = chunk_tokens
@@ -357,18 +439,33 @@ class EpCombine:
                 g = group
             # The chunk's routes and where each token's items start in each rank's stream.
             if rw == 0:
+                routed = Int64(0)
+                if tracing != 0:
+                    routed = cute.arch.globaltimer()
+                # The chunk's ids, every load in flight before the first is used (indices
+                # past the chunk read its last word again).
+                words = g * topk
+                vals = [load_i32(topk_ids.toint() + (Int64(base) * Int64(topk) + Int64(
+                    cutlass.min(q * WARP + lane, words - 1))) * 4)
+                    for q in range(MAX_CHUNK * MAX_TOPK // WARP)]
+                for q in cutlass.range_constexpr(MAX_CHUNK * MAX_TOPK // WARP):
+                    if q * WARP + lane < words:
+                        s_ids[q * WARP + lane] = vals[q]
+                cute.arch.sync_warp()
                 if lane < g:
                     t = base + lane
-                    mask, _ = route_token(topk_ids, t, topk, experts, local_experts, my_rank,
-                                          skip_a2a, shared, shared_begin, shared_end, s_first,
-                                          False)
+                    mask, _ = route_ids(s_ids, lane, topk, t, topk, experts, local_experts,
+                                        my_rank, skip_a2a, shared, shared_begin, shared_end,
+                                        s_first, False)
                     s_mask[lane] = mask
                     for d in cutlass.range(ranks):
                         items = (mask >> d) & 1
                         if weighted == 0:
-                            items = self._pairs_at(topk_ids, t, topk, experts, local_experts, d)
+                            items = self._pairs_at(s_ids, lane, topk, experts, local_experts, d)
                         s_items[lane * MAX_RANKS + d] = items
                 cute.arch.sync_warp()
+                if tracing != 0:
+                    routing = routing + cute.arch.globaltimer() - routed
                 if lane < ranks:
                     d = lane
                     run = s_pos[d]
@@ -378,11 +475,16 @@ class EpCombine:
                     need = run
                     ok = Int32(1)
                     if need > s_pos[MAX_RANKS + d] and s_flag[0] != 0:
+                        start = Int64(0)
+                        if tracing != 0:
+                            start = cute.arch.globaltimer()
                         tail, ok = _wait_at_least(
                             here + counters_offset
                             + Int64(counters((channel, d, TAILS, COMBINE))) * 8,
                             need, timeout_ns, error, d, Int32(PHASE_COMBINE))
                         s_pos[MAX_RANKS + d] = tail
+                        if tracing != 0:
+                            waited = waited + cute.arch.globaltimer() - start
                     if ok == 0:
                         s_flag[0] = Int32(0)
                     s_flag[1 + d] = Int32(need - s_pos[d])  # items consumed from d
@@ -393,9 +495,9 @@ class EpCombine:
                     t = t1  # a wait failed: nothing to read
                 if t < t1 and weighted != 0:
                     self._sum_token(lane, t, i, here, ring_offset, ring, ring_slots, channel,
-                                    ranks, my_rank, y, out, shared, shared_begin, shared_end,
+                                    ranks, y, out, shared, shared_begin, shared_end,
                                     layout, tiler, g_crd, steps, vectors, thr, row_copy, s_first,
-                                    s_mask, s_pos)
+                                    s_mask, s_pos, s_addr, rw * (MAX_RANKS + 1))
                 if t < t1 and weighted == 0:
                     self._copy_token(lane, t, i, here, ring_offset, ring, ring_slots, channel,
                                      topk, experts, local_experts, skip_a2a, my_rank, out,
@@ -415,65 +517,75 @@ class EpCombine:
         if rw == 0 and lane < ranks:
             cute.arch.store(gmem_ptr(Int64, streams.toint() + Int64(
                 counters((channel, lane, HEADS, COMBINE))) * 8, 8), s_pos[lane])
+        if tracing != 0:
+            if lane < ranks:
+                _trace_max(trace, channel, "tail_wait_ns", waited)
+            if lane == 0:
+                _trace_max(trace, channel, "recv_done", cute.arch.globaltimer())
+                _trace_max(trace, channel, "route_ns", routing)
 
     @cute.jit
-    def _pairs_at(self, topk_ids: cute.Pointer, t, topk, experts, local_experts, d):
-        """Unreduced: how many valid (t, k) pairs go to rank d."""
-        ids = cute.make_tensor(topk_ids, cute.make_layout((t + 1) * topk))
+    def _pairs_at(self, ids: cute.Tensor, row, topk, experts, local_experts, d):
+        """Unreduced: how many valid pairs of the token whose ids are row `row` of `ids` go to
+        rank d."""
         count = Int32(0)
         for k in cutlass.range(topk):
-            if valid_expert(ids, t, k, topk, experts) != 0:
-                if ids[t * topk + k] // local_experts == d:
+            if valid_expert(ids, row, k, topk, experts) != 0:
+                if ids[row * topk + k] // local_experts == d:
                     count = count + 1
         return count
 
     @cute.jit
     def _sum_token(self, lane, t, i, here, ring_offset, ring, ring_slots, channel, ranks,
-                   my_rank, y: cute.Pointer, out: cute.Pointer, shared, shared_begin, shared_end,
+                   y: cute.Pointer, out: cute.Pointer, shared, shared_begin, shared_end,
                    layout, tiler, g_crd, steps, vectors, thr, row_copy: cute.TiledCopy,
-                   s_first: cute.Tensor, s_mask: cute.Tensor, s_pos: cute.Tensor):
-        """out[t] = bf16(sum, in fp32, of the row from every rank t went to, plus the shared
-        expert's row): every rank's loads of a step in flight together."""
+                   s_first: cute.Tensor, s_mask: cute.Tensor, s_pos: cute.Tensor,
+                   s_addr: cute.Tensor, at):
+        """out[t] = bf16(sum, in fp32, of the shared expert's row and the row from every rank t
+        went to, in that order): the rows that exist listed first (their addresses at
+        s_addr[at ..]), then summed SUM_ROWS rows' loads at a time."""
         mask = s_mask[i]
-        own = Int32(shared != 0) & Int32(t >= shared_begin) & Int32(t < shared_end)
+        here_bit = Int32(0)
+        addr = Int64(0)
+        if lane == 0:
+            here_bit = Int32(shared != 0) & Int32(t >= shared_begin) & Int32(t < shared_end)
+            addr = y.toint() + Int64(t - shared_begin) * Int64(vectors * 16)
+        if lane > 0 and lane <= ranks:
+            d = lane - 1
+            here_bit = (mask >> d) & 1
+            item = s_pos[d] + Int64(s_first[i * MAX_RANKS + d])
+            addr = here + ring_offset + Int64(ring((0, Int32(item % Int64(ring_slots)),
+                                                    channel, d)))
+        rows_bits = cute.arch.vote_ballot_sync(here_bit != 0)
+        live = cute.arch.popc(rows_bits)
+        if here_bit != 0:
+            s_addr[at + cute.arch.popc(rows_bits & ((Int32(1) << lane) - Int32(1)))] = addr
+        cute.arch.sync_warp()
         dst = cute.zipped_divide(cute.make_tensor(
             gmem_ptr(BFloat16, out.toint() + Int64(t) * Int64(vectors * 16), 16), layout), tiler)
-        srcs = []
-        for d in cutlass.range_constexpr(MAX_RANKS):
-            live = Int32(d < ranks) & ((mask >> d) & 1)
-            item = s_pos[d] + Int64(s_first[i * MAX_RANKS + d])
-            if live == 0:
-                item = Int64(0)
-            srcs.append(cute.zipped_divide(cute.make_tensor(gmem_ptr(
-                BFloat16, here + ring_offset + Int64(ring((0, Int32(item % Int64(ring_slots)),
-                                                            channel, d))), 16), layout), tiler))
-        row = t - shared_begin
-        if own == 0:
-            row = Int32(0)
-        own_src = cute.zipped_divide(cute.make_tensor(
-            gmem_ptr(BFloat16, y.toint() + Int64(row) * Int64(vectors * 16), 16), layout), tiler)
         for step in cutlass.range(steps):
             crd = thr.partition_S(g_crd[((None, None), step)])
             t_dst = thr.partition_D(dst[((None, None), step)])
-            frags = []
-            for d in cutlass.range_constexpr(MAX_RANKS):
-                live = Int32(d < ranks) & ((mask >> d) & 1)
-                t_src = thr.partition_S(srcs[d][((None, None), step)])
-                regs = cute.make_fragment_like(t_src)
-                regs.fill(0.0)
-                cute.copy(row_copy, t_src, regs, pred=row_predicate(crd, vectors * live))
-                frags.append(regs)
-            t_own = thr.partition_S(own_src[((None, None), step)])
-            mine = cute.make_fragment_like(t_own)
-            mine.fill(0.0)
-            cute.copy(row_copy, t_own, mine, pred=row_predicate(crd, vectors * own))
             acc = cute.make_fragment_like(t_dst, Float32)
-            acc.store(mine.load().to(Float32))
-            for d in cutlass.range_constexpr(MAX_RANKS):
-                acc.store(acc.load() + frags[d].load().to(Float32))
+            acc.fill(0.0)
+            for k0 in cutlass.range(0, live, SUM_ROWS):
+                frags = []
+                for r in cutlass.range_constexpr(SUM_ROWS):
+                    src = cute.zipped_divide(cute.make_tensor(gmem_ptr(
+                        BFloat16, s_addr[at + cutlass.min(k0 + r, live - 1)], 16), layout),
+                        tiler)
+                    t_src = thr.partition_S(src[((None, None), step)])
+                    regs = cute.make_fragment_like(t_src)
+                    regs.fill(0.0)
+                    cute.copy(row_copy, t_src, regs,
+                              pred=row_predicate(crd, vectors * Int32(k0 + r < live)))
+                    frags.append(regs)
+                for r in cutlass.range_constexpr(SUM_ROWS):
+                    acc.store(acc.load() + frags[r].load().to(Float32))
             res = cute.make_fragment_like(t_dst)
             res.store(acc.load().to(BFloat16))
             cute.copy(row_copy, res, t_dst, pred=row_predicate(crd, vectors))
+        cute.arch.sync_warp()  # the next token reuses s_addr
 
     @cute.jit
     def _copy_token(self, lane, t, i, here, ring_offset, ring, ring_slots, channel, topk,

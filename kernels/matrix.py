@@ -13,6 +13,7 @@ from kernels.combine import combine_kernels
 from kernels.encode import encode_kernels
 from kernels.nvfp4 import QuantizeNvfp4
 from kernels.peer_exchange import PeerExchange
+from kernels.row_expand import row_expand_kernels
 from kernels.silu import silu_kernels
 
 RANK_COUNTS = (2, 4, 8)
@@ -25,6 +26,7 @@ def full_matrix() -> list:
         BlockPrefixSum(exclusive=True),
         *(BulkSend(chunk, stages) for chunk, stages in ((16384, 8), (8192, 12), (32768, 6))),
         *(PeerExchange(ranks) for ranks in RANK_COUNTS),
+        *row_expand_kernels(),
         *encode_kernels(),
         *dispatch_kernels(),
         *combine_kernels(),

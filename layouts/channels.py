@@ -84,9 +84,18 @@ TRACE_FIELDS = ("start", "counts_sent", "counts_arrived", "layout_ready", "send_
                 "publish_ns", "store_steps_ns", "recv_wait_ns")
 
 
-def trace_layout(channels) -> Layout:
-    """(field, channel) -> int64 word of a dispatch trace (TRACE_FIELDS)."""
-    return Layout((len(TRACE_FIELDS), channels), (1, len(TRACE_FIELDS)))
+# What a traced combine records per channel (int64 each): %globaltimer at the kernel's start,
+# when its last sender warp and its last receiver warp finished, at the kernel's end; then the
+# longest any sender warp waited for ring credit, any receiver waited for a rank's rows, and its
+# receivers spent routing their chunks of tokens.
+COMBINE_TRACE_FIELDS = ("start", "send_done", "recv_done", "end", "credit_wait_ns",
+                        "tail_wait_ns", "route_ns")
+
+
+def trace_layout(channels, fields=TRACE_FIELDS) -> Layout:
+    """(field, channel) -> int64 word of a trace of `fields` (a dispatch's TRACE_FIELDS, a
+    combine's COMBINE_TRACE_FIELDS)."""
+    return Layout((len(fields), channels), (1, len(fields)))
 
 
 @dataclass(frozen=True)
@@ -156,7 +165,10 @@ class ChannelGeometry:
         return channel_tokens(channel, num_tokens, self.channels)
 
 
-TOKENS_PER_CHANNEL = 16  # a dispatch of few tokens (decode) uses one channel per this many
+# A dispatch of few tokens (decode) uses one channel per this many, up to the budget. A channel's
+# sender moves its tokens one after another (about 5 us a token at 24 SMs on 4 x H200 in the
+# 2026-11-22 traces), so decode wants every channel it can fill: 128 tokens take all 24.
+TOKENS_PER_CHANNEL = 4
 
 
 def active_channels(channels: int, max_tokens: int, num_input_tokens: int | None) -> int:

@@ -7,7 +7,8 @@ expansion, reduction), not the link.
 Each emulated rank runs its dispatch on its own CUDA stream; time = median over --reps of all
 ranks' dispatches started together (events on a joining stream). One more traced dispatch
 (`Buffer.trace_dispatch`) then gives where a channel's time goes: the latest channel's
-%globaltimer stamps from the kernel's start, and the sender's waits (the longest channel's).
+%globaltimer stamps from the kernel's start, and every measured wait or step (`_ns` fields of
+`layouts.channels.TRACE_FIELDS`, the longest channel's).
 """
 
 import argparse
@@ -71,9 +72,10 @@ def main():
                         f"H={args.hidden} K=8 E=256, median of {args.reps}")
     from layouts.channels import TRACE_FIELDS
 
-    stamps = TRACE_FIELDS[1:6]
+    stamps = [f for f in TRACE_FIELDS[1:] if not f.endswith("_ns")]
+    waits = [f for f in TRACE_FIELDS if f.endswith("_ns")]
     for col in ("format", "ranks", "SMs per rank", "dispatch us (all ranks)", "combine us",
-                *(f"{f} us" for f in stamps), "credit wait us", "store wait us"):
+                *(f"{f} us" for f in stamps), *(f"{f[:-3]} us" for f in waits)):
         table.add_column(col)
     for fmt in args.formats.split(","):
         for r in map(int, args.ranks.split(",")):
@@ -107,10 +109,10 @@ def main():
                 start = trace[:, :, 0].min()
                 cells = [f"{(trace[:, :, TRACE_FIELDS.index(f)].max() - start).item():.1f}"
                          for f in stamps]
-                waits = [f"{trace[:, :, TRACE_FIELDS.index(f)].max().item():.1f}"
-                         for f in ("credit_wait_ns", "store_wait_ns")]
+                longest = [f"{trace[:, :, TRACE_FIELDS.index(f)].max().item():.1f}"
+                           for f in waits]
                 table.add_row(fmt, str(r), str(sms), f"{us:.1f}", f"{combine_us:.1f}", *cells,
-                              *waits)
+                              *longest)
                 del bufs
     Console().print(table)
 

@@ -128,3 +128,21 @@ def test_bench_times_each_step_between_its_own_events(monkeypatch):
     assert times == [[1000.0] * 50, [3000.0] * 50]
     assert calls == [1.0, 3.0] * (50 + bench.WARMUP) and barriers == ["g"] * (50 + bench.WARMUP)
     assert bench._timed(step(2.5), 50, torch.zeros(4)) == [2500.0] * 50
+
+
+def test_bench_prints_the_traced_timelines_of_a_committed_record(capsys):
+    """The v2 record holds a traced dispatch per budget: its timeline table is printed, one row
+    per format and budget, the slowest rank's figure in each cell."""
+    import json
+    from pathlib import Path
+
+    from cute_ep.tools import bench
+
+    record = json.loads(Path("perf/results/bench-2026-11-22-4xH200-v2.json").read_text())
+    formats = list(record["ranks"][0]["formats"])
+    bench._print(record, formats)
+    out = capsys.readouterr().out
+    assert "dispatch timeline" in out
+    slowest = max(r["formats"]["bf16"]["throughput"]["sweep"][0]["dispatch_trace_us"]["end"]
+                  for r in record["ranks"])
+    assert f"{slowest:.1f}" in out

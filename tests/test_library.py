@@ -4,12 +4,13 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from cute_ep.runtime.launch import Kernel, check_tensor
-from cute_ep.runtime.library import KernelNotBuilt, Manifest, library_dir
+from cute_ep.runtime.launch import Kernel, Launcher, check_tensor
+from cute_ep.runtime.library import Entry, KernelNotBuilt, Manifest, library_dir
 from layouts.abi import GridRule, KernelSpec, Param, config_key
 
 
@@ -34,20 +35,56 @@ def test_grid_rules():
     assert GridRule(ceil_div=("n", 1), max=1).evaluate({"n": 7}) == 1
 
 
-def test_an_unchecked_launch_computes_the_grid_the_rules_give():
-    """`Kernel.grid_of` (by argument position, what Buffer's launches use) == the spec's grid
-    rules evaluated on the named scalars, for every kernel of the library."""
+def test_a_bound_launch_computes_the_grid_the_rules_give():
+    """`Launcher.grid_of` (from the varying arguments, the constants bound once) == the spec's
+    grid rules evaluated on all the named scalars, for every kernel of the library and any split
+    of its scalars into fixed and varying."""
     import random
 
     rng = random.Random(0)
     for entry in _library_or_skip().entries.values():
         kernel = Kernel(entry, function=None, device_index=0)
+        spec = entry.spec
         for _ in range(20):
-            args = [object() if p.kind == "ptr" else rng.choice([0, 1, 7, 129, 4096, 1 << 20])
-                    for p in entry.spec.params]
-            scalars = {p.name: a for p, a in zip(entry.spec.params, args) if p.kind != "ptr"}
-            want = tuple(rule.evaluate(scalars) for rule in entry.spec.grid)
-            assert kernel.grid_of(args) == want, entry.spec.key
+            scalars = {p.name: rng.choice([0, 1, 7, 129, 4096, 1 << 20])
+                       for p in spec.params if p.kind != "ptr"}
+            # A scalar fixed at build time must be bound to the value the kernel was built for.
+            scalars.update({k: v for k, v in spec.config.items() if k in scalars})
+            fixed = {k: v for k, v in scalars.items() if rng.random() < 0.5}
+            varying = tuple(p.name for p in spec.params if p.name not in fixed)
+            launcher = Launcher(kernel, varying, fixed)
+            values = [scalars.get(name, 0) for name in varying]
+            want = [rule.evaluate(scalars) for rule in spec.grid]
+            assert launcher.grid_of(values) == want, spec.key
+
+
+def test_a_bind_names_every_parameter_once_and_a_launch_passes_each_varying_one():
+    spec = KernelSpec(
+        family="f", config={"x": 2},
+        params=(Param("out", "ptr", "int32", align=16), Param("n", "i32"), Param("x", "i32"),
+                Param("big", "i64")),
+        block=(128, 1, 1), grid=(GridRule(ceil_div=("n", 8), max=4), GridRule(constant=1),
+                                 GridRule(constant=1)),
+        smem_bytes=0, sizes={})
+    entry = Entry(spec=spec, arch="sm_90a", symbol="k", cubin=Path("k.cubin"), sha256="")
+    kernel = Kernel(entry, function=None, device_index=0)
+    with pytest.raises(TypeError, match="missing"):
+        Launcher(kernel, ("out", "n"), {"x": 2})
+    with pytest.raises(TypeError, match="both"):
+        Launcher(kernel, ("out", "n", "x", "big"), {"x": 2})
+    with pytest.raises(TypeError, match="no parameters"):
+        Launcher(kernel, ("out", "n", "x", "big", "extra"), {})
+    with pytest.raises(ValueError, match="built for x=2"):
+        Launcher(kernel, ("out", "n", "big"), {"x": 3})
+    with pytest.raises(ValueError, match="does not fit i32"):
+        Launcher(kernel, ("out", "x", "big"), {"n": 1 << 31})
+    with pytest.raises(TypeError, match="must be an int"):
+        Launcher(kernel, ("out", "x", "big"), {"n": 1.0})
+    launcher = kernel.bind(("out", "n", "big"), x=2)
+    assert launcher.grid_of([0, 17, 0]) == [3, 1, 1]
+    assert launcher.grid_of([0, 1000, 0]) == [4, 1, 1]
+    with pytest.raises(TypeError, match="takes 3 varying arguments, got 2"):
+        launcher(0, 17)
 
 
 def test_spec_round_trips_through_json():
@@ -140,3 +177,28 @@ def test_import_needs_neither_the_dsl_nor_a_gpu():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == __import__("cute_ep").__version__
+
+
+def test_a_launch_writes_each_varying_argument_where_the_driver_reads_it():
+    """The argument block the driver gets (an array of addresses, one per parameter): a
+    varying value packed by the launch and a fixed one written at bind both read back, at
+    their widths, through it."""
+    import ctypes
+
+    spec = KernelSpec(
+        family="f", config={},
+        params=(Param("a", "ptr", "int32", align=4), Param("n", "i32"), Param("m", "i32"),
+                Param("big", "i64"), Param("last", "i32")),
+        block=(128, 1, 1), grid=(GridRule(ceil_div=("n", 1)), GridRule(constant=1),
+                                 GridRule(constant=1)),
+        smem_bytes=0, sizes={})
+    entry = Entry(spec=spec, arch="sm_90a", symbol="k", cubin=Path("k.cubin"), sha256="")
+    launcher = Kernel(entry, function=None, device_index=0).bind(("a", "n", "big", "last"), m=7)
+    launcher._pack(launcher._packed, 0, 0x12_3456_7890, -5, -(1 << 40), 1 << 30)
+    argv = launcher._argv
+    assert ctypes.c_uint64.from_address(argv[0]).value == 0x12_3456_7890
+    assert ctypes.c_int32.from_address(argv[1]).value == -5
+    assert ctypes.c_int32.from_address(argv[2]).value == 7
+    assert ctypes.c_int64.from_address(argv[3]).value == -(1 << 40)
+    assert ctypes.c_int32.from_address(argv[4]).value == 1 << 30
+

@@ -129,30 +129,63 @@ def _selected_families(tree) -> dict[str, str]:
     return found
 
 
+def _names_of(node, module, function) -> tuple[str, ...]:
+    """The strings of a tuple literal, or of the module-level tuple a Name refers to."""
+    if isinstance(node, ast.Name):
+        for top in module.body:
+            if isinstance(top, ast.Assign) and getattr(top.targets[0], "id", None) == node.id:
+                node = top.value
+                break
+    assert isinstance(node, ast.Tuple), ast.dump(node)
+    return tuple(e.value for e in node.elts)
+
+
+def _keywords_of(call, function) -> set[str]:
+    """A call's keyword names, `**d` resolved through `d = dict(...)` in the same function."""
+    names = set()
+    for kw in call.keywords:
+        if kw.arg is not None:
+            names.add(kw.arg)
+            continue
+        assigned = [n.value for n in ast.walk(function) if isinstance(n, ast.Assign)
+                    and getattr(n.targets[0], "id", None) == kw.value.id]
+        assert assigned and isinstance(assigned[0], ast.Call), kw.value.id
+        names |= {k.arg for k in assigned[0].keywords}
+    return names
+
+
 @pytest.mark.build
-def test_every_unchecked_launch_passes_the_arguments_its_kernel_declares():
-    """`launch_unchecked` skips the per-argument ABI checks, so a call that misses or adds an
-    argument is only caught when it runs on a GPU; here it is caught without one, against the
-    parameter lists the build compiles."""
+def test_every_bound_launch_names_each_parameter_of_its_kernel_once():
+    """A Buffer binds its kernels' arguments once (`Kernel.bind(varying, **constants)`) and a
+    launch then writes only the varying ones, unchecked; a parameter that is missing, named
+    twice or misspelt is only caught when the bind runs on a GPU, so here it is caught without
+    one, against the parameter lists the build compiles."""
     from kernels.matrix import full_matrix
 
     params = {}
     for kernel in full_matrix():
         spec = kernel.spec()
-        params.setdefault(spec.family, set()).add(len(spec.params))
-    calls = 0
+        params.setdefault(spec.family, set()).add(tuple(p.name for p in spec.params))
+    binds = 0
     for path in (ROOT / "cute_ep").rglob("*.py"):
-        tree = ast.parse(path.read_text())
-        families = _selected_families(tree)
-        for node in ast.walk(tree):
-            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                    and node.func.attr == "launch_unchecked"
-                    and isinstance(node.func.value, ast.Attribute)):
+        module = ast.parse(path.read_text())
+        families = _selected_families(module)
+        for function in ast.walk(module):
+            if not isinstance(function, ast.FunctionDef):
                 continue
-            family = families[node.func.value.attr]
-            assert not any(isinstance(a, ast.Starred) for a in node.args), path
-            assert params[family] == {len(node.args)}, \
-                f"{path.name}:{node.lineno}: {family} takes {params[family]} arguments, " \
-                f"the call passes {len(node.args)}"
-            calls += 1
-    assert calls >= 3  # encode, dispatch, combine
+            for node in ast.walk(function):
+                if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                        and node.func.attr == "bind"
+                        and isinstance(node.func.value, ast.Attribute)
+                        and node.func.value.attr in families):
+                    continue
+                family = families[node.func.value.attr]
+                varying = _names_of(node.args[0], module, function)
+                constants = _keywords_of(node, function)
+                for names in params[family]:
+                    assert not set(varying) & constants, (path.name, node.lineno)
+                    assert sorted(varying + tuple(constants)) == sorted(names), \
+                        f"{path.name}:{node.lineno}: {family} declares {sorted(names)}; the " \
+                        f"bind gives {sorted(varying)} varying and {sorted(constants)} fixed"
+                binds += 1
+    assert binds >= 3  # encode, dispatch, combine

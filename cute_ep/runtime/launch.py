@@ -8,6 +8,7 @@ launch, and launches go to torch's current stream (so they are captured by `torc
 from __future__ import annotations
 
 import ctypes
+import struct
 import threading
 
 import torch
@@ -63,13 +64,6 @@ class Kernel:
         self.device_index = device_index
         self._scalars = [p.name for p in self.spec.params if p.kind != "ptr"]
         self._is_ptr = tuple(p.kind == "ptr" for p in self.spec.params)
-        # Each grid dimension as (constant, None, None, None) or (None, argument index, divisor,
-        # max), so an unchecked launch evaluates it without building a dict of scalars.
-        position = {p.name: i for i, p in enumerate(self.spec.params)}
-        self._grid_plan = tuple(
-            (rule.constant, None, None, None) if rule.constant is not None
-            else (None, position[rule.ceil_div[0]], rule.ceil_div[1], rule.max)
-            for rule in self.spec.grid)
         # Parameter storage and the void** array pointing into it, built once and refilled per
         # launch: cuLaunchKernel copies the values, so reuse is safe (also under graph capture).
         self._slots = [_CTYPES[p.kind]() for p in self.spec.params]
@@ -113,36 +107,120 @@ class Kernel:
         scalars = self.check_args(args)
         self._launch(args, tuple(rule.evaluate(scalars) for rule in self.spec.grid))
 
-    def launch_unchecked(self, *args) -> None:
-        """`launch` without the per-argument ABI checks, for a caller that allocated or validated
-        every argument itself (`cute_ep.ep.Buffer` checks user tensors once at its API): the
-        checks cost tens of microseconds of Python per launch, more than a decode kernel runs."""
-        if len(args) != len(self._is_ptr):
-            raise TypeError(f"{self.spec.key} takes {len(self._is_ptr)} arguments, got "
-                            f"{len(args)}")
-        self._launch(args, self.grid_of(args))
-
-    def grid_of(self, args) -> tuple[int, int, int]:
-        """The launch grid for these arguments (the spec's grid rules, by argument position)."""
-        grid = []
-        for constant, at, divisor, most in self._grid_plan:
-            if constant is not None:
-                grid.append(constant)
-            else:
-                value = -(-args[at] // divisor)
-                grid.append(value if most is None else min(value, most))
-        return tuple(grid)
+    def bind(self, varying: tuple[str, ...], **constants) -> "Launcher":
+        """A caller's own argument block for this kernel: `constants` (every parameter not
+        named in `varying`) checked against the ABI and written once; see `Launcher`."""
+        return Launcher(self, varying, constants)
 
     def _launch(self, args, grid: tuple[int, int, int]) -> None:
         if 0 in grid:
             return
-        stream = torch.cuda.current_stream(self.device_index).cuda_stream
+        stream = _current_raw_stream(self.device_index)
         with self._lock:
             for slot, is_ptr, a in zip(self._slots, self._is_ptr, args):
-                slot.value = a.data_ptr() if is_ptr else a
+                # A pointer is a tensor or, from a caller that carved it itself, an address.
+                slot.value = a.data_ptr() if is_ptr and a.__class__ is not int else a
             check(driver.cuLaunchKernel(
                 self.function, *grid, *self.spec.block, self.spec.smem_bytes,
                 driver.CUstream(stream), ctypes.addressof(self._argv), 0))
+
+
+class Launcher:
+    """A kernel's argument block owned by one caller (a Buffer): the arguments fixed for the
+    caller's life are checked and written once, and a launch writes only the `varying` ones, in
+    that order, as ints (a pointer as its device address), packed into their slots by one
+    `struct` call. A dispatch passes ~50 arguments of which ~20 change per call; this keeps the
+    Python time of its launch near the driver's own."""
+
+    def __init__(self, kernel: Kernel, varying: tuple[str, ...], constants: dict):
+        spec = kernel.spec
+        names = [p.name for p in spec.params]
+        unknown = (set(varying) | set(constants)) - set(names)
+        if unknown:
+            raise TypeError(f"{spec.key} has no parameters {sorted(unknown)}")
+        missing = set(names) - set(varying) - set(constants)
+        if missing or set(varying) & set(constants):
+            raise TypeError(f"{spec.key}: give every parameter once, either varying or constant "
+                            f"(missing {sorted(missing)}, both {sorted(set(varying) & set(constants))})")
+        self.kernel = kernel
+        kinds = {p.name: p.kind for p in spec.params}
+        # Varying values: 8 bytes each in one buffer (an i32 in the first 4), packed per launch.
+        self._pack = struct.Struct("=" + "".join("i4x" if kinds[n] == "i32" else "q"
+                                                 for n in varying)).pack_into
+        self._packed = ctypes.create_string_buffer(8 * max(len(varying), 1))
+        self._count = len(varying)
+        self._slots = {n: _CTYPES[kinds[n]]() for n in names if n in constants}
+        base = ctypes.addressof(self._packed)
+        self._argv = (ctypes.c_void_p * len(names))(
+            *[base + 8 * varying.index(n) if n in varying else ctypes.addressof(self._slots[n])
+              for n in names])
+        self._keep = []  # constant tensors, alive while their addresses are in the block
+        for p in spec.params:
+            if p.name not in constants:
+                continue
+            value = constants[p.name]
+            if p.kind == "ptr":
+                check_tensor(value, name=f"{spec.key}: {p.name}", dtype=p.dtype, align=p.align,
+                             device_index=kernel.device_index)
+                self._keep.append(value)
+                value = value.data_ptr()
+            else:
+                if isinstance(value, bool) or not isinstance(value, int):
+                    raise TypeError(f"{spec.key}: {p.name} must be an int, got "
+                                    f"{type(value).__name__}")
+                lo, hi = _INT_RANGES[p.kind]
+                if not lo <= value <= hi:
+                    raise ValueError(f"{spec.key}: {p.name}={value} does not fit {p.kind}")
+                if p.name in spec.config and value != spec.config[p.name]:
+                    raise ValueError(f"{spec.key}: {p.name}={value}, the kernel was built for "
+                                     f"{p.name}={spec.config[p.name]}")
+            self._slots[p.name].value = value
+        # Each grid dimension as a constant or (position in `varying`, divisor, max).
+        self._grid = []
+        for rule in spec.grid:
+            if rule.constant is not None:
+                self._grid.append(rule.constant)
+            elif rule.ceil_div[0] in constants:
+                self._grid.append(rule.evaluate({rule.ceil_div[0]: constants[rule.ceil_div[0]]}))
+            else:
+                self._grid.append((varying.index(rule.ceil_div[0]), rule.ceil_div[1], rule.max))
+        self._lock = threading.Lock()
+        self._tail = (*spec.block, spec.smem_bytes)
+        self._argv_address = ctypes.addressof(self._argv)
+
+    def __call__(self, *values: int) -> None:
+        if len(values) != self._count:
+            raise TypeError(f"{self.kernel.spec.key}: a bound launch takes {self._count} "
+                            f"varying arguments, got {len(values)}")
+        grid = self.grid_of(values)
+        if 0 in grid:
+            return
+        stream = driver.CUstream(_current_raw_stream(self.kernel.device_index))
+        with self._lock:
+            self._pack(self._packed, 0, *values)
+            check(driver.cuLaunchKernel(self.kernel.function, *grid, *self._tail, stream,
+                                        self._argv_address, 0))
+
+    def grid_of(self, values) -> list[int]:
+        """The launch grid for these varying arguments (the spec's grid rules)."""
+        grid = []
+        for dim in self._grid:
+            if dim.__class__ is int:
+                grid.append(dim)
+            else:
+                at, divisor, most = dim
+                n = -(-values[at] // divisor)
+                grid.append(n if most is None else min(n, most))
+        return grid
+
+
+def _current_raw_stream(device_index: int) -> int:
+    """The handle of torch's current stream on the device: torch's raw accessor where it has one
+    (a fraction of a microsecond), else the public one (several microseconds of Python)."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return raw(device_index)
+    return torch.cuda.current_stream(device_index).cuda_stream
 
 
 def check_tensor(t, *, name: str, dtype: str | None, align: int = 1,

@@ -211,6 +211,7 @@ def _throughput(rank, world, args, fmt, budgets, flush) -> dict:
             "combine_nvlink_gbps": from_peers * 2 * cfg.hidden / t["combine_us"] / 1e3,
             "ctas": _ctas(buf, args.tokens),
             "dispatch_trace_us": _dispatch_trace(buf, x, ids, w, quant),
+            "combine_trace_us": _combine_trace(buf, y, out),
         })
         del buf
 
@@ -244,20 +245,33 @@ def _throughput(rank, world, args, fmt, budgets, flush) -> dict:
 def _dispatch_trace(buf, x, ids, w, quant) -> dict:
     """One traced dispatch (`Buffer.trace_dispatch`) after a barrier: per TRACE_FIELDS stamp, the
     latest channel's time from this rank's earliest start (us); per wait, the longest channel's."""
-    import torch.distributed as dist
-
     from layouts.channels import TRACE_FIELDS
 
-    buf.trace_dispatch(True)
+    return _traced(buf.trace_dispatch, lambda: buf.trace, lambda: buf.dispatch(x, ids, w, **quant),
+                   TRACE_FIELDS)
+
+
+def _combine_trace(buf, y, out) -> dict:
+    """The same for one combine of `out` (`Buffer.trace_combine`, COMBINE_TRACE_FIELDS)."""
+    from layouts.channels import COMBINE_TRACE_FIELDS
+
+    return _traced(buf.trace_combine, lambda: buf.combine_trace,
+                   lambda: buf.combine(y, out.handle), COMBINE_TRACE_FIELDS)
+
+
+def _traced(switch, recorded, run, fields) -> dict:
+    import torch.distributed as dist
+
+    switch(True)
     torch.cuda.synchronize()
     dist.barrier()
-    buf.dispatch(x, ids, w, **quant)
+    run()
     torch.cuda.synchronize()
-    trace = buf.trace.double().cpu()
-    buf.trace_dispatch(False)
+    trace = recorded().double().cpu()
+    switch(False)
     start = trace[:, 0].min()
     out = {}
-    for i, field in enumerate(TRACE_FIELDS):
+    for i, field in enumerate(fields):
         if field.endswith("_ns"):
             out[field[:-3] + "_us"] = trace[:, i].max().item() / 1e3
         elif field != "start":
@@ -376,8 +390,12 @@ def _decode(rank, world, args, fmt, flush) -> dict:
     graph_d = statistics.median(_timed(g_dispatch.replay, args.iters, flush))
     graph_l = statistics.median(_timed(g_layer.replay, args.iters, flush))
     buf.check()
-    del g_dispatch, g_layer, buf
-    return {"tokens": t,
+    del g_dispatch, g_layer
+    traces = {"dispatch_trace_us": _dispatch_trace(buf, x, ids, w, quant),
+              "combine_trace_us": _combine_trace(buf, y, buf.dispatch(x, ids, w, **quant))}
+    buf.check()
+    del buf
+    return {"tokens": t, **traces,
             "eager_dispatch_us": eager["dispatch_us"], "eager_combine_us": eager["combine_us"],
             "graph_dispatch_us": graph_d, "graph_layer_us": graph_l,
             "graph_combine_us": graph_l - graph_d,
@@ -398,25 +416,32 @@ def record_path(folder: Path, day: str, machine: str) -> Path:
 
 
 def _print_traces(console, record, formats) -> None:
-    """Where a dispatch's time went: its traced timeline (the slowest rank's figure per cell)."""
+    """Where a dispatch's and a combine's time went: their traced timelines (the slowest rank's
+    figure per cell)."""
     from rich.table import Table
 
     ranks = record["ranks"]
-    first = ranks[0]["formats"][formats[0]]["throughput"]["sweep"][0]
-    if "dispatch_trace_us" not in first:
-        return
-    fields = list(first["dispatch_trace_us"])
-    t = Table(title="dispatch timeline (us from the kernel's start; waits: longest channel), one "
-                    "traced dispatch, slowest rank")
-    for col in ("format", "SMs", *fields):
-        t.add_column(col, justify="left" if col == "format" else "right")
-    for fmt in formats:
-        per = [r["formats"][fmt]["throughput"] for r in ranks]
-        for i, point in enumerate(per[0]["sweep"]):
-            cells = [p["sweep"][i]["dispatch_trace_us"] for p in per]
-            t.add_row(fmt, str(point["sms"]), *(f"{max(c[f] for c in cells):.1f}"
-                                                for f in fields))
-    console.print(t)
+    first = ranks[0]["formats"][formats[0]]
+    for op in ("dispatch", "combine"):
+        key = f"{op}_trace_us"
+        if key not in first["throughput"]["sweep"][0]:
+            continue
+        fields = list(first["throughput"]["sweep"][0][key])
+        t = Table(title=f"{op} timeline (us from the kernel's start; waits: longest channel), "
+                        f"one traced {op}, slowest rank")
+        for col in ("format", "tokens/rank", "SMs", *fields):
+            t.add_column(col, justify="left" if col == "format" else "right")
+        for fmt in formats:
+            per = [r["formats"][fmt] for r in ranks]
+            for i, point in enumerate(per[0]["throughput"]["sweep"]):
+                cells = [p["throughput"]["sweep"][i][key] for p in per]
+                t.add_row(fmt, str(record["config"]["tokens"]), str(point["sms"]),
+                          *(f"{max(c[f] for c in cells):.1f}" for f in fields))
+            if key in per[0].get("decode", {}):
+                cells = [p["decode"][key] for p in per]
+                t.add_row(fmt, str(per[0]["decode"]["tokens"]), "default",
+                          *(f"{max(c[f] for c in cells):.1f}" for f in fields))
+        console.print(t)
 
 
 def _print(record, formats) -> None:

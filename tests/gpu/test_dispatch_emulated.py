@@ -142,6 +142,32 @@ def test_a_traced_dispatch_records_each_channels_timeline():
         assert buf.trace is None
 
 
+def test_a_traced_combine_records_each_channels_timeline():
+    from cute_ep.ep import Buffer
+    from layouts import EPConfig
+    from layouts.channels import COMBINE_TRACE_FIELDS
+
+    cfg = EPConfig(2048, 8, 32, 2, 1024, "bf16")
+    bufs = Buffer.emulated(cfg, timeout_s=20.0, sms=6)
+    for buf in bufs:
+        buf.trace_combine(True)
+    _layer(bufs, 6, [1024, 700])
+    field = {f: i for i, f in enumerate(COMBINE_TRACE_FIELDS)}
+    for buf in bufs:
+        t = buf.combine_trace.cpu()
+        assert t.shape == (6, len(COMBINE_TRACE_FIELDS))
+        assert (t[:, field["start"]] > 0).all()
+        for a, b in [("start", "send_done"), ("start", "recv_done"), ("send_done", "end"),
+                     ("recv_done", "end")]:
+            assert (t[:, field[a]] <= t[:, field[b]]).all(), (a, b)
+        span = t[:, field["end"]] - t[:, field["start"]]
+        for f in ("credit_wait_ns", "tail_wait_ns", "route_ns"):
+            assert ((t[:, field[f]] >= 0) & (t[:, field[f]] <= span)).all(), f
+        assert (t[:, field["route_ns"]] > 0).any()
+        buf.trace_combine(False)
+        assert buf.combine_trace is None
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
 def test_decode_splits_tokens_over_fewer_channels(fmt):
     """num_input_tokens (the same on every rank) sizes the channels a dispatch and its combine
