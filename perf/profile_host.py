@@ -1,6 +1,7 @@
 """Where the Python time of a dispatch and a combine call goes, on one GPU.
 
     python perf/profile_host.py [--ranks 2] [--tokens 4096] [--format bf16] [--calls 200]
+                                [--json FILE]
 
 Every rank of the layer is emulated on this GPU (`Buffer.emulated`, a stream per rank), so the
 host path is exactly the one a multi-GPU run takes. Each round launches every rank's dispatch
@@ -13,6 +14,7 @@ first).
 import argparse
 import cProfile
 import io
+import json
 import pstats
 import statistics
 import time
@@ -59,6 +61,7 @@ def main():
     parser.add_argument("--sms", type=int, default=24)
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--json", default=None, help="write the medians and quantiles here")
     args = parser.parse_args()
     if args.calls < 10:
         raise SystemExit("--calls: at least 10")
@@ -94,6 +97,16 @@ def main():
         table.add_row(name, f"{statistics.median(ts):.1f}", f"{q[0]:.1f}", f"{q[-1]:.1f}",
                       str(len(ts)))
     console.print(table)
+    if args.json:
+        record = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(),
+                  "format": args.format, "ranks": args.ranks, "tokens": args.tokens,
+                  "hidden": args.hidden, "sms": args.sms, "calls": args.calls,
+                  **{f"{name}_us": {"median": statistics.median(ts),
+                                    "p10": statistics.quantiles(ts, n=10)[0],
+                                    "p90": statistics.quantiles(ts, n=10)[-1]}
+                     for name, ts in times.items()}}
+        with open(args.json, "w") as f:
+            json.dump(record, f, indent=1)
     text = io.StringIO()
     stats = pstats.Stats(profile, stream=text)
     stats.sort_stats("tottime").print_stats(args.top)
