@@ -253,6 +253,7 @@ class Buffer:
         self.cfg = cfg
         self.device = dev
         self.timeout_s = float(timeout_s)
+        self._timeout_ns = int(self.timeout_s * 1e9)
         device_sms = torch.cuda.get_device_properties(dev).multi_processor_count
         if sms is not None and (isinstance(sms, bool) or not isinstance(sms, int) or sms < 1):
             raise ValueError(f"sms must be None or a positive int, got {sms!r}")
@@ -451,7 +452,6 @@ class Buffer:
         self._handle_carve = _Carve([(name, b.torch_shape, getattr(torch, b.dtype))
                                      for name, b in zip(names, self._routes)],
                                     start=self._output_carve.end)
-        self._timeout_ns = int(self.timeout_s * 1e9)
         # The carved tensors the dispatch kernel takes, in DISPATCH_VARYING's order.
         self._carved_names = ("row_offsets", "expert_ids", "counts", "src_info", "rows",
                               "weights", "tokens", "messages", "channels")

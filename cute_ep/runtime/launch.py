@@ -62,7 +62,6 @@ class Kernel:
         self.spec: KernelSpec = entry.spec
         self.function = function
         self.device_index = device_index
-        self._scalars = [p.name for p in self.spec.params if p.kind != "ptr"]
         self._is_ptr = tuple(p.kind == "ptr" for p in self.spec.params)
         # Parameter storage and the void** array pointing into it, built once and refilled per
         # launch: cuLaunchKernel copies the values, so reuse is safe (also under graph capture).
@@ -80,16 +79,7 @@ class Kernel:
         scalars = {}
         for p, a in zip(spec.params, args):
             if p.kind != "ptr":
-                if isinstance(a, bool) or not isinstance(a, int):
-                    raise TypeError(f"{spec.key}: {p.name} must be an int, got {type(a).__name__}")
-                lo, hi = _INT_RANGES[p.kind]
-                if not lo <= a <= hi:
-                    raise ValueError(f"{spec.key}: {p.name}={a} does not fit {p.kind}")
-                # A scalar that repeats a compile-time constant (e.g. ranks) must agree with it:
-                # the kernel was built for that value and sizes its accesses by it.
-                if p.name in spec.config and a != spec.config[p.name]:
-                    raise ValueError(f"{spec.key}: {p.name}={a}, the kernel was built for "
-                                     f"{p.name}={spec.config[p.name]}")
+                _check_scalar(spec, p, a)
                 scalars[p.name] = a
         for p, a in zip(spec.params, args):
             if p.kind == "ptr":
@@ -118,8 +108,7 @@ class Kernel:
         stream = _current_raw_stream(self.device_index)
         with self._lock:
             for slot, is_ptr, a in zip(self._slots, self._is_ptr, args):
-                # A pointer is a tensor or, from a caller that carved it itself, an address.
-                slot.value = a.data_ptr() if is_ptr and a.__class__ is not int else a
+                slot.value = a.data_ptr() if is_ptr else a
             check(driver.cuLaunchKernel(
                 self.function, *grid, *self.spec.block, self.spec.smem_bytes,
                 driver.CUstream(stream), ctypes.addressof(self._argv), 0))
@@ -165,15 +154,7 @@ class Launcher:
                 self._keep.append(value)
                 value = value.data_ptr()
             else:
-                if isinstance(value, bool) or not isinstance(value, int):
-                    raise TypeError(f"{spec.key}: {p.name} must be an int, got "
-                                    f"{type(value).__name__}")
-                lo, hi = _INT_RANGES[p.kind]
-                if not lo <= value <= hi:
-                    raise ValueError(f"{spec.key}: {p.name}={value} does not fit {p.kind}")
-                if p.name in spec.config and value != spec.config[p.name]:
-                    raise ValueError(f"{spec.key}: {p.name}={value}, the kernel was built for "
-                                     f"{p.name}={spec.config[p.name]}")
+                _check_scalar(spec, p, value)
             self._slots[p.name].value = value
         # Each grid dimension as a constant or (position in `varying`, divisor, max).
         self._grid = []
@@ -212,6 +193,20 @@ class Launcher:
                 n = -(-values[at] // divisor)
                 grid.append(n if most is None else min(n, most))
         return grid
+
+
+def _check_scalar(spec: KernelSpec, p, value) -> None:
+    """Raise unless `value` is an int that fits scalar parameter `p` of `spec`."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{spec.key}: {p.name} must be an int, got {type(value).__name__}")
+    lo, hi = _INT_RANGES[p.kind]
+    if not lo <= value <= hi:
+        raise ValueError(f"{spec.key}: {p.name}={value} does not fit {p.kind}")
+    # A scalar that repeats a compile-time constant (e.g. ranks) must agree with it: the kernel
+    # was built for that value and sizes its accesses by it.
+    if p.name in spec.config and value != spec.config[p.name]:
+        raise ValueError(f"{spec.key}: {p.name}={value}, the kernel was built for "
+                         f"{p.name}={spec.config[p.name]}")
 
 
 def _current_raw_stream(device_index: int) -> int:
