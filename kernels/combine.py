@@ -539,7 +539,8 @@ class EpCombine:
                                      layout, tiler, g_crd, steps, vectors, thr, row_copy,
                                      topk_ids, s_first, s_pos)
             cute.arch.barrier(barrier_id=9, number_of_threads=threads)
-            # Credit back to every rank the chunk read from.
+            # Credit back to every rank the chunk read from. Relaxed, as dispatch's: every
+            # load from the chunk's slots has returned (its value summed into a stored row).
             if rw == 0 and lane < ranks:
                 used = s_flag[1 + lane]
                 if used > 0:
@@ -547,7 +548,7 @@ class EpCombine:
                     if s_flag[0] != 0:
                         cute.arch.store(gmem_ptr(Int64, peers[lane] + counters_offset + Int64(
                             counters((channel, my_rank, HEADS, COMBINE))) * 8, 8), s_pos[lane],
-                            sem="release", scope="sys")
+                            sem="relaxed", scope="sys")
             cute.arch.barrier(barrier_id=9, number_of_threads=threads)
         if rw == 0 and lane < ranks:
             cute.arch.store(gmem_ptr(Int64, streams.toint() + Int64(

@@ -85,12 +85,15 @@ def _wait_at_least(addr, target, timeout_ns, error: cute.Pointer, missing, phase
     (recording `missing` and `phase` in the error record) or another wait of the layer already
     failed (a missing rank, or ranks that split their tokens over different channels).
 
-    The polls are relaxed: an acquire load also invalidates the SM's L1 cache, which, once per
-    poll of several spinning warps, starves the SM's other warps and its bulk copies."""
+    The first read is an acquire, so a word already there costs one load. The polls after it are
+    relaxed: an acquire load also invalidates the SM's L1 cache, which, once per poll of several
+    spinning warps, starves the SM's other warps; one acquire follows the last poll."""
     word = gmem_ptr(Int64, addr, 8)
-    value = cute.arch.load(word, Int64, sem="relaxed", scope="sys")
+    value = cute.arch.load(word, Int64, sem="acquire", scope="sys")
     ok = Int32(1)
+    waited = Int32(0)
     if value < target:
+        waited = Int32(1)
         start = cute.arch.globaltimer()
         while value < target and ok != 0:
             value = cute.arch.load(word, Int64, sem="relaxed", scope="sys")
@@ -105,7 +108,7 @@ def _wait_at_least(addr, target, timeout_ns, error: cute.Pointer, missing, phase
                                                sem="relaxed", scope="gpu")
                     if old == 0:
                         cute.arch.store(error_field(error, "phase"), Int32(phase))
-    if ok != 0:
+    if ok != 0 and waited != 0:
         value = cute.arch.load(word, Int64, sem="acquire", scope="sys")
     return value, ok
 
@@ -910,10 +913,14 @@ class EpDispatch:
                     self._scales(lane, msg, scales, scales_offset, row_capacity, topk, blocks,
                                  scale_cols, rk, s_scratch, rows_at,
                                  scratch + SROWS_AT + m * ROWS)
-            # Credit back to the source once every warp of s is done with the chunk.
+            # Credit back to the source once every warp of s is done with the chunk. Relaxed:
+            # every load from the chunk's slots has returned (its value is already in shared
+            # memory or stored to a row), so the source may overwrite them; a release would
+            # also wait until this warp's row stores are acknowledged, which the source does
+            # not need.
             cute.arch.barrier(barrier_id=2 + s, number_of_threads=WARP * per_source)
             if sub == 0 and lane == 0 and alive != 0:
-                cute.arch.store(gmem_ptr(Int64, head_word, 8), p0 + Int64(cnt), sem="release",
+                cute.arch.store(gmem_ptr(Int64, head_word, 8), p0 + Int64(cnt), sem="relaxed",
                                 scope="sys")
         if sub == 0 and lane == 0:
             cute.arch.store(gmem_ptr(Int64, streams.toint() + Int64(
