@@ -278,11 +278,6 @@ class Buffer:
         self.k_dispatch = rt.select("ep_dispatch", dev, format=cfg.format)
         self.k_combine = rt.select("ep_combine", dev)
         sizes = self.k_dispatch.spec.sizes
-        self.stages = min(sizes["max_stages"], sizes["stage_bytes"] // self.msg.size)
-        if self.stages < sizes["min_stages"]:
-            raise ValueError(f"hidden={cfg.hidden}: a {self.msg.size}-byte message leaves fewer "
-                             f"than {sizes['min_stages']} send stages in "
-                             f"{sizes['stage_bytes']} bytes of shared memory")
         if self.geo.ring_slots < max(self.geo.chunk_tokens, cfg.topk):
             raise ValueError(f"a ring of {self.geo.ring_slots} slots cannot hold a chunk of "
                              f"{self.geo.chunk_tokens} messages or one token's {cfg.topk} rows")
@@ -327,7 +322,7 @@ class Buffer:
             source_stride=2 * cfg.hidden if cfg.format == "bf16" else self.msg.size,
             load_bytes=self.meta_at, meta_word=self.msg.metadata_base,
             payload_vectors=self.payload_vectors, scales_offset=self.scales_at,
-            row_capacity=cfg.row_capacity, stages=self.stages, ring_offset=off["dispatch_rings"],
+            row_capacity=cfg.row_capacity, ring_offset=off["dispatch_rings"],
             counts_offset=off["counts"], flags_offset=off["count_flags"])
         self._combine_launch = self.k_combine.bind(
             COMBINE_VARYING, **common, hidden=cfg.hidden, ring_offset=off["combine_rings"])

@@ -25,6 +25,7 @@ runs on the `active` channels its dispatch used.
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass.cute.nvgpu import cpasync
 
 from kernels.copy import row_predicate, row_tiled_copy
 from kernels.dispatch import MAX_CHUNK, MAX_RANKS, MAX_TOPK, WARP, _wait_at_least
@@ -37,7 +38,8 @@ from layouts.channels import (COMBINE, COMBINE_TRACE_FIELDS, HEADS, TAILS,
 SEND_WARPS = 8
 RECV_WARPS = 4
 ROW_VECTOR = 8  # bf16 elements per 16-byte access
-SUM_ROWS = 4  # expert rows a sender loads together
+SUM_ROWS = 4  # expert rows a receiver loads together
+SEND_STAGES = 12  # row steps a sender warp has in flight (cp.async into its shared memory)
 PHASE_COMBINE = 2  # the error record's phase (1-based, layouts.buffers.PHASES order)
 LIMITS = {"max_ranks": MAX_RANKS, "max_topk": MAX_TOPK, "max_chunk": MAX_CHUNK}
 
@@ -72,8 +74,8 @@ def _trace_max(trace: cute.Pointer, channel, field: cutlass.Constexpr, value):
 class EpCombine:
     def __init__(self, send_vectors: int = 4, recv_vectors: int = 4):
         self.threads = WARP * (SEND_WARPS + RECV_WARPS)
-        # 16-byte vectors per lane in one step of a row: a sender has SUM_ROWS rows in flight,
-        # a receiver every rank's row and the shared expert's.
+        # 16-byte vectors per lane in one step of a row: a sender has SEND_STAGES - 1 steps of
+        # rows in flight, a receiver every rank's row and the shared expert's.
         self.send_vectors = send_vectors
         self.recv_vectors = recv_vectors
 
@@ -84,7 +86,12 @@ class EpCombine:
                  + MAX_CHUNK + 4 * MAX_RANKS + 8
                  + MAX_CHUNK * MAX_TOPK  # receivers: a chunk's ids
                  + 2 * RECV_WARPS * (MAX_RANKS + 1))  # receivers: a token's row addresses
-        return 4 * words + 8 * 2 * MAX_RANKS + 16 * 16
+        return 4 * words + 8 * 2 * MAX_RANKS + 16 * 16 + 128 + self.stage_bytes * SEND_WARPS
+
+    @property
+    def stage_bytes(self) -> int:
+        """Shared memory of one sender warp: SEND_STAGES steps of a row."""
+        return SEND_STAGES * WARP * self.send_vectors * 16
 
     def spec(self) -> KernelSpec:
         return KernelSpec(
@@ -143,7 +150,9 @@ class EpCombine:
                     error, num_tokens, max_tokens, topk, local_experts, ranks, my_rank,
                     weighted, skip_a2a, shared, shared_begin, shared_end, hidden, channels,
                     active, ring_slots, chunk_tokens, ring_offset, counters_offset, timeout_ns,
-                    trace, tracing, row_tiled_copy(WARP, BFloat16, ROW_VECTOR)).launch(
+                    trace, tracing, row_tiled_copy(WARP, BFloat16, ROW_VECTOR),
+                    row_tiled_copy(WARP, BFloat16, ROW_VECTOR, cpasync.CopyG2SOp(
+                        cache_mode=cpasync.LoadCacheMode.GLOBAL))).launch(
             grid=(active, 1, 1), block=(self.threads, 1, 1), smem=self.smem_bytes,
             stream=stream)
 
@@ -156,7 +165,7 @@ class EpCombine:
                shared_begin: Int32, shared_end: Int32, hidden: Int32, channels: Int32,
                active: Int32, ring_slots: Int32, chunk_tokens: Int32, ring_offset: Int64,
                counters_offset: Int64, timeout_ns: Int64, trace: cute.Pointer, tracing: Int32,
-               row_copy: cute.TiledCopy):
+               row_copy: cute.TiledCopy, async_copy: cute.TiledCopy):
         tidx, _, _ = cute.arch.thread_idx()
         channel, _, _ = cute.arch.block_idx()
         warp = tidx // WARP
@@ -178,6 +187,8 @@ class EpCombine:
                                      byte_alignment=16)
         s_addr = smem.allocate_tensor(Int64, cute.make_layout(RECV_WARPS * (MAX_RANKS + 1)),
                                       byte_alignment=16)
+        s_stage = smem.allocate_tensor(BFloat16, cute.make_layout(
+            SEND_WARPS * self.stage_bytes // 2), byte_alignment=128)
         peers = cute.make_tensor(peer_bases, cute.make_layout(ranks))
         here = peers[my_rank]
         counters = counters_layout(channels, ranks)
@@ -200,8 +211,8 @@ class EpCombine:
             self._send(warp, lane, channel, peers, here, y, comb_rows, comb_weights, chan_msgs,
                        streams, error, max_tokens, topk, ranks, my_rank, weighted, channels,
                        ring_slots, chunk_tokens, ring_offset, counters_offset, counters, ring,
-                       timeout_ns, layout, tiler, g_crd, steps, vectors, thr, row_copy, s_rows,
-                       s_w, trace, tracing)
+                       timeout_ns, layout, tiler, g_crd, steps, vectors, thr, row_copy,
+                       async_copy, s_rows, s_w, s_stage, trace, tracing)
         else:
             tiler = (WARP * self.recv_vectors, ROW_VECTOR)
             g_crd = cute.zipped_divide(cute.make_identity_tensor(layout.shape), tiler)
@@ -225,9 +236,14 @@ class EpCombine:
               streams: cute.Pointer, error: cute.Pointer, max_tokens, topk, ranks, my_rank,
               weighted, channels, ring_slots, chunk_tokens, ring_offset, counters_offset,
               counters, ring, timeout_ns, layout, tiler, g_crd, steps, vectors, thr,
-              row_copy: cute.TiledCopy, s_rows: cute.Tensor, s_w: cute.Tensor,
-              trace: cute.Pointer, tracing):
+              row_copy: cute.TiledCopy, async_copy: cute.TiledCopy, s_rows: cute.Tensor,
+              s_w: cute.Tensor, s_stage: cute.Tensor, trace: cute.Pointer, tracing):
         per_home = SEND_WARPS // ranks
+        # This warp's steps of rows in flight, each (WARP * send_vectors, ROW_VECTOR).
+        stages = cute.make_tensor(
+            (s_stage.iterator + w * (self.stage_bytes // 2)).align(16),
+            cute.make_layout((WARP * self.send_vectors, ROW_VECTOR, SEND_STAGES),
+                             stride=(ROW_VECTOR, 1, WARP * self.send_vectors * ROW_VECTOR)))
         waited = Int64(0)
         s = w % ranks
         sub = w // ranks
@@ -314,7 +330,8 @@ class EpCombine:
                         if weighted != 0:
                             self._send_sum(lane, peers[s], ring_offset, ring, item, ring_slots,
                                            channel, my_rank, y, live, s_rows, s_w, mat, layout,
-                                           tiler, g_crd, steps, vectors, thr, row_copy)
+                                           tiler, g_crd, steps, vectors, thr, row_copy,
+                                           async_copy, stages)
                         else:
                             self._send_rows(lane, peers[s], ring_offset, ring, item, ring_slots,
                                             channel, my_rank, y, live, s_rows, mat, layout,
@@ -347,39 +364,57 @@ class EpCombine:
     @cute.jit
     def _send_sum(self, lane, peer, ring_offset, ring, item, ring_slots, channel, my_rank,
                   y: cute.Pointer, live, s_rows: cute.Tensor, s_w: cute.Tensor, at, layout,
-                  tiler, g_crd, steps, vectors, thr, row_copy: cute.TiledCopy):
+                  tiler, g_crd, steps, vectors, thr, row_copy: cute.TiledCopy,
+                  async_copy: cute.TiledCopy, stages: cute.Tensor):
         """Item = bf16(sum of w_k * y[row_k] over the message's `live` rows here, at
-        s_rows[at ..] in k order), in fp32; SUM_ROWS rows' loads in flight together."""
+        s_rows[at ..] in k order), in fp32, a step of the row at a time. The loads go through
+        this warp's shared memory by cp.async, a (step, row) each, SEND_STAGES - 1 of them in
+        flight ahead of the sums; a lane reads back only what it copied itself."""
         dst = cute.zipped_divide(cute.make_tensor(gmem_ptr(BFloat16, peer + ring_offset + Int64(
             ring((0, Int32(item % Int64(ring_slots)), channel, my_rank))), 16), layout), tiler)
-        for step in cutlass.range(steps):
-            crd = thr.partition_S(g_crd[((None, None), step)])
-            t_dst = thr.partition_D(dst[((None, None), step)])
-            acc = cute.make_fragment_like(t_dst, Float32)
-            acc.fill(0.0)
-            for k0 in cutlass.range(0, live, SUM_ROWS):
-                frags = []
-                for i in cutlass.range_constexpr(SUM_ROWS):
-                    k = k0 + i
-                    kk = cutlass.min(k, live - 1)
-                    row = s_rows[at + kk]
-                    src = cute.zipped_divide(cute.make_tensor(
-                        gmem_ptr(BFloat16, y.toint() + Int64(row) * Int64(vectors * 16), 16),
-                        layout), tiler)
-                    t_src = thr.partition_S(src[((None, None), step)])
-                    regs = cute.make_fragment_like(t_src)
-                    regs.fill(0.0)
-                    cute.copy(row_copy, t_src, regs,
-                              pred=row_predicate(crd, vectors * Int32(k < live)))
-                    frags.append(regs)
-                for i in cutlass.range_constexpr(SUM_ROWS):
-                    wk = s_w[at + cutlass.min(k0 + i, live - 1)]
-                    if k0 + i >= live:
-                        wk = Float32(0.0)
-                    acc.store(acc.load() + frags[i].load().to(Float32) * wk)
-            res = cute.make_fragment_like(t_dst)
-            res.store(acc.load().to(BFloat16))
-            cute.copy(row_copy, res, t_dst, pred=row_predicate(crd, vectors))
+        thr_async = async_copy.get_slice(lane)
+        per_step = cutlass.max(live, 1)  # a message of no rows here still sends its zeros
+        units = steps * per_step
+        for u in cutlass.range_constexpr(SEND_STAGES - 1):
+            self._load_unit(u, units, per_step, live, s_rows, at, y, layout, tiler, g_crd,
+                            vectors, thr_async, async_copy, stages)
+            cute.arch.cp_async_commit_group()
+        acc = cute.make_fragment_like(thr.partition_D(dst[((None, None), 0)]), Float32)
+        for u in cutlass.range(units):
+            self._load_unit(u + SEND_STAGES - 1, units, per_step, live, s_rows, at, y, layout,
+                            tiler, g_crd, vectors, thr_async, async_copy, stages)
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(SEND_STAGES - 1)
+            step = u // per_step
+            k = u - step * per_step
+            if k == 0:
+                acc.fill(0.0)
+            if k < live:
+                rows = thr.partition_S(stages[(None, None, u % SEND_STAGES)])
+                acc.store(acc.load() + rows.load().to(Float32) * s_w[at + k])
+            if k == per_step - 1:
+                crd = thr.partition_S(g_crd[((None, None), step)])
+                t_dst = thr.partition_D(dst[((None, None), step)])
+                res = cute.make_fragment_like(t_dst)
+                res.store(acc.load().to(BFloat16))
+                cute.copy(row_copy, res, t_dst, pred=row_predicate(crd, vectors))
+
+    @cute.jit
+    def _load_unit(self, u, units, per_step, live, s_rows: cute.Tensor, at, y: cute.Pointer,
+                   layout, tiler, g_crd, vectors, thr_async, async_copy: cute.TiledCopy,
+                   stages: cute.Tensor):
+        """Start unit u of a sum (step u // per_step of its row u % per_step) into stage
+        u % SEND_STAGES, if it is a unit with a row."""
+        step = u // per_step
+        k = u - step * per_step
+        if u < units and k < live:
+            src = cute.zipped_divide(cute.make_tensor(gmem_ptr(
+                BFloat16, y.toint() + Int64(s_rows[at + k]) * Int64(vectors * 16), 16), layout),
+                tiler)
+            cute.copy(async_copy, thr_async.partition_S(src[((None, None), step)]),
+                      thr_async.partition_D(stages[(None, None, u % SEND_STAGES)]),
+                      pred=row_predicate(thr_async.partition_S(g_crd[((None, None), step)]),
+                                         vectors))
 
     @cute.jit
     def _send_rows(self, lane, peer, ring_offset, ring, item, ring_slots, channel, my_rank,
@@ -504,7 +539,8 @@ class EpCombine:
                                      layout, tiler, g_crd, steps, vectors, thr, row_copy,
                                      topk_ids, s_first, s_pos)
             cute.arch.barrier(barrier_id=9, number_of_threads=threads)
-            # Credit back to every rank the chunk read from.
+            # Credit back to every rank the chunk read from. Relaxed, as dispatch's: every
+            # load from the chunk's slots has returned (its value summed into a stored row).
             if rw == 0 and lane < ranks:
                 used = s_flag[1 + lane]
                 if used > 0:
@@ -512,7 +548,7 @@ class EpCombine:
                     if s_flag[0] != 0:
                         cute.arch.store(gmem_ptr(Int64, peers[lane] + counters_offset + Int64(
                             counters((channel, my_rank, HEADS, COMBINE))) * 8, 8), s_pos[lane],
-                            sem="release", scope="sys")
+                            sem="relaxed", scope="sys")
             cute.arch.barrier(barrier_id=9, number_of_threads=threads)
         if rw == 0 and lane < ranks:
             cute.arch.store(gmem_ptr(Int64, streams.toint() + Int64(

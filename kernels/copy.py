@@ -6,10 +6,11 @@ import cutlass.cute as cute
 from layouts import VECTOR_BYTES
 
 
-def row_tiled_copy(threads: int, dtype, elements: int) -> cute.TiledCopy:
+def row_tiled_copy(threads: int, dtype, elements: int, op=None) -> cute.TiledCopy:
     """One row of `elements` values of `dtype` per thread per access, the row moved by one
-    `CopyUniversalOp` access (128 bits for 16 bytes); call in `@cute.jit`."""
-    atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype,
+    access of `op` (default `CopyUniversalOp`: 128 bits for 16 bytes; `cpasync.CopyG2SOp()` for
+    an asynchronous global -> shared copy); call in `@cute.jit`."""
+    atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp() if op is None else op, dtype,
                                num_bits_per_copy=elements * dtype.width)
     return cute.make_tiled_copy_tv(atom, cute.make_layout((threads, 1), stride=(1, 0)),
                                    cute.make_layout((1, elements), stride=(0, 1)))

@@ -7,17 +7,19 @@ has a sender warp and RECV_WARPS receiver warps, and runs three parts:
    naming the same expert dropped, ids outside [0, E) dropped and reported) and counted per
    expert and per destination rank; the counts go to every destination's `counts` table under
    the round's parity, and the channel's count flag there is raised to the round's epoch.
-2. Send (the sender warp): one thread drives a ring of shared-memory stages. A token's message is
-   built once in a stage: the payload (the bf16 row of `x`, or the message `ep_encode` quantized
-   into `send_buf`) comes in by a bulk copy (`cp.async.bulk`, completion on the stage's
-   mbarrier) while the warp's lanes write its metadata (source token, K ids, K weights); then a
-   bulk store copies the stage into the ring slot of every destination rank the token routes to,
-   straight into the peer's memory over NVLink. Up to 6 messages' stores may still be reading
-   their stages while loads run the remaining stages ahead; a stage is reloaded once the store
-   that read it has finished reading. A slot is
-   written only when the destination has returned credit for it (`heads`); the stream's `tails`
-   at the destination advance once the stores are complete (at most WRITES_IN_FLIGHT messages'
-   stores pending), every `chunk_tokens` messages and at the end.
+2. Send (SEND_WARPS sender warps): the channel's tokens go in batches of BATCH; every sender
+   warp routes each batch itself (so each knows every token's destinations and, by a ballot per
+   destination, every message's position in that destination's stream) and moves the batch's
+   tokens b = warp, warp + SEND_WARPS, ...: a token's payload (the bf16 row of `x`, or the
+   message `ep_encode` quantized into `send_buf`) is loaded once into registers, tiles of
+   SEND_VECTORS 16-byte vectors per lane with every load in flight, and stored straight into the
+   ring slot of each destination rank the token routes to (a peer's memory, over NVLink), with
+   the metadata (source token, K ids, K weights) beside it. Many warps' loads and stores are in
+   flight at once, so an SM is not held to one copy engine's queue of bulk copies. A slot is
+   written only when the destination has returned credit for it (`heads`). Once a warp's share
+   of a batch is written it fences at system scope and marks the batch done in shared memory;
+   the warp that completes a batch last publishes the destinations' `tails` at the batch's end
+   (a batch is published only after every earlier one, so tails only grow).
 3. Receive (the receiver warps): they wait for every (channel, source)'s counts, from which each
    CTA derives the whole row layout (segments padded to the format's row alignment, NVFP4
    segments on fresh 128-row scale blocks) and the first row of every (segment, source) that
@@ -37,16 +39,15 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint8
 
-from kernels.bulk_copy import bulk_load, bulk_store
 from kernels.copy import row_predicate, row_tiled_copy
 from kernels.memory import error_field, gmem_ptr, load_f32, load_i32, store_f32, store_i32
 from kernels.routing import channel_tokens, route_ids, route_token
 from kernels.scan import warp_exclusive_scan
 from layouts.abi import GridRule, KernelSpec, Param
 from layouts.buffers import ERROR_CHANNELS, ERROR_COUNTS
-from layouts.channels import (DISPATCH, HEADS, TAILS, TRACE_FIELDS, channel_messages_layout,
-                              count_flags_layout, counters_layout, counts_layout, ring_layout,
-                              trace_layout)
+from layouts.channels import (DISPATCH, HEADS, SEND_TIMES, TAILS, TRACE_FIELDS,
+                              channel_messages_layout, count_flags_layout, counters_layout,
+                              counts_layout, ring_layout, trace_layout)
 from layouts.config import FP8_ROW_ALIGN
 from layouts.formats import METADATA_FIELDS, metadata_layout
 from layouts.scales import ATOM_BYTES, ATOM_ROWS
@@ -56,16 +57,12 @@ MAX_RANKS = 8
 MAX_TOPK = 16
 MAX_SEGMENTS = 272  # local experts + a shared expert, with slack
 MAX_EXPERTS = 2176  # MAX_RANKS x 272
+SEND_WARPS = 4
 RECV_WARPS = 8
+BATCH = 16  # tokens the sender warps route together; tails are published per batch
+SEND_VECTORS = 32  # 16-byte vectors per lane a sender warp loads before storing them
 MAX_CHUNK = 8  # messages a receiver warp takes at once (the ring's chunk_tokens at most)
 ROWS = MAX_TOPK + 1  # rows a message can land in: its K experts and the shared expert
-STAGE_BYTES = 144 * 1024  # shared memory for the sender's stages
-MAX_STAGES = 16
-MIN_STAGES = 3
-WRITES_IN_FLIGHT = 6  # messages whose bulk stores may still be completing
-READS_IN_FLIGHT = (6, 4, 2, 1)  # messages whose bulk stores may still be reading their stage
-WAITS_AT = 3 * MAX_RANKS  # s_pos words of the sender's wait times (traced)
-HISTORY = 8  # > WRITES_IN_FLIGHT: stream positions remembered per message for the tails
 FP8_BLOCK = 128
 NVFP4_BLOCK = 16
 FORMATS = ("bf16", "fp8", "nvfp4")
@@ -73,8 +70,7 @@ PHASE_DISPATCH = 1  # the error record's phase (layouts.buffers.PHASES order, 1-
 FLAG_ROUND = 256  # a count flag holds epoch * FLAG_ROUND + the channels its source used
 IDS, WEIGHTS = METADATA_FIELDS.index("expert_ids"), METADATA_FIELDS.index("weights")
 LIMITS = {"max_ranks": MAX_RANKS, "max_topk": MAX_TOPK, "max_segments": MAX_SEGMENTS - 1,
-          "max_experts": MAX_EXPERTS, "stage_bytes": STAGE_BYTES, "max_stages": MAX_STAGES,
-          "min_stages": MIN_STAGES, "max_chunk": MAX_CHUNK}
+          "max_experts": MAX_EXPERTS, "max_chunk": MAX_CHUNK}
 # Per receiver warp: raw ids, local segment ids, rows and scale rows of a chunk's messages.
 IDS_AT, SEGS_AT, TOKS_AT = 0, MAX_CHUNK * MAX_TOPK, 2 * MAX_CHUNK * MAX_TOPK
 ROWS_AT = TOKS_AT + MAX_CHUNK
@@ -89,12 +85,15 @@ def _wait_at_least(addr, target, timeout_ns, error: cute.Pointer, missing, phase
     (recording `missing` and `phase` in the error record) or another wait of the layer already
     failed (a missing rank, or ranks that split their tokens over different channels).
 
-    The polls are relaxed: an acquire load also invalidates the SM's L1 cache, which, once per
-    poll of several spinning warps, starves the SM's other warps and its bulk copies."""
+    The first read is an acquire, so a word already there costs one load. The polls after it are
+    relaxed: an acquire load also invalidates the SM's L1 cache, which, once per poll of several
+    spinning warps, starves the SM's other warps; one acquire follows the last poll."""
     word = gmem_ptr(Int64, addr, 8)
-    value = cute.arch.load(word, Int64, sem="relaxed", scope="sys")
+    value = cute.arch.load(word, Int64, sem="acquire", scope="sys")
     ok = Int32(1)
+    waited = Int32(0)
     if value < target:
+        waited = Int32(1)
         start = cute.arch.globaltimer()
         while value < target and ok != 0:
             value = cute.arch.load(word, Int64, sem="relaxed", scope="sys")
@@ -109,32 +108,30 @@ def _wait_at_least(addr, target, timeout_ns, error: cute.Pointer, missing, phase
                                                sem="relaxed", scope="gpu")
                     if old == 0:
                         cute.arch.store(error_field(error, "phase"), Int32(phase))
-    if ok != 0:
+    if ok != 0 and waited != 0:
         value = cute.arch.load(word, Int64, sem="acquire", scope="sys")
     return value, ok
+
+
+def _trace_word(trace: cute.Pointer, channel, field: cutlass.Constexpr):
+    """Word `field` (TRACE_FIELDS) of this channel's trace."""
+    return gmem_ptr(Int64, trace.toint() + Int64(trace_layout(channel + 1)(
+        (TRACE_FIELDS.index(field), channel))) * 8, 8)
 
 
 @cute.jit
 def _stamp(trace: cute.Pointer, tracing, channel, field: cutlass.Constexpr, value):
     """With tracing on, word `field` (TRACE_FIELDS) of this channel's trace = value."""
     if tracing != 0:
-        at = trace.toint() + Int64(trace_layout(channel + 1)((TRACE_FIELDS.index(field),
-                                                                channel))) * 8
-        cute.arch.store(gmem_ptr(Int64, at, 8), Int64(value))
+        cute.arch.store(_trace_word(trace, channel, field), Int64(value))
 
 
 @cute.jit
-def _wait_reads(reading):
-    """Wait until at most `reading` of this thread's bulk-store groups are still reading shared
-    memory (the largest READS_IN_FLIGHT step not above it: the wait takes a constant)."""
-    if reading >= READS_IN_FLIGHT[0]:
-        cute.arch.cp_async_bulk_wait_group(READS_IN_FLIGHT[0], read=True)
-    elif reading >= READS_IN_FLIGHT[1]:
-        cute.arch.cp_async_bulk_wait_group(READS_IN_FLIGHT[1], read=True)
-    elif reading >= READS_IN_FLIGHT[2]:
-        cute.arch.cp_async_bulk_wait_group(READS_IN_FLIGHT[2], read=True)
-    else:
-        cute.arch.cp_async_bulk_wait_group(READS_IN_FLIGHT[3], read=True)
+def _stamp_max(trace: cute.Pointer, tracing, channel, field: cutlass.Constexpr, value):
+    """With tracing on, word `field` of this channel's trace = max(itself, value): the longest of
+    several warps (each field was zeroed at the kernel's start)."""
+    if tracing != 0:
+        cute.arch.atomic_max(_trace_word(trace, channel, field), Int64(value))
 
 
 @cute.jit
@@ -150,7 +147,7 @@ class EpDispatch:
         if fmt not in FORMATS:
             raise ValueError(f"ep_dispatch formats: {FORMATS}, not {fmt!r}")
         self.fmt = fmt
-        self.threads = WARP * (1 + RECV_WARPS)
+        self.threads = WARP * (SEND_WARPS + RECV_WARPS)
         self.recv_threads = WARP * RECV_WARPS
         self.row_align = FP8_ROW_ALIGN if fmt == "fp8" else 1
         # Payload rows move in 16-byte vectors, NVFP4 rows (H / 2 bytes) in 8-byte ones.
@@ -165,10 +162,10 @@ class EpDispatch:
                  + 4 * (MAX_SEGMENTS + 4)  # s_off, s_tot, s_raw, s_first
                  + 4 * MAX_RANKS  # s_src
                  + RECV_WARPS * (SCRATCH + MAX_CHUNK * MAX_TOPK)  # s_scratch, s_wts
-                 + WARP + 2 * MAX_STAGES  # s_batch, s_stage
-                 + 2 * WARP * MAX_TOPK)  # s_bids, s_bw
-        dwords = MAX_STAGES + 4 * MAX_RANKS + HISTORY * MAX_RANKS
-        return STAGE_BYTES + 4 * words + 8 * dwords + 16 * 16 + 128
+                 + 2 * SEND_WARPS * BATCH * MAX_TOPK  # s_bids, s_bw
+                 + SEND_WARPS * MAX_RANKS + SEND_WARPS + 4)  # s_ball, s_done
+        dwords = 3 * SEND_WARPS * MAX_RANKS + SEND_WARPS * len(SEND_TIMES)  # s_wpos..s_time
+        return 4 * words + 8 * dwords + 16 * 16 + 128
 
     def spec(self) -> KernelSpec:
         return KernelSpec(
@@ -220,7 +217,6 @@ class EpDispatch:
                 Param("active", "i32"),
                 Param("ring_slots", "i32"),
                 Param("chunk_tokens", "i32"),
-                Param("stages", "i32"),
                 Param("ring_offset", "i64"),
                 Param("counts_offset", "i64"),
                 Param("flags_offset", "i64"),
@@ -251,7 +247,6 @@ class EpDispatch:
                  msg_bytes: Int32, source_stride: Int32, load_bytes: Int32, meta_word: Int32,
                  payload_vectors: Int32, scales_offset: Int32, row_capacity: Int32,
                  channels: Int32, active: Int32, ring_slots: Int32, chunk_tokens: Int32,
-                 stages: Int32,
                  ring_offset: Int64, counts_offset: Int64, flags_offset: Int64,
                  counters_offset: Int64, timeout_ns: Int64, trace: cute.Pointer,
                  tracing: Int32, stream):
@@ -262,9 +257,10 @@ class EpDispatch:
                     max_tokens, topk, local_experts, ranks, my_rank, shared, skip_a2a,
                     shared_begin, shared_end, has_weights, msg_bytes, source_stride, load_bytes,
                     meta_word, payload_vectors, scales_offset, row_capacity, channels, active,
-                    ring_slots, chunk_tokens, stages, ring_offset, counts_offset, flags_offset,
+                    ring_slots, chunk_tokens, ring_offset, counts_offset, flags_offset,
                     counters_offset, timeout_ns, trace, tracing,
-                    row_tiled_copy(WARP, Uint8, self.vector_bytes)).launch(
+                    row_tiled_copy(WARP, Uint8, self.vector_bytes),
+                    row_tiled_copy(WARP, Uint8, 16)).launch(
             grid=(active, 1, 1), block=(self.threads, 1, 1), smem=self.smem_bytes,
             stream=stream)
 
@@ -282,10 +278,9 @@ class EpDispatch:
                msg_bytes: Int32, source_stride: Int32, load_bytes: Int32, meta_word: Int32,
                payload_vectors: Int32, scales_offset: Int32, row_capacity: Int32,
                channels: Int32, active: Int32, ring_slots: Int32, chunk_tokens: Int32,
-               stages: Int32,
                ring_offset: Int64, counts_offset: Int64, flags_offset: Int64,
                counters_offset: Int64, timeout_ns: Int64, trace: cute.Pointer, tracing: Int32,
-               warp_copy: cute.TiledCopy):
+               warp_copy: cute.TiledCopy, send_copy: cute.TiledCopy):
         tidx, _, _ = cute.arch.thread_idx()
         channel, _, _ = cute.arch.block_idx()
         warp = tidx // WARP
@@ -295,8 +290,6 @@ class EpDispatch:
         entries = 1 + segments
 
         smem = cutlass.memory.SmemAllocator()
-        stage_buf = smem.allocate_tensor(Uint8, cute.make_layout(STAGE_BYTES), byte_alignment=128)
-        full = smem.allocate_array(Int64, MAX_STAGES)
         s_cnt = smem.allocate_tensor(Int32, cute.make_layout(MAX_EXPERTS + 2 * MAX_RANKS + 8),
                                      byte_alignment=16)
         s_next = smem.allocate_tensor(Int32, cute.make_layout(RECV_WARPS * MAX_SEGMENTS),
@@ -313,17 +306,34 @@ class EpDispatch:
                                       byte_alignment=16)
         s_wts = smem.allocate_tensor(Float32, cute.make_layout(RECV_WARPS * MAX_CHUNK * MAX_TOPK),
                                      byte_alignment=16)
-        s_batch = smem.allocate_tensor(Int32, cute.make_layout(WARP), byte_alignment=16)
-        s_bids = smem.allocate_tensor(Int32, cute.make_layout(WARP * MAX_TOPK), byte_alignment=16)
-        s_bw = smem.allocate_tensor(Float32, cute.make_layout(WARP * MAX_TOPK), byte_alignment=16)
-        s_stage = smem.allocate_tensor(Int32, cute.make_layout(2 * MAX_STAGES), byte_alignment=16)
-        s_pos = smem.allocate_tensor(Int64, cute.make_layout(4 * MAX_RANKS), byte_alignment=16)
-        s_hist = smem.allocate_tensor(Int64, cute.make_layout(HISTORY * MAX_RANKS),
+        # Per sender warp: a batch's ids and weights, a ballot per destination, its stream
+        # positions, the ring credit it has seen, the slots of the token it is moving, its
+        # times; and per warp the batches it has completed.
+        s_bids = smem.allocate_tensor(Int32, cute.make_layout(SEND_WARPS * BATCH * MAX_TOPK),
+                                      byte_alignment=16)
+        s_bw = smem.allocate_tensor(Float32, cute.make_layout(SEND_WARPS * BATCH * MAX_TOPK),
+                                    byte_alignment=16)
+        s_ball = smem.allocate_tensor(Int32, cute.make_layout(SEND_WARPS * MAX_RANKS),
+                                      byte_alignment=16)
+        s_done = smem.allocate_tensor(Int32, cute.make_layout(SEND_WARPS + 4), byte_alignment=16)
+        s_wpos = smem.allocate_tensor(Int64, cute.make_layout(SEND_WARPS * MAX_RANKS),
+                                      byte_alignment=16)
+        s_head = smem.allocate_tensor(Int64, cute.make_layout(SEND_WARPS * MAX_RANKS),
+                                      byte_alignment=16)
+        s_slot = smem.allocate_tensor(Int64, cute.make_layout(SEND_WARPS * MAX_RANKS),
+                                      byte_alignment=16)
+        s_time = smem.allocate_tensor(Int64, cute.make_layout(SEND_WARPS * len(SEND_TIMES)),
                                       byte_alignment=16)
 
         if tidx == 0:
             _stamp(trace, tracing, channel, "start", cute.arch.globaltimer())
-            _stamp(trace, tracing, channel, "recv_wait_ns", 0)  # a max over the receivers
+            # Maxima over warps, zeroed before any warp adds to them.
+            _stamp(trace, tracing, channel, "send_done", 0)
+            _stamp(trace, tracing, channel, "recv_wait_ns", 0)
+            for f in cutlass.range_constexpr(len(SEND_TIMES)):
+                _stamp(trace, tracing, channel, SEND_TIMES[f], 0)
+        if tidx < SEND_WARPS:
+            s_done[tidx] = Int32(0)
         peers = cute.make_tensor(peer_bases, cute.make_layout(ranks))
         here = peers[my_rank]
         epoch = cute.arch.load(rounds, Int64, sem="relaxed", scope="gpu") + 1
@@ -339,10 +349,6 @@ class EpDispatch:
         shared_at = MAX_EXPERTS + MAX_RANKS
         for i in cutlass.range(tidx, MAX_EXPERTS + 2 * MAX_RANKS + 8, self.threads):
             s_cnt[i] = Int32(0)
-        if tidx == 0:
-            for s in cutlass.range_constexpr(MAX_STAGES):
-                cute.arch.mbarrier_init(full + s, 1)
-            cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
         for t in cutlass.range(t0 + tidx, t1, self.threads):
             mask, bad = route_token(topk_ids, t, topk, experts, local_experts, my_rank,
@@ -379,19 +385,18 @@ class EpDispatch:
             _stamp(trace, tracing, channel, "counts_sent", cute.arch.globaltimer())
 
         # 2. Send ----------------------------------------------------------------------------
-        if warp == 0:
-            self._send(lane, channel, t0, t1, peers, here, source, topk_ids, topk_weights,
+        if warp < SEND_WARPS:
+            self._send(warp, lane, channel, t0, t1, peers, here, source, topk_ids, topk_weights,
                        streams, error, topk, experts, local_experts, ranks, my_rank, shared,
                        skip_a2a, shared_begin, shared_end, has_weights, msg_bytes,
-                       source_stride, load_bytes, meta_word, channels, ring_slots,
-                       chunk_tokens, stages, ring_offset, counters_offset, counters, timeout_ns,
-                       stage_buf, full, s_cnt, s_batch, s_bids, s_bw, s_stage, s_pos, s_hist,
-                       trace, tracing)
+                       source_stride, load_bytes, meta_word, channels, ring_slots, ring_offset,
+                       counters_offset, counters, timeout_ns, send_copy, s_bids, s_bw, s_ball,
+                       s_done, s_wpos, s_head, s_slot, s_time, trace, tracing)
 
         # 3. Receive -------------------------------------------------------------------------
-        if warp > 0:
-            self._receive(tidx - WARP, channel, peers, here, streams, error, tokens, scales,
-                          scales_offsets, row_offsets, expert_ids, seg_counts, src_info,
+        if warp >= SEND_WARPS:
+            self._receive(tidx - SEND_WARPS * WARP, channel, peers, here, streams, error, tokens,
+                          scales, scales_offsets, row_offsets, expert_ids, seg_counts, src_info,
                           comb_rows, comb_weights, comb_tokens, comb_counts, chan_msgs,
                           max_tokens, topk,
                           local_experts, ranks, my_rank, shared, shared_begin, shared_end,
@@ -411,223 +416,197 @@ class EpDispatch:
                 cute.arch.store(rounds, epoch)
 
     @cute.jit
-    def _send(self, lane, channel, t0, t1, peers: cute.Tensor, here, source: cute.Pointer,
+    def _send(self, sw, lane, channel, t0, t1, peers: cute.Tensor, here, source: cute.Pointer,
               topk_ids: cute.Pointer, topk_weights: cute.Pointer, streams: cute.Pointer,
               error: cute.Pointer, topk, experts, local_experts, ranks, my_rank, shared,
               skip_a2a, shared_begin, shared_end, has_weights, msg_bytes, source_stride,
-              load_bytes, meta_word, channels, ring_slots, chunk_tokens, stages, ring_offset,
-              counters_offset, counters, timeout_ns, stage_buf: cute.Tensor, full: cute.Pointer,
-              s_cnt: cute.Tensor, s_batch: cute.Tensor, s_bids: cute.Tensor, s_bw: cute.Tensor,
-              s_stage: cute.Tensor, s_pos: cute.Tensor,
-              s_hist: cute.Tensor, trace: cute.Pointer, tracing):
-        """The sender warp: lane 0 drives the bulk copies, the lanes write metadata."""
+              load_bytes, meta_word, channels, ring_slots, ring_offset, counters_offset,
+              counters, timeout_ns, send_copy: cute.TiledCopy, s_bids: cute.Tensor,
+              s_bw: cute.Tensor, s_ball: cute.Tensor, s_done: cute.Tensor, s_wpos: cute.Tensor,
+              s_head: cute.Tensor, s_slot: cute.Tensor, s_time: cute.Tensor,
+              trace: cute.Pointer, tracing):
+        """Sender warp `sw`: its share of every batch (tokens sw, sw + SEND_WARPS, ...), each
+        token loaded once and stored into every destination's ring; the last warp to finish a
+        batch publishes the tails at its end."""
         ring = ring_layout(msg_bytes, ring_slots, channels, ranks)
         meta = metadata_layout(topk)
-        sent_at, head_at, pub_at = 0, MAX_RANKS, 2 * MAX_RANKS
+        mine = sw * MAX_RANKS  # this warp's words of the per-destination arrays
+        times = sw * len(SEND_TIMES)
+        ids = cute.make_tensor(s_bids.iterator + sw * BATCH * MAX_TOPK,
+                               cute.make_layout(BATCH * MAX_TOPK))
+        wts = cute.make_tensor(s_bw.iterator + sw * BATCH * MAX_TOPK,
+                               cute.make_layout(BATCH * MAX_TOPK))
         if lane < ranks:
-            pos = cute.arch.load(gmem_ptr(Int64, streams.toint()
-                                      + Int64(counters((channel, lane, TAILS, DISPATCH))) * 8, 8),
-                                 Int64)
-            s_pos[sent_at + lane] = pos
-            s_pos[pub_at + lane] = pos
-            s_pos[head_at + lane] = cute.arch.load(
-                gmem_ptr(Int64, here + counters_offset
-                     + Int64(counters((channel, lane, HEADS, DISPATCH))) * 8, 8),
+            # Where this channel's stream to each destination stands, and the credit returned.
+            s_wpos[mine + lane] = cute.arch.load(gmem_ptr(
+                Int64, streams.toint() + Int64(counters((channel, lane, TAILS, DISPATCH))) * 8,
+                8), Int64)
+            s_head[mine + lane] = cute.arch.load(gmem_ptr(
+                Int64, here + counters_offset
+                + Int64(counters((channel, lane, HEADS, DISPATCH))) * 8, 8),
                 Int64, sem="relaxed", scope="sys")
-        if lane < 7:
-            s_pos[WAITS_AT + lane] = Int64(0)
+        if lane < len(SEND_TIMES):
+            s_time[times + lane] = Int64(0)
         cute.arch.sync_warp()
-        # Stores may still be reading `reading` stages when a stage is reloaded; loads run
-        # `lookahead` = stages - 1 - reading messages ahead of stores.
-        reading = stages - 2
-        if reading > READS_IN_FLIGHT[0]:
-            reading = Int32(READS_IN_FLIGHT[0])
-        lookahead = stages - 1 - reading
-        loaded = Int32(0)
-        stored = Int32(0)
+        # The message bytes a sender moves (payload and scales; the metadata is written by
+        # lanes) as rows of 16-byte vectors, in tiles of SEND_VECTORS vectors per lane.
+        load_vectors = load_bytes // 16
+        layout = cute.make_layout((load_vectors, 16), stride=(16, 1))
+        tiler = (WARP * SEND_VECTORS, 16)
+        g_crd = cute.zipped_divide(cute.make_identity_tensor(layout.shape), tiler)
+        thr = send_copy.get_slice(lane)
+        tiles = cute.ceil_div(load_vectors, WARP * SEND_VECTORS)
         alive = Int32(1)
-        for batch in cutlass.range(t0, t1, WARP):
-            batch_start = Int64(0)
+        batch_no = Int32(0)
+        for batch in cutlass.range(t0, t1, BATCH):
+            start = Int64(0)
             if tracing != 0:
-                batch_start = cute.arch.globaltimer()
-            t = batch + lane
+                start = cute.arch.globaltimer()
             n = t1 - batch
-            if n > WARP:
-                n = Int32(WARP)
-            # The batch's ids and weights (contiguous in [T, K]: coalesced loads, all in flight
-            # together), token b's at b * MAX_TOPK, for the routing and the metadata.
-            # Every load is issued before the first store: indices past the batch read its last
-            # word again (in bounds), and only the batch's words are kept.
+            if n > BATCH:
+                n = Int32(BATCH)
+            # The batch's ids and weights (contiguous in [T, K]), every load in flight before
+            # the first store; indices past the batch read its last word again (in bounds).
             at = Int64(batch) * Int64(topk)
             batch_words = n * topk
             ids_regs = []
             wts_regs = []
-            for k in cutlass.range_constexpr(MAX_TOPK):
+            for k in cutlass.range_constexpr(BATCH * MAX_TOPK // WARP):
                 i = cutlass.min(k * WARP + lane, batch_words - 1)
                 ids_regs.append(load_i32(topk_ids.toint() + (at + Int64(i)) * 4))
                 # Without weights, word 0 of the placeholder is read and replaced by 0.
                 wts_regs.append(load_f32(topk_weights.toint()
                                          + (at + Int64(i)) * 4 * Int64(has_weights)))
-            for k in cutlass.range_constexpr(MAX_TOPK):
+            for k in cutlass.range_constexpr(BATCH * MAX_TOPK // WARP):
                 i = k * WARP + lane
                 if i < batch_words:
                     b = i // topk
                     w = wts_regs[k]
                     if has_weights == 0:
                         w = Float32(0.0)
-                    s_bids[b * MAX_TOPK + i - b * topk] = ids_regs[k]
-                    s_bw[b * MAX_TOPK + i - b * topk] = w
+                    ids[b * MAX_TOPK + i - b * topk] = ids_regs[k]
+                    wts[b * MAX_TOPK + i - b * topk] = w
             cute.arch.sync_warp()
             mask = Int32(0)
-            if t < t1:
-                mask, _ = route_ids(s_bids, lane, MAX_TOPK, t, topk, experts, local_experts,
-                                    my_rank, skip_a2a, shared, shared_begin, shared_end, s_cnt,
-                                    False)
-            s_batch[lane] = mask
+            if lane < n:
+                mask, _ = route_ids(ids, lane, MAX_TOPK, batch + lane, topk, experts,
+                                    local_experts, my_rank, skip_a2a, shared, shared_begin,
+                                    shared_end, s_bids, False)
+            # Bit b of destination d's ballot: token b goes to d. A message's position in d's
+            # stream is the warp's position at the batch plus the ballot's bits below it.
+            for d in cutlass.range(ranks):
+                ballot = cute.arch.vote_ballot_sync(((mask >> d) & 1) != 0)
+                if lane == 0:
+                    s_ball[mine + d] = ballot
             cute.arch.sync_warp()
             if tracing != 0 and lane == 0:
-                s_pos[WAITS_AT + 4] += cute.arch.globaltimer() - batch_start
-            for b in cutlass.range(n):
-                m = s_batch[b]
-                if m != 0:
+                s_time[times + 1] += cute.arch.globaltimer() - start
+            for b in cutlass.range(sw, n, SEND_WARPS):
+                m = cute.arch.shuffle_sync(mask, b)
+                if m != 0 and alive != 0:
                     tok = batch + b
-                    st = loaded % stages
-                    slot = stage_buf.iterator + st * msg_bytes
                     if lane == 0:
-                        # Stage st last held message loaded - stages: its store must have read it
-                        # (stores are issued up to loaded - 1 - lookahead, so all but the newest
-                        # `reading` of them). The payload's load starts at once.
                         start = Int64(0)
                         if tracing != 0:
                             start = cute.arch.globaltimer()
-                        _wait_reads(reading)
+                        for i in cutlass.range(ranks):
+                            d = (my_rank + sw + i) % ranks
+                            slot = Int64(-1)
+                            if (m >> d) & 1 != 0 and alive != 0:
+                                below = s_ball[mine + d] & ((Int32(1) << b) - 1)
+                                pos = s_wpos[mine + d] + Int64(cute.arch.popc(below))
+                                if pos - s_head[mine + d] >= Int64(ring_slots):
+                                    head, alive = _wait_at_least(
+                                        here + counters_offset
+                                        + Int64(counters((channel, d, HEADS, DISPATCH))) * 8,
+                                        pos - Int64(ring_slots) + 1, timeout_ns, error, d,
+                                        Int32(PHASE_DISPATCH))
+                                    s_head[mine + d] = head
+                                if alive != 0:
+                                    slot = peers[d] + ring_offset + Int64(ring(
+                                        (0, Int32(pos % Int64(ring_slots)), channel, my_rank)))
+                            s_slot[mine + d] = slot
                         if tracing != 0:
-                            s_pos[WAITS_AT + 2] += cute.arch.globaltimer() - start
-                        s_stage[st] = tok
-                        s_stage[MAX_STAGES + st] = m
-                        cute.arch.mbarrier_arrive_and_expect_tx(full + st, load_bytes)
-                        bulk_load(slot, source.toint() + Int64(tok) * Int64(source_stride),
-                                  load_bytes, full + st)
+                            s_time[times] += cute.arch.globaltimer() - start
+                    alive = cute.arch.shuffle_sync(alive, 0)
                     cute.arch.sync_warp()
-                    # The metadata, beside the payload (the bulk store reads it much later,
-                    # after this warp's proxy fence).
-                    words = cute.make_tensor(cute.recast_ptr(slot, dtype=Int32),
-                                             cute.make_layout(meta_word + meta.cosize()))
-                    if lane < topk:
-                        words[meta_word + meta((lane, IDS))] = s_bids[b * MAX_TOPK + lane]
-                        cute.make_tensor(cute.recast_ptr(slot, dtype=Float32),
-                                         cute.make_layout(meta_word + meta.cosize()))[
-                            meta_word + meta((lane, WEIGHTS))] = s_bw[b * MAX_TOPK + lane]
-                    if lane == WARP - 1:
-                        words[meta_word - 1] = tok
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                    cute.arch.sync_warp()
-                    loaded = loaded + 1
-                    if loaded - stored > lookahead:
-                        alive = self._store(lane, stored, alive, channel, peers, my_rank, ranks,
-                                            stages, msg_bytes, ring, ring_slots, ring_offset,
-                                            chunk_tokens, here, counters_offset, counters,
-                                            timeout_ns, error, stage_buf, full, s_stage, s_pos,
-                                            s_hist, tracing)
-                        stored = stored + 1
+                    if alive != 0:
+                        start = Int64(0)
+                        if tracing != 0:
+                            start = cute.arch.globaltimer()
+                        g_src = cute.zipped_divide(cute.make_tensor(gmem_ptr(
+                            Uint8, source.toint() + Int64(tok) * Int64(source_stride), 16),
+                            layout), tiler)
+                        for tile in cutlass.range(tiles):
+                            pred = row_predicate(thr.partition_S(g_crd[((None, None), tile)]),
+                                                 load_vectors)
+                            t_src = thr.partition_S(g_src[((None, None), tile)])
+                            regs = cute.make_fragment_like(t_src)
+                            cute.copy(send_copy, t_src, regs, pred=pred)
+                            for d in cutlass.range(ranks):
+                                slot = s_slot[mine + d]
+                                if slot >= 0:
+                                    g_dst = cute.zipped_divide(cute.make_tensor(
+                                        gmem_ptr(Uint8, slot, 16), layout), tiler)
+                                    cute.copy(send_copy, regs,
+                                              thr.partition_D(g_dst[((None, None), tile)]),
+                                              pred=row_predicate(thr.partition_S(
+                                                  g_crd[((None, None), tile)]), load_vectors))
+                        for d in cutlass.range(ranks):
+                            slot = s_slot[mine + d]
+                            if slot >= 0:
+                                words = meta_word + meta.cosize()
+                                if lane < topk:
+                                    cute.make_tensor(gmem_ptr(Int32, slot, 16), cute.make_layout(
+                                        words))[meta_word + meta((lane, IDS))] = \
+                                        ids[b * MAX_TOPK + lane]
+                                    cute.make_tensor(gmem_ptr(Float32, slot, 16), cute.make_layout(
+                                        words))[meta_word + meta((lane, WEIGHTS))] = \
+                                        wts[b * MAX_TOPK + lane]
+                                if lane == WARP - 1:
+                                    cute.make_tensor(gmem_ptr(Int32, slot, 16), cute.make_layout(
+                                        words))[meta_word - 1] = tok
+                        if tracing != 0 and lane == 0:
+                            s_time[times + 2] += cute.arch.globaltimer() - start
+            # This warp's share of the batch is written: release it. The warp that sees every
+            # warp past the batch publishes the batch's end as each destination's tail (a
+            # warp marks a batch done only after its tails of earlier batches, so they grow).
             cute.arch.sync_warp()
-        while stored < loaded:
-            alive = self._store(lane, stored, alive, channel, peers, my_rank, ranks, stages,
-                                msg_bytes, ring, ring_slots, ring_offset, chunk_tokens, here,
-                                counters_offset, counters, timeout_ns, error, stage_buf, full,
-                                s_stage, s_pos, s_hist, tracing)
-            stored = stored + 1
-        if lane == 0:
-            start = cute.arch.globaltimer()
-            cute.arch.cp_async_bulk_wait_group(0)
-            cute.arch.fence_proxy("async.global")
-            cute.arch.fence_acq_rel_sys()
-            now = cute.arch.globaltimer()
-            _stamp(trace, tracing, channel, "send_done", now)
-            _stamp(trace, tracing, channel, "credit_wait_ns", s_pos[WAITS_AT])
-            _stamp(trace, tracing, channel, "store_wait_ns", s_pos[WAITS_AT + 1] + now - start)
-            _stamp(trace, tracing, channel, "read_wait_ns", s_pos[WAITS_AT + 2])
-            _stamp(trace, tracing, channel, "load_wait_ns", s_pos[WAITS_AT + 3])
-            _stamp(trace, tracing, channel, "batch_ns", s_pos[WAITS_AT + 4])
-            _stamp(trace, tracing, channel, "publish_ns", s_pos[WAITS_AT + 5])
-            _stamp(trace, tracing, channel, "store_steps_ns", s_pos[WAITS_AT + 6])
-        cute.arch.sync_warp()
-        if lane < ranks:
-            pos = s_pos[sent_at + lane]
-            if pos != s_pos[pub_at + lane]:
-                tail = peers[lane] + counters_offset + Int64(
-                    counters((channel, my_rank, TAILS, DISPATCH))) * 8
-                cute.arch.store(gmem_ptr(Int64, tail, 8), pos, sem="release", scope="sys")
-            cute.arch.store(gmem_ptr(Int64, streams.toint()
-                                 + Int64(counters((channel, lane, TAILS, DISPATCH))) * 8, 8), pos)
-
-    @cute.jit
-    def _store(self, lane, j, alive, channel, peers: cute.Tensor, my_rank, ranks, stages,
-               msg_bytes, ring, ring_slots, ring_offset, chunk_tokens, here, counters_offset,
-               counters, timeout_ns, error: cute.Pointer, stage_buf: cute.Tensor,
-               full: cute.Pointer, s_stage: cute.Tensor, s_pos: cute.Tensor,
-               s_hist: cute.Tensor, tracing):
-        """Lane 0: bulk-store message j (its stage loaded) to the ring slot of every destination
-        it routes to, credit permitting; then publish the tails of messages whose stores are
-        complete. Returns 0 once a wait failed (the rest of the round is dropped)."""
-        sent_at, head_at, pub_at = 0, MAX_RANKS, 2 * MAX_RANKS
-        ok = alive
-        if lane == 0:
-            entered = Int64(0)
-            if tracing != 0:
-                entered = cute.arch.globaltimer()
-            st = j % stages
-            start = Int64(0)
-            if tracing != 0:
-                start = cute.arch.globaltimer()
-            cute.arch.mbarrier_wait(full + st, (j // stages) % 2)
-            if tracing != 0:
-                s_pos[WAITS_AT + 3] += cute.arch.globaltimer() - start
-            m = s_stage[MAX_STAGES + st]
-            slot = stage_buf.iterator + st * msg_bytes
-            for i in cutlass.range(ranks):
-                d = (my_rank + i) % ranks
-                if (m >> d) & 1 != 0 and ok != 0:
-                    pos = s_pos[sent_at + d]
-                    if pos - s_pos[head_at + d] >= Int64(ring_slots):
-                        start = cute.arch.globaltimer()
-                        head, ok = _wait_at_least(
-                            here + counters_offset
-                            + Int64(counters((channel, d, HEADS, DISPATCH))) * 8,
-                            pos - Int64(ring_slots) + 1, timeout_ns, error, d,
-                            Int32(PHASE_DISPATCH))
-                        s_pos[head_at + d] = head
-                        s_pos[WAITS_AT] = s_pos[WAITS_AT] + cute.arch.globaltimer() - start
-                    if ok != 0:
-                        bulk_store(peers[d] + ring_offset + Int64(
-                            ring((0, Int32(pos % Int64(ring_slots)), channel, my_rank))),
-                            slot, msg_bytes)
-                        s_pos[sent_at + d] = pos + 1
-            cute.arch.cp_async_bulk_commit_group()
-            for d in cutlass.range(ranks):
-                s_hist[(j % HISTORY) * MAX_RANKS + d] = s_pos[sent_at + d]
-            # Messages up to j - WRITES_IN_FLIGHT are in the rings: publish at chunk boundaries.
-            done_j = j - WRITES_IN_FLIGHT
-            if done_j >= 0 and (done_j + 1) % chunk_tokens == 0:
-                start = cute.arch.globaltimer()
-                cute.arch.cp_async_bulk_wait_group(WRITES_IN_FLIGHT)
-                fenced = cute.arch.globaltimer()
-                s_pos[WAITS_AT + 1] = s_pos[WAITS_AT + 1] + fenced - start
-                # One system-scope fence releases the stores to every destination (a fence,
-                # then relaxed stores: a release pattern without a fence per destination).
-                cute.arch.fence_proxy("async.global")
+            if alive != 0 and lane == 0:
+                start = Int64(0)
+                if tracing != 0:
+                    start = cute.arch.globaltimer()
                 cute.arch.fence_acq_rel_sys()
+                cute.arch.store(s_done.iterator + sw, batch_no + 1, sem="release", scope="cta")
+                last = Int32(1)
+                for w in cutlass.range_constexpr(SEND_WARPS):
+                    if cute.arch.load(s_done.iterator + w, Int32, sem="acquire",
+                                      scope="cta") <= batch_no:
+                        last = Int32(0)
+                if last != 0:
+                    for d in cutlass.range(ranks):
+                        sent = cute.arch.popc(s_ball[mine + d])
+                        if sent != 0:
+                            tail = peers[d] + counters_offset + Int64(
+                                counters((channel, my_rank, TAILS, DISPATCH))) * 8
+                            cute.arch.store(gmem_ptr(Int64, tail, 8),
+                                            s_wpos[mine + d] + Int64(sent), sem="release",
+                                            scope="sys")
+                if tracing != 0:
+                    s_time[times + 3] += cute.arch.globaltimer() - start
+            if lane == 0:
                 for d in cutlass.range(ranks):
-                    pos = s_hist[(done_j % HISTORY) * MAX_RANKS + d]
-                    if pos != s_pos[pub_at + d]:
-                        tail = peers[d] + counters_offset + Int64(
-                            counters((channel, my_rank, TAILS, DISPATCH))) * 8
-                        cute.arch.store(gmem_ptr(Int64, tail, 8), pos, sem="relaxed", scope="sys")
-                        s_pos[pub_at + d] = pos
-                s_pos[WAITS_AT + 5] += cute.arch.globaltimer() - fenced
-            if tracing != 0:
-                s_pos[WAITS_AT + 6] += cute.arch.globaltimer() - entered
-        return ok
+                    s_wpos[mine + d] = s_wpos[mine + d] + Int64(cute.arch.popc(s_ball[mine + d]))
+            batch_no = batch_no + 1
+            cute.arch.sync_warp()
+        if sw == 0 and lane < ranks:
+            cute.arch.store(gmem_ptr(Int64, streams.toint()
+                                 + Int64(counters((channel, lane, TAILS, DISPATCH))) * 8, 8),
+                            s_wpos[mine + lane])
+        if lane == 0:
+            _stamp_max(trace, tracing, channel, "send_done", cute.arch.globaltimer())
+            for f in cutlass.range_constexpr(len(SEND_TIMES)):
+                _stamp_max(trace, tracing, channel, SEND_TIMES[f], s_time[times + f])
 
     @cute.jit
     def _receive(self, rt, channel, peers: cute.Tensor, here, streams: cute.Pointer,
@@ -934,10 +913,14 @@ class EpDispatch:
                     self._scales(lane, msg, scales, scales_offset, row_capacity, topk, blocks,
                                  scale_cols, rk, s_scratch, rows_at,
                                  scratch + SROWS_AT + m * ROWS)
-            # Credit back to the source once every warp of s is done with the chunk.
+            # Credit back to the source once every warp of s is done with the chunk. Relaxed:
+            # every load from the chunk's slots has returned (its value is already in shared
+            # memory or stored to a row), so the source may overwrite them; a release would
+            # also wait until this warp's row stores are acknowledged, which the source does
+            # not need.
             cute.arch.barrier(barrier_id=2 + s, number_of_threads=WARP * per_source)
             if sub == 0 and lane == 0 and alive != 0:
-                cute.arch.store(gmem_ptr(Int64, head_word, 8), p0 + Int64(cnt), sem="release",
+                cute.arch.store(gmem_ptr(Int64, head_word, 8), p0 + Int64(cnt), sem="relaxed",
                                 scope="sys")
         if sub == 0 and lane == 0:
             cute.arch.store(gmem_ptr(Int64, streams.toint() + Int64(

@@ -74,14 +74,13 @@ def channel_messages_layout(ranks, channels) -> Layout:
 
 # What a traced dispatch records per channel (int64 each, `trace_layout`): %globaltimer at the
 # kernel's start, once its counts are sent, once every channel's counts arrived, once the row
-# layout is known, when its sender finished, at the kernel's end; then the nanoseconds its
-# sender waited for ring credit, for its stores to complete, for a stage's earlier store to
-# finish reading it, for a payload's load, spent routing and reading batches of 32 tokens' ids
-# and weights, releasing tails (system fences), and in its store steps in all (their waits
-# included); last, the longest any source's messages kept this channel's receivers waiting.
+# layout is known, when its last sender warp finished, at the kernel's end; then, for the sender
+# warp that spent the most on each, the nanoseconds it waited for ring credit, routed batches,
+# copied tokens, and fenced and published tails; last, the longest any source's messages kept
+# this channel's receivers waiting.
+SEND_TIMES = ("credit_wait_ns", "batch_ns", "copy_ns", "fence_ns")
 TRACE_FIELDS = ("start", "counts_sent", "counts_arrived", "layout_ready", "send_done", "end",
-                "credit_wait_ns", "store_wait_ns", "read_wait_ns", "load_wait_ns", "batch_ns",
-                "publish_ns", "store_steps_ns", "recv_wait_ns")
+                *SEND_TIMES, "recv_wait_ns")
 
 
 # What a traced combine records per channel (int64 each): %globaltimer at the kernel's start,
