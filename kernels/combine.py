@@ -29,7 +29,7 @@ from cutlass.cute.nvgpu import cpasync
 
 from kernels.copy import row_predicate, row_tiled_copy
 from kernels.dispatch import MAX_CHUNK, MAX_RANKS, MAX_TOPK, WARP, _wait_at_least
-from kernels.memory import gmem_ptr, load_f32, load_i32
+from kernels.memory import gmem_ptr, load_f32, load_i32, trace_word
 from kernels.routing import channel_tokens, route_ids, valid_expert
 from layouts.abi import GridRule, KernelSpec, Param
 from layouts.channels import (COMBINE, COMBINE_TRACE_FIELDS, HEADS, TAILS,
@@ -56,19 +56,13 @@ def _handle_word(i, words, topk, sub, per_home, first, s, max_tokens):
 
 
 @cute.jit
-def _trace_word(trace: cute.Pointer, channel, field: cutlass.Constexpr):
-    return gmem_ptr(Int64, trace.toint() + Int64(trace_layout(channel + 1, COMBINE_TRACE_FIELDS)(
-        (COMBINE_TRACE_FIELDS.index(field), channel))) * 8, 8)
-
-
-@cute.jit
 def _trace_set(trace: cute.Pointer, channel, field: cutlass.Constexpr, value):
-    cute.arch.store(_trace_word(trace, channel, field), Int64(value))
+    cute.arch.store(trace_word(trace, channel, COMBINE_TRACE_FIELDS, field), Int64(value))
 
 
 @cute.jit
 def _trace_max(trace: cute.Pointer, channel, field: cutlass.Constexpr, value):
-    cute.arch.atomic_max(_trace_word(trace, channel, field), Int64(value))
+    cute.arch.atomic_max(trace_word(trace, channel, COMBINE_TRACE_FIELDS, field), Int64(value))
 
 
 class EpCombine:

@@ -40,14 +40,15 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint8
 
 from kernels.copy import row_predicate, row_tiled_copy
-from kernels.memory import error_field, gmem_ptr, load_f32, load_i32, store_f32, store_i32
+from kernels.memory import (error_field, gmem_ptr, load_f32, load_i32, store_f32, store_i32,
+                            trace_word)
 from kernels.routing import channel_tokens, route_ids, route_token
 from kernels.scan import warp_exclusive_scan
 from layouts.abi import GridRule, KernelSpec, Param
 from layouts.buffers import ERROR_CHANNELS, ERROR_COUNTS
 from layouts.channels import (DISPATCH, HEADS, SEND_TIMES, TAILS, TRACE_FIELDS,
                               channel_messages_layout, count_flags_layout, counters_layout,
-                              counts_layout, ring_layout, trace_layout)
+                              counts_layout, ring_layout)
 from layouts.config import FP8_ROW_ALIGN
 from layouts.formats import METADATA_FIELDS, metadata_layout
 from layouts.scales import ATOM_BYTES, ATOM_ROWS
@@ -113,17 +114,11 @@ def _wait_at_least(addr, target, timeout_ns, error: cute.Pointer, missing, phase
     return value, ok
 
 
-def _trace_word(trace: cute.Pointer, channel, field: cutlass.Constexpr):
-    """Word `field` (TRACE_FIELDS) of this channel's trace."""
-    return gmem_ptr(Int64, trace.toint() + Int64(trace_layout(channel + 1)(
-        (TRACE_FIELDS.index(field), channel))) * 8, 8)
-
-
 @cute.jit
 def _stamp(trace: cute.Pointer, tracing, channel, field: cutlass.Constexpr, value):
     """With tracing on, word `field` (TRACE_FIELDS) of this channel's trace = value."""
     if tracing != 0:
-        cute.arch.store(_trace_word(trace, channel, field), Int64(value))
+        cute.arch.store(trace_word(trace, channel, TRACE_FIELDS, field), Int64(value))
 
 
 @cute.jit
@@ -131,7 +126,7 @@ def _stamp_max(trace: cute.Pointer, tracing, channel, field: cutlass.Constexpr, 
     """With tracing on, word `field` of this channel's trace = max(itself, value): the longest of
     several warps (each field was zeroed at the kernel's start)."""
     if tracing != 0:
-        cute.arch.atomic_max(_trace_word(trace, channel, field), Int64(value))
+        cute.arch.atomic_max(trace_word(trace, channel, TRACE_FIELDS, field), Int64(value))
 
 
 @cute.jit
@@ -925,10 +920,7 @@ class EpDispatch:
         if sub == 0 and lane == 0:
             cute.arch.store(gmem_ptr(Int64, streams.toint() + Int64(
                 counters((channel, s, HEADS, DISPATCH))) * 8, 8), consumed + Int64(n))
-            if tracing != 0:
-                at = trace.toint() + Int64(trace_layout(channel + 1)(
-                    (TRACE_FIELDS.index("recv_wait_ns"), channel))) * 8
-                cute.arch.atomic_max(gmem_ptr(Int64, at, 8), waited)
+            _stamp_max(trace, tracing, channel, "recv_wait_ns", waited)
 
     @cute.jit
     def _record(self, lane, s, first, cnt, topk, max_tokens, src_info: cute.Pointer,

@@ -2,9 +2,10 @@
 addressed from a base plus a layout's offset, often in another GPU's memory)."""
 
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, Int64
 
 from layouts.buffers import ERROR_FIELDS
+from layouts.channels import trace_layout
 
 
 def gmem_ptr(dtype, addr, align):
@@ -35,3 +36,10 @@ def store_f32(addr, value):
 def error_field(error: cute.Pointer, name: str):
     """A pointer to word `name` (ERROR_FIELDS) of the device error record at `error`."""
     return gmem_ptr(Int32, error.toint() + 4 * ERROR_FIELDS.index(name), 4)
+
+
+def trace_word(trace: cute.Pointer, channel, fields: tuple, field: str):
+    """A pointer to word `field` of `fields` (a dispatch's TRACE_FIELDS, a combine's
+    COMBINE_TRACE_FIELDS) in channel `channel`'s row of the trace at `trace`."""
+    return gmem_ptr(Int64, trace.toint() + Int64(trace_layout(channel + 1, fields)(
+        (fields.index(field), channel))) * 8, 8)
