@@ -3,15 +3,17 @@
 Rows `[row_offsets[g], row_offsets[g + 1])` form segment g (an expert) with global scale
 `global_scales[g]`; only `row_offsets` on the device says how many rows there are. A thread owns
 one 16-element block: `sf = e4m3_rne_satfinite(gs * amax / 6)`, `q = e2m1(x * gs / f32(sf))`
-(true fp32 divisions), codes 0 where sf is not positive (a zero block; a NaN block keeps its NaN
-scale 0x7F), element 2i in the low nibble.
+(correctly rounded fp32 operations), codes 0 where sf is not positive (a zero block; a NaN block
+keeps its NaN scale 0x7F), element 2i in the low nibble.
 
 Scales are linear `[rows, K / 16]`, or in the 128x4 layout (`layouts.scales`) where each segment
 starts on a fresh 128-row block: the grid walks *scale rows*, so the padding rows of every
 segment's last block (and padding scale columns) are written as zeros by the same pass.
 
-The e2m1 encoder is software on sm_90a (threshold comparisons, round to nearest even,
-saturating) and the hardware `cvt.rn.satfinite.e2m1x2.f32` on sm_100a; two configurations.
+The e2m1 encoder is software on sm_90a (`e2m1_word`: three fmas into the integer-spaced
+fp32 range and a min) and the hardware `cvt.rn.satfinite.e2m1x2.f32` on sm_100a; two
+configurations. Each block divides by its scale with one reciprocal and fmas
+(`kernels.division.divide_once`), the quotient bit for bit the correctly rounded one.
 """
 
 import cutlass
@@ -20,6 +22,7 @@ from cutlass import BFloat16, Float32, Int32, Int64, Uint8
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from kernels.division import FAST_LIMIT, divide_once, with_sign_of
 from kernels.scan import WARP, warp_exclusive_scan
 from layouts.abi import GridRule, KernelSpec, Param
 
@@ -78,32 +81,6 @@ def bits_f32(value: Int32, *, loc=None, ip=None) -> Float32:
 
 
 @cute.jit
-def e2m1_software(v: Float32) -> Int32:
-    """e2m1 code of `v`: nearest of {0, .5, 1, 1.5, 2, 3, 4, 6}, ties to the even code, saturating
-    at 6; the sign bit is the input's. The midpoints that round up to an even code use `>=`."""
-    a = cute.arch.fmax(v, -v)
-    code = Int32(0)
-    if a > 0.25:
-        code = code + 1
-    if a >= 0.75:
-        code = code + 1
-    if a > 1.25:
-        code = code + 1
-    if a >= 1.75:
-        code = code + 1
-    if a > 2.5:
-        code = code + 1
-    if a >= 3.5:
-        code = code + 1
-    if a > 5.0:
-        code = code + 1
-    sign = Int32(0)
-    if f32_bits(v) < 0 and a >= 0.0:  # the sign bit, -0 included; NaN (never here) gets none
-        sign = Int32(8)
-    return code + sign
-
-
-@cute.jit
 def load_segment_blocks(row_offsets: cute.Pointer, num_segments, s_off: cute.Tensor,
                         s_first: cute.Tensor, tidx, threads: cutlass.Constexpr):
     """The whole CTA: `s_off[g] = row_offsets[g]` for g <= S, and `s_first[g]` = the first
@@ -121,33 +98,108 @@ def load_segment_blocks(row_offsets: cute.Pointer, num_segments, s_off: cute.Ten
     cute.arch.sync_threads()
 
 
+def _e2m1_word_ptx() -> str:
+    """PTX of e2m1_word: `$1..$8` the values, `$9..$16` their sign sources, `$0` the word."""
+    lines = ["{ .reg .f32 a<8>, c<8>, d<8>; .reg .b32 k<8>, t<4>, ev, od, sv, so;"]
+    for i in range(8):
+        lines.append(
+            f"abs.f32 a{i}, ${i + 1}; fma.rn.f32 c{i}, a{i}, 0f40000000, 0f4B400000; "
+            f"add.rn.f32 d{i}, a{i}, 0f4B400002; min.f32 c{i}, c{i}, d{i}; "
+            f"fma.rn.f32 d{i}, a{i}, 0f3F000000, 0f4B400004; min.f32 d{i}, d{i}, 0f4B400007; "
+            f"min.f32 c{i}, c{i}, d{i}; mov.b32 k{i}, c{i};")
+    # Byte 0 of each k is its code: gather the even elements' codes into the four bytes of
+    # `ev`, the odd ones' into `od`; the same selectors with bit 3 set copy each value's sign
+    # bit (the top bit of its byte 3) across a byte, masked to bit 3 of the nibble.
+    for word, first, sign_word in (("ev", 0, "sv"), ("od", 1, "so")):
+        e = [first + 2 * j for j in range(4)]
+        lines.append(f"prmt.b32 t0, k{e[0]}, k{e[1]}, 0x0040; prmt.b32 t1, k{e[2]}, k{e[3]}, "
+                     f"0x4000; prmt.b32 {word}, t0, t1, 0x7610;")
+        lines.append(f"prmt.b32 t2, ${e[0] + 9}, ${e[1] + 9}, 0x00FB; prmt.b32 t3, ${e[2] + 9}, "
+                     f"${e[3] + 9}, 0xFB00; prmt.b32 {sign_word}, t2, t3, 0x7610;")
+        lines.append(f"lop3.b32 {word}, {word}, {sign_word}, 0x08080808, 0xF8;")
+    lines.append("shl.b32 od, od, 4; or.b32 $0, ev, od; }")
+    return " ".join(lines)
+
+
+E2M1_WORD_PTX = _e2m1_word_ptx()
+
+
+@dsl_user_op
+def e2m1_word(values: list, signs: list, *, loc=None, ip=None) -> Int32:
+    """The 8 e2m1 codes of `values` (fp32, none NaN), element i in nibble i, each with the sign
+    bit of `signs[i]`: nearest of {0, .5, 1, 1.5, 2, 3, 4, 6}, ties to the even code, saturating
+    at 6.
+
+    For a = |v|, over [0, 2], [2, 4] and [4, 6] the code is 2a, a + 2 and a/2 + 4 rounded to an
+    integer with ties to even (the midpoints 0.25, 0.75, ..., 5 land on half-integers and go to
+    the even code, as e2m1 requires), so it is round(min(2a, a + 2, a/2 + 4, 7)); rounding is
+    monotone, so that is the min of the four rounded. Each is one fma into [2^23, 2^24), where
+    fp32 values are the integers E2M1_ROUND + code: byte 0 of the bits is the code.
+    `tests/test_division.py` checks every fp32 magnitude against the threshold rule."""
+    args = [Float32(v) for v in values] + [Float32(v) for v in signs]
+    return Int32(_asm(T.i32(), args, E2M1_WORD_PTX, "=r," + ",".join(["f"] * 16), loc, ip))
+
+
 @cute.jit
-def e2m1_words(vals: cute.Tensor, gs: Float32, sf: Float32, usable, words: cute.Tensor,
-               e2m1: cutlass.Constexpr):
-    """words[w] = the 8 e2m1 codes of `(vals[8w + i] * gs) / sf` (true fp32 division), element
-    2i in the low nibble of byte i; all zero unless `usable`. `e2m1`: "software" | "hardware"."""
+def e2m1_words(vals: cute.Tensor, gs: Float32, sf: Float32, amax: Float32, usable,
+               words: cute.Tensor, e2m1: cutlass.Constexpr, divide: cutlass.Constexpr = True):
+    """words[w] = the 8 e2m1 codes of `(vals[8w + i] * gs) / sf` (correctly rounded fp32
+    multiply and divide), element 2i in the low nibble of byte i; all zero unless `usable`
+    (then gs > 0 and sf > 0). `amax`: the largest |vals|. `divide=False` (MXFP4, whose scale is a
+    power of two folded into gs): `vals * gs` alone. `e2m1`: "software" | "hardware".
+
+    The division is `kernels.division.divide_once` with one reciprocal per block (sf is an e4m3
+    value) unless `gs * amax` exceeds FAST_LIMIT (or is not a number), where `/` runs instead."""
     for w in cutlass.range_constexpr(cute.size(words)):
         words[w] = Int32(0)
     if usable:
-        for w in cutlass.range_constexpr(cute.size(words)):
+        if cutlass.const_expr(not divide):
+            _encode_words(vals, gs, sf, Float32(0.0), words, e2m1, "none")
+        elif gs * amax <= Float32(FAST_LIMIT):
+            _encode_words(vals, gs, sf, Float32(1.0) / sf, words, e2m1, "reciprocal")
+        else:
+            _encode_words(vals, gs, sf, Float32(0.0), words, e2m1, "true")
+
+
+@cute.jit
+def _encode_words(vals: cute.Tensor, gs: Float32, sf: Float32, r: Float32, words: cute.Tensor,
+                  e2m1: cutlass.Constexpr, division: cutlass.Constexpr):
+    """The codes of e2m1_words; `division`: "none" (y = v * gs), "reciprocal" (divide_once by
+    sf with r = RN(1/sf), the sign from v * gs) or "true" (`/`; any y, a NaN encoded as +0)."""
+    for w in cutlass.range_constexpr(cute.size(words)):
+        ys = []
+        signs = []
+        for i in cutlass.range_constexpr(8):
+            v = vals[8 * w + i]
+            y = v * gs
+            sign = y
+            if cutlass.const_expr(division == "reciprocal"):
+                y = divide_once(y, sf, r)  # its magnitude; the sign is v * gs's
+                if cutlass.const_expr(e2m1 == "hardware"):
+                    y = with_sign_of(y, v)
+            elif cutlass.const_expr(division == "true"):
+                y = y / sf
+                if cutlass.const_expr(e2m1 == "software"):
+                    if y != y:  # NaN (0 * inf): code 0, no sign
+                        y = Float32(0.0)
+                    sign = y
+            ys.append(y)
+            signs.append(sign)
+        if cutlass.const_expr(e2m1 == "hardware"):
             word = Int32(0)
             for p in cutlass.range_constexpr(4):
-                even = (vals[8 * w + 2 * p] * gs) / sf
-                odd = (vals[8 * w + 2 * p + 1] * gs) / sf
-                pair = Int32(0)
-                if cutlass.const_expr(e2m1 == "hardware"):
-                    pair = cvt_e2m1x2(even, odd)
-                else:
-                    pair = e2m1_software(even) + (e2m1_software(odd) << 4)
-                word = word | (pair << (8 * p))
+                word = word | (cvt_e2m1x2(ys[2 * p], ys[2 * p + 1]) << (8 * p))
             words[w] = word
+        else:
+            words[w] = e2m1_word(ys, signs)
 
 
 @cute.jit
 def quantize_nvfp4_block(src_addr, codes_addr, gs: Float32, e2m1: cutlass.Constexpr):
     """The 16 bf16 values at `src_addr` (16-byte aligned): write their 8 code bytes to
     `codes_addr` (8-byte aligned) and return their e4m3 scale byte. `sf = e4m3(gs * amax / 6)`,
-    `q = e2m1((x * gs) / sf)`, true fp32 divisions, codes 0 where sf is not positive."""
+    `q = e2m1((x * gs) / sf)`, correctly rounded fp32 operations, codes 0 where sf is not
+    positive."""
     src = cute.make_tensor(_ptr(BFloat16, src_addr, 16), cute.make_layout(BLOCK))
     regs = cute.make_rmem_tensor(cute.make_layout(BLOCK), BFloat16)
     cute.autovec_copy(src, regs)
@@ -159,7 +211,7 @@ def quantize_nvfp4_block(src_addr, codes_addr, gs: Float32, e2m1: cutlass.Conste
     byte = cvt_e4m3_byte((gs * amax) / Float32(6.0))
     sf = e4m3_byte_to_f32(byte)
     words = cute.make_rmem_tensor(cute.make_layout(2), Int32)
-    e2m1_words(vals, gs, sf, sf > 0.0, words, e2m1)
+    e2m1_words(vals, gs, sf, amax, sf > 0.0, words, e2m1)
     cute.autovec_copy(words, cute.make_tensor(_ptr(Int32, codes_addr, 8), cute.make_layout(2)))
     return byte
 

@@ -304,14 +304,15 @@ class FusedSilu:
                 usable = sf > 0.0
             else:
                 # z / 2^e == z * 2^-e bit for bit (both round the exact product once, and 2^-e
-                # is representable for every e in [-127, 127]): multiply, divide by 1.
+                # is representable for every e in [-127, 127]): multiply only.
                 byte = e8m0_round_up(amax / Float32(6.0))
                 usable = byte != 0xFF and amax > 0.0
                 sf = Float32(1.0)
                 if usable:
                     gs = e8m0_value(254 - byte)
             words = cute.make_rmem_tensor(cute.make_layout(n // 8), Int32)
-            e2m1_words(z, gs, sf, usable, words, self.e2m1)
+            e2m1_words(z, gs, sf, amax, usable, words, self.e2m1,
+                       divide=self.out == "nvfp4")
             dst = cute.make_tensor(
                 _ptr(Int32, out.toint() + Int64(row) * Int64(intermediate // 2) + Int64(v) * (n // 2),
                      8 if self.out == "nvfp4" else 16), cute.make_layout(n // 8))

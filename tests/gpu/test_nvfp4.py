@@ -108,3 +108,26 @@ def test_every_bf16_value_up_to_6_encodes_as_the_reference():
     assert (sc == 0x38).all()
     want = fp4.e2m1_encode(x.float())
     assert torch.equal(codes, fp4.pack_nibbles(want))
+
+
+def test_blocks_on_either_side_of_the_fast_division_limit():
+    """A block divides by its scale with one reciprocal and fmas while gs * amax <= 2^100, with `/`
+    above it (and for an infinite gs * amax): rows straddling the limit, every e4m3 scale
+    significand (amax's significand varies per block), both signs, and tiny elements beside
+    large ones, all byte for byte the reference."""
+    from cute_ep.quant import quantize_nvfp4
+
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    rows = []
+    for log_amax in (-20, 0, 38, 39, 40, 41, 60, 127):
+        x = torch.randn(8, 256, device="cuda", generator=gen)
+        x *= 2.0 ** log_amax / x.abs().amax(dim=1, keepdim=True).clamp(min=1e-30)
+        x[:, 3::16] *= 2.0 ** -100  # a tiny element in every block
+        rows.append(x)
+    x = torch.cat(rows).to(torch.bfloat16)
+    for gs in (2.0 ** 60, 1.0, 3e38):
+        g = torch.full((x.shape[0],), gs, device="cuda")
+        codes, sc = quantize_nvfp4(x, gs, scales="linear")
+        want_codes, want_scales = fp4.quantize_nvfp4(x, g)
+        assert torch.equal(sc, want_scales)
+        assert torch.equal(codes, want_codes)

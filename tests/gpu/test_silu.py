@@ -70,6 +70,25 @@ def test_fused_silu_fp8(m, i, interleaved):
     assert torch.equal(scales[:, :m], want_scales)
 
 
+def test_fused_silu_fp8_either_side_of_the_fast_division_limit():
+    """FP8 blocks divide by their scale with one reciprocal and fmas while amax <= 2^100 and with
+    `/` above it: rows whose activations straddle the limit (gate 2^60, up 2^37 ... 2^45), beside
+    ordinary rows, byte for byte the reference."""
+    from cute_ep.silu import fused_silu_fp8
+
+    m, i = 12, 256
+    x = _x(m, i, 11).float()
+    for row, log_up in enumerate(range(37, 46)):
+        x[row, :i] = 2.0 ** 60 * (1 + torch.rand(i, device="cuda"))
+        x[row, i:] *= 2.0 ** log_up
+    x = x.to(torch.bfloat16)
+    offsets = [0, m]
+    q, scales = fused_silu_fp8(x, _device(offsets))
+    want_q, want_scales = ref.fused_silu_fp8(x, offsets)
+    assert torch.equal(q[:m].view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(scales[:, :m], want_scales)
+
+
 @pytest.mark.parametrize("interleaved", [False, True], ids=["halves", "interleaved"])
 @pytest.mark.parametrize("i", INTERMEDIATE)
 @pytest.mark.parametrize("m", ROWS)

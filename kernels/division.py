@@ -1,0 +1,70 @@
+"""Correctly rounded fp32 division by a divisor a whole quantization block shares.
+
+`a / b` (`div.rn.f32`) is, on sm_90a, a reciprocal estimate, five fmas and a range check that
+branches to a slow path, about ten issue slots per element: most of a quantizer's work. Every
+element of a block divides by the block's scale, so the block computes one correctly rounded
+reciprocal `r = RN(1 / b)` (a true division) and each element three operations:
+
+    q0 = RN(a * r)           within 1.5 ulp of a / b (not always within one)
+    rho = RN(a - b * q0)     one fma
+    q1 = RN(q0 + rho * r)    one fma
+
+`divide_once` returns q1. It is RN(a / b) for every fp32 `a` when `b` has at most four significant
+bits (every e4m3 value, the NVFP4 scales), as long as no step leaves the normal range: each step
+scales exactly by powers of two, so the 2^23 significands of `a` against the 8 of `b` are every
+case, and `tests/test_division.py` runs them all through an exact model of these operations.
+
+`divide_twice` corrects once more. After one correction the quotient is within one ulp of a / b
+for any `b` (the first correction leaves an error of a few 2^-24 ulp before its own rounding), and
+Markstein's theorem (a quotient within one ulp, corrected with r = RN(1/b), no overflow or
+underflow) makes the second one RN(a / b): used where `b` is any fp32 (FP8's scale).
+
+The corrections add +0 to -0, so the sign of a zero quotient is lost: callers take the sign from
+`a` (RN(a / b) has a's sign for b > 0). Callers send blocks whose operands could overflow a step
+to `/` instead (a per-block test, see each caller).
+"""
+
+from cutlass import Float32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+# Operands up to this magnitude keep every step finite for divisors >= 2^-9 (r <= 2^9).
+FAST_LIMIT = 2.0 ** 100
+
+
+def _asm(result_type, args, text, constraints, loc, ip):
+    return llvm.inline_asm(result_type, [a.ir_value(loc=loc, ip=ip) for a in args], text,
+                           constraints, has_side_effects=False, is_align_stack=False,
+                           asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+# `$1` the dividend a, `$2` the divisor b, `$3` r = RN(1/b), `$0` the quotient.
+DIVIDE_ONCE_PTX = ("{ .reg .f32 q, rho, nb; neg.f32 nb, $2; mul.rn.f32 q, $1, $3; "
+                   "fma.rn.f32 rho, nb, q, $1; fma.rn.f32 $0, rho, $3, q; }")
+DIVIDE_TWICE_PTX = ("{ .reg .f32 q, rho, nb; neg.f32 nb, $2; mul.rn.f32 q, $1, $3; "
+                    "fma.rn.f32 rho, nb, q, $1; fma.rn.f32 q, rho, $3, q; "
+                    "fma.rn.f32 rho, nb, q, $1; fma.rn.f32 $0, rho, $3, q; }")
+# `$1` the magnitude, `$2` the sign source: one bit select.
+WITH_SIGN_OF_PTX = ("{ .reg .b32 m, s; mov.b32 m, $1; mov.b32 s, $2; "
+                    "lop3.b32 m, m, s, 0x7FFFFFFF, 0xE4; mov.b32 $0, m; }")
+
+
+@dsl_user_op
+def divide_once(a: Float32, b: Float32, r: Float32, *, loc=None, ip=None) -> Float32:
+    """RN(a / b) up to the sign of a zero, for `b` with <= 4 significant bits and r = RN(1/b)."""
+    return Float32(_asm(T.f32(), [Float32(a), Float32(b), Float32(r)], DIVIDE_ONCE_PTX,
+                        "=f,f,f,f", loc, ip))
+
+
+@dsl_user_op
+def divide_twice(a: Float32, b: Float32, r: Float32, *, loc=None, ip=None) -> Float32:
+    """RN(a / b) up to the sign of a zero, for any `b` and r = RN(1/b)."""
+    return Float32(_asm(T.f32(), [Float32(a), Float32(b), Float32(r)], DIVIDE_TWICE_PTX,
+                        "=f,f,f,f", loc, ip))
+
+
+@dsl_user_op
+def with_sign_of(magnitude: Float32, sign: Float32, *, loc=None, ip=None) -> Float32:
+    """`magnitude` with the sign bit of `sign` (both fp32)."""
+    return Float32(_asm(T.f32(), [Float32(magnitude), Float32(sign)], WITH_SIGN_OF_PTX,
+                        "=f,f,f", loc, ip))
