@@ -8,6 +8,7 @@ Public surface:
 - `fused_silu`, `fused_silu_fp8`, `fused_silu_nvfp4`, `fused_silu_mxfp4`, `quantize_nvfp4`:
   the standalone kernels on torch tensors;
 - `buffer_bytes(cfg)`: the GPU memory a config takes per rank, before allocating anything;
+- `cute_ep.autograd.dispatch` / `combine`: the same with gradients, for training;
 - everything is also a `torch.library` operator (`torch.ops.cute_ep.*`), used automatically
   under `torch.compile`, so layers compile with `fullgraph=True` and capture in CUDA graphs.
 """
