@@ -41,9 +41,8 @@ from layouts.abi import GridRule, KernelSpec, Param
 FAMILIES = {"bf16": "fused_silu", "fp8": "fused_silu_fp8", "nvfp4": "fused_silu_nvfp4",
             "mxfp4": "fused_silu_mxfp4"}
 # Output elements per thread, and elements per scale.
-VECTOR = {"bf16": 8, "fp8": 16, "nvfp4": 8, "mxfp4": 16}
+VECTOR = {"bf16": 8, "fp8": 16, "nvfp4": 16, "mxfp4": 32}
 BLOCK = {"bf16": 1, "fp8": 128, "nvfp4": 16, "mxfp4": 32}
-FP4_LANES = 2  # lanes that share an FP4 scale block (BLOCK / VECTOR)
 ATOM_ROWS = 128
 MAX_SEGMENTS = 272
 SEARCH_STEPS = (256, 128, 64, 32, 16, 8, 4, 2, 1)  # covers MAX_SEGMENTS
@@ -184,23 +183,18 @@ class FusedSilu:
     @cute.jit
     def _fp4(self, x, row_offsets, input_scales, out, scales, num_segments, intermediate, limit,
              alpha, tidx, bidx, stride):
-        """A warp per scale row (a unit): the row's segment is found once, and lane pairs take
-        its scale blocks in turn, each lane VECTOR elements (the pair's amax by one shuffle);
-        the first lane of a pair writes the scale byte, zero for padding rows and columns."""
         smem = cutlass.memory.SmemAllocator()
         s_off = smem.allocate_tensor(Int32, cute.make_layout(SMEM_ENTRIES), byte_alignment=16)
         s_start = smem.allocate_tensor(Int32, cute.make_layout(SMEM_ENTRIES), byte_alignment=16)
         load_segment_blocks(row_offsets, num_segments, s_off, s_start, tidx, self.threads)
 
-        blocks = intermediate // BLOCK[self.out]
+        blocks = intermediate // self.vector
         cols = (blocks + 3) // 4 * 4
         rk = cols // 4
-        units = s_start[num_segments] * ATOM_ROWS
-        warps = self.threads // WARP
-        lane = tidx % WARP
-        # Lanes of a row, rounded up to whole warps so every lane reaches each shuffle.
-        span = (cols * FP4_LANES + WARP - 1) // WARP * WARP
-        for unit in cutlass.range(bidx * warps + tidx // WARP, units, stride // WARP):
+        total = s_start[num_segments] * ATOM_ROWS * cols
+        for item in cutlass.range(bidx * self.threads + tidx, total, stride):
+            unit = item // cols
+            kb = item - unit * cols
             block_row = unit // ATOM_ROWS
             # The segment owning this scale row: the last one whose first block is <= it
             # (an empty segment shares its start with the next one).
@@ -211,24 +205,17 @@ class FusedSilu:
                     if s_start[probe] <= block_row:
                         seg = probe
             local = unit - s_start[seg] * ATOM_ROWS
-            live = local < s_off[seg + 1] - s_off[seg]
-            gs = Float32(1.0)
-            if cutlass.const_expr(self.out == "nvfp4"):
-                gs = cute.make_tensor(input_scales, cute.make_layout(num_segments))[seg]
-            row = s_off[seg] + local
-            base = (Int64(block_row) * Int64(rk) * 512 + Int64(unit % 32) * 16
-                    + Int64((unit // 32) % 4) * 4)
-            for h in cutlass.range(lane, span, WARP):
-                kb = h // FP4_LANES
-                valid = live and kb < blocks
-                byte = self._row_vector(x, out, scales, row, h, intermediate, Int32(0), limit,
-                                        alpha, gs, valid)
-                if not valid:
-                    byte = Int32(0)  # padding rows and columns
-                if h % FP4_LANES == 0 and kb < cols:
-                    at = base + Int64(kb // 4) * 512 + Int64(kb % 4)
-                    cute.make_tensor(_ptr(Uint8, scales.toint() + at, 1),
-                                     cute.make_layout(1))[0] = Uint8(byte)
+            byte = Int32(0)
+            if local < s_off[seg + 1] - s_off[seg] and kb < blocks:
+                gs = Float32(1.0)
+                if cutlass.const_expr(self.out == "nvfp4"):
+                    gs = cute.make_tensor(input_scales, cute.make_layout(num_segments))[seg]
+                byte = self._row_vector(x, out, scales, s_off[seg] + local, kb, intermediate,
+                                        Int32(0), limit, alpha, gs, Boolean(True))
+            at = (Int64(block_row) * Int64(rk) * 512 + Int64(kb // 4) * 512
+                  + Int64(unit % 32) * 16 + Int64((unit // 32) % 4) * 4 + Int64(kb % 4))
+            cute.make_tensor(_ptr(Uint8, scales.toint() + at, 1), cute.make_layout(1))[0] = \
+                Uint8(byte)
 
     @cute.jit
     def _activation(self, x: cute.Pointer, row, v, intermediate, limit, alpha, z: cute.Tensor):
@@ -306,12 +293,9 @@ class FusedSilu:
                     cute.make_tensor(_ptr(Float32, scales.toint() + at * 4, 4),
                                      cute.make_layout(1))[0] = scale
         else:
-            # FP4: this lane's VECTOR elements are half of a scale block; the lane pair's amax
-            # (an invalid lane holds zeros) gives both lanes the block's scale.
             amax = Float32(0.0)
             for i in cutlass.range_constexpr(n):
                 amax = cute.arch.fmax(amax, cute.arch.fmax(z[i], -z[i], nan=True), nan=True)
-            amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=1), nan=True)
             sf = Float32(0.0)
             usable = Boolean(False)
             if cutlass.const_expr(self.out == "nvfp4"):
@@ -329,11 +313,10 @@ class FusedSilu:
             words = cute.make_rmem_tensor(cute.make_layout(n // 8), Int32)
             e2m1_words(z, gs, sf, amax, usable, words, self.e2m1,
                        divide=self.out == "nvfp4")
-            if valid:
-                dst = cute.make_tensor(
-                    _ptr(Int32, out.toint() + Int64(row) * Int64(intermediate // 2)
-                         + Int64(v) * (n // 2), 4 * (n // 8)), cute.make_layout(n // 8))
-                cute.autovec_copy(words, dst)
+            dst = cute.make_tensor(
+                _ptr(Int32, out.toint() + Int64(row) * Int64(intermediate // 2) + Int64(v) * (n // 2),
+                     8 if self.out == "nvfp4" else 16), cute.make_layout(n // 8))
+            cute.autovec_copy(words, dst)
         return byte
 
 
