@@ -2,7 +2,7 @@
 kernels without NVLink, so a time here is what the kernels themselves cost (counts, flow control,
 expansion, reduction), not the link.
 
-    python perf/bench_dispatch_emulated.py [--ranks 2,4] [--sms 24] [--tokens 4096]
+    python perf/bench_dispatch_emulated.py [--ranks 2,4] [--sms 24] [--tokens 4096] [--json FILE]
 
 Each emulated rank runs its dispatch on its own CUDA stream; time = median over --reps of all
 ranks' dispatches started together (events on a joining stream). One more traced dispatch
@@ -12,6 +12,7 @@ ranks' dispatches started together (events on a joining stream). One more traced
 """
 
 import argparse
+import json
 import statistics
 
 import torch
@@ -67,7 +68,9 @@ def main():
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args()
+    records = []
     table = Table(title=f"{torch.cuda.get_device_name()}: emulated ranks, {args.tokens} tokens/rank, "
                         f"H={args.hidden} K=8 E=256, median of {args.reps}")
     from layouts.channels import TRACE_FIELDS
@@ -113,8 +116,15 @@ def main():
                            for f in waits]
                 table.add_row(fmt, str(r), str(sms), f"{us:.1f}", f"{combine_us:.1f}", *cells,
                               *longest)
+                records.append({"format": fmt, "ranks": r, "sms": sms, "dispatch_us": us,
+                                "combine_us": combine_us,
+                                "trace_us": dict(zip(stamps + waits, map(float, cells + longest)))})
                 del bufs
     Console().print(table)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "tokens": args.tokens,
+                       "hidden": args.hidden, "reps": args.reps, "records": records}, f, indent=1)
 
 
 if __name__ == "__main__":
