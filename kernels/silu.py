@@ -42,6 +42,9 @@ FAMILIES = {"bf16": "fused_silu", "fp8": "fused_silu_fp8", "nvfp4": "fused_silu_
             "mxfp4": "fused_silu_mxfp4"}
 # Output elements per thread, and elements per scale.
 VECTOR = {"bf16": 8, "fp8": 16, "nvfp4": 16, "mxfp4": 32}
+# FP4 with a warp per scale row (`rows_per_warp`): a lane pair per scale block.
+PAIR_VECTOR = {"nvfp4": 8, "mxfp4": 16}
+FP4_LANES = 2
 BLOCK = {"bf16": 1, "fp8": 128, "nvfp4": 16, "mxfp4": 32}
 ATOM_ROWS = 128
 MAX_SEGMENTS = 272
@@ -86,9 +89,25 @@ def e8m0_value(code: Int32) -> Float32:
     return bits_f32(bits)
 
 
+@cute.jit
+def _segment_of(s_start: cute.Tensor, num_segments, block_row) -> Int32:
+    """The segment owning a 128-row scale block: the last one whose first block is <= it (an
+    empty segment shares its start with the next one), by binary search."""
+    seg = Int32(0)
+    for step in cutlass.range_constexpr(len(SEARCH_STEPS)):
+        probe = seg + SEARCH_STEPS[step]
+        if probe < num_segments:
+            if s_start[probe] <= block_row:
+                seg = probe
+    return seg
+
+
 class FusedSilu:
     def __init__(self, out: str, interleaved: bool, activation: str = "silu",
-                 e2m1: str | None = None, threads: int = 256):
+                 e2m1: str | None = None, threads: int = 256, rows_per_warp: bool = False):
+        """`rows_per_warp` (FP4 only): a warp per scale row and a lane pair per scale block,
+        for inputs of at least as many scale rows as the grid has warps; otherwise a thread per
+        scale block."""
         if out not in FAMILIES:
             raise ValueError(f"out must be one of {sorted(FAMILIES)}, got {out!r}")
         if activation not in ("silu", "swiglu_oai"):
@@ -102,7 +121,10 @@ class FusedSilu:
         self.activation = activation
         self.e2m1 = e2m1
         self.threads = threads
-        self.vector = VECTOR[out]
+        if rows_per_warp and not fp4:
+            raise ValueError(f"{out}: rows_per_warp is for the FP4 outputs")
+        self.rows_per_warp = bool(rows_per_warp)
+        self.vector = PAIR_VECTOR[out] if rows_per_warp else VECTOR[out]
         self.fp4 = fp4
         if fp4:
             self.arches = ("sm_100a",) if e2m1 == "hardware" else ("sm_90a",)
@@ -112,6 +134,7 @@ class FusedSilu:
                   "threads": self.threads}
         if self.fp4:
             config["e2m1"] = self.e2m1
+            config["rows_per_warp"] = self.rows_per_warp
         # One ABI for every output (unused pointers get a placeholder tensor): the outputs as
         # bytes, the FP8 scales as the bytes of their fp32 values.
         params = (
@@ -183,39 +206,67 @@ class FusedSilu:
     @cute.jit
     def _fp4(self, x, row_offsets, input_scales, out, scales, num_segments, intermediate, limit,
              alpha, tidx, bidx, stride):
+        """The grid walks scale rows (units) x padded scale columns: a thread per scale block
+        (item), or with `rows_per_warp` a warp per scale row (its segment found once) and a
+        lane pair per block (the pair's amax by one shuffle); the block's first lane writes its
+        scale byte, zero for padding rows and columns."""
         smem = cutlass.memory.SmemAllocator()
         s_off = smem.allocate_tensor(Int32, cute.make_layout(SMEM_ENTRIES), byte_alignment=16)
         s_start = smem.allocate_tensor(Int32, cute.make_layout(SMEM_ENTRIES), byte_alignment=16)
         load_segment_blocks(row_offsets, num_segments, s_off, s_start, tidx, self.threads)
 
-        blocks = intermediate // self.vector
+        blocks = intermediate // BLOCK[self.out]
         cols = (blocks + 3) // 4 * 4
         rk = cols // 4
-        total = s_start[num_segments] * ATOM_ROWS * cols
-        for item in cutlass.range(bidx * self.threads + tidx, total, stride):
-            unit = item // cols
-            kb = item - unit * cols
-            block_row = unit // ATOM_ROWS
-            # The segment owning this scale row: the last one whose first block is <= it
-            # (an empty segment shares its start with the next one).
-            seg = Int32(0)
-            for step in cutlass.range_constexpr(len(SEARCH_STEPS)):
-                probe = seg + SEARCH_STEPS[step]
-                if probe < num_segments:
-                    if s_start[probe] <= block_row:
-                        seg = probe
-            local = unit - s_start[seg] * ATOM_ROWS
-            byte = Int32(0)
-            if local < s_off[seg + 1] - s_off[seg] and kb < blocks:
+        if cutlass.const_expr(self.rows_per_warp):
+            units = s_start[num_segments] * ATOM_ROWS
+            warps = self.threads // WARP
+            lane = tidx % WARP
+            # Lanes of a row, rounded up to whole warps so every lane reaches each shuffle.
+            span = (cols * FP4_LANES + WARP - 1) // WARP * WARP
+            for unit in cutlass.range(bidx * warps + tidx // WARP, units, stride // WARP):
+                block_row = unit // ATOM_ROWS
+                seg = _segment_of(s_start, num_segments, block_row)
+                local = unit - s_start[seg] * ATOM_ROWS
+                live = local < s_off[seg + 1] - s_off[seg]
                 gs = Float32(1.0)
                 if cutlass.const_expr(self.out == "nvfp4"):
                     gs = cute.make_tensor(input_scales, cute.make_layout(num_segments))[seg]
-                byte = self._row_vector(x, out, scales, s_off[seg] + local, kb, intermediate,
-                                        Int32(0), limit, alpha, gs, Boolean(True))
-            at = (Int64(block_row) * Int64(rk) * 512 + Int64(kb // 4) * 512
-                  + Int64(unit % 32) * 16 + Int64((unit // 32) % 4) * 4 + Int64(kb % 4))
-            cute.make_tensor(_ptr(Uint8, scales.toint() + at, 1), cute.make_layout(1))[0] = \
-                Uint8(byte)
+                row = s_off[seg] + local
+                base = (Int64(block_row) * Int64(rk) * 512 + Int64(unit % 32) * 16
+                        + Int64((unit // 32) % 4) * 4)
+                for h in cutlass.range(lane, span, WARP):
+                    kb = h // FP4_LANES
+                    valid = live and kb < blocks
+                    byte = self._row_vector(x, out, scales, row, h, intermediate, Int32(0),
+                                            limit, alpha, gs, valid)
+                    if not valid:
+                        byte = Int32(0)  # padding rows and columns
+                    if h % FP4_LANES == 0 and kb < cols:
+                        at = base + Int64(kb // 4) * 512 + Int64(kb % 4)
+                        cute.make_tensor(_ptr(Uint8, scales.toint() + at, 1),
+                                         cute.make_layout(1))[0] = Uint8(byte)
+        else:
+            total = s_start[num_segments] * ATOM_ROWS * cols
+            for item in cutlass.range(bidx * self.threads + tidx, total, stride):
+                unit = item // cols
+                kb = item - unit * cols
+                block_row = unit // ATOM_ROWS
+                seg = _segment_of(s_start, num_segments, block_row)
+                local = unit - s_start[seg] * ATOM_ROWS
+                byte = Int32(0)
+                if local < s_off[seg + 1] - s_off[seg] and kb < blocks:
+                    gs = Float32(1.0)
+                    if cutlass.const_expr(self.out == "nvfp4"):
+                        gs = cute.make_tensor(input_scales,
+                                              cute.make_layout(num_segments))[seg]
+                    byte = self._row_vector(x, out, scales, s_off[seg] + local, kb,
+                                            intermediate, Int32(0), limit, alpha, gs,
+                                            Boolean(True))
+                at = (Int64(block_row) * Int64(rk) * 512 + Int64(kb // 4) * 512
+                      + Int64(unit % 32) * 16 + Int64((unit // 32) % 4) * 4 + Int64(kb % 4))
+                cute.make_tensor(_ptr(Uint8, scales.toint() + at, 1),
+                                 cute.make_layout(1))[0] = Uint8(byte)
 
     @cute.jit
     def _activation(self, x: cute.Pointer, row, v, intermediate, limit, alpha, z: cute.Tensor):
@@ -296,6 +347,11 @@ class FusedSilu:
             amax = Float32(0.0)
             for i in cutlass.range_constexpr(n):
                 amax = cute.arch.fmax(amax, cute.arch.fmax(z[i], -z[i], nan=True), nan=True)
+            if cutlass.const_expr(self.rows_per_warp):
+                # This lane holds half of a scale block; the pair's amax is the block's (an
+                # invalid lane holds zeros, and its pair lane is invalid too).
+                amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=1),
+                                      nan=True)
             sf = Float32(0.0)
             usable = Boolean(False)
             if cutlass.const_expr(self.out == "nvfp4"):
@@ -313,10 +369,11 @@ class FusedSilu:
             words = cute.make_rmem_tensor(cute.make_layout(n // 8), Int32)
             e2m1_words(z, gs, sf, amax, usable, words, self.e2m1,
                        divide=self.out == "nvfp4")
-            dst = cute.make_tensor(
-                _ptr(Int32, out.toint() + Int64(row) * Int64(intermediate // 2) + Int64(v) * (n // 2),
-                     8 if self.out == "nvfp4" else 16), cute.make_layout(n // 8))
-            cute.autovec_copy(words, dst)
+            if valid:
+                dst = cute.make_tensor(
+                    _ptr(Int32, out.toint() + Int64(row) * Int64(intermediate // 2)
+                         + Int64(v) * (n // 2), 4 * (n // 8)), cute.make_layout(n // 8))
+                cute.autovec_copy(words, dst)
         return byte
 
 
@@ -328,7 +385,10 @@ def silu_kernels() -> list:
     for interleaved in (False, True):
         kernels += [FusedSilu("bf16", interleaved), FusedSilu("fp8", interleaved)]
         for e2m1 in ("software", "hardware"):
-            kernels.append(FusedSilu("nvfp4", interleaved, e2m1=e2m1))
-            for activation in ("silu", "swiglu_oai"):
-                kernels.append(FusedSilu("mxfp4", interleaved, activation, e2m1=e2m1))
+            for rows_per_warp in (False, True):
+                kernels.append(FusedSilu("nvfp4", interleaved, e2m1=e2m1,
+                                         rows_per_warp=rows_per_warp))
+                for activation in ("silu", "swiglu_oai"):
+                    kernels.append(FusedSilu("mxfp4", interleaved, activation, e2m1=e2m1,
+                                             rows_per_warp=rows_per_warp))
     return kernels

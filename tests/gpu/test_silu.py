@@ -13,6 +13,16 @@ from cute_ep.reference import silu as ref
 
 pytestmark = pytest.mark.gpu
 
+
+@pytest.fixture(params=[False, True], ids=["thread-per-block", "warp-per-row"])
+def fp4_layout(request, monkeypatch):
+    """Both FP4 kernel layouts whatever the input size (`cute_ep.silu._rows_per_warp` picks
+    one by size in use)."""
+    import cute_ep.silu
+
+    monkeypatch.setattr(cute_ep.silu, "_rows_per_warp", lambda rows, sms: request.param)
+    return request.param
+
 ROWS = [0, 1, 127, 128, 129, 4096]
 INTERMEDIATE = [1536, 2048, 2880, 7168]
 GS = [1.0, 0.5, 3.0, 2.0 ** 10, 1e-3]
@@ -92,7 +102,7 @@ def test_fused_silu_fp8_either_side_of_the_fast_division_limit():
 @pytest.mark.parametrize("interleaved", [False, True], ids=["halves", "interleaved"])
 @pytest.mark.parametrize("i", INTERMEDIATE)
 @pytest.mark.parametrize("m", ROWS)
-def test_fused_silu_nvfp4(m, i, interleaved):
+def test_fused_silu_nvfp4(m, i, interleaved, fp4_layout):
     from cute_ep.silu import fused_silu_nvfp4
 
     x, offsets = _x(m, i, 3 * m + i), _offsets(m)
@@ -108,7 +118,7 @@ def test_fused_silu_nvfp4(m, i, interleaved):
 @pytest.mark.parametrize("interleaved", [False, True], ids=["halves", "interleaved"])
 @pytest.mark.parametrize("i", INTERMEDIATE)
 @pytest.mark.parametrize("m", ROWS)
-def test_fused_silu_mxfp4(m, i, interleaved, limit):
+def test_fused_silu_mxfp4(m, i, interleaved, limit, fp4_layout):
     from cute_ep.silu import fused_silu_mxfp4
 
     x, offsets = _x(m, i, 4 * m + i), _offsets(m)
@@ -122,7 +132,7 @@ def test_fused_silu_mxfp4(m, i, interleaved, limit):
 
 
 @pytest.mark.parametrize("out_format", ["bf16", "fp8", "nvfp4", "mxfp4"])
-def test_rows_past_row_offsets_are_not_written(out_format):
+def test_rows_past_row_offsets_are_not_written(out_format, fp4_layout):
     """Outputs pre-filled with a sentinel keep it past the valid rows (and FP4 scale padding
     past the used blocks); the rows in range are all written."""
     from cute_ep.silu import _launch, _prepare
