@@ -68,7 +68,8 @@ E2M1_OF_ARCH = {"sm_90a": "software", "sm_100a": "hardware"}
 PHASES = {1: "dispatch", 2: "combine"}
 # The kernel arguments that change from call to call, in the order the Buffer passes them (the
 # rest are fixed for a Buffer's life and written once: `Kernel.bind`).
-DISPATCH_VARYING = ("source", "topk_ids", "topk_weights", "tokens", "scales", "scales_offsets",
+DISPATCH_VARYING = ("source", "source_stride", "scale_source", "scale_stride", "topk_ids",
+                    "topk_weights", "tokens", "scales", "scales_offsets",
                     "row_offsets", "expert_ids", "seg_counts", "src_info", "comb_rows",
                     "comb_weights", "comb_tokens", "comb_counts", "chan_msgs", "num_tokens",
                     "skip_a2a", "shared_begin", "shared_end", "has_weights", "active", "trace",
@@ -319,8 +320,9 @@ class Buffer:
         self._dispatch_launch = self.k_dispatch.bind(
             DISPATCH_VARYING, **common, rounds=self.dispatch_epoch, done=self.dispatch_done,
             msg_bytes=self.msg.size,
-            source_stride=2 * cfg.hidden if cfg.format == "bf16" else self.msg.size,
-            load_bytes=self.meta_at, meta_word=self.msg.metadata_base,
+            # FP8 payloads are loaded alone (H bytes of codes), their scales from their own rows.
+            load_bytes=cfg.hidden if cfg.format == "fp8" else self.meta_at,
+            meta_word=self.msg.metadata_base,
             payload_vectors=self.payload_vectors, scales_offset=self.scales_at,
             row_capacity=cfg.row_capacity, ring_offset=off["dispatch_rings"],
             counts_offset=off["counts"], flags_offset=off["count_flags"])
@@ -352,7 +354,10 @@ class Buffer:
         returns what `dispatch_wait` hands back. Work queued on the stream between the two runs
         after the dispatch.
 
-        x: bf16 [T, H], T <= max_tokens_per_rank; topk_ids: int32/int64 [T, K];
+        x: bf16 [T, H], T <= max_tokens_per_rank; for an fp8 Buffer also the pre-quantized
+        tuple (codes float8_e4m3fn [T, H], scales float32 [T, H / 128]) of DeepSeek blockwise
+        FP8 (as DeepEP takes it): then nothing is quantized here and the one kernel only moves
+        bytes; topk_ids: int32/int64 [T, K];
         topk_weights: float32 [T, K] or None (combine then returns the unreduced [T, K, H]).
         skip_a2a: every rank holds all tokens and keeps only its own experts (allreduce mode).
         num_input_tokens: an upper bound on T over all ranks (decode), the same on every rank;
@@ -402,13 +407,20 @@ class Buffer:
             active = self._active[num_input_tokens] = self.active_channels(num_input_tokens)
         weights = topk_weights if weighted else self._no_f32
 
+        # The payload rows (and FP8's scale rows) the senders read, and their strides.
+        scale_source, scale_stride = self._no_f32.data_ptr(), 0
         if cfg.format == "bf16":
-            source = x.data_ptr()
+            source, source_stride = x.data_ptr(), 2 * cfg.hidden
+        elif type(x) is tuple:  # pre-quantized FP8: (codes [T, H], scales [T, H / 128])
+            source, source_stride = x[0].data_ptr(), cfg.hidden
+            scale_source, scale_stride = x[1].data_ptr(), cfg.hidden // 128 * 4
         else:
             self._encode_launch(x.data_ptr(), global_scale.data_ptr()
                                 if global_scale is not None else self._no_f32.data_ptr(),
                                 num_tokens)
-            source = self.send_buf.data_ptr()
+            source, source_stride = self.send_buf.data_ptr(), self.msg.size
+            if cfg.format == "fp8":
+                scale_source, scale_stride = source + self.scales_at, self.msg.size
 
         out = self._dispatch_outputs(Routing(active, num_tokens, weighted, skip_a2a,
                                              shared_begin, shared_end, ids), separate)
@@ -422,7 +434,8 @@ class Buffer:
                 [h._address(name) for name in self._carved_names[4:]]
         trace = self.trace
         self._dispatch_launch(
-            source, ids.data_ptr(), weights.data_ptr(), out.tokens.data_ptr(),
+            source, source_stride, scale_source, scale_stride, ids.data_ptr(),
+            weights.data_ptr(), out.tokens.data_ptr(),
             out._address("scales") if cfg.format != "bf16" else self._no_f32.data_ptr(),
             out._address("scales_offsets") if cfg.format == "nvfp4"
             else self._no_i32.data_ptr(), *carved, num_tokens, int(skip_a2a), shared_begin,
@@ -481,6 +494,9 @@ class Buffer:
         """`dispatch_async` then `dispatch_wait` (see both). Under `torch.compile` this is the
         `cute_ep::dispatch` operator (`cute_ep.torch_ops`)."""
         if torch.compiler.is_compiling():
+            if type(x) is tuple:
+                raise NotImplementedError("a pre-quantized (codes, scales) fp8 input is eager "
+                                          "only; under torch.compile pass bf16 x")
             return self._dispatch_via_op(x, topk_ids, topk_weights, skip_a2a, num_input_tokens,
                                          global_scale)
         return self.dispatch_wait(self.dispatch_async(
@@ -659,6 +675,10 @@ class Buffer:
 
     def _check_dispatch_inputs(self, x, topk_ids, topk_weights) -> int:
         cfg, dev = self.cfg, self.device.index
+        if type(x) is tuple:
+            num_tokens = self._check_fp8_input(x)
+            self._check_routing(topk_ids, topk_weights, num_tokens)
+            return num_tokens
         # The common case in one expression of cheap reads (a microsecond or two); anything
         # else, good or bad, takes the detailed checks below, which say what is wrong.
         tensor = torch.Tensor
@@ -682,6 +702,11 @@ class Buffer:
         if num_tokens > cfg.max_tokens_per_rank:
             raise ValueError(f"{num_tokens} tokens exceeds max_tokens_per_rank="
                              f"{cfg.max_tokens_per_rank}")
+        self._check_routing(topk_ids, topk_weights, num_tokens)
+        return num_tokens
+
+    def _check_routing(self, topk_ids, topk_weights, num_tokens: int) -> None:
+        cfg, dev = self.cfg, self.device.index
         check_tensor(topk_ids, name="topk_ids", dtype=None, device_index=dev)
         if topk_ids.dtype not in (torch.int32, torch.int64) or \
                 tuple(topk_ids.shape) != (num_tokens, cfg.topk):
@@ -693,7 +718,28 @@ class Buffer:
             if tuple(topk_weights.shape) != (num_tokens, cfg.topk):
                 raise ValueError(f"topk_weights must be float32 [{num_tokens}, {cfg.topk}], got "
                                  f"{tuple(topk_weights.shape)}")
-        return num_tokens
+
+    def _check_fp8_input(self, x: tuple) -> int:
+        """An FP8 layer's pre-quantized input (codes, scales), checked; returns T."""
+        cfg = self.cfg
+        if cfg.format != "fp8" or len(x) != 2:
+            raise TypeError(f"x may be a (codes, scales) tuple only for an fp8 Buffer (this one "
+                            f"is {cfg.format}): codes float8_e4m3fn [T, H], scales float32 "
+                            f"[T, H / 128]")
+        codes, scales = x
+        dev = self.device.index
+        check_tensor(codes, name="x codes", dtype="float8_e4m3fn", align=16, device_index=dev)
+        check_tensor(scales, name="x scales", dtype="float32", align=4, device_index=dev)
+        t = codes.shape[0] if codes.dim() == 2 else -1
+        if codes.dim() != 2 or codes.shape[1] != cfg.hidden:
+            raise ValueError(f"x codes must be float8_e4m3fn [T, {cfg.hidden}], got "
+                             f"{tuple(codes.shape)}")
+        if tuple(scales.shape) != (t, cfg.hidden // 128):
+            raise ValueError(f"x scales must be float32 [{t}, {cfg.hidden // 128}] (one per 128 "
+                             f"elements of each token), got {tuple(scales.shape)}")
+        if t > cfg.max_tokens_per_rank:
+            raise ValueError(f"{t} tokens exceeds max_tokens_per_rank={cfg.max_tokens_per_rank}")
+        return t
 
     def _check_global_scale(self, global_scale) -> None:
         if self.cfg.format != "nvfp4":

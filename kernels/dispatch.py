@@ -10,8 +10,9 @@ has a sender warp and RECV_WARPS receiver warps, and runs three parts:
 2. Send (SEND_WARPS sender warps): the channel's tokens go in batches of BATCH; every sender
    warp routes each batch itself (so each knows every token's destinations and, by a ballot per
    destination, every message's position in that destination's stream) and moves the batch's
-   tokens b = warp, warp + SEND_WARPS, ...: a token's payload (the bf16 row of `x`, or the
-   message `ep_encode` quantized into `send_buf`) is loaded once into registers, tiles of
+   tokens b = warp, warp + SEND_WARPS, ...: a token's payload (the bf16 row of `x`; FP8 codes
+   and their scales from their own rows, the caller's or `ep_encode`'s; or the NVFP4 message
+   `ep_encode` wrote into `send_buf`) is loaded once into registers, tiles of
    SEND_VECTORS 16-byte vectors per lane with every load in flight, and stored straight into the
    ring slot of each destination rank the token routes to (a peer's memory, over NVLink), with
    the metadata (source token, K ids, K weights) beside it. Many warps' loads and stores are in
@@ -169,6 +170,8 @@ class EpDispatch:
             params=(
                 Param("peer_bases", "ptr", "int64", align=8, min_elements=("ranks", 1)),
                 Param("source", "ptr", "uint8", align=16),
+                Param("scale_source", "ptr", "uint8", align=4),
+                Param("scale_stride", "i32"),
                 Param("topk_ids", "ptr", "int32", align=4),
                 Param("topk_weights", "ptr", "float32", align=4),
                 Param("streams", "ptr", "int64", align=8, writes=True),
@@ -229,7 +232,8 @@ class EpDispatch:
         )
 
     @cute.jit
-    def __call__(self, peer_bases: cute.Pointer, source: cute.Pointer, topk_ids: cute.Pointer,
+    def __call__(self, peer_bases: cute.Pointer, source: cute.Pointer,
+                 scale_source: cute.Pointer, scale_stride: Int32, topk_ids: cute.Pointer,
                  topk_weights: cute.Pointer, streams: cute.Pointer, rounds: cute.Pointer,
                  done: cute.Pointer, error: cute.Pointer, tokens: cute.Pointer,
                  scales: cute.Pointer, scales_offsets: cute.Pointer, row_offsets: cute.Pointer,
@@ -245,7 +249,8 @@ class EpDispatch:
                  ring_offset: Int64, counts_offset: Int64, flags_offset: Int64,
                  counters_offset: Int64, timeout_ns: Int64, trace: cute.Pointer,
                  tracing: Int32, stream):
-        self.kernel(peer_bases, source, topk_ids, topk_weights, streams, rounds, done, error,
+        self.kernel(peer_bases, source, scale_source, scale_stride, topk_ids, topk_weights,
+                    streams, rounds, done, error,
                     tokens, scales, scales_offsets, row_offsets, expert_ids, seg_counts,
                     src_info, comb_rows, comb_weights, comb_tokens, comb_counts, chan_msgs,
                     num_tokens,
@@ -260,7 +265,8 @@ class EpDispatch:
             stream=stream)
 
     @cute.kernel
-    def kernel(self, peer_bases: cute.Pointer, source: cute.Pointer, topk_ids: cute.Pointer,
+    def kernel(self, peer_bases: cute.Pointer, source: cute.Pointer,
+               scale_source: cute.Pointer, scale_stride: Int32, topk_ids: cute.Pointer,
                topk_weights: cute.Pointer, streams: cute.Pointer, rounds: cute.Pointer,
                done: cute.Pointer, error: cute.Pointer, tokens: cute.Pointer,
                scales: cute.Pointer, scales_offsets: cute.Pointer, row_offsets: cute.Pointer,
@@ -381,11 +387,13 @@ class EpDispatch:
 
         # 2. Send ----------------------------------------------------------------------------
         if warp < SEND_WARPS:
-            self._send(warp, lane, channel, t0, t1, peers, here, source, topk_ids, topk_weights,
+            self._send(warp, lane, channel, t0, t1, peers, here, source, scale_source,
+                       scale_stride, topk_ids, topk_weights,
                        streams, error, topk, experts, local_experts, ranks, my_rank, shared,
                        skip_a2a, shared_begin, shared_end, has_weights, msg_bytes,
                        source_stride, load_bytes, meta_word, channels, ring_slots, ring_offset,
-                       counters_offset, counters, timeout_ns, send_copy, s_bids, s_bw, s_ball,
+                       counters_offset, counters, timeout_ns, payload_vectors, scales_offset,
+                       send_copy, s_bids, s_bw, s_ball,
                        s_done, s_wpos, s_head, s_slot, s_time, trace, tracing)
 
         # 3. Receive -------------------------------------------------------------------------
@@ -412,11 +420,12 @@ class EpDispatch:
 
     @cute.jit
     def _send(self, sw, lane, channel, t0, t1, peers: cute.Tensor, here, source: cute.Pointer,
-              topk_ids: cute.Pointer, topk_weights: cute.Pointer, streams: cute.Pointer,
+              scale_source: cute.Pointer, scale_stride, topk_ids: cute.Pointer, topk_weights: cute.Pointer, streams: cute.Pointer,
               error: cute.Pointer, topk, experts, local_experts, ranks, my_rank, shared,
               skip_a2a, shared_begin, shared_end, has_weights, msg_bytes, source_stride,
               load_bytes, meta_word, channels, ring_slots, ring_offset, counters_offset,
-              counters, timeout_ns, send_copy: cute.TiledCopy, s_bids: cute.Tensor,
+              counters, timeout_ns, payload_vectors, scales_offset, send_copy: cute.TiledCopy,
+              s_bids: cute.Tensor,
               s_bw: cute.Tensor, s_ball: cute.Tensor, s_done: cute.Tensor, s_wpos: cute.Tensor,
               s_head: cute.Tensor, s_slot: cute.Tensor, s_time: cute.Tensor,
               trace: cute.Pointer, tracing):
@@ -547,6 +556,20 @@ class EpDispatch:
                                               thr.partition_D(g_dst[((None, None), tile)]),
                                               pred=row_predicate(thr.partition_S(
                                                   g_crd[((None, None), tile)]), load_vectors))
+                        if cutlass.const_expr(self.fmt == "fp8"):
+                            # FP8's scales come from their own rows (the payload above is H
+                            # bytes of codes): one fp32 word a lane.
+                            scale_words = payload_vectors * self.vector_bytes // FP8_BLOCK
+                            src = scale_source.toint() + Int64(tok) * Int64(scale_stride)
+                            for w0 in cutlass.range(0, scale_words, WARP):
+                                w = w0 + lane
+                                if w < scale_words:
+                                    word = load_i32(src + Int64(w) * 4)
+                                    for d in cutlass.range(ranks):
+                                        slot = s_slot[mine + d]
+                                        if slot >= 0:
+                                            store_i32(slot + Int64(scales_offset)
+                                                      + Int64(w) * 4, word)
                         for d in cutlass.range(ranks):
                             slot = s_slot[mine + d]
                             if slot >= 0:

@@ -64,7 +64,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--ranks", default="2,4")
     parser.add_argument("--sms", default="24")
-    parser.add_argument("--formats", default="bf16,fp8")
+    # fp8-input: an fp8 layer given its tokens already quantized, (codes, scales).
+    parser.add_argument("--formats", default="bf16,fp8,fp8-input")
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--reps", type=int, default=10)
@@ -80,7 +81,8 @@ def main():
     for col in ("format", "ranks", "SMs per rank", "dispatch us (all ranks)", "combine us",
                 *(f"{f} us" for f in stamps), *(f"{f[:-3]} us" for f in waits)):
         table.add_column(col)
-    for fmt in args.formats.split(","):
+    for name in args.formats.split(","):
+        fmt = "fp8" if name == "fp8-input" else name
         for r in map(int, args.ranks.split(",")):
             for sms in map(int, args.sms.split(",")):
                 cfg = EPConfig(args.hidden, 8, 256, r, args.tokens, fmt)
@@ -95,6 +97,10 @@ def main():
                     w = torch.rand(args.tokens, 8, device="cuda", generator=gen)
                     quant = {"global_scale": torch.tensor([100.0], device="cuda")} \
                         if fmt == "nvfp4" else {}
+                    if name == "fp8-input":
+                        from cute_ep.reference.ep import quantize_fp8_blockwise
+
+                        x = tuple(quantize_fp8_blockwise(x))
                     call.append(((x, ids, w), quant))
                 us = _time_all(bufs, call, args.reps)
                 # Combine of one dispatch, repeated; random expert outputs (one tensor all
@@ -114,7 +120,7 @@ def main():
                          for f in stamps]
                 longest = [f"{trace[:, :, TRACE_FIELDS.index(f)].max().item():.1f}"
                            for f in waits]
-                table.add_row(fmt, str(r), str(sms), f"{us:.1f}", f"{combine_us:.1f}", *cells,
+                table.add_row(name, str(r), str(sms), f"{us:.1f}", f"{combine_us:.1f}", *cells,
                               *longest)
                 records.append({"format": fmt, "ranks": r, "sms": sms, "dispatch_us": us,
                                 "combine_us": combine_us,

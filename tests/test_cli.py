@@ -76,7 +76,9 @@ def test_bench_runs_its_worker_on_every_rank_and_records_what_they_return(tmp_pa
         return committed["ranks"]
 
     monkeypatch.setattr(bench, "run_ranks", fake_run_ranks)
-    assert bench.main(["--sms", "all,24,48,96", "--out", str(tmp_path)]) == 0
+    # The committed record's formats (records before "fp8-input" existed have these three).
+    assert bench.main(["--sms", "all,24,48,96", "--formats", "bf16,fp8,nvfp4",
+                       "--out", str(tmp_path)]) == 0
     (path,) = tmp_path.glob("bench-*-4xH200.json")
     written = json.loads(path.read_text())
     assert written["ranks"] == committed["ranks"] and written["gpus"] == 4

@@ -40,7 +40,9 @@ import torch
 
 from cute_ep.tools.spawn import RanksFailed, run_ranks
 
-FORMATS = ("bf16", "fp8", "nvfp4")
+# "fp8-input": an fp8 layer given its tokens already quantized, (codes, scales), as DeepEP's
+# FP8 dispatch takes them (its benchmark quantizes before timing); "fp8" quantizes in the call.
+FORMATS = ("bf16", "fp8", "fp8-input", "nvfp4")
 WARMUP = 5
 FLUSH_BYTES = 256 << 20
 
@@ -127,7 +129,12 @@ def _worker(rank, world, args, formats, budgets) -> dict:
     return out
 
 
-def _inputs(cfg, tokens, seed):
+def _layer_format(fmt: str) -> str:
+    """The Buffer format a bench format runs on."""
+    return "fp8" if fmt == "fp8-input" else fmt
+
+
+def _inputs(cfg, tokens, seed, fmt=None):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(tokens, cfg.hidden, device="cuda", generator=gen).to(torch.bfloat16)
     ids = torch.rand(tokens, cfg.experts, device="cuda", generator=gen).argsort(1)[:, :cfg.topk]
@@ -135,6 +142,10 @@ def _inputs(cfg, tokens, seed):
     y = torch.randn(cfg.row_capacity, cfg.hidden, device="cuda", generator=gen).to(torch.bfloat16)
     quant = {"global_scale": torch.tensor([448.0 * 6 / 4], device="cuda")} \
         if cfg.format == "nvfp4" else {}
+    if fmt == "fp8-input":
+        from cute_ep.reference.ep import quantize_fp8_blockwise
+
+        x = tuple(quantize_fp8_blockwise(x))
     return x, ids.to(torch.int32), w, y, quant
 
 
@@ -185,8 +196,8 @@ def _throughput(rank, world, args, fmt, budgets, flush) -> dict:
     from cute_ep.ep import Buffer
     from layouts import EPConfig
 
-    cfg = EPConfig(args.hidden, args.topk, args.experts, world, args.tokens, fmt)
-    x, ids, w, y, quant = _inputs(cfg, args.tokens, 1 + rank)
+    cfg = EPConfig(args.hidden, args.topk, args.experts, world, args.tokens, _layer_format(fmt))
+    x, ids, w, y, quant = _inputs(cfg, args.tokens, 1 + rank, fmt)
     msg = cfg.message
     token_bytes = msg.segment("payload").nbytes + \
         (msg.segment("scales").nbytes if fmt != "bf16" else 0)
@@ -298,9 +309,9 @@ def _stages(world, args, fmt, tokens, rank) -> dict:
     from cute_ep.ep import Buffer
     from layouts import EPConfig
 
-    cfg = EPConfig(args.hidden, args.topk, args.experts, world, tokens, fmt)
+    cfg = EPConfig(args.hidden, args.topk, args.experts, world, tokens, _layer_format(fmt))
     buf = Buffer(cfg)
-    x, ids, w, y, quant = _inputs(cfg, tokens, 200 + rank)
+    x, ids, w, y, quant = _inputs(cfg, tokens, 200 + rank, fmt)
     for _ in range(WARMUP):
         buf.combine(y, buf.dispatch(x, ids, w, **quant).handle)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -354,9 +365,9 @@ def _decode(rank, world, args, fmt, flush) -> dict:
     from layouts import EPConfig
 
     t = args.decode_tokens
-    cfg = EPConfig(args.hidden, args.topk, args.experts, world, t, fmt)
+    cfg = EPConfig(args.hidden, args.topk, args.experts, world, t, _layer_format(fmt))
     buf = Buffer(cfg)
-    x, ids, w, y, quant = _inputs(cfg, t, 100 + rank)
+    x, ids, w, y, quant = _inputs(cfg, t, 100 + rank, fmt)
     quant = dict(quant, num_input_tokens=t)  # the decode path: channels sized for t tokens
     eager = _layer_times(buf, x, ids, w, y, quant, args.iters, flush)
     eager.pop("out")

@@ -30,7 +30,9 @@ def _streams(bufs):
 
 
 def _layer(bufs, seed, tokens, routing="uniform", weighted=True, skip_a2a=False,
-           num_input_tokens=None):
+           num_input_tokens=None, prequantized=False):
+    """One layer on every emulated rank against the reference; `prequantized` (fp8): each rank
+    passes its tokens already quantized, (codes, scales), as the reference quantizes them."""
     from cute_ep.reference import ep as reference
     from cute_ep.reference.ep import dispatch_mismatch
 
@@ -39,12 +41,15 @@ def _layer(bufs, seed, tokens, routing="uniform", weighted=True, skip_a2a=False,
     gs = _global_scales(cfg, seed)
     streams = _streams(bufs)
     torch.cuda.synchronize()
+    sources = xs
+    if prequantized:
+        sources = [tuple(reference.quantize_fp8_blockwise(x)) for x in xs]
     outs = []
     for r, (buf, stream) in enumerate(zip(bufs, streams)):
         quant = {} if gs is None else {
             "global_scale": torch.tensor([gs[r]], dtype=torch.float32, device="cuda")}
         with torch.cuda.stream(stream):
-            outs.append(buf.dispatch(xs[r], ids[r], ws[r] if weighted else None,
+            outs.append(buf.dispatch(sources[r], ids[r], ws[r] if weighted else None,
                                      skip_a2a=skip_a2a, num_input_tokens=num_input_tokens,
                                      **quant))
     torch.cuda.synchronize()
@@ -210,3 +215,43 @@ def test_ranks_that_disagree_on_num_input_tokens_get_an_error_not_a_hang():
     for buf in bufs:
         with pytest.raises(ValueError, match="different num_input_tokens"):
             buf.check()
+
+
+@pytest.mark.parametrize("ranks,sms,hidden,shared", [(2, 8, 2048, False), (4, 16, 7168, False),
+                                                     (3, 5, 1152, True)])
+def test_emulated_prequantized_fp8_input(ranks, sms, hidden, shared):
+    """FP8 tokens passed as (codes, scales), DeepEP's FP8 input: the same rows and scales as
+    quantizing the bf16 tokens in the layer (H = 1152: scale rows of 36 bytes, not 16-byte
+    multiples)."""
+    from cute_ep.ep import Buffer
+    from layouts import EPConfig
+
+    cfg = EPConfig(hidden, 8, 16 * ranks, ranks, 1024, "fp8", fused_shared_expert=shared)
+    bufs = Buffer.emulated(cfg, timeout_s=20.0, sms=sms)
+    seed = 70 + ranks
+    for tokens in ([1024] * ranks, [0] * ranks, [(0, 1, 300, 1024)[r % 4] for r in range(ranks)]):
+        seed += 1
+        _layer(bufs, seed, tokens, prequantized=True)
+    _layer(bufs, seed + 1, [500] * ranks)  # bf16 tokens again on the same Buffers
+
+
+def test_prequantized_fp8_input_is_checked():
+    from cute_ep.ep import Buffer
+    from layouts import EPConfig
+
+    cfg = EPConfig(1024, 4, 8, 1, 64, "fp8")
+    (buf,) = Buffer.emulated(cfg, timeout_s=5.0, sms=2)
+    ids = torch.zeros(4, 4, dtype=torch.int32, device="cuda")
+    codes = torch.zeros(4, 1024, device="cuda").to(torch.float8_e4m3fn)
+    scales = torch.ones(4, 8, device="cuda")
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        buf.dispatch((codes.float(), scales), ids)
+    with pytest.raises(ValueError, match=r"scales must be float32 \[4, 8\]"):
+        buf.dispatch((codes, scales[:, :4].contiguous()), ids)
+    with pytest.raises(ValueError, match="codes must be"):
+        buf.dispatch((codes[:, :512].contiguous(), scales), ids)
+    with pytest.raises(ValueError, match="topk_ids"):
+        buf.dispatch((codes, scales), ids[:3])
+    bf16 = Buffer.emulated(EPConfig(1024, 4, 8, 1, 64, "bf16"), timeout_s=5.0, sms=2)[0]
+    with pytest.raises(TypeError, match="only for an fp8 Buffer"):
+        bf16.dispatch((codes, scales), ids)
