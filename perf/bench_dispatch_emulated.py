@@ -122,7 +122,7 @@ def main():
                            for f in waits]
                 table.add_row(name, str(r), str(sms), f"{us:.1f}", f"{combine_us:.1f}", *cells,
                               *longest)
-                records.append({"format": fmt, "ranks": r, "sms": sms, "dispatch_us": us,
+                records.append({"format": name, "ranks": r, "sms": sms, "dispatch_us": us,
                                 "combine_us": combine_us,
                                 "trace_us": dict(zip(stamps + waits, map(float, cells + longest)))})
                 del bufs
