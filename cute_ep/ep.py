@@ -699,14 +699,15 @@ class Buffer:
         if x.dim() != 2 or x.shape[1] != cfg.hidden:
             raise ValueError(f"x must be bf16 [T, {cfg.hidden}], got {tuple(x.shape)}")
         num_tokens = x.shape[0]
-        if num_tokens > cfg.max_tokens_per_rank:
-            raise ValueError(f"{num_tokens} tokens exceeds max_tokens_per_rank="
-                             f"{cfg.max_tokens_per_rank}")
         self._check_routing(topk_ids, topk_weights, num_tokens)
         return num_tokens
 
     def _check_routing(self, topk_ids, topk_weights, num_tokens: int) -> None:
+        """The token count against the capacity, then the ids and weights of that many."""
         cfg, dev = self.cfg, self.device.index
+        if num_tokens > cfg.max_tokens_per_rank:
+            raise ValueError(f"{num_tokens} tokens exceeds max_tokens_per_rank="
+                             f"{cfg.max_tokens_per_rank}")
         check_tensor(topk_ids, name="topk_ids", dtype=None, device_index=dev)
         if topk_ids.dtype not in (torch.int32, torch.int64) or \
                 tuple(topk_ids.shape) != (num_tokens, cfg.topk):
@@ -730,15 +731,13 @@ class Buffer:
         dev = self.device.index
         check_tensor(codes, name="x codes", dtype="float8_e4m3fn", align=16, device_index=dev)
         check_tensor(scales, name="x scales", dtype="float32", align=4, device_index=dev)
-        t = codes.shape[0] if codes.dim() == 2 else -1
         if codes.dim() != 2 or codes.shape[1] != cfg.hidden:
             raise ValueError(f"x codes must be float8_e4m3fn [T, {cfg.hidden}], got "
                              f"{tuple(codes.shape)}")
+        t = codes.shape[0]
         if tuple(scales.shape) != (t, cfg.hidden // 128):
             raise ValueError(f"x scales must be float32 [{t}, {cfg.hidden // 128}] (one per 128 "
                              f"elements of each token), got {tuple(scales.shape)}")
-        if t > cfg.max_tokens_per_rank:
-            raise ValueError(f"{t} tokens exceeds max_tokens_per_rank={cfg.max_tokens_per_rank}")
         return t
 
     def _check_global_scale(self, global_scale) -> None:
