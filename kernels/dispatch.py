@@ -41,8 +41,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint8
 
 from kernels.copy import row_predicate, row_tiled_copy
-from kernels.memory import (error_field, gmem_ptr, load_f32, load_i32, store_f32, store_i32,
-                            trace_word)
+from kernels.memory import (error_field, gmem_ptr, load_f32, load_i32, scale_offset, store_f32,
+                            store_i32, trace_word)
 from kernels.routing import channel_tokens, route_ids, route_token
 from kernels.scan import warp_exclusive_scan
 from layouts.abi import GridRule, KernelSpec, Param
@@ -128,14 +128,6 @@ def _stamp_max(trace: cute.Pointer, tracing, channel, field: cutlass.Constexpr, 
     several warps (each field was zeroed at the kernel's start)."""
     if tracing != 0:
         cute.arch.atomic_max(trace_word(trace, channel, TRACE_FIELDS, field), Int64(value))
-
-
-@cute.jit
-def _scale_word_offset(srow, group, rk):
-    """Byte offset, in the 128x4 scale layout (`layouts.scales`), of scale row `srow`'s columns
-    4 group .. 4 group + 3."""
-    return ((Int64(srow // ATOM_ROWS) * Int64(rk) + Int64(group)) * ATOM_BYTES
-            + Int64(srow % 32) * 16 + Int64((srow // 32) % 4) * 4)
 
 
 class EpDispatch:
@@ -998,7 +990,7 @@ class EpDispatch:
                 for k in cutlass.range(topk + 1):
                     if s_scratch[rows_at + k] >= 0:
                         store_i32(scales.toint()
-                                  + _scale_word_offset(s_scratch[srows_at + k], c, rk), word)
+                                  + scale_offset(s_scratch[srows_at + k], c * 4, rk), word)
 
     @cute.jit
     def _zero_row_padding(self, first, stride, tokens: cute.Pointer, scales: cute.Pointer,

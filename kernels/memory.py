@@ -6,6 +6,7 @@ from cutlass import Float32, Int32, Int64
 
 from layouts.buffers import ERROR_FIELDS
 from layouts.channels import trace_layout
+from layouts.scales import ATOM_BYTES, ATOM_ROWS, ATOM_SCALE_COLUMNS
 
 
 def gmem_ptr(dtype, addr, align):
@@ -43,3 +44,12 @@ def trace_word(trace: cute.Pointer, channel, fields: tuple, field: str):
     COMBINE_TRACE_FIELDS) in channel `channel`'s row of the trace at `trace`."""
     return gmem_ptr(Int64, trace.toint() + Int64(trace_layout(channel + 1, fields)(
         (fields.index(field), channel))) * 8, 8)
+
+
+@cute.jit
+def scale_offset(row, col, rk):
+    """Byte offset of scale column `col` of scale row `row` in the 128x4 layout of block-scaled
+    MMA (`layouts.scales`), `rk` 4-column atoms across a 128-row block."""
+    return ((Int64(row // ATOM_ROWS) * Int64(rk) + Int64(col // ATOM_SCALE_COLUMNS)) * ATOM_BYTES
+            + Int64(row % 32) * 16 + Int64((row // 32) % 4) * 4
+            + Int64(col % ATOM_SCALE_COLUMNS))

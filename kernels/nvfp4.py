@@ -23,6 +23,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from kernels.division import FAST_LIMIT, divide_once, with_sign_of
+from kernels.memory import scale_offset
 from kernels.scan import WARP, warp_exclusive_scan
 from layouts.abi import GridRule, KernelSpec, Param
 
@@ -296,8 +297,7 @@ class QuantizeNvfp4:
                     byte = self._quantize_block(x, codes, row, kb, hidden, gs)
                 at = Int64(unit) * Int64(scale_cols) + Int64(kb)
                 if cutlass.const_expr(self.scales == "128x4"):
-                    at = (Int64(unit // ATOM_ROWS) * Int64(rk) * 512 + Int64(kb // 4) * 512
-                          + Int64(unit % 32) * 16 + Int64((unit // 32) % 4) * 4 + Int64(kb % 4))
+                    at = scale_offset(unit, kb, rk)
                 cute.make_tensor(_ptr(Uint8, scales.toint() + at, 1), cute.make_layout(1))[0] = \
                     Uint8(byte)
 

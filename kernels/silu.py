@@ -35,6 +35,7 @@ from cutlass import BFloat16, Boolean, Float8E4M3FN, Float32, Int32, Int64, Uint
 from kernels.fp8 import scale_fp8_block
 from kernels.nvfp4 import (bits_f32, cvt_e4m3_byte, e2m1_words, e4m3_byte_to_f32, f32_bits,
                            load_segment_blocks)
+from kernels.memory import scale_offset
 from kernels.scan import WARP
 from layouts.abi import GridRule, KernelSpec, Param
 
@@ -233,8 +234,6 @@ class FusedSilu:
                 if cutlass.const_expr(self.out == "nvfp4"):
                     gs = cute.make_tensor(input_scales, cute.make_layout(num_segments))[seg]
                 row = s_off[seg] + local
-                base = (Int64(block_row) * Int64(rk) * 512 + Int64(unit % 32) * 16
-                        + Int64((unit // 32) % 4) * 4)
                 for h in cutlass.range(lane, span, WARP):
                     kb = h // FP4_LANES
                     valid = live and kb < blocks
@@ -243,7 +242,7 @@ class FusedSilu:
                     if not valid:
                         byte = Int32(0)  # padding rows and columns
                     if h % FP4_LANES == 0 and kb < cols:
-                        at = base + Int64(kb // 4) * 512 + Int64(kb % 4)
+                        at = scale_offset(unit, kb, rk)
                         cute.make_tensor(_ptr(Uint8, scales.toint() + at, 1),
                                          cute.make_layout(1))[0] = Uint8(byte)
         else:
@@ -263,8 +262,7 @@ class FusedSilu:
                     byte = self._row_vector(x, out, scales, s_off[seg] + local, kb,
                                             intermediate, Int32(0), limit, alpha, gs,
                                             Boolean(True))
-                at = (Int64(block_row) * Int64(rk) * 512 + Int64(kb // 4) * 512
-                      + Int64(unit % 32) * 16 + Int64((unit // 32) % 4) * 4 + Int64(kb % 4))
+                at = scale_offset(unit, kb, rk)
                 cute.make_tensor(_ptr(Uint8, scales.toint() + at, 1),
                                  cute.make_layout(1))[0] = Uint8(byte)
 
