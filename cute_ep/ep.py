@@ -18,8 +18,9 @@ are latched in a device flag and raised by `check()`; the outputs of such a call
 partial, never out of bounds. A Buffer that timed out must be recreated.
 
 What crosses NVLink per token: one message per destination rank that hosts at least one of its
-experts (payload + 16-byte-aligned metadata: source index, K ids, K weights), not
-one per expert; the receiver expands it into expert rows. Combine returns one bf16 row per
+experts, not one per expert: the destination pulls the payload from the source's staging and
+the source writes a 16-byte-aligned descriptor (source index, staging slot, K ids, K weights)
+into the destination's ring; the receiver expands the message into expert rows. Combine returns one bf16 row per
 (token, destination rank): the rank's weighted partial sum over its local experts.
 
 Formats (`EPConfig.format`): "bf16", "fp8" (DeepSeek blockwise) and "nvfp4". An NVFP4 dispatch
