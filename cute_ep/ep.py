@@ -18,8 +18,9 @@ are latched in a device flag and raised by `check()`; the outputs of such a call
 partial, never out of bounds. A Buffer that timed out must be recreated.
 
 What crosses NVLink per token: one message per destination rank that hosts at least one of its
-experts (payload + 16-byte-aligned metadata: source index, K ids, K weights), not
-one per expert; the receiver expands it into expert rows. Combine returns one bf16 row per
+experts, not one per expert: the destination pulls the payload from the source's staging and
+the source writes a 16-byte-aligned descriptor (source index, staging slot, K ids, K weights)
+into the destination's ring; the receiver expands the message into expert rows. Combine returns one bf16 row per
 (token, destination rank): the rank's weighted partial sum over its local experts.
 
 Formats (`EPConfig.format`): "bf16", "fp8" (DeepSeek blockwise) and "nvfp4". An NVFP4 dispatch
@@ -52,7 +53,7 @@ from cute_ep.torch_ops import DISPATCH_FIELDS, register_buffer
 from layouts import EPConfig
 from layouts.buffers import (ERROR_CHANNELS, ERROR_ID_RANGE, ERROR_ID_TWICE, buffer_sizes,
                              channel_messages, combine_routes, control_buffers, output_scales,
-                             peer_visible_bytes, total_bytes)
+                             total_bytes)
 from layouts.channels import DEFAULT_CHANNELS, ChannelGeometry, active_channels
 
 # The SM budget engines give communication (DeepEP's tuned default is 20-24): the rest of the GPU
@@ -229,18 +230,19 @@ class Buffer:
 
     @classmethod
     def emulated(cls, cfg: EPConfig, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 sms: int | None = DEFAULT_SMS) -> list["Buffer"]:
+                 sms: int | None = DEFAULT_SMS, **geometry) -> list["Buffer"]:
         """All `cfg.ranks` ranks of a layer in this process on the current GPU, each with its
         own buffers, peer-mapped to each other by plain device addresses: the transport with
         every link local (no NVLink), for single-GPU tests and profiling. Rank r's calls must
         run concurrently with the others' (a stream per rank) and the GPU must hold every
-        rank's CTAs at once (ranks x sms <= its SMs)."""
+        rank's CTAs at once (ranks x sms <= its SMs). `geometry`: `ChannelGeometry` fields other
+        than the channels (e.g. tiny rings that wrap on every batch, for tests)."""
         _check_config(cfg, cfg.ranks)
         dev = torch.device("cuda", torch.cuda.current_device())
         ranks = [cls.__new__(cls) for _ in range(cfg.ranks)]
         for r, buf in enumerate(ranks):
             buf.group = None
-            buf._setup(cfg, r, dev, timeout_s, sms)
+            buf._setup(cfg, r, dev, timeout_s, sms, geometry)
         syms = [torch.zeros(buf.peer_visible_bytes, dtype=torch.uint8, device=dev)
                 for buf in ranks]
         for buf, sym in zip(ranks, syms):
@@ -248,7 +250,7 @@ class Buffer:
         return ranks
 
     def _setup(self, cfg: EPConfig, rank: int, dev: torch.device, timeout_s: float,
-               sms: int | None) -> None:
+               sms: int | None, geometry: dict | None = None) -> None:
         """Everything of this rank's side that needs no peer: kernels, sizes, local state."""
         self.rank = rank
         self.cfg = cfg
@@ -261,13 +263,11 @@ class Buffer:
         self._sms = device_sms if sms is None else min(sms, device_sms)
         t = cfg.max_tokens_per_rank
         self.msg = cfg.message
-        # Byte offsets inside one token message (layouts.formats): scales, and the metadata
-        # (everything before it is what a bulk load brings in).
+        # Byte offset of the scales inside one token message (layouts.formats).
         self.scales_at = self.msg.segment("scales").offset if cfg.format != "bf16" else 0
-        self.meta_at = self.msg.segment("src_token").offset
-        self.geo = ChannelGeometry(cfg, channels=self._sms)
+        self.geo = ChannelGeometry(cfg, channels=self._sms, **(geometry or {}))
         self.channel_offsets = self.geo.peer_offsets()
-        self.peer_visible_bytes = peer_visible_bytes(cfg, self._sms)
+        self.peer_visible_bytes = self.geo.peer_offsets()["total"]
         # Bytes of the NVFP4 128x4 scale output, from its layout once (not on every dispatch).
         self.nvfp4_scale_bytes = output_scales(cfg).layout.cosize() \
             if cfg.format == "nvfp4" else 0
@@ -285,6 +285,9 @@ class Buffer:
         if self.geo.chunk_tokens > sizes["max_chunk"]:
             raise ValueError(f"chunk_tokens {self.geo.chunk_tokens} exceeds the kernel's "
                              f"{sizes['max_chunk']}")
+        if self.geo.stage_batches > sizes["max_stage_batches"]:
+            raise ValueError(f"stage_batches {self.geo.stage_batches} exceeds the kernel's "
+                             f"{sizes['max_stage_batches']}")
         self.payload_vectors = self.msg.segment("payload").nbytes // sizes["vector_bytes"]
 
         self.send_buf = torch.empty(t * self.msg.size, dtype=torch.uint8, device=dev) \
@@ -319,13 +322,14 @@ class Buffer:
                       counters_offset=off["counters"], timeout_ns=self._timeout_ns)
         self._dispatch_launch = self.k_dispatch.bind(
             DISPATCH_VARYING, **common, rounds=self.dispatch_epoch, done=self.dispatch_done,
-            msg_bytes=self.msg.size,
+            descriptor_bytes=geo.descriptor_bytes,
             # FP8 payloads are loaded alone (H bytes of codes), their scales from their own rows.
-            load_bytes=cfg.hidden if cfg.format == "fp8" else self.meta_at,
-            meta_word=self.msg.metadata_base,
+            load_bytes=cfg.hidden if cfg.format == "fp8" else self.msg.staged_bytes,
+            stage_bytes=self.msg.staged_bytes, stage_slots=geo.stage_slots,
             payload_vectors=self.payload_vectors, scales_offset=self.scales_at,
             row_capacity=cfg.row_capacity, ring_offset=off["dispatch_rings"],
-            counts_offset=off["counts"], flags_offset=off["count_flags"])
+            staging_offset=off["staging"], counts_offset=off["counts"],
+            flags_offset=off["count_flags"])
         self._combine_launch = self.k_combine.bind(
             COMBINE_VARYING, **common, hidden=cfg.hidden, ring_offset=off["combine_rings"])
         self._encode_launch = self.k_encode.bind(

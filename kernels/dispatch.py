@@ -9,27 +9,29 @@ has a sender warp and RECV_WARPS receiver warps, and runs three parts:
    the round's parity, and the channel's count flag there is raised to the round's epoch.
 2. Send (SEND_WARPS sender warps): the channel's tokens go in batches of BATCH; every sender
    warp routes each batch itself (so each knows every token's destinations and, by a ballot per
-   destination, every message's position in that destination's stream) and moves the batch's
+   destination, every message's position in that destination's stream) and handles the batch's
    tokens b = warp, warp + SEND_WARPS, ...: a token's payload (the bf16 row of `x`; FP8 codes
    and their scales from their own rows, the caller's or `ep_encode`'s; or the NVFP4 message
-   `ep_encode` wrote into `send_buf`) is loaded once into registers, tiles of
-   SEND_VECTORS 16-byte vectors per lane with every load in flight, and stored straight into the
-   ring slot of each destination rank the token routes to (a peer's memory, over NVLink), with
-   the metadata (source token, K ids, K weights) beside it. Many warps' loads and stores are in
-   flight at once, so an SM is not held to one copy engine's queue of bulk copies. A slot is
-   written only when the destination has returned credit for it (`heads`). Once a warp's share
-   of a batch is written it fences at system scope and marks the batch done in shared memory;
-   the warp that completes a batch last publishes the destinations' `tails` at the batch's end
-   (a batch is published only after every earlier one, so tails only grow).
+   `ep_encode` wrote into `send_buf`) is copied once, tiles of SEND_VECTORS 16-byte vectors per
+   lane with every load in flight, into this rank's own staging slot of the token (peer-visible
+   memory, `layouts.channels.staging_layout`), and a descriptor (source token, staging slot, K
+   ids, K weights) goes into the ring of each destination rank the token routes to. The payload
+   is written once, locally, whatever the number of destinations; the destinations pull it. A
+   descriptor slot is written only when the destination has returned credit for it (`heads`),
+   and a staging slot only when every destination of its previous token has consumed it. Once a
+   warp's share of a batch is written it fences at system scope and marks the batch done in
+   shared memory; the warp that completes a batch last publishes the destinations' `tails` at
+   the batch's end (a batch is published only after every earlier one, so tails only grow).
 3. Receive (the receiver warps): they wait for every (channel, source)'s counts, from which each
    CTA derives the whole row layout (segments padded to the format's row alignment, NVFP4
    segments on fresh 128-row scale blocks) and the first row of every (segment, source) that
    its channel fills. The warps of source s then take s's messages of this channel as their
-   tails advance, in order: a message's rows are the next free row of each of its local
-   experts (and of the shared expert for this rank's own tokens), so rows follow source-token
-   order without any plan on the sender. The payload is loaded once and stored to every row;
-   scales go to the output's layout; the rows, weights and source token are recorded for
-   combine. Credit returns to the source every `chunk_tokens` messages.
+   tails advance, in order, as many as have arrived up to `chunk_tokens` at a time: a
+   message's rows are the next free row of each of its local experts (and of the shared expert
+   for this rank's own tokens), so rows follow source-token order without any plan on the
+   sender. The payload is loaded once from the source's staging (over NVLink) and stored to
+   every row; scales go to the output's layout; the rows, weights and source token are recorded
+   for combine. Credit returns to the source after every chunk.
 
 Every wait is bounded by `timeout_ns` of `%globaltimer`: the missing rank and the phase go to the
 error record and the CTA stops waiting (its outputs are then partial, never out of bounds). The
@@ -47,11 +49,12 @@ from kernels.routing import channel_tokens, route_ids, route_token
 from kernels.scan import warp_exclusive_scan
 from layouts.abi import GridRule, KernelSpec, Param
 from layouts.buffers import ERROR_CHANNELS, ERROR_COUNTS
-from layouts.channels import (DISPATCH, HEADS, SEND_TIMES, TAILS, TRACE_FIELDS,
-                              channel_messages_layout, count_flags_layout, counters_layout,
-                              counts_layout, ring_layout)
+from layouts.channels import (DISPATCH, HEADS, SEND_TIMES, STAGE_BATCH_TOKENS, TAILS,
+                              TRACE_FIELDS, channel_messages_layout, count_flags_layout,
+                              counters_layout, counts_layout, ring_layout, staging_layout)
 from layouts.config import FP8_ROW_ALIGN
-from layouts.formats import METADATA_FIELDS, metadata_layout
+from layouts.formats import (DESCRIPTOR_META, DESCRIPTOR_STAGE, DESCRIPTOR_TOKEN,
+                             METADATA_FIELDS, metadata_layout)
 from layouts.scales import ATOM_BYTES, ATOM_ROWS
 
 WARP = 32
@@ -61,7 +64,8 @@ MAX_SEGMENTS = 272  # local experts + a shared expert, with slack
 MAX_EXPERTS = 2176  # MAX_RANKS x 272
 SEND_WARPS = 4
 RECV_WARPS = 8
-BATCH = 16  # tokens the sender warps route together; tails are published per batch
+BATCH = STAGE_BATCH_TOKENS  # tokens the sender warps route and stage together
+MAX_STAGE_BATCHES = 16  # a channel's staging ring, in batches
 SEND_VECTORS = 32  # 16-byte vectors per lane a sender warp loads before storing them
 MAX_CHUNK = 8  # messages a receiver warp takes at once (the ring's chunk_tokens at most)
 ROWS = MAX_TOPK + 1  # rows a message can land in: its K experts and the shared expert
@@ -72,10 +76,13 @@ PHASE_DISPATCH = 1  # the error record's phase (layouts.buffers.PHASES order, 1-
 FLAG_ROUND = 256  # a count flag holds epoch * FLAG_ROUND + the channels its source used
 IDS, WEIGHTS = METADATA_FIELDS.index("expert_ids"), METADATA_FIELDS.index("weights")
 LIMITS = {"max_ranks": MAX_RANKS, "max_topk": MAX_TOPK, "max_segments": MAX_SEGMENTS - 1,
-          "max_experts": MAX_EXPERTS, "max_chunk": MAX_CHUNK}
-# Per receiver warp: raw ids, local segment ids, rows and scale rows of a chunk's messages.
+          "max_experts": MAX_EXPERTS, "max_chunk": MAX_CHUNK,
+          "max_stage_batches": MAX_STAGE_BATCHES, "stage_batch": BATCH}
+# Per receiver warp: raw ids, local segment ids, source tokens, staging slots, rows and scale
+# rows of a chunk's messages.
 IDS_AT, SEGS_AT, TOKS_AT = 0, MAX_CHUNK * MAX_TOPK, 2 * MAX_CHUNK * MAX_TOPK
-ROWS_AT = TOKS_AT + MAX_CHUNK
+STAGE_AT = TOKS_AT + MAX_CHUNK
+ROWS_AT = STAGE_AT + MAX_CHUNK
 SROWS_AT = ROWS_AT + MAX_CHUNK * ROWS
 SCRATCH = SROWS_AT + MAX_CHUNK * ROWS
 
@@ -152,7 +159,8 @@ class EpDispatch:
                  + RECV_WARPS * (SCRATCH + MAX_CHUNK * MAX_TOPK)  # s_scratch, s_wts
                  + 2 * SEND_WARPS * BATCH * MAX_TOPK  # s_bids, s_bw
                  + SEND_WARPS * MAX_RANKS + SEND_WARPS + 4)  # s_ball, s_done
-        dwords = 3 * SEND_WARPS * MAX_RANKS + SEND_WARPS * len(SEND_TIMES)  # s_wpos..s_time
+        dwords = (3 * SEND_WARPS * MAX_RANKS + SEND_WARPS * len(SEND_TIMES)  # s_wpos..s_time
+                  + SEND_WARPS * MAX_STAGE_BATCHES * MAX_RANKS)  # s_stage
         return 4 * words + 8 * dwords + 16 * 16 + 128
 
     def spec(self) -> KernelSpec:
@@ -196,10 +204,11 @@ class EpDispatch:
                 Param("shared_begin", "i32"),
                 Param("shared_end", "i32"),
                 Param("has_weights", "i32"),
-                Param("msg_bytes", "i32"),
+                Param("descriptor_bytes", "i32"),
                 Param("source_stride", "i32"),
                 Param("load_bytes", "i32"),
-                Param("meta_word", "i32"),
+                Param("stage_bytes", "i32"),
+                Param("stage_slots", "i32"),
                 Param("payload_vectors", "i32"),
                 Param("scales_offset", "i32"),
                 Param("row_capacity", "i32"),
@@ -208,6 +217,7 @@ class EpDispatch:
                 Param("ring_slots", "i32"),
                 Param("chunk_tokens", "i32"),
                 Param("ring_offset", "i64"),
+                Param("staging_offset", "i64"),
                 Param("counts_offset", "i64"),
                 Param("flags_offset", "i64"),
                 Param("counters_offset", "i64"),
@@ -235,10 +245,12 @@ class EpDispatch:
                  max_tokens: Int32, topk: Int32,
                  local_experts: Int32, ranks: Int32, my_rank: Int32, shared: Int32,
                  skip_a2a: Int32, shared_begin: Int32, shared_end: Int32, has_weights: Int32,
-                 msg_bytes: Int32, source_stride: Int32, load_bytes: Int32, meta_word: Int32,
+                 descriptor_bytes: Int32, source_stride: Int32, load_bytes: Int32,
+                 stage_bytes: Int32, stage_slots: Int32,
                  payload_vectors: Int32, scales_offset: Int32, row_capacity: Int32,
                  channels: Int32, active: Int32, ring_slots: Int32, chunk_tokens: Int32,
-                 ring_offset: Int64, counts_offset: Int64, flags_offset: Int64,
+                 ring_offset: Int64, staging_offset: Int64, counts_offset: Int64,
+                 flags_offset: Int64,
                  counters_offset: Int64, timeout_ns: Int64, trace: cute.Pointer,
                  tracing: Int32, stream):
         self.kernel(peer_bases, source, scale_source, scale_stride, topk_ids, topk_weights,
@@ -247,9 +259,10 @@ class EpDispatch:
                     src_info, comb_rows, comb_weights, comb_tokens, comb_counts, chan_msgs,
                     num_tokens,
                     max_tokens, topk, local_experts, ranks, my_rank, shared, skip_a2a,
-                    shared_begin, shared_end, has_weights, msg_bytes, source_stride, load_bytes,
-                    meta_word, payload_vectors, scales_offset, row_capacity, channels, active,
-                    ring_slots, chunk_tokens, ring_offset, counts_offset, flags_offset,
+                    shared_begin, shared_end, has_weights, descriptor_bytes, source_stride,
+                    load_bytes, stage_bytes, stage_slots, payload_vectors, scales_offset,
+                    row_capacity, channels, active, ring_slots, chunk_tokens, ring_offset,
+                    staging_offset, counts_offset, flags_offset,
                     counters_offset, timeout_ns, trace, tracing,
                     row_tiled_copy(WARP, Uint8, self.vector_bytes),
                     row_tiled_copy(WARP, Uint8, 16)).launch(
@@ -268,10 +281,12 @@ class EpDispatch:
                max_tokens: Int32, topk: Int32, local_experts: Int32, ranks: Int32,
                my_rank: Int32, shared: Int32,
                skip_a2a: Int32, shared_begin: Int32, shared_end: Int32, has_weights: Int32,
-               msg_bytes: Int32, source_stride: Int32, load_bytes: Int32, meta_word: Int32,
+               descriptor_bytes: Int32, source_stride: Int32, load_bytes: Int32,
+               stage_bytes: Int32, stage_slots: Int32,
                payload_vectors: Int32, scales_offset: Int32, row_capacity: Int32,
                channels: Int32, active: Int32, ring_slots: Int32, chunk_tokens: Int32,
-               ring_offset: Int64, counts_offset: Int64, flags_offset: Int64,
+               ring_offset: Int64, staging_offset: Int64, counts_offset: Int64,
+               flags_offset: Int64,
                counters_offset: Int64, timeout_ns: Int64, trace: cute.Pointer, tracing: Int32,
                warp_copy: cute.TiledCopy, send_copy: cute.TiledCopy):
         tidx, _, _ = cute.arch.thread_idx()
@@ -317,6 +332,9 @@ class EpDispatch:
                                       byte_alignment=16)
         s_time = smem.allocate_tensor(Int64, cute.make_layout(SEND_WARPS * len(SEND_TIMES)),
                                       byte_alignment=16)
+        s_stage = smem.allocate_tensor(
+            Int64, cute.make_layout(SEND_WARPS * MAX_STAGE_BATCHES * MAX_RANKS),
+            byte_alignment=16)
 
         if tidx == 0:
             _stamp(trace, tracing, channel, "start", cute.arch.globaltimer())
@@ -382,11 +400,11 @@ class EpDispatch:
             self._send(warp, lane, channel, t0, t1, peers, here, source, scale_source,
                        scale_stride, topk_ids, topk_weights,
                        streams, error, topk, experts, local_experts, ranks, my_rank, shared,
-                       skip_a2a, shared_begin, shared_end, has_weights, msg_bytes,
-                       source_stride, load_bytes, meta_word, channels, ring_slots, ring_offset,
-                       counters_offset, counters, timeout_ns, payload_vectors, scales_offset,
-                       send_copy, s_bids, s_bw, s_ball,
-                       s_done, s_wpos, s_head, s_slot, s_time, trace, tracing)
+                       skip_a2a, shared_begin, shared_end, has_weights, descriptor_bytes,
+                       source_stride, load_bytes, stage_bytes, stage_slots, channels, ring_slots,
+                       ring_offset, staging_offset, counters_offset, counters, timeout_ns,
+                       payload_vectors, scales_offset, send_copy, s_bids, s_bw, s_ball, s_done,
+                       s_wpos, s_head, s_slot, s_time, s_stage, trace, tracing)
 
         # 3. Receive -------------------------------------------------------------------------
         if warp >= SEND_WARPS:
@@ -395,8 +413,9 @@ class EpDispatch:
                           comb_rows, comb_weights, comb_tokens, comb_counts, chan_msgs,
                           max_tokens, topk,
                           local_experts, ranks, my_rank, shared, shared_begin, shared_end,
-                          msg_bytes, meta_word, payload_vectors, scales_offset, row_capacity,
-                          channels, active, ring_slots, chunk_tokens, ring_offset,
+                          descriptor_bytes, stage_bytes, stage_slots, payload_vectors,
+                          scales_offset, row_capacity, channels, active, ring_slots,
+                          chunk_tokens, ring_offset, staging_offset,
                           counts_offset, flags_offset, counters_offset, counters, counts_at,
                           flags_at, parity, epoch, timeout_ns, s_next, s_totals, s_off, s_tot,
                           s_raw, s_first, s_src, s_rows, s_wts, warp_copy, trace, tracing)
@@ -412,47 +431,62 @@ class EpDispatch:
 
     @cute.jit
     def _send(self, sw, lane, channel, t0, t1, peers: cute.Tensor, here, source: cute.Pointer,
-              scale_source: cute.Pointer, scale_stride, topk_ids: cute.Pointer, topk_weights: cute.Pointer, streams: cute.Pointer,
-              error: cute.Pointer, topk, experts, local_experts, ranks, my_rank, shared,
-              skip_a2a, shared_begin, shared_end, has_weights, msg_bytes, source_stride,
-              load_bytes, meta_word, channels, ring_slots, ring_offset, counters_offset,
+              scale_source: cute.Pointer, scale_stride, topk_ids: cute.Pointer,
+              topk_weights: cute.Pointer, streams: cute.Pointer, error: cute.Pointer, topk,
+              experts, local_experts, ranks, my_rank, shared, skip_a2a, shared_begin,
+              shared_end, has_weights, descriptor_bytes, source_stride, load_bytes, stage_bytes,
+              stage_slots, channels, ring_slots, ring_offset, staging_offset, counters_offset,
               counters, timeout_ns, payload_vectors, scales_offset, send_copy: cute.TiledCopy,
-              s_bids: cute.Tensor,
-              s_bw: cute.Tensor, s_ball: cute.Tensor, s_done: cute.Tensor, s_wpos: cute.Tensor,
-              s_head: cute.Tensor, s_slot: cute.Tensor, s_time: cute.Tensor,
-              trace: cute.Pointer, tracing):
+              s_bids: cute.Tensor, s_bw: cute.Tensor, s_ball: cute.Tensor, s_done: cute.Tensor,
+              s_wpos: cute.Tensor, s_head: cute.Tensor, s_slot: cute.Tensor,
+              s_time: cute.Tensor, s_stage: cute.Tensor, trace: cute.Pointer, tracing):
         """Sender warp `sw`: its share of every batch (tokens sw, sw + SEND_WARPS, ...), each
-        token loaded once and stored into every destination's ring; the last warp to finish a
-        batch publishes the tails at its end."""
-        ring = ring_layout(msg_bytes, ring_slots, channels, ranks)
+        token copied once into its staging slot and described in every destination's ring; the
+        last warp to finish a batch publishes the tails at its end."""
+        ring = ring_layout(descriptor_bytes, ring_slots, channels, ranks)
+        stage = staging_layout(stage_bytes, stage_slots, channels)
+        stage_batches = stage_slots // BATCH
         meta = metadata_layout(topk)
+        words = DESCRIPTOR_META + meta.cosize()
         mine = sw * MAX_RANKS  # this warp's words of the per-destination arrays
         times = sw * len(SEND_TIMES)
+        # Per (staging batch, destination): the stream position after this warp's last token of
+        # that batch sent there; the slots are restaged once the destination's credit passes it.
+        staged = sw * MAX_STAGE_BATCHES * MAX_RANKS
         ids = cute.make_tensor(s_bids.iterator + sw * BATCH * MAX_TOPK,
                                cute.make_layout(BATCH * MAX_TOPK))
         wts = cute.make_tensor(s_bw.iterator + sw * BATCH * MAX_TOPK,
                                cute.make_layout(BATCH * MAX_TOPK))
+        for i in cutlass.range(lane, MAX_STAGE_BATCHES * MAX_RANKS, WARP):
+            s_stage[staged + i] = Int64(0)
+        ok = Int32(1)
         if lane < ranks:
             # Where this channel's stream to each destination stands, and the credit returned.
+            # The staging slots were last filled in an earlier round: every destination must
+            # have consumed that round's messages before they are filled again.
             s_wpos[mine + lane] = cute.arch.load(gmem_ptr(
                 Int64, streams.toint() + Int64(counters((channel, lane, TAILS, DISPATCH))) * 8,
                 8), Int64)
-            s_head[mine + lane] = cute.arch.load(gmem_ptr(
-                Int64, here + counters_offset
-                + Int64(counters((channel, lane, HEADS, DISPATCH))) * 8, 8),
-                Int64, sem="relaxed", scope="sys")
+            head_at = here + counters_offset + Int64(counters((channel, lane, HEADS, DISPATCH))) * 8
+            head = cute.arch.load(gmem_ptr(Int64, head_at, 8), Int64, sem="relaxed", scope="sys")
+            if head < s_wpos[mine + lane]:
+                head, ok = _wait_at_least(head_at, s_wpos[mine + lane], timeout_ns, error, lane,
+                                          Int32(PHASE_DISPATCH))
+            s_head[mine + lane] = head
         if lane < len(SEND_TIMES):
             s_time[times + lane] = Int64(0)
+        alive = Int32(1)
+        if cute.arch.vote_ballot_sync(ok == 0) != 0:
+            alive = Int32(0)
         cute.arch.sync_warp()
-        # The message bytes a sender moves (payload and scales; the metadata is written by
-        # lanes) as rows of 16-byte vectors, in tiles of SEND_VECTORS vectors per lane.
+        # The message bytes a sender moves (payload and scales) as rows of 16-byte vectors, in
+        # tiles of SEND_VECTORS vectors per lane.
         load_vectors = load_bytes // 16
         layout = cute.make_layout((load_vectors, 16), stride=(16, 1))
         tiler = (WARP * SEND_VECTORS, 16)
         g_crd = cute.zipped_divide(cute.make_identity_tensor(layout.shape), tiler)
         thr = send_copy.get_slice(lane)
         tiles = cute.ceil_div(load_vectors, WARP * SEND_VECTORS)
-        alive = Int32(1)
         batch_no = Int32(0)
         for batch in cutlass.range(t0, t1, BATCH):
             start = Int64(0)
@@ -494,13 +528,31 @@ class EpDispatch:
                 ballot = cute.arch.vote_ballot_sync(((mask >> d) & 1) != 0)
                 if lane == 0:
                     s_ball[mine + d] = ballot
-            cute.arch.sync_warp()
+            # This warp's staging slots of the batch are free once every destination consumed
+            # what they held (the same warp staged those tokens stage_batches batches ago).
+            sb = batch_no % stage_batches
             if tracing != 0 and lane == 0:
                 s_time[times + 1] += cute.arch.globaltimer() - start
+                start = cute.arch.globaltimer()
+            ok = Int32(1)
+            if lane < ranks and alive != 0:
+                need = s_stage[staged + sb * MAX_RANKS + lane]
+                if need > s_head[mine + lane]:
+                    head, ok = _wait_at_least(
+                        here + counters_offset
+                        + Int64(counters((channel, lane, HEADS, DISPATCH))) * 8, need, timeout_ns,
+                        error, lane, Int32(PHASE_DISPATCH))
+                    s_head[mine + lane] = head
+            if cute.arch.vote_ballot_sync(ok == 0) != 0:
+                alive = Int32(0)
+            cute.arch.sync_warp()
+            if tracing != 0 and lane == 0:
+                s_time[times] += cute.arch.globaltimer() - start
             for b in cutlass.range(sw, n, SEND_WARPS):
                 m = cute.arch.shuffle_sync(mask, b)
                 if m != 0 and alive != 0:
                     tok = batch + b
+                    slot_no = sb * BATCH + b
                     if lane == 0:
                         start = Int64(0)
                         if tracing != 0:
@@ -521,6 +573,7 @@ class EpDispatch:
                                 if alive != 0:
                                     slot = peers[d] + ring_offset + Int64(ring(
                                         (0, Int32(pos % Int64(ring_slots)), channel, my_rank)))
+                                    s_stage[staged + sb * MAX_RANKS + d] = pos + 1
                             s_slot[mine + d] = slot
                         if tracing != 0:
                             s_time[times] += cute.arch.globaltimer() - start
@@ -530,24 +583,20 @@ class EpDispatch:
                         start = Int64(0)
                         if tracing != 0:
                             start = cute.arch.globaltimer()
+                        staged_at = here + staging_offset + Int64(stage((0, slot_no, channel)))
                         g_src = cute.zipped_divide(cute.make_tensor(gmem_ptr(
                             Uint8, source.toint() + Int64(tok) * Int64(source_stride), 16),
                             layout), tiler)
+                        g_dst = cute.zipped_divide(cute.make_tensor(
+                            gmem_ptr(Uint8, staged_at, 16), layout), tiler)
                         for tile in cutlass.range(tiles):
                             pred = row_predicate(thr.partition_S(g_crd[((None, None), tile)]),
                                                  load_vectors)
                             t_src = thr.partition_S(g_src[((None, None), tile)])
                             regs = cute.make_fragment_like(t_src)
                             cute.copy(send_copy, t_src, regs, pred=pred)
-                            for d in cutlass.range(ranks):
-                                slot = s_slot[mine + d]
-                                if slot >= 0:
-                                    g_dst = cute.zipped_divide(cute.make_tensor(
-                                        gmem_ptr(Uint8, slot, 16), layout), tiler)
-                                    cute.copy(send_copy, regs,
-                                              thr.partition_D(g_dst[((None, None), tile)]),
-                                              pred=row_predicate(thr.partition_S(
-                                                  g_crd[((None, None), tile)]), load_vectors))
+                            cute.copy(send_copy, regs, thr.partition_D(g_dst[((None, None), tile)]),
+                                      pred=pred)
                         if cutlass.const_expr(self.fmt == "fp8"):
                             # FP8's scales come from their own rows (the payload above is H
                             # bytes of codes): one fp32 word a lane.
@@ -556,26 +605,24 @@ class EpDispatch:
                             for w0 in cutlass.range(0, scale_words, WARP):
                                 w = w0 + lane
                                 if w < scale_words:
-                                    word = load_i32(src + Int64(w) * 4)
-                                    for d in cutlass.range(ranks):
-                                        slot = s_slot[mine + d]
-                                        if slot >= 0:
-                                            store_i32(slot + Int64(scales_offset)
-                                                      + Int64(w) * 4, word)
+                                    store_i32(staged_at + Int64(scales_offset) + Int64(w) * 4,
+                                              load_i32(src + Int64(w) * 4))
                         for d in cutlass.range(ranks):
                             slot = s_slot[mine + d]
                             if slot >= 0:
-                                words = meta_word + meta.cosize()
                                 if lane < topk:
                                     cute.make_tensor(gmem_ptr(Int32, slot, 16), cute.make_layout(
-                                        words))[meta_word + meta((lane, IDS))] = \
+                                        words))[DESCRIPTOR_META + meta((lane, IDS))] = \
                                         ids[b * MAX_TOPK + lane]
                                     cute.make_tensor(gmem_ptr(Float32, slot, 16), cute.make_layout(
-                                        words))[meta_word + meta((lane, WEIGHTS))] = \
+                                        words))[DESCRIPTOR_META + meta((lane, WEIGHTS))] = \
                                         wts[b * MAX_TOPK + lane]
                                 if lane == WARP - 1:
                                     cute.make_tensor(gmem_ptr(Int32, slot, 16), cute.make_layout(
-                                        words))[meta_word - 1] = tok
+                                        words))[DESCRIPTOR_TOKEN] = tok
+                                if lane == WARP - 2:
+                                    cute.make_tensor(gmem_ptr(Int32, slot, 16), cute.make_layout(
+                                        words))[DESCRIPTOR_STAGE] = slot_no
                         if tracing != 0 and lane == 0:
                             s_time[times + 2] += cute.arch.globaltimer() - start
             # This warp's share of the batch is written: release it. The warp that sees every
@@ -626,9 +673,9 @@ class EpDispatch:
                  comb_rows: cute.Pointer, comb_weights: cute.Pointer, comb_tokens: cute.Pointer,
                  comb_counts: cute.Pointer, chan_msgs: cute.Pointer, max_tokens, topk,
                  local_experts, ranks, my_rank,
-                 shared, shared_begin, shared_end, msg_bytes, meta_word, payload_vectors,
-                 scales_offset, row_capacity, channels, active, ring_slots, chunk_tokens,
-                 ring_offset, counts_offset, flags_offset, counters_offset, counters, counts_at,
+                 shared, shared_begin, shared_end, descriptor_bytes, stage_bytes,
+                 stage_slots, payload_vectors, scales_offset, row_capacity, channels, active,
+                 ring_slots, chunk_tokens, ring_offset, staging_offset, counts_offset, flags_offset, counters_offset, counters, counts_at,
                  flags_at, parity, epoch, timeout_ns, s_next: cute.Tensor, s_totals: cute.Tensor,
                  s_off: cute.Tensor,
                  s_tot: cute.Tensor, s_raw: cute.Tensor, s_first: cute.Tensor,
@@ -752,8 +799,9 @@ class EpDispatch:
             self._expand(lane, sub, per_source, s, channel, peers, here, streams, error, tokens,
                          scales, src_info, comb_rows, comb_weights, comb_tokens, max_tokens,
                          topk, local_experts, ranks, my_rank, shared, shared_begin, shared_end,
-                         msg_bytes, meta_word, payload_vectors, scales_offset, row_capacity,
-                         channels, ring_slots, chunk_tokens, ring_offset, counters_offset,
+                         descriptor_bytes, stage_bytes, stage_slots, payload_vectors,
+                         scales_offset, row_capacity, channels, ring_slots, chunk_tokens,
+                         ring_offset, staging_offset, counters_offset,
                          counters, timeout_ns, s_next, s_off, s_first, s_src, s_rows, s_wts,
                          rwarp, warp_copy, payload_bytes, blocks, scale_cols, rk, trace, tracing)
 
@@ -790,25 +838,32 @@ class EpDispatch:
                 streams: cute.Pointer, error: cute.Pointer, tokens: cute.Pointer,
                 scales: cute.Pointer, src_info: cute.Pointer, comb_rows: cute.Pointer,
                 comb_weights: cute.Pointer, comb_tokens: cute.Pointer, max_tokens, topk,
-                local_experts, ranks, my_rank, shared, shared_begin, shared_end, msg_bytes,
-                meta_word, payload_vectors, scales_offset, row_capacity, channels, ring_slots,
-                chunk_tokens, ring_offset, counters_offset, counters, timeout_ns,
-                s_next: cute.Tensor, s_off: cute.Tensor, s_first: cute.Tensor,
-                s_src: cute.Tensor, s_scratch: cute.Tensor, s_wts: cute.Tensor, rwarp,
-                warp_copy: cute.TiledCopy, payload_bytes, blocks, scale_cols, rk,
-                trace: cute.Pointer, tracing):
-        """One warp of source s: s's messages of this channel, a chunk at a time. Every warp of
-        s reads a chunk's metadata and places its rows (so each keeps the same next-row
-        counters); message m of the chunk is then copied by warp m % per_source."""
-        ring = ring_layout(msg_bytes, ring_slots, channels, ranks)
+                local_experts, ranks, my_rank, shared, shared_begin, shared_end,
+                descriptor_bytes, stage_bytes, stage_slots, payload_vectors, scales_offset,
+                row_capacity, channels, ring_slots, chunk_tokens, ring_offset, staging_offset,
+                counters_offset, counters, timeout_ns, s_next: cute.Tensor, s_off: cute.Tensor,
+                s_first: cute.Tensor, s_src: cute.Tensor, s_scratch: cute.Tensor,
+                s_wts: cute.Tensor, rwarp, warp_copy: cute.TiledCopy, payload_bytes, blocks,
+                scale_cols, rk, trace: cute.Pointer, tracing):
+        """One warp of source s: s's messages of this channel, a chunk at a time: as many as
+        have arrived, up to `chunk_tokens` (a source restages a slot only once its messages are
+        consumed, so waiting for a whole chunk could wait for it). The first warp of s decides
+        each chunk's size; every warp of s reads the chunk's descriptors and places its rows (so
+        each keeps the same next-row counters); message m of the chunk is then pulled from the
+        source's staging by warp m % per_source and stored to its rows."""
+        ring = ring_layout(descriptor_bytes, ring_slots, channels, ranks)
+        stage = staging_layout(stage_bytes, stage_slots, channels)
         meta = metadata_layout(topk)
+        words = DESCRIPTOR_META + meta.cosize()
         n = s_src[s]
         first_msg = s_src[MAX_RANKS + s]
+        chunk_at = 3 * MAX_RANKS + s  # s_src word holding the chunk size the first warp chose
         consumed = cute.arch.load(gmem_ptr(Int64, streams.toint() + Int64(
             counters((channel, s, HEADS, DISPATCH))) * 8, 8), Int64)
         tail_word = here + counters_offset + Int64(counters((channel, s, TAILS, DISPATCH))) * 8
         head_word = peers[s] + counters_offset + Int64(
             counters((channel, my_rank, HEADS, DISPATCH))) * 8
+        staging = peers[s] + staging_offset
         scratch = rwarp * SCRATCH
         wts = rwarp * MAX_CHUNK * MAX_TOPK
         next_at = rwarp * MAX_SEGMENTS
@@ -822,39 +877,56 @@ class EpDispatch:
         tail = consumed
         alive = Int32(1)
         waited = Int64(0)
-        for j0 in cutlass.range(0, n, chunk_tokens):
-            cnt = n - j0
-            if cnt > chunk_tokens:
-                cnt = chunk_tokens
+        j0 = Int32(0)
+        while j0 < n:
             p0 = consumed + Int64(j0)
-            if lane == 0 and tail < p0 + Int64(cnt) and alive != 0:
-                start = Int64(0)
-                if tracing != 0:
-                    start = cute.arch.globaltimer()
-                tail, alive = _wait_at_least(tail_word, p0 + Int64(cnt), timeout_ns, error, s,
-                                             Int32(PHASE_DISPATCH))
-                if tracing != 0:
-                    waited = waited + cute.arch.globaltimer() - start
-            alive = cute.arch.shuffle_sync(alive, 0)
-            if alive != 0:
-                # The chunk's metadata: ids, weights, source tokens (loads into shared memory,
-                # all in flight together).
+            cnt = Int32(0)
+            if sub == 0:
+                if lane == 0:
+                    if tail <= p0 and alive != 0:
+                        start = Int64(0)
+                        if tracing != 0:
+                            start = cute.arch.globaltimer()
+                        tail, alive = _wait_at_least(tail_word, p0 + 1, timeout_ns, error, s,
+                                                     Int32(PHASE_DISPATCH))
+                        if tracing != 0:
+                            waited = waited + cute.arch.globaltimer() - start
+                    cnt = Int32(cutlass.min(tail - p0, Int64(cutlass.min(chunk_tokens, n - j0))))
+                    if alive == 0:
+                        cnt = Int32(-1)
+                cnt = cute.arch.shuffle_sync(cnt, 0)
+            if per_source > 1:
+                if sub == 0 and lane == 0:
+                    s_src[chunk_at] = cnt
+                cute.arch.barrier(barrier_id=2 + s, number_of_threads=WARP * per_source)
+                cnt = s_src[chunk_at]
+            if cnt < 0:
+                j0 = n  # a rank timed out: the rest of this stream is given up
+            else:
+                # The chunk's descriptors: ids, weights, source tokens and staging slots (loads
+                # into shared memory, all in flight together).
                 for i in cutlass.range(lane, cnt * topk, WARP, unroll=4):
                     m = i // topk
                     k = i - m * topk
-                    msg = here + ring_offset + Int64(
+                    desc = here + ring_offset + Int64(
                         ring((0, Int32((p0 + Int64(m)) % Int64(ring_slots)), channel, s)))
-                    words = cute.make_tensor(gmem_ptr(Int32, msg, 16),
-                                             cute.make_layout(meta_word + meta.cosize()))
-                    s_scratch[scratch + IDS_AT + i] = words[meta_word + meta((k, IDS))]
+                    s_scratch[scratch + IDS_AT + i] = cute.make_tensor(
+                        gmem_ptr(Int32, desc, 16), cute.make_layout(words))[
+                        DESCRIPTOR_META + meta((k, IDS))]
                     s_wts[wts + i] = cute.make_tensor(
-                        gmem_ptr(Float32, msg, 16),
-                        cute.make_layout(meta_word + meta.cosize()))[meta_word + meta((k, WEIGHTS))]
+                        gmem_ptr(Float32, desc, 16), cute.make_layout(words))[
+                        DESCRIPTOR_META + meta((k, WEIGHTS))]
                 if lane < cnt:
-                    msg = here + ring_offset + Int64(
-                        ring((0, Int32((p0 + Int64(lane)) % Int64(ring_slots)), channel, s)))
-                    s_scratch[scratch + TOKS_AT + lane] = cute.make_tensor(
-                        gmem_ptr(Int32, msg, 16), cute.make_layout(meta_word))[meta_word - 1]
+                    desc = cute.make_tensor(gmem_ptr(Int32, here + ring_offset + Int64(ring(
+                        (0, Int32((p0 + Int64(lane)) % Int64(ring_slots)), channel, s))), 16),
+                        cute.make_layout(words))
+                    s_scratch[scratch + TOKS_AT + lane] = desc[DESCRIPTOR_TOKEN]
+                    slot_no = desc[DESCRIPTOR_STAGE]
+                    if slot_no < 0 or slot_no >= stage_slots:
+                        cute.arch.atomic_or(error_field(error, "bad_counts"),
+                                            Int32(ERROR_COUNTS), sem="relaxed", scope="gpu")
+                        slot_no = Int32(0)
+                    s_scratch[scratch + STAGE_AT + lane] = slot_no
                 cute.arch.sync_warp()
                 # Each (message, k)'s local segment: -1 for another rank's expert, an id
                 # outside the experts, or a later k naming an expert an earlier k named (the
@@ -898,8 +970,7 @@ class EpDispatch:
                                  comb_rows, comb_weights, comb_tokens, s_scratch, s_wts, scratch,
                                  wts)
                 for m in cutlass.range(sub, cnt, per_source):
-                    msg = here + ring_offset + Int64(
-                        ring((0, Int32((p0 + Int64(m)) % Int64(ring_slots)), channel, s)))
+                    msg = staging + Int64(stage((0, s_scratch[scratch + STAGE_AT + m], channel)))
                     rows_at = scratch + ROWS_AT + m * ROWS
                     g_src = cute.zipped_divide(cute.make_tensor(gmem_ptr(Uint8, msg, 16), layout),
                                                tiler)
@@ -923,15 +994,16 @@ class EpDispatch:
                     self._scales(lane, msg, scales, scales_offset, row_capacity, topk, blocks,
                                  scale_cols, rk, s_scratch, rows_at,
                                  scratch + SROWS_AT + m * ROWS)
-            # Credit back to the source once every warp of s is done with the chunk. Relaxed:
-            # every load from the chunk's slots has returned (its value is already in shared
-            # memory or stored to a row), so the source may overwrite them; a release would
-            # also wait until this warp's row stores are acknowledged, which the source does
-            # not need.
-            cute.arch.barrier(barrier_id=2 + s, number_of_threads=WARP * per_source)
-            if sub == 0 and lane == 0 and alive != 0:
-                cute.arch.store(gmem_ptr(Int64, head_word, 8), p0 + Int64(cnt), sem="relaxed",
-                                scope="sys")
+                # Credit back to the source once every warp of s is done with the chunk.
+                # Relaxed: every load from the chunk's descriptors and staged messages has
+                # returned (its value is already in shared memory or stored to a row), so the
+                # source may overwrite them; a release would also wait until this warp's row
+                # stores are acknowledged, which the source does not need.
+                cute.arch.barrier(barrier_id=2 + s, number_of_threads=WARP * per_source)
+                if sub == 0 and lane == 0:
+                    cute.arch.store(gmem_ptr(Int64, head_word, 8), p0 + Int64(cnt),
+                                    sem="relaxed", scope="sys")
+                j0 = j0 + cnt
         if sub == 0 and lane == 0:
             cute.arch.store(gmem_ptr(Int64, streams.toint() + Int64(
                 counters((channel, s, HEADS, DISPATCH))) * 8, 8), consumed + Int64(n))

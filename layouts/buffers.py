@@ -3,8 +3,9 @@
 `EPConfig` holds the parameters (H, K, E, R, max_tokens_per_rank, format, fused shared expert)
 and checks them; the functions below derive each buffer from it:
 
-- peer-visible (written by other ranks over NVLink): the rings, counts and counters of
-  dispatch and combine (`layouts.channels`, sized by the channels, not the tokens);
+- peer-visible (read or written by other ranks over NVLink): dispatch's staging and
+  descriptor rings, combine's rings, the counts and counters (`layouts.channels`, sized by the
+  channels, not the tokens);
 - local: the dispatch send buffer (fp8 / nvfp4 messages, quantized once), the dispatch round,
   the stream positions, the error record;
 - dispatch outputs: expert-grouped rows, scales, row_offsets, expert_ids, src_info, counts.
@@ -198,7 +199,8 @@ def buffer_sizes(cfg: EPConfig, channels: int = DEFAULT_CHANNELS) -> dict[str, d
 
 
 def peer_visible_bytes(cfg: EPConfig, channels: int = DEFAULT_CHANNELS) -> int:
-    """Peer-visible bytes one rank maps: the rings, counts and counters of its channels."""
+    """Peer-visible bytes one rank maps: the staging, rings, counts and counters of its
+    channels."""
     return ChannelGeometry(cfg, channels).peer_offsets()["total"]
 
 

@@ -2,15 +2,25 @@
 by `max_tokens_per_rank`.
 
 A layer runs on `channels` persistent CTAs per rank (the SM budget). Channel c of a source owns
-a contiguous run of that source's tokens and streams their messages to every destination rank
-into that destination's ring (c, source): `ring_chunks` chunks of `chunk_tokens` message slots.
-The source publishes progress in the destination's `tails[c, source]` (messages written, counted
-across rounds, so nothing is reset between layers); the destination's receiver returns credit in
-the source's `heads[c, destination]` (messages consumed). A sender may write message m of a
-channel only when m - head < ring slots, so the ring is reused as many times as the round needs.
-Combine sends expert outputs back through rings of bf16 rows of the same shape, in the order
-dispatch delivered the messages (a weighted combine one row per message, an unreduced one a row
-per expert of the message that lives there), so it needs no counts of its own.
+a contiguous run of that source's tokens. Dispatch **stages** each of them once in the source's
+own peer-visible memory (`staging_layout`: a ring of `stage_batches` batches of
+STAGE_BATCH_TOKENS message slots per channel) and writes, per destination rank the token routes
+to, a small **descriptor** (source token, staging slot, K expert ids, K weights) into that
+destination's ring (c, source): `ring_chunks` chunks of `chunk_tokens` descriptor slots. The
+destination reads the payload from the source's staging over NVLink and stores it straight into
+its expert rows: each token crosses NVLink once per destination rank, as before, but the
+source's SMs write it once (locally) instead of once per destination, and the receivers' loads,
+many in flight, move the bytes.
+
+The source publishes progress in the destination's `tails[c, source]` (descriptors written,
+counted across rounds, so nothing is reset between layers); the destination's receiver returns
+credit in the source's `heads[c, destination]` (messages consumed: descriptors read and staged
+payloads loaded). A sender may write descriptor m of a channel only when m - head < ring slots,
+and may restage a slot only when every destination it went to has consumed it, so both rings
+are reused as many times as the round needs. Combine sends expert outputs back through rings of
+bf16 rows of the same shape, in the order dispatch delivered the messages (a weighted combine
+one row per message, an unreduced one a row per expert of the message that lives there), so it
+needs no counts of its own.
 
 Before any message, each channel tells every destination what it will send this round: the
 `counts` entries (entry 0 the messages, entry 1 + g the rows for segment g) of
@@ -20,8 +30,8 @@ row order is fixed before the data arrives and each message lands in its rows as
 
 Every function of a layout here also takes DSL integers, so a kernel evaluates the same layout.
 
-Peer-visible bytes per rank = channels x ranks x ring slots x (message + combine row) + counts +
-counters, independent of how many tokens a rank holds.
+Peer-visible bytes per rank = channels x (stage slots x staged message + ranks x ring slots x
+(descriptor + combine row)) + counts + counters, independent of how many tokens a rank holds.
 """
 
 from __future__ import annotations
@@ -30,13 +40,16 @@ from dataclasses import dataclass
 
 from layouts.algebra import Layout, align_up
 from layouts.config import EPConfig
-from layouts.formats import ALIGN
+from layouts.formats import ALIGN, descriptor_bytes
 
 DEFAULT_CHANNELS = 24  # the SM budget engines give communication (see cute_ep.ep)
 COUNTER_BYTES = 8  # a 64-bit message count, written with a release store
 PARITIES = 2  # counts of round n and n + 1 live side by side (see `counts_layout`)
 DISPATCH, COMBINE = 0, 1  # the phase mode of `counters_layout`
 TAILS, HEADS = 0, 1  # the kind mode of `counters_layout`
+# Tokens a dispatch channel's sender warps route and stage together (a batch); tails are
+# published per batch, and a staging slot is reused a whole batch at a time.
+STAGE_BATCH_TOKENS = 16
 
 
 def ring_layout(item_bytes, slots, channels, ranks) -> Layout:
@@ -44,6 +57,11 @@ def ring_layout(item_bytes, slots, channels, ranks) -> Layout:
     items per (channel, peer)."""
     return Layout((item_bytes, slots, channels, ranks),
                   (1, item_bytes, item_bytes * slots, item_bytes * slots * channels))
+
+
+def staging_layout(item_bytes, slots, channels) -> Layout:
+    """(byte, slot, channel) -> byte offset of a rank's staged messages: `slots` per channel."""
+    return Layout((item_bytes, slots, channels), (1, item_bytes, item_bytes * slots))
 
 
 def counts_layout(entries, channels, ranks) -> Layout:
@@ -103,15 +121,24 @@ class ChannelGeometry:
     channels: int
     chunk_tokens: int = 8
     ring_chunks: int = 4
+    stage_batches: int = 8
 
     def __post_init__(self):
-        for name in ("channels", "chunk_tokens", "ring_chunks"):
+        for name in ("channels", "chunk_tokens", "ring_chunks", "stage_batches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
 
     @property
     def ring_slots(self) -> int:
         return self.chunk_tokens * self.ring_chunks
+
+    @property
+    def stage_slots(self) -> int:
+        return STAGE_BATCH_TOKENS * self.stage_batches
+
+    @property
+    def descriptor_bytes(self) -> int:
+        return descriptor_bytes(self.cfg.topk)
 
     @property
     def combine_row_bytes(self) -> int:
@@ -122,8 +149,12 @@ class ChannelGeometry:
         return 1 + self.cfg.segments
 
     def dispatch_ring(self) -> Layout:
-        """(message byte, slot, channel, source) -> byte offset in the dispatch rings."""
-        return ring_layout(self.cfg.message.size, self.ring_slots, self.channels, self.cfg.ranks)
+        """(descriptor byte, slot, channel, source) -> byte offset in the dispatch rings."""
+        return ring_layout(self.descriptor_bytes, self.ring_slots, self.channels, self.cfg.ranks)
+
+    def staging(self) -> Layout:
+        """(staged message byte, slot, channel) -> byte offset in this rank's staging."""
+        return staging_layout(self.cfg.message.staged_bytes, self.stage_slots, self.channels)
 
     def combine_ring(self) -> Layout:
         """(row byte, slot, channel, source) -> byte offset in the combine rings."""
@@ -142,6 +173,7 @@ class ChannelGeometry:
     def peer_bytes(self) -> dict[str, int]:
         """Peer-visible bytes per rank, by part, in the order `peer_offsets` places them."""
         return {
+            "staging": align_up(self.staging().cosize(), ALIGN),
             "dispatch_rings": align_up(self.dispatch_ring().cosize(), ALIGN),
             "combine_rings": align_up(self.combine_ring().cosize(), ALIGN),
             "counts": align_up(self.counts().cosize() * 4, ALIGN),

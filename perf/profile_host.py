@@ -2,6 +2,7 @@
 
     python perf/profile_host.py [--ranks 2] [--tokens 4096] [--format bf16] [--calls 200]
                                 [--json FILE]
+    python perf/profile_host.py --launch-cost [--json FILE]
 
 Every rank of the layer is emulated on this GPU (`Buffer.emulated`, a stream per rank), so the
 host path is exactly the one a multi-GPU run takes. Each round launches every rank's dispatch
@@ -9,6 +10,11 @@ and then its combine, timing each Python call from entry to return (the GPU work
 and waits for the round. Prints the median host time per call (rounds without the profiler),
 then the functions that took the most of it (cProfile over as many more rounds, self time
 first).
+
+`--launch-cost` instead times single host steps in bursts of 32 after a synchronisation (far
+below the launch queue's depth, so no call waits for the GPU): a torch kernel (`add_` on one
+element), `torch.empty`, `Kernel.launch` (the checked path) and a bound `Launcher` call (the
+path `Buffer` takes) of the same tiny `block_memcpy`.
 """
 
 import argparse
@@ -49,6 +55,36 @@ def _round(bufs, streams, calls, y, times):
     torch.cuda.synchronize()
 
 
+def _burst_us(fn, n=32, reps=40):
+    """Median and least host microseconds per call of `fn` over `reps` bursts of `n` calls."""
+    per = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(n):
+            fn()
+        per.append((time.perf_counter() - start) / n * 1e6)
+    return statistics.median(per), min(per)
+
+
+def launch_cost() -> dict:
+    from cute_ep.runtime.launch import runtime
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    kernel = runtime().select("block_memcpy", dev)
+    src = torch.zeros(16, dtype=torch.uint8, device=dev)
+    dst = torch.zeros_like(src)
+    bound = kernel.bind(tuple(p.name for p in kernel.spec.params))
+    one = torch.zeros(1, device=dev)
+    steps = {
+        "torch add_ (one element)": lambda: one.add_(1),
+        "torch.empty (1 MiB)": lambda: torch.empty(1 << 20, dtype=torch.uint8, device=dev),
+        "Kernel.launch (checked)": lambda: kernel.launch(dst, src, 1),
+        "bound Launcher call": lambda: bound(dst.data_ptr(), src.data_ptr(), 1),
+    }
+    return {name: [_burst_us(fn) for _ in range(3)] for name, fn in steps.items()}
+
+
 def main():
     from cute_ep.ep import Buffer
     from layouts import EPConfig
@@ -62,7 +98,23 @@ def main():
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--json", default=None, help="write the medians and quantiles here")
+    parser.add_argument("--launch-cost", action="store_true",
+                        help="time single host steps (a launch, an allocation) instead")
     args = parser.parse_args()
+    if args.launch_cost:
+        costs = launch_cost()
+        table = Table(title="host us per call, bursts of 32 (median, least) x 3 runs")
+        table.add_column("step")
+        table.add_column("us")
+        for name, runs in costs.items():
+            table.add_row(name, "  ".join(f"{m:.1f} ({lo:.1f})" for m, lo in runs))
+        Console().print(table)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"date": time.strftime("%Y-%m-%d"),
+                           "device": torch.cuda.get_device_name(),
+                           "us_median_least": costs}, f, indent=1)
+        return
     if args.calls < 10:
         raise SystemExit("--calls: at least 10")
 

@@ -20,7 +20,8 @@ Figures, each with its formula in the output:
 - DeepEP's metric: received token rows, own rank included, x bytes per token row / time, with
   bytes per token row = payload + scales (BF16 2H, FP8 H + 4H/128, NVFP4 H/2 + H/16);
   combine: the same rows x 2H / time;
-- NVLink bytes actually sent by this GPU / time (whole messages, metadata included).
+- NVLink bytes this GPU's tokens put on the links / time (per message to a peer: the staged
+  payload and scales the peer pulls, and the descriptor written into its ring).
 
 The launching process prints rich tables (the slowest rank's figure for each cell) and writes a JSON record
 (device, GPU count, library version, config, every rank's numbers) under `--out`.
@@ -217,7 +218,10 @@ def _throughput(rank, world, args, fmt, budgets, flush) -> dict:
             "sms": sms or "all", **t,
             "received_tokens": received, "rows": rows, "token_bytes": token_bytes,
             "dispatch_deepep_gbps": received * token_bytes / t["dispatch_us"] / 1e3,
-            "dispatch_nvlink_gbps": sent_peers * msg.size / t["dispatch_us"] / 1e3,
+            # What crosses NVLink per message: the staged payload and scales a destination
+            # pulls, and the descriptor the source writes into its ring.
+            "dispatch_nvlink_gbps": sent_peers * (msg.staged_bytes + buf.geo.descriptor_bytes)
+            / t["dispatch_us"] / 1e3,
             "combine_deepep_gbps": received * 2 * cfg.hidden / t["combine_us"] / 1e3,
             "combine_nvlink_gbps": from_peers * 2 * cfg.hidden / t["combine_us"] / 1e3,
             "ctas": _ctas(buf, args.tokens),
@@ -487,7 +491,8 @@ def _print(record, formats) -> None:
     _print_traces(console, record, formats)
     console.print("DeepEP GB/s = received token rows (own rank included) x bytes per token row "
                   "(payload + scales) / time; combine: the same rows x 2H / time. NVLink GB/s = "
-                  "bytes this GPU sent to other GPUs (whole messages) / time. NCCL a2a: "
+                  "bytes of this GPU's tokens that crossed to other GPUs (dispatch: staged "
+                  "payload + scales and the descriptor per message) / time. NCCL a2a: "
                   "all_to_all_single of the same token bytes; P2P copy: copy-engine copies of "
                   "this GPU's outgoing message bytes into every peer at once.")
 

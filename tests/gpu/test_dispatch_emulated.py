@@ -255,3 +255,22 @@ def test_prequantized_fp8_input_is_checked():
     bf16 = Buffer.emulated(EPConfig(1024, 4, 8, 1, 64, "bf16"), timeout_s=5.0, sms=2)[0]
     with pytest.raises(TypeError, match="only for an fp8 Buffer"):
         bf16.dispatch((codes, scales), ids)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
+@pytest.mark.parametrize("ranks,sms", [(2, 4), (4, 6)])
+def test_tiny_staging_and_rings_wrap_on_every_batch(fmt, ranks, sms):
+    """One staging batch (16 slots a channel) and two chunks of descriptor slots: a sender
+    restages after every batch only once each destination consumed the last one, and a
+    receiver takes whatever part of a chunk has arrived, so neither waits on the other."""
+    from cute_ep.ep import Buffer
+    from layouts import EPConfig
+
+    cfg = EPConfig(1024, 8, 8 * ranks, ranks, 512, fmt)
+    bufs = Buffer.emulated(cfg, timeout_s=20.0, sms=sms, stage_batches=1, chunk_tokens=8,
+                           ring_chunks=2)
+    seed = 100 * ranks
+    for tokens in ([512] * ranks, [(1, 17, 300, 512)[r % 4] for r in range(ranks)]):
+        seed += 1
+        _layer(bufs, seed, tokens)
+    _layer(bufs, seed + 1, [400] * ranks, "hot")

@@ -14,18 +14,30 @@ from .conftest import MODELS
 def test_rings_against_the_formula(fmt, ranks, rng):
     cfg = EPConfig(7168, 8, 256, ranks, 4096, fmt)
     geo = ChannelGeometry(cfg, channels=24)
-    msg, slots, row = cfg.message.size, geo.ring_slots, 2 * cfg.hidden
+    slots, row = geo.ring_slots, 2 * cfg.hidden
+    # A descriptor: source token, staging slot, then K ids and K weights, 16-byte aligned.
+    desc = -(-(4 * (2 + 2 * cfg.topk)) // 16) * 16
+    # A staged message: payload and scales (no metadata), 16-byte aligned.
+    payload = {"bf16": 2 * cfg.hidden, "fp8": cfg.hidden, "nvfp4": cfg.hidden // 2}[fmt]
+    scales = {"bf16": 0, "fp8": cfg.hidden // 128 * 4, "nvfp4": cfg.hidden // 16}[fmt]
+    staged = -(-payload // 16) * 16 + -(-scales // 16) * 16
+    assert geo.descriptor_bytes == desc and cfg.message.staged_bytes == staged
     ring, back, counters = geo.dispatch_ring(), geo.combine_ring(), geo.counters()
+    staging = geo.staging()
+    assert geo.stage_slots == 16 * geo.stage_batches
     for _ in range(500):
         s, c, src = rng.randrange(slots), rng.randrange(24), rng.randrange(ranks)
-        b = rng.randrange(msg)
-        assert ring((b, s, c, src)) == ((src * 24 + c) * slots + s) * msg + b
+        b = rng.randrange(desc)
+        assert ring((b, s, c, src)) == ((src * 24 + c) * slots + s) * desc + b
+        slot, b = rng.randrange(geo.stage_slots), rng.randrange(staged)
+        assert staging((b, slot, c)) == (c * geo.stage_slots + slot) * staged + b
         b = rng.randrange(row)
         assert back((b, s, c, src)) == ((src * 24 + c) * slots + s) * row + b
         kind, phase = rng.randrange(2), rng.randrange(2)
         assert counters((c, src, kind, phase)) == ((phase * 2 + kind) * ranks + src) * 24 + c
     assert sorted(counters.offsets()) == list(range(24 * ranks * 4))
     assert geo.peer_bytes()["counters"] == 24 * ranks * 4 * COUNTER_BYTES
+    assert geo.peer_bytes()["staging"] == 24 * geo.stage_slots * staged
 
 
 @pytest.mark.parametrize("name,hidden,topk,experts", MODELS)
