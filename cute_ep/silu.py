@@ -18,11 +18,15 @@ from cute_ep.runtime.launch import check_tensor, device_arch, runtime
 __all__ = ["fused_silu", "fused_silu_fp8", "fused_silu_nvfp4", "fused_silu_mxfp4"]
 
 _E2M1 = {"sm_90a": "software", "sm_100a": "hardware"}
-_VECTOR = {"bf16": 8, "fp8": 128, "nvfp4": 16, "mxfp4": 32}
+_VECTOR = {"bf16": 8, "fp8": 128, "nvfp4": 16, "mxfp4": 32, "fp32": 8}
 _FAMILY = {"bf16": "fused_silu", "fp8": "fused_silu_fp8", "nvfp4": "fused_silu_nvfp4",
-           "mxfp4": "fused_silu_mxfp4"}
+           "mxfp4": "fused_silu_mxfp4", "fp32": "fused_silu_fp32"}
 _GRID_PER_SM = 8
-_THREADS = 256  # the SwiGLU kernels' CTA size (kernels/silu.py)
+_TABLE_THREADS = 1024  # the gate-table kernels' CTA size, one CTA per SM
+# Kernel layouts (`_layout`) as config fields of the quantized outputs.
+_LAYOUTS = {"thread": {"rows_per_warp": False, "table": False},
+            "warp": {"rows_per_warp": True, "table": False},
+            "table": {"rows_per_warp": True, "table": True}}
 
 
 def fused_silu(x: torch.Tensor, row_offsets: torch.Tensor | None = None, *,
@@ -124,12 +128,15 @@ def _prepare(out_format, x, row_offsets) -> tuple[torch.Tensor, int]:
     return segment_offsets(row_offsets, x.shape[0], x.device)
 
 
-def _rows_per_warp(scale_rows: int, sms: int) -> bool:
-    """The FP4 kernels' layout: a warp per scale row once there are as many scale rows as the
-    grid has warps (fewer would leave warps idle while each walks a whole row; measured at base
-    clocks, H200, I = 7168: 8192 rows 155 vs 163 us NVFP4, 256 rows 53 vs 14 us), else a thread
-    per scale block."""
-    return scale_rows >= _GRID_PER_SM * sms * _THREADS // 32
+def _layout(rows: int, sms: int) -> str:
+    """The quantized kernels' layout for `rows` (scale rows for FP4): "table" once every warp of
+    a CTA-per-SM grid has a row (a gate table per CTA, filled once, in place of an `expf` and a
+    division per element; FP4 with a warp per scale row and a lane pair per block), else
+    "thread" (a thread per block, the activation by the formula): a warp walking a whole row
+    leaves the GPU idle on small inputs (measured at base clocks, H200, I = 7168: 256 rows
+    53 us a warp per row, 14 us a thread per block). "warp" (a warp per row without the table)
+    stays in the library for tests."""
+    return "table" if rows >= sms * _TABLE_THREADS // 32 else "thread"
 
 
 def _launch(out_format, x, row_offsets, interleaved, out, scales=None, *, input_scales=None,
@@ -141,15 +148,20 @@ def _launch(out_format, x, row_offsets, interleaved, out, scales=None, *, input_
     fields = {"interleaved": bool(interleaved),
               "activation": "silu" if activation_params is None else "swiglu_oai"}
     sms = torch.cuda.get_device_properties(device).multi_processor_count
+    layout = "thread"
+    if out_format != "bf16":
+        layout = _layout(work_rows or m, sms)
+        fields["table"] = _LAYOUTS[layout]["table"]
     if out_format in ("nvfp4", "mxfp4"):
         fields["e2m1"] = _E2M1[device_arch(device)]
-        fields["rows_per_warp"] = _rows_per_warp(work_rows or m, sms)
+        fields["rows_per_warp"] = _LAYOUTS[layout]["rows_per_warp"]
     kernel = runtime().select(_FAMILY[out_format], device, **fields)
     if segments > kernel.spec.sizes["max_segments"]:
         raise ValueError(f"at most {kernel.spec.sizes['max_segments']} segments, got {segments}")
     placeholder = torch.empty(4, dtype=torch.float32, device=device)  # never read
     items = -(-((work_rows or m) * i) // kernel.spec.sizes["vector"])
-    grid = max(1, min(-(-items // kernel.spec.block[0]), _GRID_PER_SM * sms))
+    per_sm = 1 if layout == "table" else _GRID_PER_SM
+    grid = max(1, min(-(-items // kernel.spec.block[0]), per_sm * sms))
     kernel.launch(x, row_offsets, placeholder if input_scales is None else input_scales,
                   placeholder if activation_params is None else activation_params, out,
                   placeholder.view(torch.uint8) if scales is None else scales, segments, i,

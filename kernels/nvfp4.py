@@ -143,11 +143,13 @@ def e2m1_word(values: list, signs: list, *, loc=None, ip=None) -> Int32:
 
 @cute.jit
 def e2m1_words(vals: cute.Tensor, gs: Float32, sf: Float32, amax: Float32, usable,
-               words: cute.Tensor, e2m1: cutlass.Constexpr, divide: cutlass.Constexpr = True):
+               words: cute.Tensor, e2m1: cutlass.Constexpr, divide: cutlass.Constexpr = True,
+               r: Float32 = Float32(0.0), given_r: cutlass.Constexpr = False):
     """words[w] = the 8 e2m1 codes of `(vals[8w + i] * gs) / sf` (correctly rounded fp32
     multiply and divide), element 2i in the low nibble of byte i; all zero unless `usable`
     (then gs > 0 and sf > 0). `amax`: the largest |vals|. `divide=False` (MXFP4, whose scale is a
-    power of two folded into gs): `vals * gs` alone. `e2m1`: "software" | "hardware".
+    power of two folded into gs): `vals * gs` alone. `e2m1`: "software" | "hardware". `given_r`: `r` is RN(1 / sf) already
+    (else it is computed here).
 
     The division is `kernels.division.divide_once` with one reciprocal per block (sf is an e4m3
     value) unless `gs * amax` exceeds FAST_LIMIT (or is not a number), where `/` runs instead."""
@@ -157,7 +159,9 @@ def e2m1_words(vals: cute.Tensor, gs: Float32, sf: Float32, amax: Float32, usabl
         if cutlass.const_expr(not divide):
             _encode_words(vals, gs, sf, Float32(0.0), words, e2m1, "none")
         elif gs * amax <= Float32(FAST_LIMIT):
-            _encode_words(vals, gs, sf, Float32(1.0) / sf, words, e2m1, "reciprocal")
+            if cutlass.const_expr(not given_r):
+                r = Float32(1.0) / sf
+            _encode_words(vals, gs, sf, r, words, e2m1, "reciprocal")
         else:
             _encode_words(vals, gs, sf, Float32(0.0), words, e2m1, "true")
 

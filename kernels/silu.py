@@ -23,6 +23,12 @@ Outputs (one kernel family each, config `interleaved`, plus the e2m1 encoder for
   is the smallest power of two >= fp32(amax / 6) (round-up, "RCEIL": no element saturates past
   6 because of the scale), clamped to [2^-127, 2^127]; a NaN block gets 0xFF. `q = e2m1(z / 2^e)`.
 
+- `fused_silu_fp32`: the fp32 `z` itself, 8 elements per thread (what the tests check the gate
+  table with).
+
+Quantized outputs and fp32 come with `table`: the gate's activation from a shared-memory table
+of every bf16 gate the CTA fills once (`kernels.gate_table`), one CTA of `TABLE_THREADS` per SM.
+
 For the FP4 outputs each segment starts on a fresh 128-row scale block and the grid walks *scale
 rows* x padded scale columns, writing zero scale bytes for padding in the same pass. Codes are
 0 for a block whose scale is not a positive number (all-zero, underflowed or NaN blocks).
@@ -33,6 +39,8 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Boolean, Float8E4M3FN, Float32, Int32, Int64, Uint8
 
 from kernels.fp8 import scale_fp8_block
+from kernels.gate_table import (ENTRIES, TABLE_BYTES, fill_gate_table, lookup_gate, oai_gate,
+                                silu_gate, table_base)
 from kernels.nvfp4 import (bits_f32, cvt_e4m3_byte, e2m1_words, e4m3_byte_to_f32, f32_bits,
                            load_segment_blocks)
 from kernels.memory import scale_offset
@@ -40,17 +48,19 @@ from kernels.scan import WARP
 from layouts.abi import GridRule, KernelSpec, Param
 
 FAMILIES = {"bf16": "fused_silu", "fp8": "fused_silu_fp8", "nvfp4": "fused_silu_nvfp4",
-            "mxfp4": "fused_silu_mxfp4"}
+            "mxfp4": "fused_silu_mxfp4", "fp32": "fused_silu_fp32"}
 # Output elements per thread, and elements per scale.
-VECTOR = {"bf16": 8, "fp8": 16, "nvfp4": 16, "mxfp4": 32}
+VECTOR = {"bf16": 8, "fp8": 16, "nvfp4": 16, "mxfp4": 32, "fp32": 8}
 # FP4 with a warp per scale row (`rows_per_warp`): a lane pair per scale block.
 PAIR_VECTOR = {"nvfp4": 8, "mxfp4": 16}
 FP4_LANES = 2
-BLOCK = {"bf16": 1, "fp8": 128, "nvfp4": 16, "mxfp4": 32}
+BLOCK = {"bf16": 1, "fp8": 128, "nvfp4": 16, "mxfp4": 32, "fp32": 1}
 ATOM_ROWS = 128
 MAX_SEGMENTS = 272
 SEARCH_STEPS = (256, 128, 64, 32, 16, 8, 4, 2, 1)  # covers MAX_SEGMENTS
 SMEM_ENTRIES = 544  # a probe at pos + 256 stays inside
+TABLE_THREADS = 1024  # the gate-table kernels' CTA: one per SM fills the table once
+E4M3_CODES = 128  # non-negative e4m3 codes: NVFP4's (scale, 1 / scale) table with the gate table
 
 
 def _ptr(dtype, addr, align):
@@ -105,10 +115,12 @@ def _segment_of(s_start: cute.Tensor, num_segments, block_row) -> Int32:
 
 class FusedSilu:
     def __init__(self, out: str, interleaved: bool, activation: str = "silu",
-                 e2m1: str | None = None, threads: int = 256, rows_per_warp: bool = False):
+                 e2m1: str | None = None, threads: int = 256, rows_per_warp: bool = False,
+                 table: bool = False):
         """`rows_per_warp` (FP4 only): a warp per scale row and a lane pair per scale block,
         for inputs of at least as many scale rows as the grid has warps; otherwise a thread per
-        scale block."""
+        scale block. `table` (quantized outputs): the gate's activation from a shared-memory
+        table each CTA fills once (`kernels.gate_table`), for inputs large enough to repay it."""
         if out not in FAMILIES:
             raise ValueError(f"out must be one of {sorted(FAMILIES)}, got {out!r}")
         if activation not in ("silu", "swiglu_oai"):
@@ -124,7 +136,10 @@ class FusedSilu:
         self.threads = threads
         if rows_per_warp and not fp4:
             raise ValueError(f"{out}: rows_per_warp is for the FP4 outputs")
+        if table and out == "bf16":
+            raise ValueError("table is for the quantized outputs")
         self.rows_per_warp = bool(rows_per_warp)
+        self.table = bool(table)
         self.vector = PAIR_VECTOR[out] if rows_per_warp else VECTOR[out]
         self.fp4 = fp4
         if fp4:
@@ -133,6 +148,8 @@ class FusedSilu:
     def spec(self) -> KernelSpec:
         config = {"interleaved": self.interleaved, "activation": self.activation,
                   "threads": self.threads}
+        if self.out != "bf16":
+            config["table"] = self.table
         if self.fp4:
             config["e2m1"] = self.e2m1
             config["rows_per_warp"] = self.rows_per_warp
@@ -160,7 +177,10 @@ class FusedSilu:
 
     @property
     def smem_bytes(self) -> int:
-        return 2 * SMEM_ENTRIES * 4 + 64 if self.fp4 else 0
+        size = 2 * SMEM_ENTRIES * 4 + 64 if self.fp4 else 0
+        if self.table:
+            size += TABLE_BYTES + (E4M3_CODES * 8 if self.out == "nvfp4" else 0) + 16
+        return size
 
     @cute.jit
     def __call__(self, x: cute.Pointer, row_offsets: cute.Pointer, input_scales: cute.Pointer,
@@ -186,32 +206,48 @@ class FusedSilu:
             alpha = act[1]
         vecs = intermediate // self.vector
         stride = grid_ctas * self.threads
+        smem = cutlass.memory.SmemAllocator()
+        gates = Int32(0)
+        recips = None
+        if cutlass.const_expr(self.table):
+            table = smem.allocate_tensor(Float32, cute.make_layout(2 * ENTRIES),
+                                         byte_alignment=16)
+            if cutlass.const_expr(self.out == "nvfp4"):
+                recips = smem.allocate_tensor(Float32, cute.make_layout(2 * E4M3_CODES),
+                                              byte_alignment=16)
+                for b in cutlass.range(tidx, E4M3_CODES, self.threads):
+                    sf = e4m3_byte_to_f32(b)
+                    recips[2 * b] = sf
+                    recips[2 * b + 1] = Float32(1.0) / sf
+            fill_gate_table(table, self.activation, limit, alpha, tidx, self.threads)
+            gates = table_base(table)
         if cutlass.const_expr(not self.fp4):
             rows = cute.make_tensor(row_offsets, cute.make_layout(num_segments + 1))[num_segments]
             total = rows * vecs
             # Warp-uniform trip counts: FP8's 8-lane amax shuffles need every lane present.
             padded = (total + WARP - 1) // WARP * WARP
             for item in cutlass.range(bidx * self.threads + tidx, padded, stride):
+                row = item // vecs
+                v = item - row * vecs
+                raw = self._load(x, row, v, intermediate, item < total)
                 if item < total:
-                    row = item // vecs
-                    v = item - row * vecs
-                    self._row_vector(x, out, scales, row, v, intermediate, scale_stride, limit,
-                                     alpha, Float32(1.0), Boolean(True))
+                    self._row_vector(out, scales, row, v, intermediate, scale_stride, limit,
+                                     alpha, Float32(1.0), Boolean(True), gates, recips, raw)
                 elif cutlass.const_expr(self.out == "fp8"):
-                    self._row_vector(x, out, scales, Int32(0), Int32(0), intermediate,
-                                     scale_stride, limit, alpha, Float32(1.0), Boolean(False))
+                    self._row_vector(out, scales, Int32(0), Int32(0), intermediate,
+                                     scale_stride, limit, alpha, Float32(1.0), Boolean(False),
+                                     gates, recips, raw)
         else:
-            self._fp4(x, row_offsets, input_scales, out, scales, num_segments, intermediate,
-                      limit, alpha, tidx, bidx, stride)
+            self._fp4(smem, x, row_offsets, input_scales, out, scales, num_segments,
+                      intermediate, limit, alpha, tidx, bidx, stride, gates, recips)
 
     @cute.jit
-    def _fp4(self, x, row_offsets, input_scales, out, scales, num_segments, intermediate, limit,
-             alpha, tidx, bidx, stride):
+    def _fp4(self, smem, x, row_offsets, input_scales, out, scales, num_segments, intermediate,
+             limit, alpha, tidx, bidx, stride, gates, recips):
         """The grid walks scale rows (units) x padded scale columns: a thread per scale block
         (item), or with `rows_per_warp` a warp per scale row (its segment found once) and a
         lane pair per block (the pair's amax by one shuffle); the block's first lane writes its
         scale byte, zero for padding rows and columns."""
-        smem = cutlass.memory.SmemAllocator()
         s_off = smem.allocate_tensor(Int32, cute.make_layout(SMEM_ENTRIES), byte_alignment=16)
         s_start = smem.allocate_tensor(Int32, cute.make_layout(SMEM_ENTRIES), byte_alignment=16)
         load_segment_blocks(row_offsets, num_segments, s_off, s_start, tidx, self.threads)
@@ -237,8 +273,9 @@ class FusedSilu:
                 for h in cutlass.range(lane, span, WARP):
                     kb = h // FP4_LANES
                     valid = live and kb < blocks
-                    byte = self._row_vector(x, out, scales, row, h, intermediate, Int32(0),
-                                            limit, alpha, gs, valid)
+                    raw = self._load(x, row, h, intermediate, valid)
+                    byte = self._row_vector(out, scales, row, h, intermediate, Int32(0),
+                                            limit, alpha, gs, valid, gates, recips, raw)
                     if not valid:
                         byte = Int32(0)  # padding rows and columns
                     if h % FP4_LANES == 0 and kb < cols:
@@ -259,69 +296,109 @@ class FusedSilu:
                     if cutlass.const_expr(self.out == "nvfp4"):
                         gs = cute.make_tensor(input_scales,
                                               cute.make_layout(num_segments))[seg]
-                    byte = self._row_vector(x, out, scales, s_off[seg] + local, kb,
+                    raw = self._load(x, s_off[seg] + local, kb, intermediate, Boolean(True))
+                    byte = self._row_vector(out, scales, s_off[seg] + local, kb,
                                             intermediate, Int32(0), limit, alpha, gs,
-                                            Boolean(True))
+                                            Boolean(True), gates, recips, raw)
                 at = scale_offset(unit, kb, rk)
                 cute.make_tensor(_ptr(Uint8, scales.toint() + at, 1),
                                  cute.make_layout(1))[0] = Uint8(byte)
 
     @cute.jit
-    def _activation(self, x: cute.Pointer, row, v, intermediate, limit, alpha, z: cute.Tensor):
-        """z[i] = activation of output element v * VECTOR + i of `row`."""
+    def _load(self, x: cute.Pointer, row, v, intermediate, valid):
+        """The bf16 inputs of output vector v of `row`, loaded if `valid` (else left unset and
+        never read): (gate, up) of `vector` values each, or (the interleaved pairs, an unused
+        tensor)."""
         n = self.vector
         width = Int64(2 * intermediate)
+        if cutlass.const_expr(self.interleaved):
+            a = cute.make_rmem_tensor(cute.make_layout(2 * n), BFloat16)
+            b = cute.make_rmem_tensor(cute.make_layout(1), BFloat16)
+            if valid:
+                cute.autovec_copy(cute.make_tensor(
+                    _ptr(BFloat16, x.toint() + (Int64(row) * width + Int64(v) * 2 * n) * 2, 16),
+                    cute.make_layout(2 * n)), a)
+        else:
+            a = cute.make_rmem_tensor(cute.make_layout(n), BFloat16)
+            b = cute.make_rmem_tensor(cute.make_layout(n), BFloat16)
+            if valid:
+                cute.autovec_copy(cute.make_tensor(
+                    _ptr(BFloat16, x.toint() + (Int64(row) * width + Int64(v) * n) * 2, 16),
+                    cute.make_layout(n)), a)
+                cute.autovec_copy(cute.make_tensor(
+                    _ptr(BFloat16, x.toint() + (Int64(row) * width + Int64(intermediate)
+                                                + Int64(v) * n) * 2, 16),
+                    cute.make_layout(n)), b)
+        return a, b
+
+    @cute.jit
+    def _activation(self, raw, limit, alpha, z: cute.Tensor, gates):
+        """z[i] = activation of element i of the vector `_load` returned as `raw`; `gates`: the
+        gate table's lookup base (`table` kernels)."""
+        n = self.vector
+        a, b = raw
         g = cute.make_rmem_tensor(cute.make_layout(n), Float32)
         u = cute.make_rmem_tensor(cute.make_layout(n), Float32)
         if cutlass.const_expr(self.interleaved):
-            src = cute.make_tensor(
-                _ptr(BFloat16, x.toint() + (Int64(row) * width + Int64(v) * 2 * n) * 2, 16),
-                cute.make_layout(2 * n))
-            regs = cute.make_rmem_tensor(cute.make_layout(2 * n), BFloat16)
-            cute.autovec_copy(src, regs)
             for i in cutlass.range_constexpr(n):
-                g[i] = Float32(regs[2 * i])
-                u[i] = Float32(regs[2 * i + 1])
+                g[i] = Float32(a[2 * i])
+                u[i] = Float32(a[2 * i + 1])
         else:
-            gate = cute.make_tensor(
-                _ptr(BFloat16, x.toint() + (Int64(row) * width + Int64(v) * n) * 2, 16),
-                cute.make_layout(n))
-            up = cute.make_tensor(
-                _ptr(BFloat16, x.toint() + (Int64(row) * width + Int64(intermediate)
-                                            + Int64(v) * n) * 2, 16),
-                cute.make_layout(n))
-            g_regs = cute.make_rmem_tensor(cute.make_layout(n), BFloat16)
-            u_regs = cute.make_rmem_tensor(cute.make_layout(n), BFloat16)
-            cute.autovec_copy(gate, g_regs)
-            cute.autovec_copy(up, u_regs)
-            g.store(g_regs.load().to(Float32))
-            u.store(u_regs.load().to(Float32))
-        for i in cutlass.range_constexpr(n):
-            if cutlass.const_expr(self.activation == "silu"):
-                z[i] = (g[i] / (Float32(1.0) + cute.math.exp(-g[i]))) * u[i]
-            else:
-                gi = g[i]
-                if gi > limit:
-                    gi = limit
-                ui = u[i]
-                if ui > limit:
-                    ui = limit
-                if ui < -limit:
-                    ui = -limit
-                sig = Float32(1.0) / (Float32(1.0) + cute.math.exp(-(alpha * gi)))
-                z[i] = (ui + Float32(1.0)) * (gi * sig)
+            g.store(a.load().to(Float32))
+            u.store(b.load().to(Float32))
+        if cutlass.const_expr(self.table):
+            s = cute.make_rmem_tensor(cute.make_layout(n), Float32)
+            for i in cutlass.range_constexpr(n):
+                s[i] = lookup_gate(g[i], gates)
+            if cutlass.const_expr(self.activation == "swiglu_oai"):
+                # Gates the table leaves to the formula come out NaN (so does a NaN gate).
+                missing = Boolean(False)
+                for i in cutlass.range_constexpr(n):
+                    missing = missing or s[i] != s[i]
+                if missing:
+                    for i in cutlass.range_constexpr(n):
+                        if s[i] != s[i]:
+                            s[i] = oai_gate(g[i], limit, alpha)
+            for i in cutlass.range_constexpr(n):
+                z[i] = self._combine(s[i], u[i], limit)
+        else:
+            for i in cutlass.range_constexpr(n):
+                if cutlass.const_expr(self.activation == "silu"):
+                    z[i] = self._combine(silu_gate(g[i]), u[i], limit)
+                else:
+                    z[i] = self._combine(oai_gate(g[i], limit, alpha), u[i], limit)
 
     @cute.jit
-    def _row_vector(self, x, out, scales, row, v, intermediate, scale_stride, limit, alpha, gs,
-                    valid):
-        """Activate and store output vector v of `row`; FP4: return its scale byte."""
+    def _combine(self, s: Float32, u: Float32, limit: Float32) -> Float32:
+        """z from the gate's activation `s` and the up value: `s * u` (silu),
+        `(u' + 1) * s` with `u' = clamp(u, -limit, limit)` (swiglu_oai)."""
+        z = s * u
+        if cutlass.const_expr(self.activation == "swiglu_oai"):
+            ui = u
+            if ui > limit:
+                ui = limit
+            if ui < -limit:
+                ui = -limit
+            z = (ui + Float32(1.0)) * s
+        return z
+
+    @cute.jit
+    def _row_vector(self, out, scales, row, v, intermediate, scale_stride, limit, alpha, gs,
+                    valid, gates, recips, raw):
+        """Activate output vector v of `row` from its inputs `raw` (`_load`) and store it; FP4:
+        return its scale byte. `recips`: NVFP4's (scale, 1 / scale) per e4m3 code (`table`
+        kernels)."""
         n = self.vector
         z = cute.make_rmem_tensor(cute.make_layout(n), Float32)
         z.fill(0.0)
         if valid:
-            self._activation(x, row, v, intermediate, limit, alpha, z)
+            self._activation(raw, limit, alpha, z, gates)
         byte = Int32(0)
-        if cutlass.const_expr(self.out == "bf16"):
+        if cutlass.const_expr(self.out == "fp32"):
+            cute.autovec_copy(z, cute.make_tensor(
+                _ptr(Float32, out.toint() + (Int64(row) * Int64(intermediate) + Int64(v) * n) * 4,
+                     16), cute.make_layout(n)))
+        elif cutlass.const_expr(self.out == "bf16"):
             dst = cute.make_tensor(
                 _ptr(BFloat16, out.toint() + (Int64(row) * Int64(intermediate) + Int64(v) * n) * 2,
                      16), cute.make_layout(n))
@@ -352,9 +429,14 @@ class FusedSilu:
                                       nan=True)
             sf = Float32(0.0)
             usable = Boolean(False)
+            r = Float32(0.0)
             if cutlass.const_expr(self.out == "nvfp4"):
                 byte = cvt_e4m3_byte((gs * amax) / Float32(6.0))
-                sf = e4m3_byte_to_f32(byte)
+                if cutlass.const_expr(self.table):
+                    sf = recips[2 * byte]
+                    r = recips[2 * byte + 1]
+                else:
+                    sf = e4m3_byte_to_f32(byte)
                 usable = sf > 0.0
             else:
                 # z / 2^e == z * 2^-e bit for bit (both round the exact product once, and 2^-e
@@ -366,7 +448,7 @@ class FusedSilu:
                     gs = e8m0_value(254 - byte)
             words = cute.make_rmem_tensor(cute.make_layout(n // 8), Int32)
             e2m1_words(z, gs, sf, amax, usable, words, self.e2m1,
-                       divide=self.out == "nvfp4")
+                       divide=self.out == "nvfp4", r=r, given_r=self.table)
             if valid:
                 dst = cute.make_tensor(
                     _ptr(Int32, out.toint() + Int64(row) * Int64(intermediate // 2)
@@ -378,15 +460,23 @@ class FusedSilu:
 def silu_kernels() -> list:
     """Every configuration the library ships: both input layouts of each output; FP4 outputs
     once per e2m1 encoder (software on sm_90a, hardware on sm_100a); the clamped SwiGLU-OAI
-    activation for MXFP4."""
-    kernels = []
+    activation for MXFP4; the quantized outputs also with the gate table (`TABLE_THREADS`
+    threads, a CTA per SM; FP4 with a warp per scale row), for large inputs; the fp32
+    activation itself (`z` unrounded, either activation, formula or table), which the tests use
+    to check the table against the formula for every bf16 gate."""
+    kernels = [FusedSilu("fp32", False, activation, threads=TABLE_THREADS if table else 256,
+                         table=table)
+               for activation in ("silu", "swiglu_oai") for table in (False, True)]
     for interleaved in (False, True):
-        kernels += [FusedSilu("bf16", interleaved), FusedSilu("fp8", interleaved)]
+        kernels += [FusedSilu("bf16", interleaved), FusedSilu("fp8", interleaved),
+                    FusedSilu("fp8", interleaved, table=True, threads=TABLE_THREADS)]
         for e2m1 in ("software", "hardware"):
-            for rows_per_warp in (False, True):
-                kernels.append(FusedSilu("nvfp4", interleaved, e2m1=e2m1,
-                                         rows_per_warp=rows_per_warp))
+            for rows_per_warp, table in ((False, False), (True, False), (True, True)):
+                threads = TABLE_THREADS if table else 256
+                kernels.append(FusedSilu("nvfp4", interleaved, e2m1=e2m1, threads=threads,
+                                         rows_per_warp=rows_per_warp, table=table))
                 for activation in ("silu", "swiglu_oai"):
                     kernels.append(FusedSilu("mxfp4", interleaved, activation, e2m1=e2m1,
-                                             rows_per_warp=rows_per_warp))
+                                             threads=threads, rows_per_warp=rows_per_warp,
+                                             table=table))
     return kernels

@@ -2,12 +2,15 @@
 number of bytes, in the same run, on one GPU.
 
     python perf/bench_quant.py [--rows 8192] [--intermediate 2048 --intermediate 7168]
-                               [--experts 8] [--reps 50] [--json FILE]
+                               [--experts 8] [--reps 50] [--layout thread|warp|table]
+                               [--json FILE]
 
 For each kernel: bytes = what it must read (the bf16 input rows, row_offsets) + what it writes
 (codes or values, scales including the zero padding); GB/s = bytes / median time. The baseline
 copies bytes / 2 with `torch.Tensor.copy_` (so it too reads + writes `bytes`), timed the same way
-(CUDA events, L2 flushed before every repetition).
+(CUDA events, L2 flushed before every repetition). `--layout` forces the SwiGLU kernels' layout
+(`cute_ep.silu._layout`; by default it is chosen by size as in use), to compare layouts in one
+run.
 """
 
 from __future__ import annotations
@@ -65,8 +68,14 @@ def main():
     parser.add_argument("--intermediate", type=int, action="append")
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--layout", choices=["thread", "warp", "table"],
+                        help="force the SwiGLU kernels' layout (default: chosen by size)")
     parser.add_argument("--json", help="also write the records to this file")
     args = parser.parse_args()
+    if args.layout:
+        import cute_ep.silu
+
+        cute_ep.silu._layout = lambda rows, sms: args.layout
     sizes = args.intermediate or [2048, 7168]
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     records = []
@@ -78,11 +87,13 @@ def main():
             dst = torch.empty_like(src)
             copy_ms = median_ms(lambda: dst.copy_(src), args.reps, flush)
             ms = median_ms(fn, args.reps, flush)
-            records.append({"kernel": name, "rows": args.rows, "intermediate": i,
+            records.append({"kernel": name, "layout": args.layout or "by size",
+                            "rows": args.rows, "intermediate": i,
                             "bytes": nbytes, "us": ms * 1e3, "gbps": nbytes / ms / 1e6,
                             "copy_us": copy_ms * 1e3, "copy_gbps": nbytes / copy_ms / 1e6})
     table = Table(title=f"{torch.cuda.get_device_name()}: {args.rows} rows over {args.experts} "
-                        f"experts, median of {args.reps}, L2 flushed; baseline: copy_ of bytes/2")
+                        f"experts, median of {args.reps}, L2 flushed; baseline: copy_ of bytes/2; "
+                        f"layout {args.layout or 'by size'}")
     for col in ("kernel", "I", "MB moved", "time (us)", "GB/s", "copy (us)", "copy GB/s",
                 "of copy"):
         table.add_column(col, justify="left" if col == "kernel" else "right")

@@ -11,6 +11,9 @@ Nsight Compute to profile:
   per-rank load (4096 tokens, H=7168, K=8, 64 local experts): the receive expansion and the
   combine's weighted sums do the same HBM work as on each of 4 ranks; only the NVLink leg is
   local instead. (Kernels that spin on peers cannot be replayed by a profiler across processes.)
+
+`--silu-only` skips the EP layer; `--layout thread,table` launches the SwiGLU family once per
+layout named (`cute_ep.silu._layout`; default: the one chosen by size).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import tempfile
 import torch
 
 
-def silu_kernels(rows: int, i: int, experts: int) -> None:
+def silu_kernels(rows: int, i: int, experts: int, layouts=(None,)) -> None:
     from cute_ep.quant import quantize_nvfp4
     from cute_ep.silu import fused_silu, fused_silu_fp8, fused_silu_mxfp4, fused_silu_nvfp4
 
@@ -30,10 +33,17 @@ def silu_kernels(rows: int, i: int, experts: int) -> None:
     x = torch.randn(rows, 2 * i, device="cuda", generator=gen).to(torch.bfloat16)
     offsets = torch.linspace(0, rows, experts + 1, device="cuda").round().to(torch.int32)
     gs = torch.ones(experts, device="cuda")
-    fused_silu(x, offsets)
-    fused_silu_fp8(x, offsets)
-    fused_silu_nvfp4(x, gs, offsets)
-    fused_silu_mxfp4(x, offsets)
+    import cute_ep.silu
+
+    by_size = cute_ep.silu._layout
+    for layout in layouts:
+        cute_ep.silu._layout = by_size if layout is None else (lambda rows, sms: layout)
+        fused_silu(x, offsets)
+        fused_silu_fp8(x, offsets)
+        fused_silu_nvfp4(x, gs, offsets)
+        fused_silu_mxfp4(x, offsets)
+        fused_silu_mxfp4(x, offsets, swiglu_limit=7.0)
+    cute_ep.silu._layout = by_size
     quantize_nvfp4(x[:, :i].contiguous(), gs, offsets)
     torch.cuda.synchronize()
 
@@ -73,12 +83,16 @@ def main() -> None:
     p.add_argument("--intermediate", type=int, default=7168)
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--silu-only", action="store_true")
+    p.add_argument("--layout", help="comma-separated SwiGLU layouts: thread, warp, table")
     args = p.parse_args()
     os.environ.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                        "NVSHMEM_DISABLE_NVLS": "1"})
     torch.cuda.set_device(0)
-    silu_kernels(args.rows, args.intermediate, 8)
-    ep_layer(args.tokens, args.hidden, 8, 64)
+    silu_kernels(args.rows, args.intermediate, 8,
+                 tuple(args.layout.split(",")) if args.layout else (None,))
+    if not args.silu_only:
+        ep_layer(args.tokens, args.hidden, 8, 64)
 
 
 if __name__ == "__main__":

@@ -14,13 +14,22 @@ from cute_ep.reference import silu as ref
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(params=[False, True], ids=["thread-per-block", "warp-per-row"])
+@pytest.fixture(params=["thread", "warp", "table"])
 def fp4_layout(request, monkeypatch):
-    """Both FP4 kernel layouts whatever the input size (`cute_ep.silu._rows_per_warp` picks
-    one by size in use)."""
+    """Every FP4 kernel layout whatever the input size (`cute_ep.silu._layout` picks one by
+    size in use): a thread per block, a warp per row, a warp per row with the gate table."""
     import cute_ep.silu
 
-    monkeypatch.setattr(cute_ep.silu, "_rows_per_warp", lambda rows, sms: request.param)
+    monkeypatch.setattr(cute_ep.silu, "_layout", lambda rows, sms: request.param)
+    return request.param
+
+
+@pytest.fixture(params=["thread", "table"])
+def fp8_layout(request, monkeypatch):
+    """FP8 with the activation by the formula and from the gate table."""
+    import cute_ep.silu
+
+    monkeypatch.setattr(cute_ep.silu, "_layout", lambda rows, sms: request.param)
     return request.param
 
 ROWS = [0, 1, 127, 128, 129, 4096]
@@ -67,7 +76,7 @@ def test_fused_silu_bf16(m, i, interleaved):
 @pytest.mark.parametrize("interleaved", [False, True], ids=["halves", "interleaved"])
 @pytest.mark.parametrize("i", INTERMEDIATE)
 @pytest.mark.parametrize("m", ROWS)
-def test_fused_silu_fp8(m, i, interleaved):
+def test_fused_silu_fp8(m, i, interleaved, fp8_layout):
     from cute_ep.silu import fused_silu_fp8
 
     if i % 128:
@@ -80,7 +89,7 @@ def test_fused_silu_fp8(m, i, interleaved):
     assert torch.equal(scales[:, :m], want_scales)
 
 
-def test_fused_silu_fp8_either_side_of_the_fast_division_limit():
+def test_fused_silu_fp8_either_side_of_the_fast_division_limit(fp8_layout):
     """FP8 blocks divide by their scale with one reciprocal and fmas while amax <= 2^100 and with
     `/` above it: rows whose activations straddle the limit (gate 2^60, up 2^37 ... 2^45), beside
     ordinary rows, byte for byte the reference."""
