@@ -148,8 +148,8 @@ def e2m1_words(vals: cute.Tensor, gs: Float32, sf: Float32, amax: Float32, usabl
     """words[w] = the 8 e2m1 codes of `(vals[8w + i] * gs) / sf` (correctly rounded fp32
     multiply and divide), element 2i in the low nibble of byte i; all zero unless `usable`
     (then gs > 0 and sf > 0). `amax`: the largest |vals|. `divide=False` (MXFP4, whose scale is a
-    power of two folded into gs): `vals * gs` alone. `e2m1`: "software" | "hardware". `given_r`: `r` is RN(1 / sf) already
-    (else it is computed here).
+    power of two folded into gs): `vals * gs` alone. `e2m1`: "software" | "hardware".
+    `given_r`: `r` is RN(1 / sf) already (else it is computed here).
 
     The division is `kernels.division.divide_once` with one reciprocal per block (sf is an e4m3
     value) unless `gs * amax` exceeds FAST_LIMIT (or is not a number), where `/` runs instead."""

@@ -227,16 +227,15 @@ class FusedSilu:
             # Warp-uniform trip counts: FP8's 8-lane amax shuffles need every lane present.
             padded = (total + WARP - 1) // WARP * WARP
             for item in cutlass.range(bidx * self.threads + tidx, padded, stride):
-                row = item // vecs
-                v = item - row * vecs
-                raw = self._load(x, row, v, intermediate, item < total)
                 if item < total:
-                    self._row_vector(out, scales, row, v, intermediate, scale_stride, limit,
-                                     alpha, Float32(1.0), Boolean(True), gates, recips, raw)
+                    row = item // vecs
+                    v = item - row * vecs
+                    self._row_vector(x, out, scales, row, v, intermediate, scale_stride, limit,
+                                     alpha, Float32(1.0), Boolean(True), gates, recips)
                 elif cutlass.const_expr(self.out == "fp8"):
-                    self._row_vector(out, scales, Int32(0), Int32(0), intermediate,
+                    self._row_vector(x, out, scales, Int32(0), Int32(0), intermediate,
                                      scale_stride, limit, alpha, Float32(1.0), Boolean(False),
-                                     gates, recips, raw)
+                                     gates, recips)
         else:
             self._fp4(smem, x, row_offsets, input_scales, out, scales, num_segments,
                       intermediate, limit, alpha, tidx, bidx, stride, gates, recips)
@@ -273,9 +272,8 @@ class FusedSilu:
                 for h in cutlass.range(lane, span, WARP):
                     kb = h // FP4_LANES
                     valid = live and kb < blocks
-                    raw = self._load(x, row, h, intermediate, valid)
-                    byte = self._row_vector(out, scales, row, h, intermediate, Int32(0),
-                                            limit, alpha, gs, valid, gates, recips, raw)
+                    byte = self._row_vector(x, out, scales, row, h, intermediate, Int32(0),
+                                            limit, alpha, gs, valid, gates, recips)
                     if not valid:
                         byte = Int32(0)  # padding rows and columns
                     if h % FP4_LANES == 0 and kb < cols:
@@ -296,56 +294,45 @@ class FusedSilu:
                     if cutlass.const_expr(self.out == "nvfp4"):
                         gs = cute.make_tensor(input_scales,
                                               cute.make_layout(num_segments))[seg]
-                    raw = self._load(x, s_off[seg] + local, kb, intermediate, Boolean(True))
-                    byte = self._row_vector(out, scales, s_off[seg] + local, kb,
+                    byte = self._row_vector(x, out, scales, s_off[seg] + local, kb,
                                             intermediate, Int32(0), limit, alpha, gs,
-                                            Boolean(True), gates, recips, raw)
+                                            Boolean(True), gates, recips)
                 at = scale_offset(unit, kb, rk)
                 cute.make_tensor(_ptr(Uint8, scales.toint() + at, 1),
                                  cute.make_layout(1))[0] = Uint8(byte)
 
     @cute.jit
-    def _load(self, x: cute.Pointer, row, v, intermediate, valid):
-        """The bf16 inputs of output vector v of `row`, loaded if `valid` (else left unset and
-        never read): (gate, up) of `vector` values each, or (the interleaved pairs, an unused
-        tensor)."""
+    def _activation(self, x: cute.Pointer, row, v, intermediate, limit, alpha, z: cute.Tensor,
+                    gates):
+        """z[i] = activation of output element v * VECTOR + i of `row`; `gates`: the gate
+        table's lookup base (`table` kernels)."""
         n = self.vector
         width = Int64(2 * intermediate)
-        if cutlass.const_expr(self.interleaved):
-            a = cute.make_rmem_tensor(cute.make_layout(2 * n), BFloat16)
-            b = cute.make_rmem_tensor(cute.make_layout(1), BFloat16)
-            if valid:
-                cute.autovec_copy(cute.make_tensor(
-                    _ptr(BFloat16, x.toint() + (Int64(row) * width + Int64(v) * 2 * n) * 2, 16),
-                    cute.make_layout(2 * n)), a)
-        else:
-            a = cute.make_rmem_tensor(cute.make_layout(n), BFloat16)
-            b = cute.make_rmem_tensor(cute.make_layout(n), BFloat16)
-            if valid:
-                cute.autovec_copy(cute.make_tensor(
-                    _ptr(BFloat16, x.toint() + (Int64(row) * width + Int64(v) * n) * 2, 16),
-                    cute.make_layout(n)), a)
-                cute.autovec_copy(cute.make_tensor(
-                    _ptr(BFloat16, x.toint() + (Int64(row) * width + Int64(intermediate)
-                                                + Int64(v) * n) * 2, 16),
-                    cute.make_layout(n)), b)
-        return a, b
-
-    @cute.jit
-    def _activation(self, raw, limit, alpha, z: cute.Tensor, gates):
-        """z[i] = activation of element i of the vector `_load` returned as `raw`; `gates`: the
-        gate table's lookup base (`table` kernels)."""
-        n = self.vector
-        a, b = raw
         g = cute.make_rmem_tensor(cute.make_layout(n), Float32)
         u = cute.make_rmem_tensor(cute.make_layout(n), Float32)
         if cutlass.const_expr(self.interleaved):
+            src = cute.make_tensor(
+                _ptr(BFloat16, x.toint() + (Int64(row) * width + Int64(v) * 2 * n) * 2, 16),
+                cute.make_layout(2 * n))
+            regs = cute.make_rmem_tensor(cute.make_layout(2 * n), BFloat16)
+            cute.autovec_copy(src, regs)
             for i in cutlass.range_constexpr(n):
-                g[i] = Float32(a[2 * i])
-                u[i] = Float32(a[2 * i + 1])
+                g[i] = Float32(regs[2 * i])
+                u[i] = Float32(regs[2 * i + 1])
         else:
-            g.store(a.load().to(Float32))
-            u.store(b.load().to(Float32))
+            gate = cute.make_tensor(
+                _ptr(BFloat16, x.toint() + (Int64(row) * width + Int64(v) * n) * 2, 16),
+                cute.make_layout(n))
+            up = cute.make_tensor(
+                _ptr(BFloat16, x.toint() + (Int64(row) * width + Int64(intermediate)
+                                            + Int64(v) * n) * 2, 16),
+                cute.make_layout(n))
+            g_regs = cute.make_rmem_tensor(cute.make_layout(n), BFloat16)
+            u_regs = cute.make_rmem_tensor(cute.make_layout(n), BFloat16)
+            cute.autovec_copy(gate, g_regs)
+            cute.autovec_copy(up, u_regs)
+            g.store(g_regs.load().to(Float32))
+            u.store(u_regs.load().to(Float32))
         if cutlass.const_expr(self.table):
             s = cute.make_rmem_tensor(cute.make_layout(n), Float32)
             for i in cutlass.range_constexpr(n):
@@ -372,8 +359,10 @@ class FusedSilu:
     def _combine(self, s: Float32, u: Float32, limit: Float32) -> Float32:
         """z from the gate's activation `s` and the up value: `s * u` (silu),
         `(u' + 1) * s` with `u' = clamp(u, -limit, limit)` (swiglu_oai)."""
-        z = s * u
-        if cutlass.const_expr(self.activation == "swiglu_oai"):
+        z = Float32(0.0)
+        if cutlass.const_expr(self.activation == "silu"):
+            z = s * u
+        else:
             ui = u
             if ui > limit:
                 ui = limit
@@ -383,16 +372,15 @@ class FusedSilu:
         return z
 
     @cute.jit
-    def _row_vector(self, out, scales, row, v, intermediate, scale_stride, limit, alpha, gs,
-                    valid, gates, recips, raw):
-        """Activate output vector v of `row` from its inputs `raw` (`_load`) and store it; FP4:
-        return its scale byte. `recips`: NVFP4's (scale, 1 / scale) per e4m3 code (`table`
-        kernels)."""
+    def _row_vector(self, x, out, scales, row, v, intermediate, scale_stride, limit, alpha, gs,
+                    valid, gates, recips):
+        """Activate and store output vector v of `row`; FP4: return its scale byte. `recips`:
+        NVFP4's (scale, 1 / scale) per e4m3 code (`table` kernels)."""
         n = self.vector
         z = cute.make_rmem_tensor(cute.make_layout(n), Float32)
         z.fill(0.0)
         if valid:
-            self._activation(raw, limit, alpha, z, gates)
+            self._activation(x, row, v, intermediate, limit, alpha, z, gates)
         byte = Int32(0)
         if cutlass.const_expr(self.out == "fp32"):
             cute.autovec_copy(z, cute.make_tensor(
