@@ -212,6 +212,7 @@ class EpDispatch:
                 Param("payload_vectors", "i32"),
                 Param("scales_offset", "i32"),
                 Param("row_capacity", "i32"),
+                Param("segment_rows", "i32"),
                 Param("channels", "i32"),
                 Param("active", "i32"),
                 Param("ring_slots", "i32"),
@@ -248,6 +249,7 @@ class EpDispatch:
                  descriptor_bytes: Int32, source_stride: Int32, load_bytes: Int32,
                  stage_bytes: Int32, stage_slots: Int32,
                  payload_vectors: Int32, scales_offset: Int32, row_capacity: Int32,
+                 segment_rows: Int32,
                  channels: Int32, active: Int32, ring_slots: Int32, chunk_tokens: Int32,
                  ring_offset: Int64, staging_offset: Int64, counts_offset: Int64,
                  flags_offset: Int64,
@@ -261,8 +263,8 @@ class EpDispatch:
                     max_tokens, topk, local_experts, ranks, my_rank, shared, skip_a2a,
                     shared_begin, shared_end, has_weights, descriptor_bytes, source_stride,
                     load_bytes, stage_bytes, stage_slots, payload_vectors, scales_offset,
-                    row_capacity, channels, active, ring_slots, chunk_tokens, ring_offset,
-                    staging_offset, counts_offset, flags_offset,
+                    row_capacity, segment_rows, channels, active, ring_slots, chunk_tokens,
+                    ring_offset, staging_offset, counts_offset, flags_offset,
                     counters_offset, timeout_ns, trace, tracing,
                     row_tiled_copy(WARP, Uint8, self.vector_bytes),
                     row_tiled_copy(WARP, Uint8, 16)).launch(
@@ -284,6 +286,7 @@ class EpDispatch:
                descriptor_bytes: Int32, source_stride: Int32, load_bytes: Int32,
                stage_bytes: Int32, stage_slots: Int32,
                payload_vectors: Int32, scales_offset: Int32, row_capacity: Int32,
+               segment_rows: Int32,
                channels: Int32, active: Int32, ring_slots: Int32, chunk_tokens: Int32,
                ring_offset: Int64, staging_offset: Int64, counts_offset: Int64,
                flags_offset: Int64,
@@ -414,8 +417,8 @@ class EpDispatch:
                           max_tokens, topk,
                           local_experts, ranks, my_rank, shared, shared_begin, shared_end,
                           descriptor_bytes, stage_bytes, stage_slots, payload_vectors,
-                          scales_offset, row_capacity, channels, active, ring_slots,
-                          chunk_tokens, ring_offset, staging_offset,
+                          scales_offset, row_capacity, segment_rows, channels, active,
+                          ring_slots, chunk_tokens, ring_offset, staging_offset,
                           counts_offset, flags_offset, counters_offset, counters, counts_at,
                           flags_at, parity, epoch, timeout_ns, s_next, s_totals, s_off, s_tot,
                           s_raw, s_first, s_src, s_rows, s_wts, warp_copy, trace, tracing)
@@ -674,8 +677,8 @@ class EpDispatch:
                  comb_counts: cute.Pointer, chan_msgs: cute.Pointer, max_tokens, topk,
                  local_experts, ranks, my_rank,
                  shared, shared_begin, shared_end, descriptor_bytes, stage_bytes,
-                 stage_slots, payload_vectors, scales_offset, row_capacity, channels, active,
-                 ring_slots, chunk_tokens, ring_offset, staging_offset, counts_offset, flags_offset, counters_offset, counters, counts_at,
+                 stage_slots, payload_vectors, scales_offset, row_capacity, segment_rows,
+                 channels, active, ring_slots, chunk_tokens, ring_offset, staging_offset, counts_offset, flags_offset, counters_offset, counters, counts_at,
                  flags_at, parity, epoch, timeout_ns, s_next: cute.Tensor, s_totals: cute.Tensor,
                  s_off: cute.Tensor,
                  s_tot: cute.Tensor, s_raw: cute.Tensor, s_first: cute.Tensor,
@@ -744,7 +747,10 @@ class EpDispatch:
                 s_next[s * MAX_SEGMENTS + g] = s_next[s * MAX_SEGMENTS + g] + run
                 run = run + s_totals[s * MAX_SEGMENTS + g]
             s_raw[g] = run
-            s_tot[g] = (run + self.row_align - 1) // self.row_align * self.row_align
+            if segment_rows > 0:
+                s_tot[g] = segment_rows  # slabs: every segment the worst case long
+            else:
+                s_tot[g] = (run + self.row_align - 1) // self.row_align * self.row_align
             if cutlass.const_expr(self.fmt == "nvfp4"):
                 s_first[g] = (run + ATOM_ROWS - 1) // ATOM_ROWS
         cute.arch.barrier(barrier_id=1, number_of_threads=threads)
@@ -772,9 +778,10 @@ class EpDispatch:
         scale_cols = payload_vectors * self.vector_bytes * 2 // NVFP4_BLOCK
         rk = (scale_cols + 3) // 4
         if cutlass.const_expr(self.row_align > 1):
-            self._zero_row_padding(channel * threads + rt, active * threads, tokens, scales,
-                                   src_info, s_off, s_raw, segments, payload_bytes, blocks,
-                                   row_capacity)
+            if segment_rows == 0:  # slabs leave the rows past a segment's count undefined
+                self._zero_row_padding(channel * threads + rt, active * threads, tokens,
+                                       scales, src_info, s_off, s_raw, segments,
+                                       payload_bytes, blocks, row_capacity)
         if cutlass.const_expr(self.fmt == "nvfp4"):
             self._zero_scale_padding(channel * threads + rt, active * threads, scales, s_raw,
                                      s_first, segments, rk)
