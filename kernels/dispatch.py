@@ -1,7 +1,7 @@
 """`ep_dispatch`: one persistent launch per dispatch, a CTA per channel (transport v2).
 
 Channel c of every rank owns a contiguous run of that rank's tokens (`layouts.channels`). Its CTA
-has a sender warp and RECV_WARPS receiver warps, and runs three parts:
+has SEND_WARPS sender warps and RECV_WARPS receiver warps, and runs three parts:
 
 1. Counts (all warps): the channel's tokens are routed (each valid (token, k) pair, a later k
    naming the same expert dropped, ids outside [0, E) dropped and reported) and counted per
@@ -120,6 +120,21 @@ def _wait_at_least(addr, target, timeout_ns, error: cute.Pointer, missing, phase
     if ok != 0 and waited != 0:
         value = cute.arch.load(word, Int64, sem="acquire", scope="sys")
     return value, ok
+
+
+@cute.jit
+def _await_credit(counters_at, counters, channel, d, need, s_head: cute.Tensor, at, timeout_ns,
+                  error: cute.Pointer):
+    """Wait until destination d's credit to `channel` (the messages it consumed: a word of this
+    rank's counters, which start at address `counters_at`; s_head[at] holds the last value
+    seen) reaches `need`. Returns 0 when the wait failed."""
+    ok = Int32(1)
+    if need > s_head[at]:
+        head, ok = _wait_at_least(
+            counters_at + Int64(counters((channel, d, HEADS, DISPATCH))) * 8, need, timeout_ns,
+            error, d, Int32(PHASE_DISPATCH))
+        s_head[at] = head
+    return ok
 
 
 @cute.jit
@@ -449,6 +464,8 @@ class EpDispatch:
         ring = ring_layout(descriptor_bytes, ring_slots, channels, ranks)
         stage = staging_layout(stage_bytes, stage_slots, channels)
         stage_batches = stage_slots // BATCH
+        credit_at = here + counters_offset  # destinations' credit lands in these counters
+
         meta = metadata_layout(topk)
         words = DESCRIPTOR_META + meta.cosize()
         mine = sw * MAX_RANKS  # this warp's words of the per-destination arrays
@@ -470,12 +487,9 @@ class EpDispatch:
             s_wpos[mine + lane] = cute.arch.load(gmem_ptr(
                 Int64, streams.toint() + Int64(counters((channel, lane, TAILS, DISPATCH))) * 8,
                 8), Int64)
-            head_at = here + counters_offset + Int64(counters((channel, lane, HEADS, DISPATCH))) * 8
-            head = cute.arch.load(gmem_ptr(Int64, head_at, 8), Int64, sem="relaxed", scope="sys")
-            if head < s_wpos[mine + lane]:
-                head, ok = _wait_at_least(head_at, s_wpos[mine + lane], timeout_ns, error, lane,
-                                          Int32(PHASE_DISPATCH))
-            s_head[mine + lane] = head
+            s_head[mine + lane] = Int64(-1)  # nothing seen yet: the first wait reads it
+            ok = _await_credit(credit_at, counters, channel, lane, s_wpos[mine + lane], s_head,
+                               mine + lane, timeout_ns, error)
         if lane < len(SEND_TIMES):
             s_time[times + lane] = Int64(0)
         alive = Int32(1)
@@ -539,13 +553,9 @@ class EpDispatch:
                 start = cute.arch.globaltimer()
             ok = Int32(1)
             if lane < ranks and alive != 0:
-                need = s_stage[staged + sb * MAX_RANKS + lane]
-                if need > s_head[mine + lane]:
-                    head, ok = _wait_at_least(
-                        here + counters_offset
-                        + Int64(counters((channel, lane, HEADS, DISPATCH))) * 8, need, timeout_ns,
-                        error, lane, Int32(PHASE_DISPATCH))
-                    s_head[mine + lane] = head
+                ok = _await_credit(credit_at, counters, channel, lane,
+                                   s_stage[staged + sb * MAX_RANKS + lane], s_head, mine + lane,
+                                   timeout_ns, error)
             if cute.arch.vote_ballot_sync(ok == 0) != 0:
                 alive = Int32(0)
             cute.arch.sync_warp()
@@ -566,13 +576,10 @@ class EpDispatch:
                             if (m >> d) & 1 != 0 and alive != 0:
                                 below = s_ball[mine + d] & ((Int32(1) << b) - 1)
                                 pos = s_wpos[mine + d] + Int64(cute.arch.popc(below))
-                                if pos - s_head[mine + d] >= Int64(ring_slots):
-                                    head, alive = _wait_at_least(
-                                        here + counters_offset
-                                        + Int64(counters((channel, d, HEADS, DISPATCH))) * 8,
-                                        pos - Int64(ring_slots) + 1, timeout_ns, error, d,
-                                        Int32(PHASE_DISPATCH))
-                                    s_head[mine + d] = head
+                                # The ring slot is free once d consumed the message before.
+                                alive = _await_credit(credit_at, counters, channel, d,
+                                                      pos - Int64(ring_slots) + 1, s_head,
+                                                      mine + d, timeout_ns, error)
                                 if alive != 0:
                                     slot = peers[d] + ring_offset + Int64(ring(
                                         (0, Int32(pos % Int64(ring_slots)), channel, my_rank)))
