@@ -132,15 +132,41 @@ class _Handle:
 
 @dataclass
 class _LowLatencyHandle:
+    """A low-latency dispatch's handle, indexed as DeepEP's: [0] the source token of every slab
+    row, int32 [E_loc, R * M] (a view); [1] per (expert, source) `begin << 32 | count` of its
+    rows, int64 [E_loc, R] (computed on first access, on the device); then M, H and E."""
+
     core: _Core
     inner: DispatchHandle
+    src_info: torch.Tensor  # int32 [E_loc * R * M, 2] (source token, k) of each row
     num_max_dispatch_tokens_per_rank: int
     hidden: int
     num_experts: int
+    _range: torch.Tensor | None = None
 
     def __getitem__(self, i):
+        if i == 0:
+            e_loc = self.num_experts // self.core.cfg.ranks
+            return self.src_info[:, 0].view(e_loc, -1)
+        if i == 1:
+            if self._range is None:
+                self._range = self._layout_range()
+            return self._range
         return (None, None, self.num_max_dispatch_tokens_per_rank, self.hidden,
                 self.num_experts)[i]
+
+    def _layout_range(self) -> torch.Tensor:
+        cfg, h = self.core.cfg, self.inner
+        r, m = cfg.ranks, cfg.max_tokens_per_rank
+        msg = torch.arange(m, device=h.rows.device)
+        live = (msg.view(1, m, 1) < h.messages.view(r, 1, 1)) & (h.rows >= 0)
+        seg = (h.rows // cfg.slab_rows).long()
+        src = torch.arange(r, device=h.rows.device).view(r, 1, 1).expand_as(seg)
+        counts = torch.zeros(cfg.local_experts * r, dtype=torch.int64, device=h.rows.device)
+        counts.index_add_(0, (seg * r + src)[live], torch.ones_like(seg[live]))
+        counts = counts.view(cfg.local_experts, r)
+        begin = counts.cumsum(1) - counts
+        return (begin << 32) | counts
 
     def __len__(self) -> int:
         return 5
@@ -471,7 +497,7 @@ class Buffer:
             recv_x = (recv_x, out.scales.view(hidden // 128, e_loc, rows).permute(1, 2, 0))
         if cumulative_local_expert_recv_stats is not None:
             cumulative_local_expert_recv_stats.add_(out.counts)
-        handle = _LowLatencyHandle(core, out.handle, m, hidden, num_experts)
+        handle = _LowLatencyHandle(core, out.handle, out.src_info, m, hidden, num_experts)
         return (recv_x, out.counts, handle, EventOverlap(_event() if async_finish else None),
                 _nothing if return_recv_hook else None)
 

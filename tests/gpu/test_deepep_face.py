@@ -79,6 +79,10 @@ def _face(rank, world):
         toks = (lids == e).any(dim=1).nonzero().flatten()
         ok = ok and int(count[e]) == len(toks) and torch.equal(packed[e, :len(toks)], lx[toks])
     results["ll rows"] = ok
+    toks_of = [(lids == e).any(dim=1).nonzero().flatten() for e in range(E)]
+    results["ll handle"] = all(
+        torch.equal(ll[0][e, :len(toks_of[e])], toks_of[e].int())
+        and ll[1][e].tolist() == [len(toks_of[e])] for e in range(E))
     ys = packed * 2
     out = torch.empty(50, H, dtype=torch.bfloat16, device="cuda")
     got = buf.low_latency_combine(ys, lids, lw, ll, out=out)[0]

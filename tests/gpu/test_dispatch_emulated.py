@@ -313,3 +313,38 @@ def test_empty_slots_in_the_packed_layout_are_dropped_without_a_report():
     bufs = Buffer.emulated(cfg, timeout_s=20.0, sms=8)
     _layer(bufs, 7, [256] * 4, empty_slots=0.3)
     _layer(bufs, 8, [256] * 4, at_home=True, empty_slots=0.3)
+
+
+def test_low_latency_handle_names_each_rows_source_and_range():
+    """cute_ep.deepep's low-latency handle on 4 emulated ranks: [0] the source token of every
+    slab row, [1] each (expert, source)'s `begin << 32 | count`, both from the ids alone."""
+    from cute_ep.deepep import _LowLatencyHandle
+    from cute_ep.ep import Buffer
+    from layouts import EPConfig
+
+    ranks, m, e = 4, 64, 16
+    cfg = EPConfig(1024, 4, e, ranks, m, "bf16", layout="slabs")
+    bufs = Buffer.emulated(cfg, timeout_s=20.0, sms=4)
+    xs, ids, _ = _inputs(cfg, 11, [64, 0, 17, 40])
+    ids = [torch.where(torch.arange(i.numel(), device="cuda").view(i.shape) % 5 == 0, -1, i)
+           for i in ids]
+    streams = _streams(bufs)
+    torch.cuda.synchronize()
+    outs = []
+    for r, (buf, stream) in enumerate(zip(bufs, streams)):
+        with torch.cuda.stream(stream):
+            outs.append(buf.dispatch(xs[r], ids[r], None, num_input_tokens=m))
+    torch.cuda.synchronize()
+    e_loc = e // ranks
+    for d, (buf, out) in enumerate(zip(bufs, outs)):
+        handle = _LowLatencyHandle(buf, out.handle, out.src_info, m, 1024, e)
+        for g in range(e_loc):
+            expert = d * e_loc + g
+            begin, rows = 0, []
+            for s in range(ranks):
+                toks = (ids[s] == expert).any(dim=1).nonzero().flatten()
+                assert int(handle[1][g, s]) == (begin << 32) | len(toks), (d, g, s)
+                begin += len(toks)
+                rows.append(toks)
+            want = torch.cat(rows).int()
+            assert torch.equal(handle[0][g, :len(want)], want), (d, g)
