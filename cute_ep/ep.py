@@ -51,7 +51,8 @@ from cute_ep.runtime.comm import (DEFAULT_TIMEOUT_S, ConfigMismatch, PeerTimeout
 from cute_ep.runtime.launch import check_tensor, device_arch, runtime
 from cute_ep.torch_ops import DISPATCH_FIELDS, register_buffer
 from layouts import EPConfig
-from layouts.buffers import (ERROR_CHANNELS, ERROR_ID_RANGE, ERROR_ID_TWICE, buffer_sizes,
+from layouts.buffers import (AT_EXPERTS, AT_HOME, ERROR_CHANNELS, ERROR_ID_RANGE,
+                             ERROR_ID_TWICE, UNREDUCED, buffer_sizes,
                              channel_messages, combine_routes, control_buffers, output_scales,
                              total_bytes)
 from layouts.channels import DEFAULT_CHANNELS, ChannelGeometry, active_channels
@@ -76,7 +77,7 @@ DISPATCH_VARYING = ("source", "source_stride", "scale_source", "scale_stride", "
                     "skip_a2a", "shared_begin", "shared_end", "has_weights", "active", "trace",
                     "tracing")
 COMBINE_VARYING = ("y", "comb_rows", "comb_weights", "chan_msgs", "topk_ids", "out",
-                   "num_tokens", "weighted", "skip_a2a", "shared_begin", "shared_end", "active",
+                   "home_weights", "num_tokens", "weighted", "skip_a2a", "shared_begin", "shared_end", "active",
                    "trace", "tracing")
 
 __all__ = ["Buffer", "DispatchOutput", "DispatchHandle", "Routing", "ConfigMismatch",
@@ -327,7 +328,8 @@ class Buffer:
             load_bytes=cfg.hidden if cfg.format == "fp8" else self.msg.staged_bytes,
             stage_bytes=self.msg.staged_bytes, stage_slots=geo.stage_slots,
             payload_vectors=self.payload_vectors, scales_offset=self.scales_at,
-            row_capacity=cfg.row_capacity, ring_offset=off["dispatch_rings"],
+            row_capacity=cfg.row_capacity, segment_rows=cfg.slab_rows,
+            ring_offset=off["dispatch_rings"],
             staging_offset=off["staging"], counts_offset=off["counts"],
             flags_offset=off["count_flags"])
         self._combine_launch = self.k_combine.bind(
@@ -361,7 +363,8 @@ class Buffer:
         x: bf16 [T, H], T <= max_tokens_per_rank; for an fp8 Buffer also the pre-quantized
         tuple (codes float8_e4m3fn [T, H], scales float32 [T, H / 128]) of DeepSeek blockwise
         FP8 (as DeepEP takes it): then nothing is quantized here and the one kernel only moves
-        bytes; topk_ids: int32/int64 [T, K];
+        bytes; topk_ids: int32/int64 [T, K], expert ids in [0, E) or -1 for an empty slot (the
+        pair goes nowhere, DeepEP's convention);
         topk_weights: float32 [T, K] or None (combine then returns the unreduced [T, K, H]).
         skip_a2a: every rank holds all tokens and keeps only its own experts (allreduce mode).
         num_input_tokens: an upper bound on T over all ranks (decode), the same on every rank;
@@ -509,10 +512,15 @@ class Buffer:
 
     # Combine ------------------------------------------------------------------------------
 
-    def combine_async(self, y: torch.Tensor, handle: DispatchHandle) -> _PendingCombine:
+    def combine_async(self, y: torch.Tensor, handle: DispatchHandle,
+                      topk_weights: torch.Tensor | None = None) -> _PendingCombine:
         """Launch the whole combine (one kernel): each token's partial sum over this rank's
         experts goes home, and this rank's tokens are reduced (bf16 `y` [rows, H] in dispatch's
-        row order). `combine_wait` returns the output."""
+        row order). `combine_wait` returns the output.
+
+        topk_weights: float32 [T, K], only for a dispatch without weights: each (token, k) row
+        then comes home as it is and is weighed here, out[t] = sum_k w[t, k] * y[t, k] in fp32
+        (DeepEP's low-latency combine, whose weights are the home side's)."""
         cfg, r = self.cfg, handle.routing
         if not (type(y) is torch.Tensor and y.dtype is torch.bfloat16 and y.dim() == 2
                 and y.shape[1] == cfg.hidden and y.shape[0] >= cfg.row_capacity
@@ -527,24 +535,54 @@ class Buffer:
                                  f"row_capacity={cfg.row_capacity} rows (pass the full expert "
                                  f"output buffer)")
         t, k, hidden = r.num_tokens, cfg.topk, cfg.hidden
-        out = torch.empty((t, hidden) if r.weighted else (t, k, hidden), dtype=torch.bfloat16,
-                          device=self.device)
+        mode = AT_EXPERTS if r.weighted else UNREDUCED
+        home = self._no_f32
+        if topk_weights is not None:
+            if r.weighted:
+                raise ValueError("this dispatch carried topk_weights, so its combine is already "
+                                 "weighted: pass topk_weights to dispatch or to combine, not both")
+            check_tensor(topk_weights, name="topk_weights", dtype="float32", align=4,
+                         device_index=self.device.index)
+            if tuple(topk_weights.shape) != (t, k):
+                raise ValueError(f"topk_weights must be float32 [{t}, {k}] (the dispatch's "
+                                 f"tokens), got {tuple(topk_weights.shape)}")
+            mode, home = AT_HOME, topk_weights
+        return _PendingCombine(self._launch_combine(y, handle, mode, home))
+
+    def _combine_rows(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        """Combine, weighted at the experts, of a handle whose rows all lie below y's row count
+        (`cute_ep.deepep`'s one-row messages into its own [N, H] rows): y bf16, contiguous."""
+        check_tensor(y, name="x", dtype="bfloat16", align=16, device_index=self.device.index)
+        return self._launch_combine(y, handle, AT_EXPERTS, self._no_f32)
+
+    def _launch_combine(self, y, handle, mode: int, home: torch.Tensor) -> torch.Tensor:
+        r, k, hidden = handle.routing, self.cfg.topk, self.cfg.hidden
+        t = r.num_tokens
+        out = torch.empty((t, k, hidden) if mode == UNREDUCED else (t, hidden),
+                          dtype=torch.bfloat16, device=self.device)
         trace = self.combine_trace
         self._combine_launch(
             y.data_ptr(), handle._address("rows"), handle._address("weights"),
-            handle._address("channels"), r.topk_ids.data_ptr(), out.data_ptr(), t,
-            int(r.weighted), int(r.skip_a2a), r.shared_begin, r.shared_end, r.channels,
-            (trace if trace is not None else self._no_i64).data_ptr(), int(trace is not None))
-        return _PendingCombine(out)
+            handle._address("channels"), r.topk_ids.data_ptr(), out.data_ptr(),
+            home.data_ptr(), t, mode, int(r.skip_a2a), r.shared_begin, r.shared_end,
+            r.channels, (trace if trace is not None else self._no_i64).data_ptr(),
+            int(trace is not None))
+        return out
 
     def combine_wait(self, pending: _PendingCombine) -> torch.Tensor:
         """The combined tokens: bf16 [T, H], or the unreduced [T, K, H] when dispatch had no
         weights (stream-ordered: kernels queued after this see them)."""
         return pending.out
 
-    def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+    def combine(self, y: torch.Tensor, handle: DispatchHandle,
+                topk_weights: torch.Tensor | None = None) -> torch.Tensor:
         """`combine_async` then `combine_wait` (see both). Under `torch.compile` this is the
         `cute_ep::combine` operator."""
+        if topk_weights is not None:
+            if torch.compiler.is_compiling():
+                raise NotImplementedError("combine's topk_weights (weights at home) are eager "
+                                          "only; under torch.compile pass them to dispatch")
+            return self.combine_wait(self.combine_async(y, handle, topk_weights))
         if torch.compiler.is_compiling():
             r = handle.routing
             return torch.ops.cute_ep.combine(self.op_id, y, r.topk_ids, handle.rows,
@@ -569,7 +607,8 @@ class Buffer:
         if bad_id:
             what = []
             if bad_id & ERROR_ID_RANGE:
-                what.append(f"an expert id outside [0, {self.cfg.experts})")
+                what.append(f"an expert id outside [0, {self.cfg.experts}) (and not -1, "
+                            f"an empty slot)")
             if bad_id & ERROR_ID_TWICE:
                 what.append("a token listing the same expert twice (the later k was dropped)")
             raise ValueError(f"topk_ids held {' and '.join(what)}; those (token, k) pairs were "

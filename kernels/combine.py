@@ -15,8 +15,10 @@ sender warps and RECV_WARPS receiver warps:
 - Receivers (the home side): a chunk of this channel's tokens at a time (one token when
   unreduced, whose rows can fill a ring), each token by one warp: a weighted combine adds, in
   fp32, the row of every rank the token went to and the shared expert's row (this rank's `y`,
-  unweighted); an unreduced one copies each k's row (zeros where none). Credit returns to every
-  rank after the chunk.
+  unweighted); an unreduced one copies each k's row (zeros where none), and one weighted at
+  home (`AT_HOME`: the weights are the home side's, given to combine, not dispatch's) sums, in
+  fp32 and k order, home_weights[t, k] times each k's row. Credit returns to every rank after
+  the chunk.
 
 Waits are bounded by `timeout_ns` like dispatch's (the missing rank and phase are recorded). It
 runs on the `active` channels its dispatch used.
@@ -32,6 +34,7 @@ from kernels.dispatch import MAX_CHUNK, MAX_RANKS, MAX_TOPK, WARP, _wait_at_leas
 from kernels.memory import gmem_ptr, load_f32, load_i32, trace_word
 from kernels.routing import channel_tokens, route_ids, valid_expert
 from layouts.abi import GridRule, KernelSpec, Param
+from layouts.buffers import AT_EXPERTS, AT_HOME, UNREDUCED  # the `weighted` argument
 from layouts.channels import (COMBINE, COMBINE_TRACE_FIELDS, HEADS, TAILS,
                               channel_messages_layout, counters_layout, ring_layout, trace_layout)
 
@@ -79,7 +82,8 @@ class EpCombine:
                  + 2 * MAX_CHUNK * MAX_RANKS  # receivers: first item per (token, rank), counts
                  + MAX_CHUNK + 4 * MAX_RANKS + 8
                  + MAX_CHUNK * MAX_TOPK  # receivers: a chunk's ids
-                 + 2 * RECV_WARPS * (MAX_RANKS + 1))  # receivers: a token's row addresses
+                 + 2 * RECV_WARPS * (MAX_TOPK + 1)  # receivers: a token's row addresses
+                 + RECV_WARPS * MAX_TOPK)  # receivers: a token's home weights
         return 4 * words + 8 * 2 * MAX_RANKS + 16 * 16 + 128 + self.stage_bytes * SEND_WARPS
 
     @property
@@ -99,6 +103,7 @@ class EpCombine:
                 Param("chan_msgs", "ptr", "int32", align=4, min_elements=("ranks", 1)),
                 Param("topk_ids", "ptr", "int32", align=4),
                 Param("out", "ptr", "bfloat16", align=16, writes=True),
+                Param("home_weights", "ptr", "float32", align=4),
                 Param("streams", "ptr", "int64", align=8, writes=True),
                 Param("error", "ptr", "int32", align=4, writes=True),
                 Param("num_tokens", "i32"),
@@ -133,15 +138,15 @@ class EpCombine:
     @cute.jit
     def __call__(self, peer_bases: cute.Pointer, y: cute.Pointer, comb_rows: cute.Pointer,
                  comb_weights: cute.Pointer, chan_msgs: cute.Pointer, topk_ids: cute.Pointer,
-                 out: cute.Pointer, streams: cute.Pointer, error: cute.Pointer,
-                 num_tokens: Int32, max_tokens: Int32, topk: Int32, local_experts: Int32,
+                 out: cute.Pointer, home_weights: cute.Pointer, streams: cute.Pointer,
+                 error: cute.Pointer, num_tokens: Int32, max_tokens: Int32, topk: Int32, local_experts: Int32,
                  ranks: Int32, my_rank: Int32, weighted: Int32, skip_a2a: Int32, shared: Int32,
                  shared_begin: Int32, shared_end: Int32, hidden: Int32, channels: Int32,
                  active: Int32, ring_slots: Int32, chunk_tokens: Int32, ring_offset: Int64,
                  counters_offset: Int64, timeout_ns: Int64, trace: cute.Pointer,
                  tracing: Int32, stream):
-        self.kernel(peer_bases, y, comb_rows, comb_weights, chan_msgs, topk_ids, out, streams,
-                    error, num_tokens, max_tokens, topk, local_experts, ranks, my_rank,
+        self.kernel(peer_bases, y, comb_rows, comb_weights, chan_msgs, topk_ids, out,
+                    home_weights, streams, error, num_tokens, max_tokens, topk, local_experts, ranks, my_rank,
                     weighted, skip_a2a, shared, shared_begin, shared_end, hidden, channels,
                     active, ring_slots, chunk_tokens, ring_offset, counters_offset, timeout_ns,
                     trace, tracing, row_tiled_copy(WARP, BFloat16, ROW_VECTOR),
@@ -153,8 +158,8 @@ class EpCombine:
     @cute.kernel
     def kernel(self, peer_bases: cute.Pointer, y: cute.Pointer, comb_rows: cute.Pointer,
                comb_weights: cute.Pointer, chan_msgs: cute.Pointer, topk_ids: cute.Pointer,
-               out: cute.Pointer, streams: cute.Pointer, error: cute.Pointer,
-               num_tokens: Int32, max_tokens: Int32, topk: Int32, local_experts: Int32,
+               out: cute.Pointer, home_weights: cute.Pointer, streams: cute.Pointer,
+               error: cute.Pointer, num_tokens: Int32, max_tokens: Int32, topk: Int32, local_experts: Int32,
                ranks: Int32, my_rank: Int32, weighted: Int32, skip_a2a: Int32, shared: Int32,
                shared_begin: Int32, shared_end: Int32, hidden: Int32, channels: Int32,
                active: Int32, ring_slots: Int32, chunk_tokens: Int32, ring_offset: Int64,
@@ -179,8 +184,10 @@ class EpCombine:
         s_pos = smem.allocate_tensor(Int64, cute.make_layout(2 * MAX_RANKS), byte_alignment=16)
         s_ids = smem.allocate_tensor(Int32, cute.make_layout(MAX_CHUNK * MAX_TOPK),
                                      byte_alignment=16)
-        s_addr = smem.allocate_tensor(Int64, cute.make_layout(RECV_WARPS * (MAX_RANKS + 1)),
+        s_addr = smem.allocate_tensor(Int64, cute.make_layout(RECV_WARPS * (MAX_TOPK + 1)),
                                       byte_alignment=16)
+        s_hw = smem.allocate_tensor(Float32, cute.make_layout(RECV_WARPS * MAX_TOPK),
+                                    byte_alignment=16)
         s_stage = smem.allocate_tensor(BFloat16, cute.make_layout(
             SEND_WARPS * self.stage_bytes // 2), byte_alignment=128)
         peers = cute.make_tensor(peer_bases, cute.make_layout(ranks))
@@ -212,11 +219,11 @@ class EpCombine:
             g_crd = cute.zipped_divide(cute.make_identity_tensor(layout.shape), tiler)
             steps = cute.ceil_div(vectors, WARP * self.recv_vectors)
             self._receive(warp - SEND_WARPS, lane, channel, peers, here, y, topk_ids, out,
-                          streams, error, num_tokens, topk, local_experts, ranks, my_rank,
+                          home_weights, streams, error, num_tokens, topk, local_experts, ranks, my_rank,
                           weighted, skip_a2a, shared, shared_begin, shared_end, channels,
                           active, ring_slots, chunk_tokens, ring_offset, counters_offset, counters,
                           ring, timeout_ns, layout, tiler, g_crd, steps, vectors, thr, row_copy,
-                          s_first, s_items, s_mask, s_flag, s_pos, s_ids, s_addr, trace,
+                          s_first, s_items, s_mask, s_flag, s_pos, s_ids, s_addr, s_hw, trace,
                           tracing)
         cute.arch.sync_threads()
         if tracing != 0 and tidx == 0:
@@ -261,7 +268,7 @@ class EpCombine:
             at = w * MAX_CHUNK * MAX_TOPK
             # A chunk's rows must fit a ring: unreduced, a message's rows (<= K) at a time.
             step = chunk_tokens
-            if weighted == 0:
+            if weighted != AT_EXPERTS:
                 step = Int32(1)
             for j0 in cutlass.range(0, n, step):
                 cnt = n - j0
@@ -271,7 +278,7 @@ class EpCombine:
                 mine = Int32(0)
                 if lane < cnt:
                     mine = Int32(1)
-                    if weighted == 0:
+                    if weighted != AT_EXPERTS:
                         mine = self._rows_here(comb_rows, s, first + j0 + lane, topk, max_tokens)
                 incl = mine
                 for shift in cutlass.range_constexpr(3):
@@ -321,7 +328,7 @@ class EpCombine:
                             s_rows[mat + p] = row
                             s_w[mat + p] = wk
                         cute.arch.sync_warp()
-                        if weighted != 0:
+                        if weighted == AT_EXPERTS:
                             self._send_sum(lane, peers[s], ring_offset, ring, item, ring_slots,
                                            channel, my_rank, y, live, s_rows, s_w, mat, layout,
                                            tiler, g_crd, steps, vectors, thr, row_copy,
@@ -439,21 +446,22 @@ class EpCombine:
 
     @cute.jit
     def _receive(self, rw, lane, channel, peers: cute.Tensor, here, y: cute.Pointer,
-                 topk_ids: cute.Pointer, out: cute.Pointer, streams: cute.Pointer,
-                 error: cute.Pointer, num_tokens, topk, local_experts, ranks, my_rank, weighted,
+                 topk_ids: cute.Pointer, out: cute.Pointer, home_weights: cute.Pointer,
+                 streams: cute.Pointer, error: cute.Pointer, num_tokens, topk, local_experts,
+                 ranks, my_rank, weighted,
                  skip_a2a, shared, shared_begin, shared_end, channels, active, ring_slots,
                  chunk_tokens, ring_offset, counters_offset, counters, ring, timeout_ns, layout,
                  tiler, g_crd, steps, vectors, thr, row_copy: cute.TiledCopy, s_first: cute.Tensor,
                  s_items: cute.Tensor, s_mask: cute.Tensor, s_flag: cute.Tensor,
                  s_pos: cute.Tensor, s_ids: cute.Tensor, s_addr: cute.Tensor,
-                 trace: cute.Pointer, tracing):
+                 s_hw: cute.Tensor, trace: cute.Pointer, tracing):
         threads = WARP * RECV_WARPS
         waited = Int64(0)
         routing = Int64(0)
         experts = local_experts * ranks
         t0, t1 = channel_tokens(channel, num_tokens, active)  # as dispatch split them
         group = chunk_tokens
-        if weighted == 0:
+        if weighted != AT_EXPERTS:
             group = Int32(1)  # a token's rows from one rank can fill most of a ring
         if rw == 0 and lane < ranks:
             s_pos[lane] = cute.arch.load(gmem_ptr(Int64, streams.toint() + Int64(
@@ -489,7 +497,7 @@ class EpCombine:
                     s_mask[lane] = mask
                     for d in cutlass.range(ranks):
                         items = (mask >> d) & 1
-                        if weighted == 0:
+                        if weighted != AT_EXPERTS:
                             items = self._pairs_at(s_ids, lane, topk, experts, local_experts, d)
                         s_items[lane * MAX_RANKS + d] = items
                 cute.arch.sync_warp()
@@ -522,12 +530,18 @@ class EpCombine:
                 t = base + i
                 if s_flag[0] == 0:
                     t = t1  # a wait failed: nothing to read
-                if t < t1 and weighted != 0:
+                if t < t1 and weighted == AT_EXPERTS:
                     self._sum_token(lane, t, i, here, ring_offset, ring, ring_slots, channel,
                                     ranks, y, out, shared, shared_begin, shared_end,
                                     layout, tiler, g_crd, steps, vectors, thr, row_copy, s_first,
-                                    s_mask, s_pos, s_addr, rw * (MAX_RANKS + 1))
-                if t < t1 and weighted == 0:
+                                    s_mask, s_pos, s_addr, rw * (MAX_TOPK + 1))
+                if t < t1 and weighted == AT_HOME:
+                    self._weigh_token(lane, t, i, here, ring_offset, ring, ring_slots, channel,
+                                      topk, experts, local_experts, skip_a2a, my_rank, out,
+                                      home_weights, layout, tiler, g_crd, steps, vectors, thr,
+                                      row_copy, topk_ids, s_first, s_pos, s_addr, s_hw,
+                                      rw * (MAX_TOPK + 1), rw * MAX_TOPK)
+                if t < t1 and weighted == UNREDUCED:
                     self._copy_token(lane, t, i, here, ring_offset, ring, ring_slots, channel,
                                      topk, experts, local_experts, skip_a2a, my_rank, out,
                                      layout, tiler, g_crd, steps, vectors, thr, row_copy,
@@ -591,6 +605,15 @@ class EpCombine:
         if here_bit != 0:
             s_addr[at + cute.arch.popc(rows_bits & ((Int32(1) << lane) - Int32(1)))] = addr
         cute.arch.sync_warp()
+        self._sum_listed(t, live, out, s_addr, at, s_addr, 0, False, layout, tiler, g_crd,
+                         steps, vectors, thr, row_copy)
+
+    @cute.jit
+    def _sum_listed(self, t, n, out: cute.Pointer, s_addr: cute.Tensor, at, s_hw: cute.Tensor,
+                    wat, weigh: cutlass.Constexpr, layout, tiler, g_crd, steps, vectors, thr,
+                    row_copy: cute.TiledCopy):
+        """out[t] = bf16(fp32 sum, in list order, of the n rows at s_addr[at ..], each times its
+        weight s_hw[wat ..] if `weigh`), SUM_ROWS rows' loads in flight at a time."""
         dst = cute.zipped_divide(cute.make_tensor(
             gmem_ptr(BFloat16, out.toint() + Int64(t) * Int64(vectors * 16), 16), layout), tiler)
         for step in cutlass.range(steps):
@@ -598,24 +621,28 @@ class EpCombine:
             t_dst = thr.partition_D(dst[((None, None), step)])
             acc = cute.make_fragment_like(t_dst, Float32)
             acc.fill(0.0)
-            for k0 in cutlass.range(0, live, SUM_ROWS):
+            for k0 in cutlass.range(0, n, SUM_ROWS):
                 frags = []
                 for r in cutlass.range_constexpr(SUM_ROWS):
                     src = cute.zipped_divide(cute.make_tensor(gmem_ptr(
-                        BFloat16, s_addr[at + cutlass.min(k0 + r, live - 1)], 16), layout),
+                        BFloat16, s_addr[at + cutlass.min(k0 + r, n - 1)], 16), layout),
                         tiler)
                     t_src = thr.partition_S(src[((None, None), step)])
                     regs = cute.make_fragment_like(t_src)
                     regs.fill(0.0)
                     cute.copy(row_copy, t_src, regs,
-                              pred=row_predicate(crd, vectors * Int32(k0 + r < live)))
+                              pred=row_predicate(crd, vectors * Int32(k0 + r < n)))
                     frags.append(regs)
                 for r in cutlass.range_constexpr(SUM_ROWS):
-                    acc.store(acc.load() + frags[r].load().to(Float32))
+                    if cutlass.const_expr(weigh):
+                        wr = s_hw[wat + cutlass.min(k0 + r, n - 1)]
+                        acc.store(acc.load() + frags[r].load().to(Float32) * wr)
+                    else:
+                        acc.store(acc.load() + frags[r].load().to(Float32))
             res = cute.make_fragment_like(t_dst)
             res.store(acc.load().to(BFloat16))
             cute.copy(row_copy, res, t_dst, pred=row_predicate(crd, vectors))
-        cute.arch.sync_warp()  # the next token reuses s_addr
+        cute.arch.sync_warp()  # the next token reuses the list
 
     @cute.jit
     def _copy_token(self, lane, t, i, here, ring_offset, ring, ring_slots, channel, topk,
@@ -625,20 +652,8 @@ class EpCombine:
         """Unreduced: out[t, k] = the row of (t, k) from its expert's rank, zeros where none."""
         ids = cute.make_tensor(topk_ids, cute.make_layout((t + 1) * topk))
         for k in cutlass.range(topk):
-            live = valid_expert(ids, t, k, topk, experts)
-            d = Int32(0)
-            idx = Int32(0)
-            if live != 0:
-                d = ids[t * topk + k] // local_experts
-                if skip_a2a != 0 and d != my_rank:
-                    live = Int32(0)
-                for k2 in cutlass.range(k):
-                    if valid_expert(ids, t, k2, topk, experts) != 0 and \
-                            ids[t * topk + k2] // local_experts == d:
-                        idx = idx + 1
-            item = Int64(0)
-            if live != 0:
-                item = s_pos[d] + Int64(s_first[i * MAX_RANKS + d] + idx)
+            live, d, item = self._item_of(ids, t, k, i, topk, experts, local_experts, skip_a2a,
+                                          my_rank, s_first, s_pos)
             src = cute.zipped_divide(cute.make_tensor(gmem_ptr(
                 BFloat16, here + ring_offset + Int64(ring((0, Int32(item % Int64(ring_slots)),
                                                             channel, d))), 16), layout), tiler)
@@ -653,6 +668,58 @@ class EpCombine:
                 cute.copy(row_copy, t_src, regs, pred=row_predicate(crd, vectors * live))
                 cute.copy(row_copy, regs, thr.partition_D(dst[((None, None), step)]),
                           pred=row_predicate(crd, vectors))
+
+
+    @cute.jit
+    def _item_of(self, ids: cute.Tensor, t, k, i, topk, experts, local_experts, skip_a2a,
+                 my_rank, s_first: cute.Tensor, s_pos: cute.Tensor):
+        """(1, rank, stream item) of token t's pair k as its rank returns it (the pairs of t
+        to one rank come in k order), or (0, 0, 0) for a pair that went nowhere."""
+        live = valid_expert(ids, t, k, topk, experts)
+        d = Int32(0)
+        idx = Int32(0)
+        if live != 0:
+            d = ids[t * topk + k] // local_experts
+            if skip_a2a != 0 and d != my_rank:
+                live = Int32(0)
+            for k2 in cutlass.range(k):
+                if valid_expert(ids, t, k2, topk, experts) != 0 and \
+                        ids[t * topk + k2] // local_experts == d:
+                    idx = idx + 1
+        item = Int64(0)
+        if live != 0:
+            item = s_pos[d] + Int64(s_first[i * MAX_RANKS + d] + idx)
+        return live, d, item
+
+    @cute.jit
+    def _weigh_token(self, lane, t, i, here, ring_offset, ring, ring_slots, channel, topk,
+                     experts, local_experts, skip_a2a, my_rank, out: cute.Pointer,
+                     home_weights: cute.Pointer, layout, tiler, g_crd, steps, vectors, thr,
+                     row_copy: cute.TiledCopy, topk_ids: cute.Pointer, s_first: cute.Tensor,
+                     s_pos: cute.Tensor, s_addr: cute.Tensor, s_hw: cute.Tensor, at, wat):
+        """Weighted at home: out[t] = bf16(sum over t's live pairs k, in k order and fp32, of
+        home_weights[t, k] * the row of (t, k)). Lane k < topk finds pair k's row and weight;
+        the live ones are listed first (s_addr, s_hw), then summed SUM_ROWS rows at a time."""
+        ids = cute.make_tensor(topk_ids, cute.make_layout((t + 1) * topk))
+        live = Int32(0)
+        addr = Int64(0)
+        wk = Float32(0.0)
+        if lane < topk:
+            live, d, item = self._item_of(ids, t, lane, i, topk, experts, local_experts,
+                                          skip_a2a, my_rank, s_first, s_pos)
+            if live != 0:
+                addr = here + ring_offset + Int64(ring((0, Int32(item % Int64(ring_slots)),
+                                                        channel, d)))
+                wk = load_f32(home_weights.toint() + (Int64(t) * Int64(topk) + Int64(lane)) * 4)
+        bits = cute.arch.vote_ballot_sync(live != 0)
+        n = cute.arch.popc(bits)
+        if live != 0:
+            p = cute.arch.popc(bits & ((Int32(1) << lane) - Int32(1)))
+            s_addr[at + p] = addr
+            s_hw[wat + p] = wk
+        cute.arch.sync_warp()
+        self._sum_listed(t, n, out, s_addr, at, s_hw, wat, True, layout, tiler, g_crd, steps,
+                         vectors, thr, row_copy)
 
 
 def combine_kernels() -> list:

@@ -1,7 +1,7 @@
 """`ep_dispatch`: one persistent launch per dispatch, a CTA per channel (transport v2).
 
 Channel c of every rank owns a contiguous run of that rank's tokens (`layouts.channels`). Its CTA
-has a sender warp and RECV_WARPS receiver warps, and runs three parts:
+has SEND_WARPS sender warps and RECV_WARPS receiver warps, and runs three parts:
 
 1. Counts (all warps): the channel's tokens are routed (each valid (token, k) pair, a later k
    naming the same expert dropped, ids outside [0, E) dropped and reported) and counted per
@@ -123,6 +123,21 @@ def _wait_at_least(addr, target, timeout_ns, error: cute.Pointer, missing, phase
 
 
 @cute.jit
+def _await_credit(counters_at, counters, channel, d, need, s_head: cute.Tensor, at, timeout_ns,
+                  error: cute.Pointer):
+    """Wait until destination d's credit to `channel` (the messages it consumed: a word of this
+    rank's counters, which start at address `counters_at`; s_head[at] holds the last value
+    seen) reaches `need`. Returns 0 when the wait failed."""
+    ok = Int32(1)
+    if need > s_head[at]:
+        head, ok = _wait_at_least(
+            counters_at + Int64(counters((channel, d, HEADS, DISPATCH))) * 8, need, timeout_ns,
+            error, d, Int32(PHASE_DISPATCH))
+        s_head[at] = head
+    return ok
+
+
+@cute.jit
 def _stamp(trace: cute.Pointer, tracing, channel, field: cutlass.Constexpr, value):
     """With tracing on, word `field` (TRACE_FIELDS) of this channel's trace = value."""
     if tracing != 0:
@@ -212,6 +227,7 @@ class EpDispatch:
                 Param("payload_vectors", "i32"),
                 Param("scales_offset", "i32"),
                 Param("row_capacity", "i32"),
+                Param("segment_rows", "i32"),
                 Param("channels", "i32"),
                 Param("active", "i32"),
                 Param("ring_slots", "i32"),
@@ -248,6 +264,7 @@ class EpDispatch:
                  descriptor_bytes: Int32, source_stride: Int32, load_bytes: Int32,
                  stage_bytes: Int32, stage_slots: Int32,
                  payload_vectors: Int32, scales_offset: Int32, row_capacity: Int32,
+                 segment_rows: Int32,
                  channels: Int32, active: Int32, ring_slots: Int32, chunk_tokens: Int32,
                  ring_offset: Int64, staging_offset: Int64, counts_offset: Int64,
                  flags_offset: Int64,
@@ -261,8 +278,8 @@ class EpDispatch:
                     max_tokens, topk, local_experts, ranks, my_rank, shared, skip_a2a,
                     shared_begin, shared_end, has_weights, descriptor_bytes, source_stride,
                     load_bytes, stage_bytes, stage_slots, payload_vectors, scales_offset,
-                    row_capacity, channels, active, ring_slots, chunk_tokens, ring_offset,
-                    staging_offset, counts_offset, flags_offset,
+                    row_capacity, segment_rows, channels, active, ring_slots, chunk_tokens,
+                    ring_offset, staging_offset, counts_offset, flags_offset,
                     counters_offset, timeout_ns, trace, tracing,
                     row_tiled_copy(WARP, Uint8, self.vector_bytes),
                     row_tiled_copy(WARP, Uint8, 16)).launch(
@@ -284,6 +301,7 @@ class EpDispatch:
                descriptor_bytes: Int32, source_stride: Int32, load_bytes: Int32,
                stage_bytes: Int32, stage_slots: Int32,
                payload_vectors: Int32, scales_offset: Int32, row_capacity: Int32,
+               segment_rows: Int32,
                channels: Int32, active: Int32, ring_slots: Int32, chunk_tokens: Int32,
                ring_offset: Int64, staging_offset: Int64, counts_offset: Int64,
                flags_offset: Int64,
@@ -414,8 +432,8 @@ class EpDispatch:
                           max_tokens, topk,
                           local_experts, ranks, my_rank, shared, shared_begin, shared_end,
                           descriptor_bytes, stage_bytes, stage_slots, payload_vectors,
-                          scales_offset, row_capacity, channels, active, ring_slots,
-                          chunk_tokens, ring_offset, staging_offset,
+                          scales_offset, row_capacity, segment_rows, channels, active,
+                          ring_slots, chunk_tokens, ring_offset, staging_offset,
                           counts_offset, flags_offset, counters_offset, counters, counts_at,
                           flags_at, parity, epoch, timeout_ns, s_next, s_totals, s_off, s_tot,
                           s_raw, s_first, s_src, s_rows, s_wts, warp_copy, trace, tracing)
@@ -446,6 +464,8 @@ class EpDispatch:
         ring = ring_layout(descriptor_bytes, ring_slots, channels, ranks)
         stage = staging_layout(stage_bytes, stage_slots, channels)
         stage_batches = stage_slots // BATCH
+        credit_at = here + counters_offset  # destinations' credit lands in these counters
+
         meta = metadata_layout(topk)
         words = DESCRIPTOR_META + meta.cosize()
         mine = sw * MAX_RANKS  # this warp's words of the per-destination arrays
@@ -467,12 +487,9 @@ class EpDispatch:
             s_wpos[mine + lane] = cute.arch.load(gmem_ptr(
                 Int64, streams.toint() + Int64(counters((channel, lane, TAILS, DISPATCH))) * 8,
                 8), Int64)
-            head_at = here + counters_offset + Int64(counters((channel, lane, HEADS, DISPATCH))) * 8
-            head = cute.arch.load(gmem_ptr(Int64, head_at, 8), Int64, sem="relaxed", scope="sys")
-            if head < s_wpos[mine + lane]:
-                head, ok = _wait_at_least(head_at, s_wpos[mine + lane], timeout_ns, error, lane,
-                                          Int32(PHASE_DISPATCH))
-            s_head[mine + lane] = head
+            s_head[mine + lane] = Int64(-1)  # nothing seen yet: the first wait reads it
+            ok = _await_credit(credit_at, counters, channel, lane, s_wpos[mine + lane], s_head,
+                               mine + lane, timeout_ns, error)
         if lane < len(SEND_TIMES):
             s_time[times + lane] = Int64(0)
         alive = Int32(1)
@@ -536,13 +553,9 @@ class EpDispatch:
                 start = cute.arch.globaltimer()
             ok = Int32(1)
             if lane < ranks and alive != 0:
-                need = s_stage[staged + sb * MAX_RANKS + lane]
-                if need > s_head[mine + lane]:
-                    head, ok = _wait_at_least(
-                        here + counters_offset
-                        + Int64(counters((channel, lane, HEADS, DISPATCH))) * 8, need, timeout_ns,
-                        error, lane, Int32(PHASE_DISPATCH))
-                    s_head[mine + lane] = head
+                ok = _await_credit(credit_at, counters, channel, lane,
+                                   s_stage[staged + sb * MAX_RANKS + lane], s_head, mine + lane,
+                                   timeout_ns, error)
             if cute.arch.vote_ballot_sync(ok == 0) != 0:
                 alive = Int32(0)
             cute.arch.sync_warp()
@@ -563,13 +576,10 @@ class EpDispatch:
                             if (m >> d) & 1 != 0 and alive != 0:
                                 below = s_ball[mine + d] & ((Int32(1) << b) - 1)
                                 pos = s_wpos[mine + d] + Int64(cute.arch.popc(below))
-                                if pos - s_head[mine + d] >= Int64(ring_slots):
-                                    head, alive = _wait_at_least(
-                                        here + counters_offset
-                                        + Int64(counters((channel, d, HEADS, DISPATCH))) * 8,
-                                        pos - Int64(ring_slots) + 1, timeout_ns, error, d,
-                                        Int32(PHASE_DISPATCH))
-                                    s_head[mine + d] = head
+                                # The ring slot is free once d consumed the message before.
+                                alive = _await_credit(credit_at, counters, channel, d,
+                                                      pos - Int64(ring_slots) + 1, s_head,
+                                                      mine + d, timeout_ns, error)
                                 if alive != 0:
                                     slot = peers[d] + ring_offset + Int64(ring(
                                         (0, Int32(pos % Int64(ring_slots)), channel, my_rank)))
@@ -674,8 +684,8 @@ class EpDispatch:
                  comb_counts: cute.Pointer, chan_msgs: cute.Pointer, max_tokens, topk,
                  local_experts, ranks, my_rank,
                  shared, shared_begin, shared_end, descriptor_bytes, stage_bytes,
-                 stage_slots, payload_vectors, scales_offset, row_capacity, channels, active,
-                 ring_slots, chunk_tokens, ring_offset, staging_offset, counts_offset, flags_offset, counters_offset, counters, counts_at,
+                 stage_slots, payload_vectors, scales_offset, row_capacity, segment_rows,
+                 channels, active, ring_slots, chunk_tokens, ring_offset, staging_offset, counts_offset, flags_offset, counters_offset, counters, counts_at,
                  flags_at, parity, epoch, timeout_ns, s_next: cute.Tensor, s_totals: cute.Tensor,
                  s_off: cute.Tensor,
                  s_tot: cute.Tensor, s_raw: cute.Tensor, s_first: cute.Tensor,
@@ -744,7 +754,10 @@ class EpDispatch:
                 s_next[s * MAX_SEGMENTS + g] = s_next[s * MAX_SEGMENTS + g] + run
                 run = run + s_totals[s * MAX_SEGMENTS + g]
             s_raw[g] = run
-            s_tot[g] = (run + self.row_align - 1) // self.row_align * self.row_align
+            if segment_rows > 0:
+                s_tot[g] = segment_rows  # slabs: every segment the worst case long
+            else:
+                s_tot[g] = (run + self.row_align - 1) // self.row_align * self.row_align
             if cutlass.const_expr(self.fmt == "nvfp4"):
                 s_first[g] = (run + ATOM_ROWS - 1) // ATOM_ROWS
         cute.arch.barrier(barrier_id=1, number_of_threads=threads)
@@ -772,9 +785,10 @@ class EpDispatch:
         scale_cols = payload_vectors * self.vector_bytes * 2 // NVFP4_BLOCK
         rk = (scale_cols + 3) // 4
         if cutlass.const_expr(self.row_align > 1):
-            self._zero_row_padding(channel * threads + rt, active * threads, tokens, scales,
-                                   src_info, s_off, s_raw, segments, payload_bytes, blocks,
-                                   row_capacity)
+            if segment_rows == 0:  # slabs leave the rows past a segment's count undefined
+                self._zero_row_padding(channel * threads + rt, active * threads, tokens,
+                                       scales, src_info, s_off, s_raw, segments,
+                                       payload_bytes, blocks, row_capacity)
         if cutlass.const_expr(self.fmt == "nvfp4"):
             self._zero_scale_padding(channel * threads + rt, active * threads, scales, s_raw,
                                      s_first, segments, rk)

@@ -46,12 +46,14 @@ def route_ids(ids: cute.Tensor, row, stride, t, topk, experts, local_experts, my
     (rows `stride` apart). A (token, k) pair is valid when its id is in [0, experts) and no
     earlier k names the same expert; with skip_a2a only this rank's experts count. A fused
     shared expert adds this rank for its tokens [shared_begin, shared_end). With `count`, each
-    valid pair adds one to s_cnt[expert]."""
+    valid pair adds one to s_cnt[expert]. An id of -1 is an empty slot: skipped, not reported."""
     mask = Int32(0)
     bad = Int32(0)
     for k in cutlass.range(topk):
         e = ids[row * stride + k]
-        if e < 0 or e >= experts:
+        if e == -1:
+            pass  # an empty slot (DeepEP's convention for a masked pair): nothing to route
+        elif e < 0 or e >= experts:
             bad = bad | ERROR_ID_RANGE
         else:
             if valid_expert(ids, row, k, stride, experts) == 0:

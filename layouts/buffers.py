@@ -28,12 +28,16 @@ ELEMENT_BYTES = {
 }
 PHASES = 2  # dispatch, combine: the error record's phase is 1 + this order
 # The words of the device error record, in order. bad_ids holds bits ERROR_ID_RANGE (an id
-# outside [0, E)) and ERROR_ID_TWICE (a token listing one expert at two k).
+# outside [0, E) other than -1, an empty slot) and ERROR_ID_TWICE (a token listing one expert at two k).
 ERROR_FIELDS = ("missing_rank", "phase", "bad_ids", "bad_counts")
 ERROR_ID_RANGE, ERROR_ID_TWICE = 1, 2
 # bad_counts holds bits ERROR_COUNTS (a count outside [0, max tokens]) and ERROR_CHANNELS (ranks
 # split their tokens over different numbers of channels: different num_input_tokens).
 ERROR_COUNTS, ERROR_CHANNELS = 1, 2
+# How combine reduces a token's rows (its `weighted` argument): not at all (every (token, k)
+# row comes home: [T, K, H]), on the expert side with dispatch's weights, or on the home side
+# with weights given to combine (DeepEP's low-latency combine).
+UNREDUCED, AT_EXPERTS, AT_HOME = 0, 1, 2
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,11 @@ from dataclasses import dataclass
 from layouts.formats import MessageLayout, message_layout, token_format
 
 FP8_ROW_ALIGN = 4  # FP8 output pads every expert segment to 4 rows
+# Where a dispatch puts an expert's rows: "packed" segments back to back (row_offsets, the
+# grouped GEMM's input), or "slabs": segment g at row g * slab_rows, every segment the worst
+# case long ([E_loc, R * max_tokens_per_rank, H], the masked grouped GEMM's input and DeepEP's
+# low-latency layout; rows past a segment's count are undefined).
+LAYOUTS = ("packed", "slabs")
 
 
 @dataclass(frozen=True)
@@ -18,6 +23,7 @@ class EPConfig:
     max_tokens_per_rank: int
     format: str = "bf16"
     fused_shared_expert: bool = False
+    layout: str = "packed"
 
     def __post_init__(self):
         fmt = token_format(self.format)
@@ -32,6 +38,11 @@ class EPConfig:
         if self.max_tokens_per_rank < 1:
             raise ValueError(f"max_tokens_per_rank must be positive, got {self.max_tokens_per_rank}")
         fmt.validate_hidden(self.hidden)
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if self.layout == "slabs" and (self.format == "nvfp4" or self.fused_shared_expert):
+            raise ValueError("the slabs layout is for bf16 and fp8 routed experts only (no "
+                             "nvfp4 128x4 scale blocks, no fused shared expert)")
 
     @property
     def local_experts(self) -> int:
@@ -57,6 +68,14 @@ class EPConfig:
         return FP8_ROW_ALIGN if self.format == "fp8" else 1
 
     @property
+    def slab_rows(self) -> int:
+        """Rows of one expert's slab in the "slabs" layout (every source's every token); 0 when
+        packed."""
+        return self.ranks * self.max_tokens_per_rank if self.layout == "slabs" else 0
+
+    @property
     def row_capacity(self) -> int:
-        """Output rows including each segment's alignment padding."""
+        """Output rows including each segment's alignment padding (or its whole slab)."""
+        if self.layout == "slabs":
+            return self.segments * self.slab_rows
         return self.max_recv + (self.row_align - 1) * self.segments

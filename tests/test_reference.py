@@ -179,7 +179,7 @@ def test_bad_inputs_name_what_is_wrong(bad, match):
     if bad == "id_range":
         ids = [ids[0], torch.tensor([[0, 8], [2, 3], [4, 5]], dtype=torch.int32)]
     elif bad == "negative":
-        ids = [torch.tensor([[0, -1], [2, 3], [4, 5]], dtype=torch.int32), ids[1]]
+        ids = [torch.tensor([[0, -2], [2, 3], [4, 5]], dtype=torch.int32), ids[1]]
     elif bad == "duplicate":
         ids = [torch.tensor([[0, 0], [2, 3], [4, 5]], dtype=torch.int32), ids[1]]
     elif bad == "too_many":
@@ -191,6 +191,23 @@ def test_bad_inputs_name_what_is_wrong(bad, match):
         x, ids = x[:1], ids[:1]
     with pytest.raises(ValueError, match=match):
         ref.dispatch(cfg, x, ids)
+
+
+def test_minus_one_is_an_empty_slot_and_slabs_hold_each_expert_at_a_fixed_row():
+    """-1 (DeepEP's empty slot) routes nowhere; the slabs layout starts segment g at
+    g * R * max_tokens_per_rank with the same rows, in the same order, as the packed layout."""
+    x = [torch.randn(3, H).to(torch.bfloat16) for _ in range(2)]
+    ids = [torch.tensor([[0, -1], [-1, -1], [4, 5]], dtype=torch.int32),
+           torch.tensor([[1, 7], [2, -1], [-1, 6]], dtype=torch.int32)]
+    packed = ref.dispatch(EPConfig(H, 2, 8, 2, 4), x, ids)
+    slabs = ref.dispatch(EPConfig(H, 2, 8, 2, 4, layout="slabs"), x, ids)
+    assert [p.counts.tolist() for p in packed] == [[1, 1, 1, 0], [1, 1, 1, 1]]
+    for p, s in zip(packed, slabs):
+        assert s.row_offsets.tolist() == [0, 8, 16, 24, 32]
+        for g, c in enumerate(p.counts.tolist()):
+            a, b = int(p.row_offsets[g]), int(s.row_offsets[g])
+            assert torch.equal(p.tokens[a:a + c], s.tokens[b:b + c])
+            assert torch.equal(p.src_info[a:a + c], s.src_info[b:b + c])
 
 
 def _spec_scale_offset(r, kb, hidden):

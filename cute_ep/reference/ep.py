@@ -8,7 +8,8 @@ output buffer sizes.
 Dispatch output on each rank (SPEC section 3):
 - rows grouped by segment (local expert, or the shared expert first when fused), inside a segment
   by source rank, inside (segment, source) by source token index;
-- `row_offsets[g]` the first row of segment g (FP8 aligns segments to 4 rows), `expert_ids`,
+- `row_offsets[g]` the first row of segment g (FP8 aligns segments to 4 rows; the "slabs"
+  layout puts segment g at g * R * max_tokens_per_rank), `expert_ids`,
   `src_info[row] = (source token, k slot)` (k = -1 for shared-expert rows, -1/-1 for padding),
   `counts[g]` the rows of segment g;
 - FP8 blockwise: per token and 128-element block, `s = max(amax, 1e-4) / 448` and
@@ -91,13 +92,16 @@ def dispatch_mismatch(cfg: EPConfig, got, want: DispatchResult) -> str | None:
     for name in ("row_offsets", "expert_ids", "counts"):
         if getattr(got, name).tolist() != getattr(want, name).tolist():
             return name
-    if not torch.equal(got.src_info[:n], want.src_info[:n]):
+    # Slabs define only the rows each segment holds (the rest of a slab is undefined).
+    rows = (want.source_rank != PAD).nonzero().flatten() if cfg.layout == "slabs" \
+        else slice(0, n)
+    if not torch.equal(got.src_info[rows], want.src_info[rows]):
         return "src_info"
-    gt, wt = got.tokens[:n].view(torch.uint8), want.tokens[:n].view(torch.uint8)
+    gt, wt = got.tokens[rows].view(torch.uint8), want.tokens[rows].view(torch.uint8)
     if not torch.equal(gt, wt):
         bad = (gt != wt).any(dim=1).nonzero().flatten()
         return f"{len(bad)} of {n} rows differ, first {bad[:8].tolist()}"
-    if cfg.format == "fp8" and not torch.equal(got.scales[:, :n], want.scales[:, :n]):
+    if cfg.format == "fp8" and not torch.equal(got.scales[:, rows], want.scales[:, rows]):
         return "fp8 scales"
     if cfg.format == "nvfp4":
         if got.scales.numel() != want.scales.numel():
@@ -144,12 +148,12 @@ def check_inputs(cfg: EPConfig, x: list[torch.Tensor], topk_ids: list[torch.Tens
         if ids.dtype not in (torch.int32, torch.int64) or tuple(ids.shape) != (xr.shape[0], cfg.topk):
             raise ValueError(f"rank {r}: topk_ids must be int32/int64 [{xr.shape[0]}, {cfg.topk}], "
                              f"got {ids.dtype} {tuple(ids.shape)}")
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= cfg.experts):
-            raise ValueError(f"rank {r}: expert ids must be in [0, {cfg.experts}), got "
-                             f"[{int(ids.min())}, {int(ids.max())}]")
+        if ids.numel() and (int(ids.min()) < -1 or int(ids.max()) >= cfg.experts):
+            raise ValueError(f"rank {r}: expert ids must be in [0, {cfg.experts}) or -1 (an "
+                             f"empty slot), got [{int(ids.min())}, {int(ids.max())}]")
         if ids.numel() and cfg.topk > 1:
             s = ids.sort(dim=1).values
-            if bool((s[:, 1:] == s[:, :-1]).any()):
+            if bool(((s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)).any()):
                 raise ValueError(f"rank {r}: a token lists the same expert twice")
         if topk_weights is not None:
             w = topk_weights[r]
@@ -225,6 +229,8 @@ def _dispatch_to(cfg, x, topk_ids, dest, sources, e_loc, shared, shared_tokens,
     align = FP8_ROW_ALIGN if cfg.format == "fp8" else 1
     counts = torch.bincount(seg, minlength=segments)
     padded = (counts + align - 1) // align * align
+    if cfg.layout == "slabs":  # every segment a whole slab, whatever it holds
+        padded = torch.full_like(counts, cfg.slab_rows)
     row_offsets = torch.cat([torch.zeros(1, dtype=torch.int64, device=device),
                              torch.cumsum(padded, 0)])
     first_of_segment = torch.cumsum(counts, 0) - counts

@@ -30,14 +30,21 @@ def _streams(bufs):
 
 
 def _layer(bufs, seed, tokens, routing="uniform", weighted=True, skip_a2a=False,
-           num_input_tokens=None, prequantized=False):
+           num_input_tokens=None, prequantized=False, at_home=False, empty_slots=0.0):
     """One layer on every emulated rank against the reference; `prequantized` (fp8): each rank
-    passes its tokens already quantized, (codes, scales), as the reference quantizes them."""
+    passes its tokens already quantized, (codes, scales), as the reference quantizes them;
+    `at_home`: dispatch carries no weights and combine weighs at home with them (DeepEP's
+    low-latency combine); `empty_slots`: that share of the (token, k) ids is -1 (nothing is
+    reported for them)."""
     from cute_ep.reference import ep as reference
     from cute_ep.reference.ep import dispatch_mismatch
 
     cfg = bufs[0].cfg
     xs, ids, ws = _inputs(cfg, seed, tokens, routing, same_everywhere=skip_a2a)
+    if empty_slots:
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        ids = [torch.where(torch.rand(i.shape, generator=gen, device="cuda") < empty_slots,
+                           -1, i).to(i.dtype) for i in ids]
     gs = _global_scales(cfg, seed)
     streams = _streams(bufs)
     torch.cuda.synchronize()
@@ -49,7 +56,8 @@ def _layer(bufs, seed, tokens, routing="uniform", weighted=True, skip_a2a=False,
         quant = {} if gs is None else {
             "global_scale": torch.tensor([gs[r]], dtype=torch.float32, device="cuda")}
         with torch.cuda.stream(stream):
-            outs.append(buf.dispatch(sources[r], ids[r], ws[r] if weighted else None,
+            outs.append(buf.dispatch(sources[r], ids[r],
+                                     ws[r] if weighted and not at_home else None,
                                      skip_a2a=skip_a2a, num_input_tokens=num_input_tokens,
                                      **quant))
     torch.cuda.synchronize()
@@ -65,7 +73,8 @@ def _layer(bufs, seed, tokens, routing="uniform", weighted=True, skip_a2a=False,
     combined = []
     for r, (buf, stream) in enumerate(zip(bufs, streams)):
         with torch.cuda.stream(stream):
-            combined.append(buf.combine(ys[r].clone(), outs[r].handle))
+            combined.append(buf.combine(ys[r].clone(), outs[r].handle,
+                                        topk_weights=ws[r] if at_home else None))
     torch.cuda.synchronize()
     for buf in bufs:
         buf.check()
@@ -274,3 +283,68 @@ def test_tiny_staging_and_rings_wrap_on_every_batch(fmt, ranks, sms):
         seed += 1
         _layer(bufs, seed, tokens)
     _layer(bufs, seed + 1, [400] * ranks, "hot")
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+@pytest.mark.parametrize("ranks,sms", [(4, 12), (2, 8), (8, 6)])
+def test_emulated_slabs_and_weights_at_home(fmt, ranks, sms):
+    """DeepEP's low-latency shape: expert g's rows from row g * R * max_tokens on (the slabs
+    layout), combine weighing each (token, k) row at home with the weights it is given, ids
+    with empty (-1) slots; decode-sized and full batches, round after round."""
+    from cute_ep.ep import Buffer
+    from layouts import EPConfig
+
+    cfg = EPConfig(2048, 8, 8 * ranks, ranks, 128, fmt, layout="slabs")
+    bufs = Buffer.emulated(cfg, timeout_s=20.0, sms=sms)
+    seed = 300 + ranks
+    for tokens, slots in (([128] * ranks, 0.0), ([3] * ranks, 0.25), ([0] * ranks, 0.0),
+                          ([(128, 7, 0, 64)[r % 4] for r in range(ranks)], 0.5)):
+        seed += 1
+        _layer(bufs, seed, tokens, at_home=True, empty_slots=slots, num_input_tokens=128)
+    _layer(bufs, seed + 1, [100] * ranks, routing="hot", empty_slots=0.1)  # weighted at experts
+    _layer(bufs, seed + 2, [50] * ranks, weighted=False, empty_slots=0.1)  # unreduced
+
+
+def test_empty_slots_in_the_packed_layout_are_dropped_without_a_report():
+    from cute_ep.ep import Buffer
+    from layouts import EPConfig
+
+    cfg = EPConfig(2048, 8, 32, 4, 256, "bf16")
+    bufs = Buffer.emulated(cfg, timeout_s=20.0, sms=8)
+    _layer(bufs, 7, [256] * 4, empty_slots=0.3)
+    _layer(bufs, 8, [256] * 4, at_home=True, empty_slots=0.3)
+
+
+def test_low_latency_handle_names_each_rows_source_and_range():
+    """cute_ep.deepep's low-latency handle on 4 emulated ranks: [0] the source token of every
+    slab row, [1] each (expert, source)'s `begin << 32 | count`, both from the ids alone."""
+    from cute_ep.deepep import _LowLatencyHandle
+    from cute_ep.ep import Buffer
+    from layouts import EPConfig
+
+    ranks, m, e = 4, 64, 16
+    cfg = EPConfig(1024, 4, e, ranks, m, "bf16", layout="slabs")
+    bufs = Buffer.emulated(cfg, timeout_s=20.0, sms=4)
+    xs, ids, _ = _inputs(cfg, 11, [64, 0, 17, 40])
+    ids = [torch.where(torch.arange(i.numel(), device="cuda").view(i.shape) % 5 == 0, -1, i)
+           for i in ids]
+    streams = _streams(bufs)
+    torch.cuda.synchronize()
+    outs = []
+    for r, (buf, stream) in enumerate(zip(bufs, streams)):
+        with torch.cuda.stream(stream):
+            outs.append(buf.dispatch(xs[r], ids[r], None, num_input_tokens=m))
+    torch.cuda.synchronize()
+    e_loc = e // ranks
+    for d, (buf, out) in enumerate(zip(bufs, outs)):
+        handle = _LowLatencyHandle(buf, out.handle, out.src_info, m, 1024, e)
+        for g in range(e_loc):
+            expert = d * e_loc + g
+            begin, rows = 0, []
+            for s in range(ranks):
+                toks = (ids[s] == expert).any(dim=1).nonzero().flatten()
+                assert int(handle[1][g, s]) == (begin << 32) | len(toks), (d, g, s)
+                begin += len(toks)
+                rows.append(toks)
+            want = torch.cat(rows).int()
+            assert torch.equal(handle[0][g, :len(want)], want), (d, g)

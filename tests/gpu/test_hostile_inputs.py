@@ -218,7 +218,7 @@ def _buffer_properties(rank, world, examples):
         x, ids, w = inputs(seed, t)
         for r, k, kind in bad:
             if r < t and kind == "negative":
-                ids[r, k] = -1 - k
+                ids[r, k] = -2 - k  # -1 is an empty slot, not an error
             elif r < t and kind == "too large":
                 ids[r, k] = EXPERTS + k
             elif r < t and k > 0:
