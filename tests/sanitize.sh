@@ -43,6 +43,7 @@ single=(tests/gpu/test_block_kernels.py tests/gpu/test_nvfp4.py tests/gpu/test_s
 want() { [ "$what" = all ] || [ "$what" = "$1" ] || [ "$what" = "$2" ]; }
 want single single-memcheck && run single-memcheck memcheck "${single[@]}"
 want single single-racecheck && run single-racecheck racecheck "${single[@]}"
-want single ep-one-rank-memcheck && run ep-one-rank-memcheck memcheck tests/gpu/test_ep_inputs.py
+want single ep-one-rank-memcheck && run ep-one-rank-memcheck memcheck tests/gpu/test_ep_inputs.py \
+    tests/gpu/test_deepep_face.py
 want multi multi-memcheck && run multi-memcheck memcheck tests/multigpu/test_ep.py -k "world2 and H4096-K8-E128"
 exit $status
