@@ -269,10 +269,7 @@ class Buffer:
         if bool(((ids < -1) | (ids >= num_experts)).any()):
             raise ValueError(f"topk_idx must hold expert ids in [0, {num_experts}) or -1")
         per_expert = torch.bincount(ids[valid], minlength=num_experts).int()
-        dest = torch.where(valid, ids // (num_experts // r), r)
-        in_rank = torch.zeros(ids.shape[0], r + 1, dtype=torch.bool, device=ids.device)
-        in_rank.scatter_(1, dest, True)
-        in_rank = in_rank[:, :r].contiguous()
+        in_rank = _ranks_of(ids, num_experts, r)
         return (in_rank.sum(0).int(), None, per_expert, in_rank,
                 EventOverlap(_event() if async_finish else None))
 
@@ -355,7 +352,10 @@ class Buffer:
         ids = torch.where(in_rank, ranks, -1).to(torch.int32).contiguous()
         core = self._normal_core(hidden, fp8, r, r, config)
         out = core.dispatch(x, ids, in_rank.float())
-        received = out.handle.messages.tolist()
+        got = torch.cat([out.handle.messages, core.error]).tolist()
+        if any(got[r:]):
+            core.check()  # raises what the kernel recorded
+        received = got[:r]
         total = sum(received)
         n_out = self._rows_out(num_worst_tokens, total)
         recv_x = out.tokens[:n_out]
@@ -378,8 +378,17 @@ class Buffer:
         out = core.dispatch(x, ids, weights)
         h = out.handle
         cap = core.cfg.max_tokens_per_rank
-        counts = torch.cat([h.messages, out.counts]).tolist()  # one read back
-        received, per_expert = counts[:r], counts[r:]
+        # One read back: messages per source, rows per expert, what the device reported (a
+        # peer timeout, bad ids) and whether is_token_in_rank (what combine's weights follow)
+        # is the routing of topk_idx (what the rows follow).
+        differs = (_ranks_of(topk_idx.long(), experts, r) != in_rank).any().int().view(1)
+        counts = torch.cat([h.messages, out.counts, core.error, differs]).tolist()
+        received, per_expert = counts[:r], counts[r:-5]
+        if any(counts[-5:-1]):
+            core.check()  # raises what the kernel recorded
+        if counts[-1]:
+            raise ValueError("is_token_in_rank does not match topk_idx (pass "
+                             "get_dispatch_layout's for these ids)")
         total = sum(received)
         n_out = self._rows_out(num_worst_tokens, total)
         got = torch.tensor(received, device=dev)
@@ -583,3 +592,11 @@ def _rows(table: torch.Tensor, index: torch.Tensor, n: int) -> torch.Tensor:
         return table.index_select(0, index.long())
     out[:index.numel()] = table.index_select(0, index.long())
     return out
+
+
+def _ranks_of(ids: torch.Tensor, experts: int, ranks: int) -> torch.Tensor:
+    """is_token_in_rank of int64 [T, K] ids (-1: an empty slot): bool [T, R]."""
+    dest = torch.where((ids >= 0) & (ids < experts), ids // (experts // ranks), ranks)
+    in_rank = torch.zeros(ids.shape[0], ranks + 1, dtype=torch.bool, device=ids.device)
+    in_rank.scatter_(1, dest, True)
+    return in_rank[:, :ranks].contiguous()

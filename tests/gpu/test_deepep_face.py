@@ -97,22 +97,26 @@ def _face(rank, world):
     results["ll fp8"] = fs.shape == (E, m, H // 128) and fs.stride(1) == 1 and \
         (deq - lx[toks].float()).abs().max().item() <= 0.07 * lx[toks].float().abs().max().item()
 
-    refused = []
-    for what, call in (
-            ("bias", lambda: buf.combine(y, handle, bias=y)),
-            ("use_logfmt", lambda: buf.low_latency_combine(ys, lids, lw, ll, use_logfmt=True)),
-            ("zero_copy", lambda: buf.low_latency_combine(ys, lids, lw, ll, zero_copy=True)),
-            ("round_scale", lambda: buf.low_latency_dispatch(lx, lids, m, E, round_scale=True)),
-            ("num_tokens_per_rdma_rank",
-             lambda: buf.dispatch(x, num_tokens_per_rdma_rank=per_rank, **args)),
-            ("allow_mnnvl", lambda: deep_ep.Buffer(None, 1, allow_mnnvl=True))):
-        try:
-            call()
-            refused.append(f"{what}: accepted")
-        except NotImplementedError as exc:
-            if what not in str(exc):
-                refused.append(f"{what}: {exc}")
-    results["refused"] = refused or True
+    wrong = in_rank.clone()
+    wrong[0] = ~wrong[0]
+    results["refused"] = _raising(NotImplementedError, (
+        ("bias", lambda: buf.combine(y, handle, bias=y), "bias"),
+        ("use_logfmt", lambda: buf.low_latency_combine(ys, lids, lw, ll, use_logfmt=True),
+         "use_logfmt"),
+        ("zero_copy", lambda: buf.low_latency_combine(ys, lids, lw, ll, zero_copy=True),
+         "zero_copy"),
+        ("round_scale", lambda: buf.low_latency_dispatch(lx, lids, m, E, round_scale=True),
+         "round_scale"),
+        ("rdma", lambda: buf.dispatch(x, num_tokens_per_rdma_rank=per_rank, **args),
+         "num_tokens_per_rdma_rank"),
+        ("mnnvl", lambda: deep_ep.Buffer(None, 1, allow_mnnvl=True), "allow_mnnvl")))
+    results["checked"] = _raising(ValueError, (
+        ("layout", lambda: buf.dispatch(x, topk_idx=ids, topk_weights=w, **dict(
+            args, is_token_in_rank=wrong)), "is_token_in_rank does not match topk_idx"),
+        ("id", lambda: buf.dispatch(x, topk_idx=torch.where(ids == 3, E + 5, ids),
+                                    topk_weights=w, **args), "expert id outside")))
+    again = buf.dispatch(x, topk_idx=ids, topk_weights=w, **args)[0]  # still usable
+    results["usable after"] = torch.equal(again, recv)
     small = deep_ep.Buffer(None, 1024)
     try:
         small.dispatch(x, topk_idx=ids, topk_weights=w, **args)
@@ -120,6 +124,20 @@ def _face(rank, world):
     except ValueError as exc:
         results["budget"] = "num_nvl_bytes=1024" in str(exc) or str(exc)
     return results
+
+
+def _raising(kind, cases) -> list | bool:
+    """True if every (name, call, text) case raises `kind` with `text` in its message, else
+    what went otherwise."""
+    wrong = []
+    for name, call, text in cases:
+        try:
+            call()
+            wrong.append(f"{name}: accepted")
+        except kind as exc:
+            if text not in str(exc):
+                wrong.append(f"{name}: {exc}")
+    return wrong or True
 
 
 def test_deepep_face_on_one_rank():
