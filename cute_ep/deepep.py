@@ -35,6 +35,7 @@ import torch.distributed as dist
 from cute_ep.ep import Buffer as _Core
 from cute_ep.ep import DispatchHandle, Routing
 from layouts import EPConfig
+from layouts.buffers import peer_visible_bytes
 
 __all__ = ["Buffer", "Config", "EventOverlap"]
 
@@ -77,11 +78,9 @@ class Config:
 def _peer_bytes(hidden: int, ranks: int, sms: int, fmt: str = "bf16", topk: int = 8,
                 experts: int | None = None, max_tokens: int = 4096,
                 layout: str = "packed") -> int:
-    from layouts.channels import ChannelGeometry
-
     cfg = EPConfig(hidden, min(topk, experts or ranks * 32), experts or ranks * 32, ranks,
                    max_tokens, fmt, layout=layout)
-    return ChannelGeometry(cfg, channels=sms).peer_offsets()["total"]
+    return peer_visible_bytes(cfg, sms)
 
 
 class EventOverlap:
@@ -101,7 +100,7 @@ class EventOverlap:
 
     def __exit__(self, *exc) -> None:
         if self.event is not None:
-            torch.cuda.current_stream().wait_event(self.event)
+            self.current_stream_wait()
 
 
 def _event() -> torch.cuda.Event:
@@ -561,15 +560,13 @@ class Buffer:
     def _core(self, key: tuple, cfg: EPConfig, sms: int) -> _Core:
         core = self._cores.get(key)
         if core is None:
-            from layouts.channels import ChannelGeometry
-
             normal = key[0] == "normal"
             if not normal and not self.low_latency_mode:
                 raise ValueError("low-latency calls need a Buffer made with "
                                  "low_latency_mode=True")
             device_sms = torch.cuda.get_device_properties(
                 torch.cuda.current_device()).multi_processor_count
-            need = ChannelGeometry(cfg, channels=min(sms, device_sms)).peer_offsets()["total"]
+            need = peer_visible_bytes(cfg, min(sms, device_sms))
             used = sum(c.peer_visible_bytes for c in self._cores.values()
                        if (c.cfg.layout == "packed") == normal)
             name, budget = ("num_nvl_bytes", self.num_nvl_bytes) if normal else \

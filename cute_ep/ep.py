@@ -20,8 +20,9 @@ partial, never out of bounds. A Buffer that timed out must be recreated.
 What crosses NVLink per token: one message per destination rank that hosts at least one of its
 experts, not one per expert: the destination pulls the payload from the source's staging and
 the source writes a 16-byte-aligned descriptor (source index, staging slot, K ids, K weights)
-into the destination's ring; the receiver expands the message into expert rows. Combine returns one bf16 row per
-(token, destination rank): the rank's weighted partial sum over its local experts.
+into the destination's ring; the receiver expands the message into expert rows. Combine returns
+one bf16 row per (token, destination rank): the rank's weighted partial sum over its local
+experts.
 
 Formats (`EPConfig.format`): "bf16", "fp8" (DeepSeek blockwise) and "nvfp4". An NVFP4 dispatch
 quantizes each token once on the sender under a global scale `gs` (fp32 tensor of one element,
@@ -77,8 +78,8 @@ DISPATCH_VARYING = ("source", "source_stride", "scale_source", "scale_stride", "
                     "skip_a2a", "shared_begin", "shared_end", "has_weights", "active", "trace",
                     "tracing")
 COMBINE_VARYING = ("y", "comb_rows", "comb_weights", "chan_msgs", "topk_ids", "out",
-                   "home_weights", "num_tokens", "weighted", "skip_a2a", "shared_begin", "shared_end", "active",
-                   "trace", "tracing")
+                   "home_weights", "num_tokens", "weighted", "skip_a2a", "shared_begin",
+                   "shared_end", "active", "trace", "tracing")
 
 __all__ = ["Buffer", "DispatchOutput", "DispatchHandle", "Routing", "ConfigMismatch",
            "PeerTimeout"]
@@ -268,7 +269,7 @@ class Buffer:
         self.scales_at = self.msg.segment("scales").offset if cfg.format != "bf16" else 0
         self.geo = ChannelGeometry(cfg, channels=self._sms, **(geometry or {}))
         self.channel_offsets = self.geo.peer_offsets()
-        self.peer_visible_bytes = self.geo.peer_offsets()["total"]
+        self.peer_visible_bytes = self.channel_offsets["total"]
         # Bytes of the NVFP4 128x4 scale output, from its layout once (not on every dispatch).
         self.nvfp4_scale_bytes = output_scales(cfg).layout.cosize() \
             if cfg.format == "nvfp4" else 0
@@ -534,7 +535,7 @@ class Buffer:
                 raise ValueError(f"y has {y.shape[0]} rows; dispatch's outputs have "
                                  f"row_capacity={cfg.row_capacity} rows (pass the full expert "
                                  f"output buffer)")
-        t, k, hidden = r.num_tokens, cfg.topk, cfg.hidden
+        t, k = r.num_tokens, cfg.topk
         mode = AT_EXPERTS if r.weighted else UNREDUCED
         home = self._no_f32
         if topk_weights is not None:

@@ -139,17 +139,19 @@ class EpCombine:
     def __call__(self, peer_bases: cute.Pointer, y: cute.Pointer, comb_rows: cute.Pointer,
                  comb_weights: cute.Pointer, chan_msgs: cute.Pointer, topk_ids: cute.Pointer,
                  out: cute.Pointer, home_weights: cute.Pointer, streams: cute.Pointer,
-                 error: cute.Pointer, num_tokens: Int32, max_tokens: Int32, topk: Int32, local_experts: Int32,
-                 ranks: Int32, my_rank: Int32, weighted: Int32, skip_a2a: Int32, shared: Int32,
-                 shared_begin: Int32, shared_end: Int32, hidden: Int32, channels: Int32,
+                 error: cute.Pointer, num_tokens: Int32, max_tokens: Int32, topk: Int32,
+                 local_experts: Int32, ranks: Int32, my_rank: Int32, weighted: Int32,
+                 skip_a2a: Int32, shared: Int32, shared_begin: Int32, shared_end: Int32,
+                 hidden: Int32, channels: Int32,
                  active: Int32, ring_slots: Int32, chunk_tokens: Int32, ring_offset: Int64,
                  counters_offset: Int64, timeout_ns: Int64, trace: cute.Pointer,
                  tracing: Int32, stream):
         self.kernel(peer_bases, y, comb_rows, comb_weights, chan_msgs, topk_ids, out,
-                    home_weights, streams, error, num_tokens, max_tokens, topk, local_experts, ranks, my_rank,
-                    weighted, skip_a2a, shared, shared_begin, shared_end, hidden, channels,
-                    active, ring_slots, chunk_tokens, ring_offset, counters_offset, timeout_ns,
-                    trace, tracing, row_tiled_copy(WARP, BFloat16, ROW_VECTOR),
+                    home_weights, streams, error, num_tokens, max_tokens, topk, local_experts,
+                    ranks, my_rank, weighted, skip_a2a, shared, shared_begin, shared_end,
+                    hidden, channels, active, ring_slots, chunk_tokens, ring_offset,
+                    counters_offset, timeout_ns, trace, tracing,
+                    row_tiled_copy(WARP, BFloat16, ROW_VECTOR),
                     row_tiled_copy(WARP, BFloat16, ROW_VECTOR, cpasync.CopyG2SOp(
                         cache_mode=cpasync.LoadCacheMode.GLOBAL))).launch(
             grid=(active, 1, 1), block=(self.threads, 1, 1), smem=self.smem_bytes,
@@ -159,9 +161,10 @@ class EpCombine:
     def kernel(self, peer_bases: cute.Pointer, y: cute.Pointer, comb_rows: cute.Pointer,
                comb_weights: cute.Pointer, chan_msgs: cute.Pointer, topk_ids: cute.Pointer,
                out: cute.Pointer, home_weights: cute.Pointer, streams: cute.Pointer,
-               error: cute.Pointer, num_tokens: Int32, max_tokens: Int32, topk: Int32, local_experts: Int32,
-               ranks: Int32, my_rank: Int32, weighted: Int32, skip_a2a: Int32, shared: Int32,
-               shared_begin: Int32, shared_end: Int32, hidden: Int32, channels: Int32,
+               error: cute.Pointer, num_tokens: Int32, max_tokens: Int32, topk: Int32,
+               local_experts: Int32, ranks: Int32, my_rank: Int32, weighted: Int32,
+               skip_a2a: Int32, shared: Int32, shared_begin: Int32, shared_end: Int32,
+               hidden: Int32, channels: Int32,
                active: Int32, ring_slots: Int32, chunk_tokens: Int32, ring_offset: Int64,
                counters_offset: Int64, timeout_ns: Int64, trace: cute.Pointer, tracing: Int32,
                row_copy: cute.TiledCopy, async_copy: cute.TiledCopy):
@@ -219,8 +222,8 @@ class EpCombine:
             g_crd = cute.zipped_divide(cute.make_identity_tensor(layout.shape), tiler)
             steps = cute.ceil_div(vectors, WARP * self.recv_vectors)
             self._receive(warp - SEND_WARPS, lane, channel, peers, here, y, topk_ids, out,
-                          home_weights, streams, error, num_tokens, topk, local_experts, ranks, my_rank,
-                          weighted, skip_a2a, shared, shared_begin, shared_end, channels,
+                          home_weights, streams, error, num_tokens, topk, local_experts, ranks,
+                          my_rank, weighted, skip_a2a, shared, shared_begin, shared_end, channels,
                           active, ring_slots, chunk_tokens, ring_offset, counters_offset, counters,
                           ring, timeout_ns, layout, tiler, g_crd, steps, vectors, thr, row_copy,
                           s_first, s_items, s_mask, s_flag, s_pos, s_ids, s_addr, s_hw, trace,
@@ -668,7 +671,6 @@ class EpCombine:
                 cute.copy(row_copy, t_src, regs, pred=row_predicate(crd, vectors * live))
                 cute.copy(row_copy, regs, thr.partition_D(dst[((None, None), step)]),
                           pred=row_predicate(crd, vectors))
-
 
     @cute.jit
     def _item_of(self, ids: cute.Tensor, t, k, i, topk, experts, local_experts, skip_a2a,

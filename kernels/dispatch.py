@@ -685,10 +685,10 @@ class EpDispatch:
                  local_experts, ranks, my_rank,
                  shared, shared_begin, shared_end, descriptor_bytes, stage_bytes,
                  stage_slots, payload_vectors, scales_offset, row_capacity, segment_rows,
-                 channels, active, ring_slots, chunk_tokens, ring_offset, staging_offset, counts_offset, flags_offset, counters_offset, counters, counts_at,
-                 flags_at, parity, epoch, timeout_ns, s_next: cute.Tensor, s_totals: cute.Tensor,
-                 s_off: cute.Tensor,
-                 s_tot: cute.Tensor, s_raw: cute.Tensor, s_first: cute.Tensor,
+                 channels, active, ring_slots, chunk_tokens, ring_offset, staging_offset,
+                 counts_offset, flags_offset, counters_offset, counters, counts_at, flags_at,
+                 parity, epoch, timeout_ns, s_next: cute.Tensor, s_totals: cute.Tensor,
+                 s_off: cute.Tensor, s_tot: cute.Tensor, s_raw: cute.Tensor, s_first: cute.Tensor,
                  s_src: cute.Tensor, s_rows: cute.Tensor, s_wts: cute.Tensor,
                  warp_copy: cute.TiledCopy, trace: cute.Pointer, tracing):
         """The receiver warps (thread rt of RECV_WARPS * 32)."""
