@@ -2,15 +2,27 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from cute_ep.runtime.launch import check_tensor, runtime
+from cute_ep.runtime.launch import check_tensor, device_arch, runtime
 from layouts.scales import scale_layout, scale_rows_capacity
 
 NVFP4_BLOCK = 16
 _SOFTWARE_E2M1 = {"sm_90a": "software", "sm_100a": "hardware"}
 
 __all__ = ["quantize_nvfp4"]
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of `device`."""
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def segment_offsets(row_offsets: torch.Tensor | None, rows: int,
@@ -48,6 +60,7 @@ def fp4_scale_rows(rows: int, segments: int, scale_rows: int | None) -> int:
     return scale_rows if scale_rows is not None else scale_rows_capacity(rows, segments)
 
 
+@functools.lru_cache(maxsize=256)
 def fp4_scale_bytes(scale_rows: int, k: int, block: int) -> int:
     """Bytes of the 128x4 scale buffer for `scale_rows` rows of K elements, a scale per block."""
     return scale_layout(scale_rows, k, block).cosize()
@@ -86,23 +99,27 @@ def quantize_nvfp4(x: torch.Tensor, global_scales: torch.Tensor | float,
                          f"segments")
     if scales not in ("linear", "128x4"):
         raise ValueError(f"scales must be 'linear' or '128x4', got {scales!r}")
-    rt = runtime()
-    from cute_ep.runtime.launch import device_arch
-
-    kernel = rt.select("quantize_nvfp4", device, scales=scales,
-                       e2m1=_SOFTWARE_E2M1[device_arch(device)])
+    kernel, grid = _quantizer(runtime(), device.index, scales)
     if segments > kernel.spec.sizes["max_segments"]:
         raise ValueError(f"at most {kernel.spec.sizes['max_segments']} segments, got {segments}")
     codes = torch.empty(m, k // 2, dtype=torch.uint8, device=device)
     if scales == "linear":
         out_scales = torch.empty(m, k // NVFP4_BLOCK, dtype=torch.uint8, device=device)
-        units = m
     else:
         rows = fp4_scale_rows(m, segments, scale_rows)
         out_scales = torch.empty(fp4_scale_bytes(rows, k, NVFP4_BLOCK), dtype=torch.uint8,
                                  device=device)
-        units = rows
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    grid = max(1, min(units, 8 * sms))
-    kernel.launch(x, row_offsets, global_scales, codes, out_scales, segments, k, grid)
+    # Every tensor is checked above or allocated here.
+    kernel.launch_checked_by_caller(x, row_offsets, global_scales, codes, out_scales, segments,
+                                    k, grid)
     return codes, out_scales
+
+
+@functools.lru_cache(maxsize=64)
+def _quantizer(rt, index: int, scales: str):
+    """The quantize_nvfp4 kernel of this device and its grid: persistent, every SM full (its
+    warps take runs of the rows' chunks)."""
+    device = torch.device("cuda", index)
+    kernel = rt.select("quantize_nvfp4", device, scales=scales,
+                       e2m1=_SOFTWARE_E2M1[device_arch(device)])
+    return kernel, kernel.resident_ctas() * sm_count(device)

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from cute_ep.quant import fp4_scale_bytes, fp4_scale_rows, per_segment_scales, segment_offsets
+from cute_ep.quant import (fp4_scale_bytes, fp4_scale_rows, per_segment_scales, segment_offsets,
+                           sm_count)
 from cute_ep.runtime.launch import check_tensor, device_arch, runtime
 
 __all__ = ["fused_silu", "fused_silu_fp8", "fused_silu_nvfp4", "fused_silu_mxfp4"]
@@ -147,7 +148,7 @@ def _launch(out_format, x, row_offsets, interleaved, out, scales=None, *, input_
     segments = row_offsets.numel() - 1
     fields = {"interleaved": bool(interleaved),
               "activation": "silu" if activation_params is None else "swiglu_oai"}
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = sm_count(device)
     layout = "thread"
     if out_format != "bf16":
         layout = _layout(work_rows or m, sms)

@@ -14,7 +14,7 @@ from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64
 from kernels.copy import row_predicate, row_tiled_copy
 from kernels.fp8 import FP8_BLOCK, scale_fp8_block
 from kernels.memory import gmem_ptr, load_f32
-from kernels.nvfp4 import quantize_nvfp4_block
+from kernels.nvfp4 import E4M3_CODES, fill_scale_table, quantize_nvfp4_block
 from layouts.abi import ARCHES, GridRule, KernelSpec, Param
 
 WARP = 32
@@ -57,8 +57,13 @@ class EpEncode:
             block=(self.threads, 1, 1),
             grid=(GridRule(ceil_div=("num_tokens", 1)), GridRule(constant=1),
                   GridRule(constant=1)),
+            smem_bytes=self.smem_bytes,
             sizes={},
         )
+
+    @property
+    def smem_bytes(self) -> int:
+        return 2 * E4M3_CODES * 4 + 16 if self.fmt == "nvfp4" else 0
 
     @cute.jit
     def __call__(self, send_buf: cute.Pointer, x: cute.Pointer, global_scale: cute.Pointer,
@@ -67,7 +72,8 @@ class EpEncode:
         self.kernel(send_buf, x, global_scale, num_tokens, hidden, msg_bytes, scales_offset,
                     row_tiled_copy(self.threads, BFloat16, BF16_PER_VECTOR),
                     row_tiled_copy(self.threads, Float8E4M3FN, BF16_PER_VECTOR)).launch(
-            grid=(num_tokens, 1, 1), block=(self.threads, 1, 1), stream=stream)
+            grid=(num_tokens, 1, 1), block=(self.threads, 1, 1), smem=self.smem_bytes,
+            stream=stream)
 
     @cute.kernel
     def kernel(self, send_buf: cute.Pointer, x: cute.Pointer, global_scale: cute.Pointer,
@@ -82,16 +88,23 @@ class EpEncode:
             self._quantize_fp8(tidx, row, msg, msg + Int64(scales_offset), hidden, bf16_copy,
                                fp8_copy)
         else:
+            smem = cutlass.memory.SmemAllocator()
+            table = smem.allocate_tensor(Float32, cute.make_layout((2, E4M3_CODES),
+                                                                   stride=(1, 2)),
+                                         byte_alignment=16)
+            fill_scale_table(table, tidx, self.threads)
+            cute.arch.sync_threads()
             gs = load_f32(global_scale.toint())
             for kb in cutlass.range(tidx, hidden // NVFP4_BLOCK, self.threads):
-                self._quantize_nvfp4_block(row, msg, msg + Int64(scales_offset), kb, gs)
+                self._quantize_nvfp4_block(row, msg, msg + Int64(scales_offset), kb, gs, table)
 
     @cute.jit
-    def _quantize_nvfp4_block(self, src_addr, codes_addr, scales_addr, kb, gs):
+    def _quantize_nvfp4_block(self, src_addr, codes_addr, scales_addr, kb, gs,
+                              table: cute.Tensor):
         """Block kb (16 elements) of the token at `src_addr`: its 8 code bytes to `codes_addr`,
         its e4m3 scale byte to `scales_addr`: the block quantizer `quantize_nvfp4` uses."""
         byte = quantize_nvfp4_block(src_addr + Int64(kb) * NVFP4_BLOCK * 2,
-                                    codes_addr + Int64(kb) * 8, gs, self.e2m1)
+                                    codes_addr + Int64(kb) * 8, gs, self.e2m1, table)
         cute.make_tensor(gmem_ptr(cutlass.Uint8, scales_addr + Int64(kb), 1),
                          cute.make_layout(1))[0] = cutlass.Uint8(byte)
 

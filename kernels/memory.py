@@ -8,6 +8,11 @@ from layouts.buffers import ERROR_FIELDS
 from layouts.channels import trace_layout
 from layouts.scales import ATOM_BYTES, ATOM_ROWS, ATOM_SCALE_COLUMNS
 
+ATOM_ROW_BITS = ATOM_ROWS.bit_length() - 1
+ATOM_COLUMN_BITS = ATOM_SCALE_COLUMNS.bit_length() - 1
+assert 1 << ATOM_ROW_BITS == ATOM_ROWS and 1 << ATOM_COLUMN_BITS == ATOM_SCALE_COLUMNS
+assert ATOM_ROWS == 128 and ATOM_SCALE_COLUMNS == 4  # the 32 x 4 x 4 interleave below
+
 
 def gmem_ptr(dtype, addr, align):
     """A global-memory pointer of `dtype` at the integer address `addr`."""
@@ -48,8 +53,8 @@ def trace_word(trace: cute.Pointer, channel, fields: tuple, field: str):
 
 @cute.jit
 def scale_offset(row, col, rk):
-    """Byte offset of scale column `col` of scale row `row` in the 128x4 layout of block-scaled
-    MMA (`layouts.scales`), `rk` 4-column atoms across a 128-row block."""
-    return ((Int64(row // ATOM_ROWS) * Int64(rk) + Int64(col // ATOM_SCALE_COLUMNS)) * ATOM_BYTES
-            + Int64(row % 32) * 16 + Int64((row // 32) % 4) * 4
-            + Int64(col % ATOM_SCALE_COLUMNS))
+    """Byte offset of scale column `col` of scale row `row` (both >= 0) in the 128x4 layout of
+    block-scaled MMA (`layouts.scales`), `rk` 4-column atoms across a 128-row block."""
+    return ((Int64(row >> ATOM_ROW_BITS) * Int64(rk) + Int64(col >> ATOM_COLUMN_BITS))
+            * ATOM_BYTES + Int64(((row & 31) << 4) | (((row >> 5) & 3) << 2)
+                                 | (col & (ATOM_SCALE_COLUMNS - 1))))

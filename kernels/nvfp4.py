@@ -1,19 +1,23 @@
 """`quantize_nvfp4`: bf16 rows grouped in segments -> NVFP4 codes and e4m3 block scales.
 
 Rows `[row_offsets[g], row_offsets[g + 1])` form segment g (an expert) with global scale
-`global_scales[g]`; only `row_offsets` on the device says how many rows there are. A thread owns
-one 16-element block: `sf = e4m3_rne_satfinite(gs * amax / 6)`, `q = e2m1(x * gs / f32(sf))`
+`global_scales[g]`; only `row_offsets` on the device says how many rows there are. Per
+16-element block: `sf = e4m3_rne_satfinite(gs * amax / 6)`, `q = e2m1(x * gs / f32(sf))`
 (correctly rounded fp32 operations), codes 0 where sf is not positive (a zero block; a NaN block
 keeps its NaN scale 0x7F), element 2i in the low nibble.
 
-Scales are linear `[rows, K / 16]`, or in the 128x4 layout (`layouts.scales`) where each segment
-starts on a fresh 128-row block: the grid walks *scale rows*, so the padding rows of every
-segment's last block (and padding scale columns) are written as zeros by the same pass.
+The kernel streams the rows through shared memory, a ring of bulk-copy stages per warp
+(`QuantizeNvfp4`); a lane quantizes a block from registers (`quantize_nvfp4_pairs`, which the
+dispatch encoder `kernels.encode` shares through `quantize_nvfp4_block`). Scales are linear
+`[rows, K / 16]`, or in the 128x4 layout (`layouts.scales`) where each segment starts on a fresh
+128-row block, its padding rows (and padding scale columns) written as zeros by a pass of their
+own.
 
-The e2m1 encoder is software on sm_90a (`e2m1_word`: three fmas into the integer-spaced
-fp32 range and a min) and the hardware `cvt.rn.satfinite.e2m1x2.f32` on sm_100a; two
-configurations. Each block divides by its scale with one reciprocal and fmas
-(`kernels.division.divide_once`), the quotient bit for bit the correctly rounded one.
+The e2m1 encoder is software on sm_90a (`e2m1_pairs_word`: three fmas into the integer-spaced
+fp32 range and two mins, signs from the bf16 bits) and the hardware
+`cvt.rn.satfinite.e2m1x2.f32` on sm_100a; two configurations. Each block divides by its scale
+with one reciprocal and fmas (`kernels.division.divide_once`), the quotient bit for bit the
+correctly rounded one.
 """
 
 import cutlass
@@ -22,14 +26,19 @@ from cutlass import BFloat16, Float32, Int32, Int64, Uint8
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from kernels.bulk_copy import bulk_load
 from kernels.division import FAST_LIMIT, divide_once, with_sign_of
 from kernels.memory import scale_offset
+from layouts.scales import ATOM_BYTES, ATOM_SCALE_COLUMNS
 from kernels.scan import WARP, warp_exclusive_scan
 from layouts.abi import GridRule, KernelSpec, Param
 
 BLOCK = 16
+BLOCK_BYTES = 2 * BLOCK  # bf16
+CHUNK_BYTES = WARP * BLOCK_BYTES  # a warp's chunk: a block per lane
 ATOM_ROWS = 128
 MAX_SEGMENTS = 272
+E4M3_CODES = 128  # the non-negative e4m3 codes: the (scale, 1 / scale) table's entries
 
 
 def _ptr(dtype, addr, align):
@@ -199,41 +208,236 @@ def _encode_words(vals: cute.Tensor, gs: Float32, sf: Float32, r: Float32, words
             words[w] = e2m1_word(ys, signs)
 
 
+
+
+def _bf16x2_amax_ptx() -> str:
+    """PTX of bf16x2_amax: `$1..$8` eight bf16 pairs, `$0` the largest magnitude as fp32."""
+    lines = ["{ .reg .b32 m<4>, n<2>, top, bottom; .reg .f32 a, b;"]
+    # max.xorsign.abs: the larger magnitude of each half (its sign the xor of the two, which the
+    # next step's abs discards); .NaN: a NaN anywhere stays NaN to the end.
+    for i in range(4):
+        lines.append(f"max.NaN.xorsign.abs.bf16x2 m{i}, ${2 * i + 1}, ${2 * i + 2};")
+    lines.append("max.NaN.xorsign.abs.bf16x2 n0, m0, m1; max.NaN.xorsign.abs.bf16x2 n1, m2, m3;")
+    lines.append("max.NaN.xorsign.abs.bf16x2 m0, n0, n1;")
+    lines.append("and.b32 top, m0, 0xFFFF0000; shl.b32 bottom, m0, 16; mov.b32 a, top; "
+                 "mov.b32 b, bottom; abs.f32 a, a; abs.f32 b, b; max.NaN.f32 $0, a, b; }")
+    return " ".join(lines)
+
+
+BF16X2_AMAX_PTX = _bf16x2_amax_ptx()
+LOW_BF16_PTX = "{ .reg .b32 t; shl.b32 t, $1, 16; mov.b32 $0, t; }"
+HIGH_BF16_PTX = "{ .reg .b32 t; and.b32 t, $1, 0xFFFF0000; mov.b32 $0, t; }"
+
+
+@dsl_user_op
+def bf16x2_amax(pairs: list, *, loc=None, ip=None) -> Float32:
+    """The largest |value| of the 16 bf16 values in 8 words (pairs), as fp32; NaN if any is."""
+    return Float32(_asm(T.f32(), [Int32(p) for p in pairs], BF16X2_AMAX_PTX,
+                        "=f," + ",".join(["r"] * 8), loc, ip))
+
+
+@dsl_user_op
+def low_bf16(pair: Int32, *, loc=None, ip=None) -> Float32:
+    """The fp32 value of the bf16 in the low half of `pair`."""
+    return Float32(_asm(T.f32(), [Int32(pair)], LOW_BF16_PTX, "=f,r", loc, ip))
+
+
+@dsl_user_op
+def high_bf16(pair: Int32, *, loc=None, ip=None) -> Float32:
+    """The fp32 value of the bf16 in the high half of `pair`."""
+    return Float32(_asm(T.f32(), [Int32(pair)], HIGH_BF16_PTX, "=f,r", loc, ip))
+
+
+def _e2m1_pairs_word_ptx(saturate: bool) -> str:
+    """PTX of e2m1_pairs_word: `$1..$8` the values, `$9..$12` the bf16 pairs whose signs they
+    take (element 2k the low half of pair k, 2k + 1 the high half), `$0` the word. Without
+    `saturate` the values must be below 7 in magnitude (no code above 7 can arise)."""
+    lines = ["{ .reg .f32 a<8>, c<8>, d<8>; .reg .b32 k<8>, p<4>, t<2>, u<2>, w, se, so;"]
+    for i in range(8):
+        cap = f"min.f32 d{i}, d{i}, 0f4B400007; " if saturate else ""
+        lines.append(
+            f"abs.f32 a{i}, ${i + 1}; fma.rn.f32 c{i}, a{i}, 0f40000000, 0f4B400000; "
+            f"add.rn.f32 d{i}, a{i}, 0f4B400002; min.f32 c{i}, c{i}, d{i}; "
+            f"fma.rn.f32 d{i}, a{i}, 0f3F000000, 0f4B400004; {cap}"
+            f"min.f32 c{i}, c{i}, d{i}; mov.b32 k{i}, c{i};")
+    # Byte 0 of each k is its code and bits 3..7 are zero, so k_even + (k_odd << 4) has the
+    # pair's byte in byte 0 (the bits above only carry upwards); then the four bytes gathered.
+    for j in range(4):
+        lines.append(f"shl.b32 p{j}, k{2 * j + 1}, 4; add.u32 p{j}, p{j}, k{2 * j};")
+    lines.append("prmt.b32 t0, p0, p1, 0x0040; prmt.b32 t1, p2, p3, 0x4000; "
+                 "prmt.b32 w, t0, t1, 0x7610;")
+    # The sign bytes (byte 1: element 2k, byte 3: element 2k + 1) of the four pairs, then each
+    # element's sign spread over a byte (selectors with bit 3 set) and masked to its nibble's
+    # bit 3.
+    lines.append("prmt.b32 u0, $9, $10, 0x7531; prmt.b32 u1, $11, $12, 0x7531; "
+                 "prmt.b32 se, u0, u1, 0xECA8; prmt.b32 so, u0, u1, 0xFDB9; "
+                 "lop3.b32 w, w, se, 0x08080808, 0xF8; lop3.b32 $0, w, so, 0x80808080, 0xF8; }")
+    return " ".join(lines)
+
+
+E2M1_PAIRS_WORD_PTX = _e2m1_pairs_word_ptx(saturate=True)
+E2M1_PAIRS_WORD_BELOW_7_PTX = _e2m1_pairs_word_ptx(saturate=False)
+
+
+@dsl_user_op
+def e2m1_pairs_word(values: list, pairs: list, saturate: bool = True, *, loc=None,
+                    ip=None) -> Int32:
+    """`e2m1_word` of 8 values whose signs are those of 8 bf16 values in 4 words (element 2k
+    the low half of `pairs[k]`): the sign bits are gathered from the bf16 pairs with byte
+    permutes instead of from each fp32 value. `saturate=False` (one min less per element):
+    every |value| is below 7, where the code never exceeds 7 unclamped (round(|v| / 2 + 4)
+    < 7.5)."""
+    args = [Float32(v) for v in values] + [Int32(p) for p in pairs]
+    return Int32(_asm(T.i32(), args,
+                      E2M1_PAIRS_WORD_PTX if saturate else E2M1_PAIRS_WORD_BELOW_7_PTX,
+                      "=r," + ",".join(["f"] * 8 + ["r"] * 4), loc, ip))
+
+
+SIXTH = 1.0 / 6.0  # RN(1/6) in fp32: 6 has two significant bits, so divide_once(m, 6) is exact
+# A block whose s = gs * amax / 6 lies in [2^-6, 464) gets an e4m3 scale within 2^-4 of s
+# (normal, unsaturated), so every quotient |x * gs / sf| <= 6 / (1 - 2^-4) (plus ulps) < 7.
+BOUNDED_LOW = 2.0 ** -6
+BOUNDED_HIGH = 464.0
+
+
 @cute.jit
-def quantize_nvfp4_block(src_addr, codes_addr, gs: Float32, e2m1: cutlass.Constexpr):
-    """The 16 bf16 values at `src_addr` (16-byte aligned): write their 8 code bytes to
-    `codes_addr` (8-byte aligned) and return their e4m3 scale byte. `sf = e4m3(gs * amax / 6)`,
-    `q = e2m1((x * gs) / sf)`, correctly rounded fp32 operations, codes 0 where sf is not
-    positive."""
-    src = cute.make_tensor(_ptr(BFloat16, src_addr, 16), cute.make_layout(BLOCK))
-    regs = cute.make_rmem_tensor(cute.make_layout(BLOCK), BFloat16)
-    cute.autovec_copy(src, regs)
-    vals = cute.make_rmem_tensor(cute.make_layout(BLOCK), Float32)
-    vals.store(regs.load().to(Float32))
-    amax = Float32(0.0)
-    for i in cutlass.range_constexpr(BLOCK):
-        amax = cute.arch.fmax(amax, cute.arch.fmax(vals[i], -vals[i], nan=True), nan=True)
-    byte = cvt_e4m3_byte((gs * amax) / Float32(6.0))
-    sf = e4m3_byte_to_f32(byte)
-    words = cute.make_rmem_tensor(cute.make_layout(2), Int32)
-    e2m1_words(vals, gs, sf, amax, sf > 0.0, words, e2m1)
-    cute.autovec_copy(words, cute.make_tensor(_ptr(Int32, codes_addr, 8), cute.make_layout(2)))
+def nvfp4_scale_byte(gs: Float32, amax: Float32):
+    """`(e4m3(gs * amax / 6) byte, fast, bounded)`: the quotient s correctly rounded, by one
+    reciprocal and two fmas (`divide_once`; 6 has two significant bits) where
+    `0 < gs * amax <= FAST_LIMIT` (`fast`), else by `/` (zero, negative, huge, infinite or
+    NaN); `bounded`: s in [BOUNDED_LOW, BOUNDED_HIGH), every quotient by the scale below 7."""
+    m = gs * amax
+    fast = (m > Float32(0.0)) & (m <= Float32(FAST_LIMIT))
+    q = Float32(0.0)
+    if fast:
+        q = divide_once(m, Float32(6.0), Float32(SIXTH))
+    else:
+        q = m / Float32(6.0)
+    bounded = (q >= Float32(BOUNDED_LOW)) & (q < Float32(BOUNDED_HIGH))
+    return cvt_e4m3_byte(q), fast, bounded
+
+
+@cute.jit
+def fill_scale_table(table: cute.Tensor, tidx, threads: cutlass.Constexpr):
+    """`table[0, c], table[1, c]` = (the e4m3 value of code c, RN(1 / it)) for the 128
+    non-negative codes (shared memory; the caller synchronises before reading)."""
+    for c in cutlass.range(tidx, E4M3_CODES, threads):
+        sf = e4m3_byte_to_f32(c)
+        table[0, c] = sf
+        table[1, c] = Float32(1.0) / sf
+
+
+@cute.jit
+def quantize_nvfp4_pairs(pairs: cute.Tensor, codes: cute.Tensor, gs: Float32,
+                         e2m1: cutlass.Constexpr, table: cute.Tensor):
+    """One 16-element block held as 8 bf16 pairs (register words, element 2k the low half of
+    pair k): its 8 code bytes into the 2 register words `codes`, its e4m3 scale byte returned.
+    `sf = e4m3(gs * amax / 6)`, `q = e2m1((x * gs) / sf)`, correctly rounded fp32 operations,
+    codes 0 where sf is not positive. `table`: `fill_scale_table`'s (sf, 1 / sf) per code.
+
+    The block's amax is taken on the bf16 pairs (max of magnitudes is exact in bf16); a block
+    with `0 < gs * amax <= FAST_LIMIT` divides with one reciprocal and takes the codes' signs
+    from the bf16 sign bits (v * gs has v's sign for 0 < gs < inf, underflow included), and
+    one whose scale is normal and unsaturated skips the saturation of the codes."""
+    words = [pairs[k] for k in range(BLOCK // 2)]
+    amax = bf16x2_amax(words)
+    byte, fast, bounded = nvfp4_scale_byte(gs, amax)
+    codes[0] = Int32(0)
+    codes[1] = Int32(0)
+    # Codes 1..126: a positive finite scale (0 is zero, 0x7F NaN, 0x80 and up negative).
+    if (byte > 0) & (byte < 0x7F):
+        sf = table[0, byte]
+        r = table[1, byte]
+        vals = cute.make_rmem_tensor(cute.make_layout(BLOCK), Float32)
+        for k in cutlass.range_constexpr(BLOCK // 2):
+            vals[2 * k] = low_bf16(words[k])
+            vals[2 * k + 1] = high_bf16(words[k])
+        if cutlass.const_expr(e2m1 == "software"):
+            if fast:
+                if bounded:
+                    _divide_encode(vals, words, gs, sf, r, codes, False)
+                else:
+                    _divide_encode(vals, words, gs, sf, r, codes, True)
+            else:
+                _encode_words(vals, gs, sf, Float32(0.0), codes, e2m1, "true")
+        else:
+            e2m1_words(vals, gs, sf, amax, True, codes, e2m1, r=r, given_r=True)
     return byte
 
 
+@cute.jit
+def _divide_encode(vals: cute.Tensor, words: list, gs: Float32, sf: Float32, r: Float32,
+                   codes: cute.Tensor, saturate: cutlass.Constexpr):
+    """codes[w] = the e2m1 codes of `divide_once(vals * gs, sf, r)`, signs from the bf16 pairs."""
+    for w in cutlass.range_constexpr(2):
+        ys = [divide_once(vals[8 * w + i] * gs, sf, r) for i in range(8)]
+        codes[w] = e2m1_pairs_word(ys, words[4 * w:4 * w + 4], saturate)
+
+
+@cute.jit
+def quantize_nvfp4_block(src_addr, codes_addr, gs: Float32, e2m1: cutlass.Constexpr,
+                         table: cute.Tensor):
+    """The 16 bf16 values at global `src_addr` (16-byte aligned): write their 8 code bytes to
+    `codes_addr` (8-byte aligned) and return their e4m3 scale byte (`quantize_nvfp4_pairs`)."""
+    pairs = cute.make_rmem_tensor(cute.make_layout(BLOCK // 2), Int32)
+    cute.autovec_copy(cute.make_tensor(_ptr(Int32, src_addr, 16), cute.make_layout(BLOCK // 2)),
+                      pairs)
+    codes = cute.make_rmem_tensor(cute.make_layout(2), Int32)
+    byte = quantize_nvfp4_pairs(pairs, codes, gs, e2m1, table)
+    cute.autovec_copy(codes, cute.make_tensor(_ptr(Int32, codes_addr, 8), cute.make_layout(2)))
+    return byte
+
+
+SEARCH_STEPS = (256, 128, 64, 32, 16, 8, 4, 2, 1)  # covers MAX_SEGMENTS
+
+
+@cute.jit
+def segment_of(s_start: cute.Tensor, num_segments, position) -> Int32:
+    """The last segment g < num_segments with `s_start[g] <= position` (starts non-decreasing;
+    an empty segment shares its start with the next one), by binary search."""
+    seg = Int32(0)
+    for step in cutlass.range_constexpr(len(SEARCH_STEPS)):
+        probe = seg + SEARCH_STEPS[step]
+        if probe < num_segments:
+            if s_start[probe] <= position:
+                seg = probe
+    return seg
+
+
 class QuantizeNvfp4:
-    def __init__(self, scales: str, e2m1: str, threads: int = 128):
+    """Each row is cut into chunks of `32 * steps` blocks (the last one shorter), and each warp
+    takes an equal run of consecutive chunks. A warp owns a ring of `stages` shared-memory
+    stages that its lane 0 fills with bulk copies (`cp.async.bulk`, completion on the stage's
+    mbarrier) `stages - 1` chunks ahead of the one its lanes quantize, a block per lane per
+    step: the loads of every warp stay in flight while it computes, without a producer warp or
+    barriers across warps, and a chunk's row, segment, global scale and scale row are carried
+    from the chunk before. The 128x4 layout's padding (the rows past each segment's last row
+    up to its 128-row block, and scale columns past K / 16) is written as zeros by a separate
+    strided pass over the scale rows."""
+
+    def __init__(self, scales: str, e2m1: str, warps: int = 16, stages: int = 2, steps: int = 2):
         if scales not in ("linear", "128x4") or e2m1 not in ("software", "hardware"):
             raise ValueError(f"scales linear|128x4, e2m1 software|hardware; got {scales}, {e2m1}")
         self.scales = scales
         self.e2m1 = e2m1
-        self.threads = threads
+        self.warps = warps
+        self.stages = stages
+        self.steps = steps
+        self.chunk = WARP * steps  # blocks
+        self.threads = WARP * warps
         self.arches = ("sm_100a",) if e2m1 == "hardware" else ("sm_90a",)
+
+    @property
+    def smem_bytes(self) -> int:
+        ring = self.warps * self.stages * self.chunk * BLOCK_BYTES
+        tables = 3 * (MAX_SEGMENTS + 4) * 4 + 2 * E4M3_CODES * 4
+        return ring + 8 * self.warps * self.stages + tables + 256
 
     def spec(self) -> KernelSpec:
         return KernelSpec(
             family="quantize_nvfp4",
-            config={"scales": self.scales, "e2m1": self.e2m1, "threads": self.threads},
+            config={"scales": self.scales, "e2m1": self.e2m1, "warps": self.warps,
+                    "stages": self.stages, "steps": self.steps},
             params=(
                 Param("x", "ptr", "bfloat16", align=16),
                 Param("row_offsets", "ptr", "int32", align=4,
@@ -248,8 +452,8 @@ class QuantizeNvfp4:
             ),
             block=(self.threads, 1, 1),
             grid=(GridRule(ceil_div=("grid_ctas", 1)), GridRule(constant=1), GridRule(constant=1)),
-            smem_bytes=2 * (MAX_SEGMENTS + 4) * 4 + 64,
-            sizes={"block": BLOCK, "max_segments": MAX_SEGMENTS - 1},
+            smem_bytes=self.smem_bytes,
+            sizes={"block": BLOCK, "max_segments": MAX_SEGMENTS - 1, "warps": self.warps},
         )
 
     @cute.jit
@@ -258,7 +462,7 @@ class QuantizeNvfp4:
                  grid_ctas: Int32, stream):
         self.kernel(x, row_offsets, global_scales, codes, scales, num_segments, hidden,
                     grid_ctas).launch(grid=(grid_ctas, 1, 1), block=(self.threads, 1, 1),
-                                      smem=2 * (MAX_SEGMENTS + 4) * 4 + 64, stream=stream)
+                                      smem=self.smem_bytes, stream=stream)
 
     @cute.kernel
     def kernel(self, x: cute.Pointer, row_offsets: cute.Pointer, global_scales: cute.Pointer,
@@ -266,48 +470,143 @@ class QuantizeNvfp4:
                grid_ctas: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
+        warp = tidx // WARP
+        lane = tidx % WARP
+        stages = self.stages
         smem = cutlass.memory.SmemAllocator()
+        # ring[:, b, stage, warp]: the 8 bf16 pairs of block b of a chunk.
+        ring = smem.allocate_tensor(Int32, cute.make_layout((BLOCK // 2, self.chunk, stages,
+                                                             self.warps)), byte_alignment=128)
+        full = smem.allocate_array(Int64, stages * self.warps)
+        table = smem.allocate_tensor(Float32, cute.make_layout((2, E4M3_CODES), stride=(1, 2)),
+                                     byte_alignment=16)
         s_off = smem.allocate_tensor(Int32, cute.make_layout(MAX_SEGMENTS + 4), byte_alignment=16)
         s_first = smem.allocate_tensor(Int32, cute.make_layout(MAX_SEGMENTS + 4),
                                        byte_alignment=16)
+        s_gs = smem.allocate_tensor(Float32, cute.make_layout(MAX_SEGMENTS + 4),
+                                    byte_alignment=16)
+        mine = full + warp * stages
+        if lane == 0:
+            for s in cutlass.range_constexpr(stages):
+                cute.arch.mbarrier_init(mine + s, 1)
+            cute.arch.mbarrier_init_fence()
+        fill_scale_table(table, tidx, self.threads)
+        gs_all = cute.make_tensor(global_scales, cute.make_layout(num_segments))
+        for g in cutlass.range(tidx, num_segments, self.threads):
+            s_gs[g] = gs_all[g]
         load_segment_blocks(row_offsets, num_segments, s_off, s_first, tidx, self.threads)
 
         blocks = hidden // BLOCK
-        scale_cols = blocks
-        units = s_off[num_segments]
+        pieces = (blocks + self.chunk - 1) // self.chunk  # chunks per row
+        chunks = s_off[num_segments] * pieces
+        me = bidx * self.warps + warp
+        warps = grid_ctas * self.warps
+        begin = Int32(Int64(me) * Int64(chunks) // Int64(warps))
+        n = Int32(Int64(me + 1) * Int64(chunks) // Int64(warps)) - begin
+        # The chunk to quantize next (row, first column kb, first block of the stream) and the
+        # one to load next (column, global address): each advances by the chunk just done.
+        row = begin // pieces
+        kb = (begin - row * pieces) * self.chunk
+        block = Int64(row) * Int64(blocks) + Int64(kb)
+        load_kb = kb
+        load_at = x.toint() + block * BLOCK_BYTES
+        for s in cutlass.range_constexpr(stages):
+            if s < n:
+                if lane == 0:
+                    self._fill(ring, mine, warp, s, load_at, load_kb, blocks)
+                load_at, load_kb = self._next_chunk(load_at, load_kb, blocks, BLOCK_BYTES)
         if cutlass.const_expr(self.scales == "128x4"):
-            scale_cols = (blocks + 3) // 4 * 4
-            units = s_first[num_segments] * ATOM_ROWS
-        rk = scale_cols // 4
-        for unit in cutlass.range(bidx, units, grid_ctas):
-            # The row this unit (a scale row) stands for, or -1 for block padding.
-            row = unit
-            seg = Int32(0)
-            for g in cutlass.range(num_segments):
-                start = s_off[g]
+            self._zero_padding(scales, s_off, s_first, num_segments, blocks, me, warps, lane)
+        # Per row: its segment's global scale and the row's bytes in the scale layout.
+        seg = segment_of(s_off, num_segments, row)
+        scale_row = Int64(0)
+        gs = Float32(0.0)
+        row_of_scale = Int32(-1)
+        rk = (blocks + 3) // 4
+        for i in cutlass.range(n):
+            s = i % stages
+            if row != row_of_scale:
+                while row >= s_off[seg + 1]:
+                    seg += 1
+                gs = s_gs[seg]
+                scale_row = Int64(row) * Int64(blocks)
                 if cutlass.const_expr(self.scales == "128x4"):
-                    start = s_first[g] * ATOM_ROWS
-                if start <= unit:
-                    seg = g
-            if cutlass.const_expr(self.scales == "128x4"):
-                local = unit - s_first[seg] * ATOM_ROWS
-                row = Int32(-1)
-                if local < s_off[seg + 1] - s_off[seg]:
-                    row = s_off[seg] + local
-            gs = cute.make_tensor(global_scales, cute.make_layout(num_segments))[seg]
-            for kb in cutlass.range(tidx, scale_cols, self.threads):
-                byte = Int32(0)
-                if row >= 0 and kb < blocks:
-                    byte = self._quantize_block(x, codes, row, kb, hidden, gs)
-                at = Int64(unit) * Int64(scale_cols) + Int64(kb)
-                if cutlass.const_expr(self.scales == "128x4"):
-                    at = scale_offset(unit, kb, rk)
-                cute.make_tensor(_ptr(Uint8, scales.toint() + at, 1), cute.make_layout(1))[0] = \
-                    Uint8(byte)
+                    scale_row = scale_offset(s_first[seg] * ATOM_ROWS + row - s_off[seg], 0, rk)
+                row_of_scale = row
+            cute.arch.mbarrier_wait(mine + s, (i // stages) % 2)
+            self._quantize_chunk(ring, s, warp, lane, codes.toint() + block * 8,
+                                 scales.toint() + scale_row, table, gs, kb, blocks)
+            cute.arch.sync_warp()  # every lane has read stage s
+            if i + stages < n:
+                if lane == 0:
+                    self._fill(ring, mine, warp, s, load_at, load_kb, blocks)
+                load_at, load_kb = self._next_chunk(load_at, load_kb, blocks, BLOCK_BYTES)
+            block, next_kb = self._next_chunk(block, kb, blocks, 1)
+            if next_kb == 0:
+                row += 1
+            kb = next_kb
 
     @cute.jit
-    def _quantize_block(self, x: cute.Pointer, codes: cute.Pointer, row, kb, hidden, gs):
-        """Quantize block kb of `row`; write its 8 code bytes, return its e4m3 scale byte."""
-        return quantize_nvfp4_block(
-            x.toint() + (Int64(row) * Int64(hidden) + Int64(kb) * BLOCK) * 2,
-            codes.toint() + Int64(row) * Int64(hidden // 2) + Int64(kb) * 8, gs, self.e2m1)
+    def _next_chunk(self, at, kb, blocks, unit: cutlass.Constexpr):
+        """(`at` advanced past the chunk at column kb, in `unit`s per block; the next chunk's
+        column, 0 on a new row)."""
+        at = at + Int64(cutlass.min(blocks - kb, self.chunk) * unit)
+        kb = kb + self.chunk
+        if kb >= blocks:
+            kb = 0
+        return at, kb
+
+    @cute.jit
+    def _quantize_chunk(self, ring: cute.Tensor, s, warp, lane, codes_at, scales_row, table,
+                        gs, kb0, blocks):
+        """Quantize the chunk in stage s, columns kb0, kb0 + 1, ... of a row, a block per lane
+        per step: codes from `codes_at` on, scale bytes in the row at `scales_row` (its column
+        0; 128x4 or linear)."""
+        # Each step is a constant further on (a chunk starts on a multiple of 32 * steps
+        # columns, so of 4 scale columns).
+        codes_at = codes_at + Int64(lane) * 8
+        col = kb0 + lane
+        scales_at = scales_row + Int64(col)
+        if cutlass.const_expr(self.scales == "128x4"):
+            scales_at = scales_row + Int64((col >> 2) * ATOM_BYTES + (col & 3))
+        for t in cutlass.range_constexpr(self.steps):
+            b = t * WARP + lane
+            if kb0 + b < blocks:
+                pairs = cute.make_rmem_tensor(cute.make_layout(BLOCK // 2), Int32)
+                cute.autovec_copy(ring[None, b, s, warp], pairs)
+                words = cute.make_rmem_tensor(cute.make_layout(2), Int32)
+                byte = quantize_nvfp4_pairs(pairs, words, gs, self.e2m1, table)
+                cute.autovec_copy(words, cute.make_tensor(
+                    _ptr(Int32, codes_at + t * WARP * 8, 8), cute.make_layout(2)))
+                step = t * WARP
+                if cutlass.const_expr(self.scales == "128x4"):
+                    step = t * (WARP // ATOM_SCALE_COLUMNS) * ATOM_BYTES
+                _store_byte(scales_at + step, byte)
+
+    @cute.jit
+    def _fill(self, ring: cute.Tensor, mine: cute.Pointer, warp, s, at, kb, blocks):
+        """Lane 0: bulk-copy the chunk at global address `at` (column kb of its row) into
+        stage s."""
+        nbytes = cutlass.min(blocks - kb, self.chunk) * BLOCK_BYTES
+        cute.arch.mbarrier_arrive_and_expect_tx(mine + s, nbytes)
+        bulk_load(ring[None, None, s, warp].iterator, at, nbytes, mine + s)
+
+    @cute.jit
+    def _zero_padding(self, scales: cute.Pointer, s_off: cute.Tensor, s_first: cute.Tensor,
+                      num_segments, blocks, me, warps, lane):
+        """Zero the 128x4 scale bytes no block writes: whole rows past each segment's rows up to
+        its 128-row block, and columns past K / 16 of the others. A warp per scale row."""
+        scale_cols = (blocks + 3) // 4 * 4
+        for srow in cutlass.range(me, s_first[num_segments] * ATOM_ROWS, warps):
+            seg = segment_of(s_first, num_segments, srow // ATOM_ROWS)
+            local = srow - s_first[seg] * ATOM_ROWS
+            begin = blocks
+            if local >= s_off[seg + 1] - s_off[seg]:
+                begin = 0
+            for kb in cutlass.range(begin + lane, scale_cols, WARP):
+                _store_byte(scales.toint() + scale_offset(srow, kb, scale_cols // 4), Int32(0))
+
+
+@cute.jit
+def _store_byte(addr, byte):
+    cute.make_tensor(_ptr(Uint8, addr, 1), cute.make_layout(1))[0] = Uint8(byte)

@@ -42,7 +42,7 @@ from kernels.fp8 import scale_fp8_block
 from kernels.gate_table import (ENTRIES, TABLE_BYTES, fill_gate_table, lookup_gate, oai_gate,
                                 silu_gate, table_base)
 from kernels.nvfp4 import (bits_f32, cvt_e4m3_byte, e2m1_words, e4m3_byte_to_f32, f32_bits,
-                           load_segment_blocks)
+                           load_segment_blocks, segment_of)
 from kernels.memory import scale_offset
 from kernels.scan import WARP
 from layouts.abi import GridRule, KernelSpec, Param
@@ -57,7 +57,6 @@ FP4_LANES = 2
 BLOCK = {"bf16": 1, "fp8": 128, "nvfp4": 16, "mxfp4": 32, "fp32": 1}
 ATOM_ROWS = 128
 MAX_SEGMENTS = 272
-SEARCH_STEPS = (256, 128, 64, 32, 16, 8, 4, 2, 1)  # covers MAX_SEGMENTS
 SMEM_ENTRIES = 544  # a probe at pos + 256 stays inside
 TABLE_THREADS = 1024  # the gate-table kernels' CTA: one per SM fills the table once
 E4M3_CODES = 128  # non-negative e4m3 codes: NVFP4's (scale, 1 / scale) table with the gate table
@@ -98,19 +97,6 @@ def e8m0_value(code: Int32) -> Float32:
     if code == 0:
         bits = Int32(0x400000)
     return bits_f32(bits)
-
-
-@cute.jit
-def _segment_of(s_start: cute.Tensor, num_segments, block_row) -> Int32:
-    """The segment owning a 128-row scale block: the last one whose first block is <= it (an
-    empty segment shares its start with the next one), by binary search."""
-    seg = Int32(0)
-    for step in cutlass.range_constexpr(len(SEARCH_STEPS)):
-        probe = seg + SEARCH_STEPS[step]
-        if probe < num_segments:
-            if s_start[probe] <= block_row:
-                seg = probe
-    return seg
 
 
 class FusedSilu:
@@ -262,7 +248,7 @@ class FusedSilu:
             span = (cols * FP4_LANES + WARP - 1) // WARP * WARP
             for unit in cutlass.range(bidx * warps + tidx // WARP, units, stride // WARP):
                 block_row = unit // ATOM_ROWS
-                seg = _segment_of(s_start, num_segments, block_row)
+                seg = segment_of(s_start, num_segments, block_row)
                 local = unit - s_start[seg] * ATOM_ROWS
                 live = local < s_off[seg + 1] - s_off[seg]
                 gs = Float32(1.0)
@@ -286,7 +272,7 @@ class FusedSilu:
                 unit = item // cols
                 kb = item - unit * cols
                 block_row = unit // ATOM_ROWS
-                seg = _segment_of(s_start, num_segments, block_row)
+                seg = segment_of(s_start, num_segments, block_row)
                 local = unit - s_start[seg] * ATOM_ROWS
                 byte = Int32(0)
                 if local < s_off[seg + 1] - s_off[seg] and kb < blocks:

@@ -82,6 +82,19 @@ def _lop3(a, b, c, lut):
     return out
 
 
+def _max_xorsign_abs_bf16x2(a, b):
+    """Per 16-bit half: the bf16 of larger magnitude with the xor of the two signs as its sign,
+    the canonical NaN 0x7FFF if either is NaN."""
+    out = torch.zeros_like(a)
+    for shift in (0, 16):
+        x, y = (a >> shift) & 0xFFFF, (b >> shift) & 0xFFFF
+        mx, my = x & 0x7FFF, y & 0x7FFF
+        nan = (mx > 0x7F80) | (my > 0x7F80)
+        half = torch.maximum(mx, my) | ((x ^ y) & 0x8000)  # magnitudes order as integers
+        out |= torch.where(nan, 0x7FFF, half) << shift
+    return out
+
+
 def run_ptx(text: str, *inputs: torch.Tensor) -> torch.Tensor:
     """Execute an inline-asm snippet of straight-line PTX (`$1...` the fp32 inputs, `$0` the
     result) on tensors. Knows the instructions the kernels' snippets use; anything else fails."""
@@ -98,12 +111,14 @@ def run_ptx(text: str, *inputs: torch.Tensor) -> torch.Tensor:
     floats = {
         "abs.f32": lambda x: x.abs(), "neg.f32": lambda x: -x,
         "mul.rn.f32": lambda x, y: x * y, "add.rn.f32": lambda x, y: x + y,
-        "fma.rn.f32": fma32, "min.f32": torch.fmin,
+        "fma.rn.f32": fma32, "min.f32": torch.fmin, "max.NaN.f32": torch.maximum,
     }
     ints = {
         "mov.b32": lambda x: x, "and.b32": lambda x, y: x & y, "or.b32": lambda x, y: x | y,
         "shl.b32": lambda x, n: (x << n) & U32, "shr.u32": lambda x, n: x >> n,
         "prmt.b32": lambda x, y, s: _prmt(x, y, int(s[0])), "lop3.b32": _lop3,
+        "add.u32": lambda x, y: (x + y) & U32,
+        "max.NaN.xorsign.abs.bf16x2": _max_xorsign_abs_bf16x2,
     }
     for statement in text.strip().strip("{}").split(";"):
         statement = statement.strip()
@@ -303,3 +318,93 @@ def test_e2m1_word_ends_signs_and_nibble_order():
     values = torch.tensor([[0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]])
     signs = torch.tensor([[1.0, -1.0, 1.0, -1.0, -0.0, 2.0, -3.0, 0.0]])
     assert e2m1_words(values, signs).item() == 0x7E5CB290
+
+
+def _bf16_pairs(n: int, gen: torch.Generator) -> torch.Tensor:
+    """[n, 4] random words of two bf16 each (any bits: signs, zeros, subnormals, infinities and
+    NaNs included), as the fp32 tensors run_ptx takes."""
+    return _as_f32(torch.randint(0, 1 << 32, (n, 4), generator=gen, dtype=torch.int64))
+
+
+def _bf16_halves(words: torch.Tensor) -> torch.Tensor:
+    """[n, 4] pair words -> [n, 8] fp32 of their bf16 values, element 2k the low half of k."""
+    u = _as_u32(words)
+    low, high = (u & 0xFFFF) << 16, u & 0xFFFF0000
+    return _as_f32(torch.stack([low, high], dim=2).reshape(u.shape[0], 8))
+
+
+def test_bf16x2_amax_is_the_largest_magnitude_and_keeps_nans():
+    from kernels.nvfp4 import BF16X2_AMAX_PTX
+
+    gen = torch.Generator().manual_seed(1)
+    words = torch.cat([_bf16_pairs(20000, gen), _bf16_pairs(20000, gen)], dim=1)  # 16 values
+    # Half the rows without NaN, so most maxima are numbers.
+    u = _as_u32(words)
+    exponent_all_ones = ((u >> 7) & 0xFF) == 0xFF
+    u = torch.where(exponent_all_ones & (torch.arange(u.shape[0]) % 2 == 0).unsqueeze(1),
+                    u & ~0x00800080 & U32, u)
+    words = _as_f32(u)
+    got = _as_f32(run_ptx(BF16X2_AMAX_PTX, *words.unbind(1)))
+    values = torch.cat([_bf16_halves(words[:, :4]), _bf16_halves(words[:, 4:])], dim=1)
+    want = values.abs().amax(dim=1)  # NaN if any is
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    ok = ~torch.isnan(want)
+    assert torch.equal(got[ok], want[ok]) and ok.sum() > 9000
+    zeros = torch.zeros(1, 8)
+    zeros[0, 3] = -0.0
+    assert _as_f32(run_ptx(BF16X2_AMAX_PTX, *zeros.unbind(1))).item() == 0.0
+
+
+def _pairs_word_codes(values: torch.Tensor, words: torch.Tensor, saturate: bool) -> torch.Tensor:
+    from kernels.nvfp4 import E2M1_PAIRS_WORD_BELOW_7_PTX, E2M1_PAIRS_WORD_PTX
+
+    text = E2M1_PAIRS_WORD_PTX if saturate else E2M1_PAIRS_WORD_BELOW_7_PTX
+    packed = run_ptx(text, *values.unbind(1), *words.unbind(1))
+    return torch.stack([(packed >> (4 * i)) & 15 for i in range(8)], dim=1).to(torch.uint8)
+
+
+@pytest.mark.parametrize("saturate", [True, False])
+def test_e2m1_pairs_word_takes_each_sign_from_its_bf16_and_packs_nibbles_in_order(saturate):
+    gen = torch.Generator().manual_seed(2)
+    words = _bf16_pairs(50000, gen)
+    signs = _bf16_halves(words)
+    magnitudes = torch.rand(50000, 8, generator=gen) * 6.9
+    want = fp4.e2m1_encode(magnitudes) | (torch.signbit(signs).to(torch.uint8) << 3)
+    assert torch.equal(_pairs_word_codes(magnitudes, words, saturate), want)
+    # The value's own sign is ignored: only the bf16's counts.
+    assert torch.equal(_pairs_word_codes(-magnitudes, words, saturate), want)
+
+
+@pytest.mark.parametrize("exponent", [-3, -2, -1, 0, 1, 2])
+def test_e2m1_pairs_word_below_7_for_every_fp32_from_an_eighth(exponent):
+    """Without saturation, every fp32 magnitude below 7 still encodes as the reference."""
+    v = _significands(exponent)
+    v = v[v < 7.0]
+    pad = -v.numel() % 8
+    values = torch.cat([v, torch.zeros(pad)]).reshape(-1, 8)
+    words = torch.zeros(values.shape[0], 4)
+    codes = _pairs_word_codes(values, words, saturate=False).reshape(-1)[: v.numel()]
+    assert torch.equal(codes, fp4.e2m1_encode(v))
+
+
+def test_bounded_scales_keep_every_quotient_below_7():
+    """For s = gs * amax / 6 in [BOUNDED_LOW, BOUNDED_HIGH), sf = e4m3(s) is within 2^-4 of s,
+    so the block's largest quotient RN(RN(gs * amax) / sf) stays below 7: checked at the far end
+    of every e4m3 code's rounding interval (s up to the midpoint to the next code, gs * amax
+    up to 6 s rounded up)."""
+    from kernels.nvfp4 import BOUNDED_HIGH, BOUNDED_LOW
+
+    codes = torch.arange(0x08, 0x7F, dtype=torch.uint8)  # the normal e4m3 codes up to 448
+    sf = codes.view(torch.float8_e4m3fn).to(F64)
+    following = torch.cat([sf[1:], torch.tensor([BOUNDED_HIGH], dtype=F64)])
+    s_far = (sf + following) / 2  # s rounds to sf below this (or exactly on it, to even)
+    assert sf[0] == BOUNDED_LOW and BOUNDED_HIGH == 464.0  # 448's interval ends at 464
+    m_far = 6 * s_far * (1 + 2.0 ** -22)  # RN(gs * amax) with RN(m / 6) <= s_far, generously
+    assert (m_far / sf).max() < 6.41
+    assert torch.equal(torch.tensor(1.0, dtype=F32) / 6, torch.tensor(_sixth(), dtype=F32))
+
+
+def _sixth() -> float:
+    from kernels.nvfp4 import SIXTH
+
+    return SIXTH

@@ -69,6 +69,22 @@ class Kernel:
         self._argv = (ctypes.c_void_p * len(self._slots))(
             *[ctypes.addressof(s) for s in self._slots])
         self._lock = threading.Lock()
+        self._resident: int | None = None
+        # Per pointer parameter, what check_args checks: (index, error name, dtype, alignment,
+        # min_elements), worked out once.
+        key = self.spec.key
+        self._pointer_checks = tuple(
+            (i, f"{key}: {p.name}", _torch_dtype(p.dtype), p.align, p.min_elements)
+            for i, p in enumerate(self.spec.params) if p.kind == "ptr")
+
+    def resident_ctas(self) -> int:
+        """CTAs of this kernel one SM holds at once (registers, shared memory and threads, as
+        the driver computes them): a persistent grid's CTAs per SM."""
+        if self._resident is None:
+            self._resident = max(1, check(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                self.function, self.spec.block[0] * self.spec.block[1] * self.spec.block[2],
+                self.spec.smem_bytes)))
+        return self._resident
 
     def check_args(self, args) -> dict[str, int]:
         """Validate launch arguments against the manifest's ABI; returns the scalar values."""
@@ -81,20 +97,25 @@ class Kernel:
             if p.kind != "ptr":
                 _check_scalar(spec, p, a)
                 scalars[p.name] = a
-        for p, a in zip(spec.params, args):
-            if p.kind == "ptr":
-                check_tensor(a, name=f"{spec.key}: {p.name}", dtype=p.dtype, align=p.align,
-                             device_index=self.device_index)
-                if p.min_elements:
-                    scalar, factor = p.min_elements
-                    need = scalars[scalar] * factor
-                    if a.numel() < need:
-                        raise ValueError(f"{spec.key}: {p.name} holds {a.numel()} elements, "
-                                         f"{scalar}={scalars[scalar]} needs {need}")
+        for i, name, dtype, align, min_elements in self._pointer_checks:
+            a = args[i]
+            check_tensor(a, name=name, dtype=dtype, align=align, device_index=self.device_index)
+            if min_elements:
+                scalar, factor = min_elements
+                need = scalars[scalar] * factor
+                if a.numel() < need:
+                    raise ValueError(f"{spec.key}: {spec.params[i].name} holds {a.numel()} "
+                                     f"elements, {scalar}={scalars[scalar]} needs {need}")
         return scalars
 
     def launch(self, *args) -> None:
         scalars = self.check_args(args)
+        self._launch(args, tuple(rule.evaluate(scalars) for rule in self.spec.grid))
+
+    def launch_checked_by_caller(self, *args) -> None:
+        """`launch` without `check_args`, for a caller that has checked every tensor it was
+        given and allocated the others itself (a quantizer's few microseconds of Python)."""
+        scalars = {p.name: a for p, a in zip(self.spec.params, args) if p.kind != "ptr"}
         self._launch(args, tuple(rule.evaluate(scalars) for rule in self.spec.grid))
 
     def bind(self, varying: tuple[str, ...], **constants) -> "Launcher":
@@ -218,18 +239,24 @@ def _current_raw_stream(device_index: int) -> int:
     return torch.cuda.current_stream(device_index).cuda_stream
 
 
-def check_tensor(t, *, name: str, dtype: str | None, align: int = 1,
+def _torch_dtype(dtype: "str | torch.dtype | None"):
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
+def check_tensor(t, *, name: str, dtype: "str | torch.dtype | None", align: int = 1,
                  device_index: int | None = None):
     """Raise a clear error unless `t` is a contiguous CUDA tensor of `dtype` (None: any) aligned
     to `align` bytes."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != "cuda":
+    if not t.is_cuda:
         raise ValueError(f"{name} must be a CUDA tensor, got one on {t.device}")
-    if device_index is not None and t.device.index != device_index:
-        raise ValueError(f"{name} is on cuda:{t.device.index}, the kernel runs on cuda:{device_index}")
-    if dtype is not None and t.dtype != getattr(torch, dtype):
-        raise TypeError(f"{name} must be {getattr(torch, dtype)}, got {t.dtype}")
+    if device_index is not None and t.get_device() != device_index:
+        raise ValueError(f"{name} is on cuda:{t.get_device()}, the kernel runs on "
+                         f"cuda:{device_index}")
+    dtype = _torch_dtype(dtype)
+    if dtype is not None and t.dtype != dtype:
+        raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous (stride {tuple(t.stride())})")
     if t.numel() and t.data_ptr() % align:
