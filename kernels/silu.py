@@ -42,7 +42,7 @@ from kernels.fp8 import scale_fp8_block
 from kernels.gate_table import (ENTRIES, TABLE_BYTES, fill_gate_table, lookup_gate, oai_gate,
                                 silu_gate, table_base)
 from kernels.nvfp4 import (bits_f32, cvt_e4m3_byte, e2m1_words, e4m3_byte_to_f32, f32_bits,
-                           load_segment_blocks, segment_of)
+                           load_segment_blocks, nvfp4_scale_byte, segment_of)
 from kernels.memory import scale_offset
 from kernels.scan import WARP
 from layouts.abi import GridRule, KernelSpec, Param
@@ -405,10 +405,13 @@ class FusedSilu:
             usable = Boolean(False)
             r = Float32(0.0)
             if cutlass.const_expr(self.out == "nvfp4"):
-                byte = cvt_e4m3_byte((gs * amax) / Float32(6.0))
+                byte, _, _ = nvfp4_scale_byte(gs, amax)
                 if cutlass.const_expr(self.table):
-                    sf = recips[2 * byte]
-                    r = recips[2 * byte + 1]
+                    # Codes 1..126 are the positive finite scales; the table holds codes 0..127
+                    # (a negative global scale gives codes from 0x80 up: no table entry).
+                    if (byte > 0) & (byte < 0x7F):
+                        sf = recips[2 * byte]
+                        r = recips[2 * byte + 1]
                 else:
                     sf = e4m3_byte_to_f32(byte)
                 usable = sf > 0.0

@@ -72,7 +72,7 @@ def quantize_nvfp4(x: torch.Tensor, gs: torch.Tensor) -> tuple[torch.Tensor, tor
     g = gs.float().reshape(m, 1)
     amax = blocks.abs().amax(dim=-1)
     sf = (g * amax) / torch.full_like(amax, 6.0)
-    sf8 = sf.clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+    sf8 = sf.clamp(min=-E4M3_MAX, max=E4M3_MAX).to(torch.float8_e4m3fn)  # satfinite, either sign
     sf32 = sf8.float().unsqueeze(-1)
     scaled = (blocks * g.unsqueeze(-1)) / torch.where(sf32 > 0, sf32, torch.ones_like(sf32))
     codes = torch.where(sf32 > 0, e2m1_encode(scaled), torch.zeros_like(scaled, dtype=torch.uint8))

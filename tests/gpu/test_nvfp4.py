@@ -48,6 +48,30 @@ def test_quantize_nvfp4_matches_the_reference(m, k, scales):
     assert torch.equal(codes[:m], want_codes)
 
 
+@pytest.mark.parametrize("scales", ["linear", "128x4"])
+def test_quantize_nvfp4_with_zero_and_negative_global_scales(scales):
+    """Segments whose global scale is zero or negative get codes 0 and the reference's scale
+    bytes (a negative scale's e4m3 code has its sign bit)."""
+    from cute_ep.quant import quantize_nvfp4
+
+    m, k = 4096, 2048
+    x, offsets = _rows(m, k, 5), _offsets(m)
+    gs = torch.tensor([-1.0, 0.5, 0.0, -3.0, 2.0], device="cuda")
+    codes, sc = quantize_nvfp4(x, gs, torch.tensor(offsets, dtype=torch.int32, device="cuda"),
+                               scales=scales)
+    want_codes, want_scales = fp4.quantize_nvfp4_segments(x, offsets, gs, m + 5 * 128)
+    if scales == "linear":
+        counts = [offsets[g + 1] - offsets[g] for g in range(5)]
+        per_row = torch.repeat_interleave(gs, torch.tensor(counts, device="cuda"))
+        want_codes, want_scales = fp4.quantize_nvfp4(x[:m], per_row)
+        assert torch.equal(sc[:m], want_scales)
+    else:
+        used = fp4.segment_scale_blocks(offsets)[-1] * fp4.scale_block_bytes(k, 16)
+        assert torch.equal(sc[:used], want_scales[:used])
+    assert torch.equal(codes[:m], want_codes)
+    assert not codes[offsets[3]:offsets[4]].any() and (sc >= 0x80).any()
+
+
 def test_e2m1_edge_values_through_the_kernel():
     """With gs = 1 and a block amax of 6 the scale is exactly 1, so each code is e2m1(x)."""
     from cute_ep.quant import quantize_nvfp4

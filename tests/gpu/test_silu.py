@@ -123,6 +123,24 @@ def test_fused_silu_nvfp4(m, i, interleaved, fp4_layout):
     assert torch.equal(scales[:used], want_scales[:used])
 
 
+def test_fused_silu_nvfp4_with_zero_and_negative_global_scales(fp4_layout):
+    """A scale that is not a positive number quantizes to codes 0 under its (zero or negative)
+    e4m3 scale byte, as in the reference, in every layout (the gate-table layout looks scales up
+    in a table of the non-negative codes only)."""
+    from cute_ep.silu import fused_silu_nvfp4
+
+    m, i = 4096, 2048
+    x, offsets = _x(m, i, 11), _offsets(m)
+    gs = torch.tensor([-1.0, 0.5, 0.0, -3.0, 2.0], device="cuda")
+    codes, scales = fused_silu_nvfp4(x, gs, _device(offsets))
+    want_codes, want_scales = ref.fused_silu_nvfp4(x, offsets, gs, m + 3 + 5 * 128, False)
+    used = _used_scale_bytes(offsets, i, 16)
+    assert torch.equal(codes[:m], want_codes)
+    assert torch.equal(scales[:used], want_scales[:used])
+    negative_rows = codes[offsets[3]:offsets[4]]
+    assert negative_rows.numel() and not negative_rows.any()
+
+
 @pytest.mark.parametrize("limit", [None, 7.0], ids=["silu", "swiglu_oai"])
 @pytest.mark.parametrize("interleaved", [False, True], ids=["halves", "interleaved"])
 @pytest.mark.parametrize("i", INTERMEDIATE)
