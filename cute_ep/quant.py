@@ -10,7 +10,7 @@ from cute_ep.runtime.launch import check_tensor, device_arch, runtime
 from layouts.scales import scale_layout, scale_rows_capacity
 
 NVFP4_BLOCK = 16
-_SOFTWARE_E2M1 = {"sm_90a": "software", "sm_100a": "hardware"}
+E2M1_OF_ARCH = {"sm_90a": "software", "sm_100a": "hardware"}  # the e2m1 encoder per arch
 
 __all__ = ["quantize_nvfp4"]
 
@@ -121,5 +121,5 @@ def _quantizer(rt, index: int, scales: str):
     warps take runs of the rows' chunks)."""
     device = torch.device("cuda", index)
     kernel = rt.select("quantize_nvfp4", device, scales=scales,
-                       e2m1=_SOFTWARE_E2M1[device_arch(device)])
+                       e2m1=E2M1_OF_ARCH[device_arch(device)])
     return kernel, kernel.resident_ctas() * sm_count(device)

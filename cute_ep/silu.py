@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import torch
 
-from cute_ep.quant import (fp4_scale_bytes, fp4_scale_rows, per_segment_scales, segment_offsets,
-                           sm_count)
+from cute_ep.quant import (E2M1_OF_ARCH, fp4_scale_bytes, fp4_scale_rows, per_segment_scales,
+                           segment_offsets, sm_count)
 from cute_ep.runtime.launch import check_tensor, device_arch, runtime
 
 __all__ = ["fused_silu", "fused_silu_fp8", "fused_silu_nvfp4", "fused_silu_mxfp4"]
 
-_E2M1 = {"sm_90a": "software", "sm_100a": "hardware"}
 _VECTOR = {"bf16": 8, "fp8": 128, "nvfp4": 16, "mxfp4": 32, "fp32": 8}
 _FAMILY = {"bf16": "fused_silu", "fp8": "fused_silu_fp8", "nvfp4": "fused_silu_nvfp4",
            "mxfp4": "fused_silu_mxfp4", "fp32": "fused_silu_fp32"}
@@ -154,7 +153,7 @@ def _launch(out_format, x, row_offsets, interleaved, out, scales=None, *, input_
         layout = _layout(work_rows or m, sms)
         fields["table"] = _LAYOUTS[layout]["table"]
     if out_format in ("nvfp4", "mxfp4"):
-        fields["e2m1"] = _E2M1[device_arch(device)]
+        fields["e2m1"] = E2M1_OF_ARCH[device_arch(device)]
         fields["rows_per_warp"] = _LAYOUTS[layout]["rows_per_warp"]
     kernel = runtime().select(_FAMILY[out_format], device, **fields)
     if segments > kernel.spec.sizes["max_segments"]:

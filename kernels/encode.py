@@ -13,7 +13,7 @@ from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64
 
 from kernels.copy import row_predicate, row_tiled_copy
 from kernels.fp8 import FP8_BLOCK, scale_fp8_block
-from kernels.memory import gmem_ptr, load_f32
+from kernels.memory import gmem_ptr, load_f32, store_u8
 from kernels.nvfp4 import E4M3_CODES, fill_scale_table, quantize_nvfp4_block
 from layouts.abi import ARCHES, GridRule, KernelSpec, Param
 
@@ -105,8 +105,7 @@ class EpEncode:
         its e4m3 scale byte to `scales_addr`: the block quantizer `quantize_nvfp4` uses."""
         byte = quantize_nvfp4_block(src_addr + Int64(kb) * NVFP4_BLOCK * 2,
                                     codes_addr + Int64(kb) * 8, gs, self.e2m1, table)
-        cute.make_tensor(gmem_ptr(cutlass.Uint8, scales_addr + Int64(kb), 1),
-                         cute.make_layout(1))[0] = cutlass.Uint8(byte)
+        store_u8(scales_addr + Int64(kb), byte)
 
     @cute.jit
     def _quantize_fp8(self, tidx, src_addr, dst_addr, scales_addr, hidden,

@@ -2,7 +2,7 @@
 addressed from a base plus a layout's offset, often in another GPU's memory)."""
 
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64
+from cutlass import Float32, Int32, Int64, Uint8
 
 from layouts.buffers import ERROR_FIELDS
 from layouts.channels import trace_layout
@@ -37,6 +37,12 @@ def store_i32(addr, value):
 @cute.jit
 def store_f32(addr, value):
     cute.make_tensor(gmem_ptr(Float32, addr, 4), cute.make_layout(1))[0] = Float32(value)
+
+
+@cute.jit
+def store_u8(addr, value):
+    """The low byte of `value` at `addr`."""
+    cute.make_tensor(gmem_ptr(Uint8, addr, 1), cute.make_layout(1))[0] = Uint8(value)
 
 
 def error_field(error: cute.Pointer, name: str):

@@ -22,14 +22,13 @@ correctly rounded one.
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, Int64, Uint8
+from cutlass import Float32, Int32, Int64
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from kernels.bulk_copy import bulk_load
 from kernels.division import FAST_LIMIT, divide_once, with_sign_of
-from kernels.memory import scale_offset
-from layouts.scales import ATOM_BYTES, ATOM_SCALE_COLUMNS
+from kernels.memory import scale_offset, store_u8
 from kernels.scan import WARP, warp_exclusive_scan
 from layouts.abi import GridRule, KernelSpec, Param
 
@@ -563,12 +562,12 @@ class QuantizeNvfp4:
         per step: codes from `codes_at` on, scale bytes in the row at `scales_row` (its column
         0; 128x4 or linear)."""
         # Each step is a constant further on (a chunk starts on a multiple of 32 * steps
-        # columns, so of 4 scale columns).
+        # columns, so of 4 scale columns: the layout's column offsets add up).
         codes_at = codes_at + Int64(lane) * 8
         col = kb0 + lane
         scales_at = scales_row + Int64(col)
         if cutlass.const_expr(self.scales == "128x4"):
-            scales_at = scales_row + Int64((col >> 2) * ATOM_BYTES + (col & 3))
+            scales_at = scales_row + scale_offset(0, col, 0)
         for t in cutlass.range_constexpr(self.steps):
             b = t * WARP + lane
             if kb0 + b < blocks:
@@ -580,8 +579,8 @@ class QuantizeNvfp4:
                     _ptr(Int32, codes_at + t * WARP * 8, 8), cute.make_layout(2)))
                 step = t * WARP
                 if cutlass.const_expr(self.scales == "128x4"):
-                    step = t * (WARP // ATOM_SCALE_COLUMNS) * ATOM_BYTES
-                _store_byte(scales_at + step, byte)
+                    step = scale_offset(0, t * WARP, 0)
+                store_u8(scales_at + step, byte)
 
     @cute.jit
     def _fill(self, ring: cute.Tensor, mine: cute.Pointer, warp, s, at, kb, blocks):
@@ -604,9 +603,5 @@ class QuantizeNvfp4:
             if local >= s_off[seg + 1] - s_off[seg]:
                 begin = 0
             for kb in cutlass.range(begin + lane, scale_cols, WARP):
-                _store_byte(scales.toint() + scale_offset(srow, kb, scale_cols // 4), Int32(0))
+                store_u8(scales.toint() + scale_offset(srow, kb, scale_cols // 4), Int32(0))
 
-
-@cute.jit
-def _store_byte(addr, byte):
-    cute.make_tensor(_ptr(Uint8, addr, 1), cute.make_layout(1))[0] = Uint8(byte)

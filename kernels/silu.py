@@ -36,14 +36,14 @@ rows* x padded scale columns, writing zero scale bytes for padding in the same p
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Boolean, Float8E4M3FN, Float32, Int32, Int64, Uint8
+from cutlass import BFloat16, Boolean, Float8E4M3FN, Float32, Int32, Int64
 
 from kernels.fp8 import scale_fp8_block
 from kernels.gate_table import (ENTRIES, TABLE_BYTES, fill_gate_table, lookup_gate, oai_gate,
                                 silu_gate, table_base)
-from kernels.nvfp4 import (bits_f32, cvt_e4m3_byte, e2m1_words, e4m3_byte_to_f32, f32_bits,
-                           load_segment_blocks, nvfp4_scale_byte, segment_of)
-from kernels.memory import scale_offset
+from kernels.nvfp4 import (E4M3_CODES, bits_f32, e2m1_words, e4m3_byte_to_f32, f32_bits,
+                           fill_scale_table, load_segment_blocks, nvfp4_scale_byte, segment_of)
+from kernels.memory import scale_offset, store_u8
 from kernels.scan import WARP
 from layouts.abi import GridRule, KernelSpec, Param
 
@@ -59,7 +59,6 @@ ATOM_ROWS = 128
 MAX_SEGMENTS = 272
 SMEM_ENTRIES = 544  # a probe at pos + 256 stays inside
 TABLE_THREADS = 1024  # the gate-table kernels' CTA: one per SM fills the table once
-E4M3_CODES = 128  # non-negative e4m3 codes: NVFP4's (scale, 1 / scale) table with the gate table
 
 
 def _ptr(dtype, addr, align):
@@ -199,12 +198,9 @@ class FusedSilu:
             table = smem.allocate_tensor(Float32, cute.make_layout(2 * ENTRIES),
                                          byte_alignment=16)
             if cutlass.const_expr(self.out == "nvfp4"):
-                recips = smem.allocate_tensor(Float32, cute.make_layout(2 * E4M3_CODES),
-                                              byte_alignment=16)
-                for b in cutlass.range(tidx, E4M3_CODES, self.threads):
-                    sf = e4m3_byte_to_f32(b)
-                    recips[2 * b] = sf
-                    recips[2 * b + 1] = Float32(1.0) / sf
+                recips = smem.allocate_tensor(
+                    Float32, cute.make_layout((2, E4M3_CODES), stride=(1, 2)), byte_alignment=16)
+                fill_scale_table(recips, tidx, self.threads)
             fill_gate_table(table, self.activation, limit, alpha, tidx, self.threads)
             gates = table_base(table)
         if cutlass.const_expr(not self.fp4):
@@ -263,9 +259,7 @@ class FusedSilu:
                     if not valid:
                         byte = Int32(0)  # padding rows and columns
                     if h % FP4_LANES == 0 and kb < cols:
-                        at = scale_offset(unit, kb, rk)
-                        cute.make_tensor(_ptr(Uint8, scales.toint() + at, 1),
-                                         cute.make_layout(1))[0] = Uint8(byte)
+                        store_u8(scales.toint() + scale_offset(unit, kb, rk), byte)
         else:
             total = s_start[num_segments] * ATOM_ROWS * cols
             for item in cutlass.range(bidx * self.threads + tidx, total, stride):
@@ -283,9 +277,7 @@ class FusedSilu:
                     byte = self._row_vector(x, out, scales, s_off[seg] + local, kb,
                                             intermediate, Int32(0), limit, alpha, gs,
                                             Boolean(True), gates, recips)
-                at = scale_offset(unit, kb, rk)
-                cute.make_tensor(_ptr(Uint8, scales.toint() + at, 1),
-                                 cute.make_layout(1))[0] = Uint8(byte)
+                store_u8(scales.toint() + scale_offset(unit, kb, rk), byte)
 
     @cute.jit
     def _activation(self, x: cute.Pointer, row, v, intermediate, limit, alpha, z: cute.Tensor,
@@ -410,8 +402,8 @@ class FusedSilu:
                     # Codes 1..126 are the positive finite scales; the table holds codes 0..127
                     # (a negative global scale gives codes from 0x80 up: no table entry).
                     if (byte > 0) & (byte < 0x7F):
-                        sf = recips[2 * byte]
-                        r = recips[2 * byte + 1]
+                        sf = recips[0, byte]
+                        r = recips[1, byte]
                 else:
                     sf = e4m3_byte_to_f32(byte)
                 usable = sf > 0.0

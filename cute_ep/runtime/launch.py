@@ -109,14 +109,16 @@ class Kernel:
         return scalars
 
     def launch(self, *args) -> None:
-        scalars = self.check_args(args)
-        self._launch(args, tuple(rule.evaluate(scalars) for rule in self.spec.grid))
+        self._launch(args, self._grid(self.check_args(args)))
 
     def launch_checked_by_caller(self, *args) -> None:
         """`launch` without `check_args`, for a caller that has checked every tensor it was
         given and allocated the others itself (a quantizer's few microseconds of Python)."""
-        scalars = {p.name: a for p, a in zip(self.spec.params, args) if p.kind != "ptr"}
-        self._launch(args, tuple(rule.evaluate(scalars) for rule in self.spec.grid))
+        self._launch(args, self._grid(
+            {p.name: a for p, a in zip(self.spec.params, args) if p.kind != "ptr"}))
+
+    def _grid(self, scalars: dict) -> tuple:
+        return tuple(rule.evaluate(scalars) for rule in self.spec.grid)
 
     def bind(self, varying: tuple[str, ...], **constants) -> "Launcher":
         """A caller's own argument block for this kernel: `constants` (every parameter not
