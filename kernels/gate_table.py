@@ -41,11 +41,17 @@ PER_SIGN = HIGH_T16 - LOW_T16 + 1
 ENTRIES = 2 * PER_SIGN
 TABLE_BYTES = ENTRIES * 8
 FALLBACK_M = float("nan")
+# The lookup clamps |g| * 2^-7 to [LOW * 2^-7, 1] (a saturating multiply, exact on bf16 values
+# in range, then one max): LOW_T16 in those units.
+SCALE_T16 = 7 << 7  # 2^-7 takes 7 off the bf16 exponent field
+LOW_SCALED_T16 = LOW_T16 - SCALE_T16
+assert HIGH_T16 - SCALE_T16 == 0x3F80  # HIGH * 2^-7 == 1.0, the saturation bound
 
-# `$1` the gate g, `$2` the table's shared address minus LOW_T16 * 16: `$0` = fma(g, M, T).
+# `$1` the gate g, `$2` the table's shared address minus LOW_SCALED_T16 * 16: `$0` =
+# fma(g, M, T). `mul.sat` maps a NaN to +0, which the max takes to the LOW entry, as before.
 LOOKUP_PTX = (
     "{ .reg .f32 a, m, t; .reg .b32 b, s, o; "
-    f"abs.f32 a, $1; max.f32 a, a, 0f{LOW_T16:04X}0000; min.f32 a, a, 0f{HIGH_T16:04X}0000; "
+    f"abs.f32 a, $1; mul.rn.sat.f32 a, a, 0f3C000000; max.f32 a, a, 0f{LOW_SCALED_T16:04X}0000; "
     "mov.b32 b, a; mov.b32 s, $1; shr.u32 o, b, 12; shr.u32 s, s, 28; and.b32 s, s, 8; "
     "or.b32 o, o, s; add.u32 o, o, $2; ld.shared.v2.f32 {m, t}, [o]; "
     "fma.rn.f32 $0, $1, m, t; }")
@@ -64,7 +70,7 @@ def lookup_gate(g: Float32, base: Int32, *, loc=None, ip=None) -> Float32:
 def table_base(table: cute.Tensor, *, loc=None, ip=None) -> Int32:
     """The lookup's base operand for a shared-memory table tensor."""
     addr = llvm.ptrtoint(T.i32(), table.iterator.to_llvm_ptr(loc=loc, ip=ip), loc=loc, ip=ip)
-    return Int32(addr) - Int32(LOW_T16 * 16)
+    return Int32(addr) - Int32(LOW_SCALED_T16 * 16)
 
 
 @cute.jit

@@ -3,7 +3,9 @@
 Each rank runs the layer of `tests/test_autograd.py` on real Buffers (fp8 layers with a bf16
 Buffer for the backward dispatch) and compares its x and topk_weights gradients, and the
 gradients of its own experts' weights, with the plain-torch layer computed in every process
-from the same inputs (tolerance: that file's, bf16 rounding of a few sums). One training step
+from the same inputs (tolerance: that file's, bf16 rounding of a few sums). The shared
+expert's weight lives on every rank and sees only that rank's tokens, so its gradient is
+compared after an all-reduce over the ranks (as data-parallel training sums it). One training step
 also runs under `torch.compile` (graph breaks allowed: the backward and the expert loop run
 eagerly) and must give the eager step's gradients within the same tolerance.
 """
@@ -44,8 +46,12 @@ def _gradients(rank, world, fmt, shared):
     close(got[0], want[rank][0], f"rank {rank} x.grad")
     close(got[1], want[rank][1], f"rank {rank} topk_weights.grad")
     mine = range(rank * cfg.local_experts, (rank + 1) * cfg.local_experts)
-    for e in [*mine, *([cfg.experts] if shared else [])]:
+    for e in mine:
         close(weights[e].grad, ref_w[e], f"rank {rank} expert {e} weight grad")
+    if shared:  # replicated on every rank, each sees its own tokens: sum as data parallelism does
+        grad = weights[cfg.experts].grad.clone()
+        torch.distributed.all_reduce(grad)
+        close(grad, ref_w[cfg.experts], f"rank {rank} shared expert weight grad (all-reduced)")
     return True
 
 
