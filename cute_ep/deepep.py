@@ -351,10 +351,7 @@ class Buffer:
         ids = torch.where(in_rank, ranks, -1).to(torch.int32).contiguous()
         core = self._normal_core(hidden, fp8, r, r, config)
         out = core.dispatch(x, ids, in_rank.float())
-        got = torch.cat([out.handle.messages, core.error]).tolist()
-        if any(got[r:]):
-            core.check()  # raises what the kernel recorded
-        received = got[:r]
+        received = _read_back(core, out.handle.messages)
         total = sum(received)
         n_out = self._rows_out(num_worst_tokens, total)
         recv_x = out.tokens[:n_out]
@@ -381,10 +378,8 @@ class Buffer:
         # peer timeout, bad ids) and whether is_token_in_rank (what combine's weights follow)
         # is the routing of topk_idx (what the rows follow).
         differs = (_ranks_of(topk_idx.long(), experts, r) != in_rank).any().int().view(1)
-        counts = torch.cat([h.messages, out.counts, core.error, differs]).tolist()
-        received, per_expert = counts[:r], counts[r:-5]
-        if any(counts[-5:-1]):
-            core.check()  # raises what the kernel recorded
+        counts = _read_back(core, h.messages, out.counts, differs)
+        received, per_expert = counts[:r], counts[r:-1]
         if counts[-1]:
             raise ValueError("is_token_in_rank does not match topk_idx (pass "
                              "get_dispatch_layout's for these ids)")
@@ -597,3 +592,13 @@ def _ranks_of(ids: torch.Tensor, experts: int, ranks: int) -> torch.Tensor:
     in_rank = torch.zeros(ids.shape[0], ranks + 1, dtype=torch.bool, device=ids.device)
     in_rank.scatter_(1, dest, True)
     return in_rank[:, :ranks].contiguous()
+
+
+def _read_back(core, *tensors) -> list:
+    """The values of the int32 `tensors`, concatenated, in one read from the device together
+    with `core`'s error words; raises what the kernel recorded (`core.check()`) if any is set."""
+    got = torch.cat([*tensors, core.error]).tolist()
+    words = core.error.numel()
+    if any(got[-words:]):
+        core.check()
+    return got[:-words]

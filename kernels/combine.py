@@ -374,8 +374,8 @@ class EpCombine:
         s_rows[at ..] in k order), in fp32, a step of the row at a time. The loads go through
         this warp's shared memory by cp.async, a (step, row) each, SEND_STAGES - 1 of them in
         flight ahead of the sums; a lane reads back only what it copied itself."""
-        dst = cute.zipped_divide(cute.make_tensor(gmem_ptr(BFloat16, peer + ring_offset + Int64(
-            ring((0, Int32(item % Int64(ring_slots)), channel, my_rank))), 16), layout), tiler)
+        slot = self._ring_row(peer, ring_offset, ring, ring_slots, channel, my_rank, item)
+        dst = cute.zipped_divide(cute.make_tensor(gmem_ptr(BFloat16, slot, 16), layout), tiler)
         thr_async = async_copy.get_slice(lane)
         per_step = cutlass.max(live, 1)  # a message of no rows here still sends its zeros
         units = steps * per_step
@@ -601,8 +601,7 @@ class EpCombine:
             d = lane - 1
             here_bit = (mask >> d) & 1
             item = s_pos[d] + Int64(s_first[i * MAX_RANKS + d])
-            addr = here + ring_offset + Int64(ring((0, Int32(item % Int64(ring_slots)),
-                                                    channel, d)))
+            addr = self._ring_row(here, ring_offset, ring, ring_slots, channel, d, item)
         rows_bits = cute.arch.vote_ballot_sync(here_bit != 0)
         live = cute.arch.popc(rows_bits)
         if here_bit != 0:
@@ -610,6 +609,13 @@ class EpCombine:
         cute.arch.sync_warp()
         self._sum_listed(t, live, out, s_addr, at, s_addr, 0, False, layout, tiler, g_crd,
                          steps, vectors, thr, row_copy)
+
+    @cute.jit
+    def _ring_row(self, base, ring_offset, ring, ring_slots, channel, rank, item):
+        """The address of stream item `item` from `rank` in the ring of `channel` of the buffer
+        at `base` (its slot: the item modulo the ring's slots)."""
+        return base + ring_offset + Int64(ring((0, Int32(item % Int64(ring_slots)), channel,
+                                                rank)))
 
     @cute.jit
     def _sum_listed(self, t, n, out: cute.Pointer, s_addr: cute.Tensor, at, s_hw: cute.Tensor,
@@ -657,9 +663,9 @@ class EpCombine:
         for k in cutlass.range(topk):
             live, d, item = self._item_of(ids, t, k, i, topk, experts, local_experts, skip_a2a,
                                           my_rank, s_first, s_pos)
-            src = cute.zipped_divide(cute.make_tensor(gmem_ptr(
-                BFloat16, here + ring_offset + Int64(ring((0, Int32(item % Int64(ring_slots)),
-                                                            channel, d))), 16), layout), tiler)
+            slot = self._ring_row(here, ring_offset, ring, ring_slots, channel, d, item)
+            src = cute.zipped_divide(cute.make_tensor(gmem_ptr(BFloat16, slot, 16), layout),
+                                     tiler)
             dst = cute.zipped_divide(cute.make_tensor(gmem_ptr(
                 BFloat16, out.toint() + (Int64(t) * Int64(topk) + Int64(k))
                 * Int64(vectors * 16), 16), layout), tiler)
@@ -710,8 +716,7 @@ class EpCombine:
             live, d, item = self._item_of(ids, t, lane, i, topk, experts, local_experts,
                                           skip_a2a, my_rank, s_first, s_pos)
             if live != 0:
-                addr = here + ring_offset + Int64(ring((0, Int32(item % Int64(ring_slots)),
-                                                        channel, d)))
+                addr = self._ring_row(here, ring_offset, ring, ring_slots, channel, d, item)
                 wk = load_f32(home_weights.toint() + (Int64(t) * Int64(topk) + Int64(lane)) * 4)
         bits = cute.arch.vote_ballot_sync(live != 0)
         n = cute.arch.popc(bits)

@@ -34,7 +34,6 @@ import torch
 from cute_ep.reference.fp4 import NVFP4_BLOCK, _scale_offsets, quantize_nvfp4, scale_block_bytes
 from layouts import EPConfig
 from layouts.buffers import output_scales
-from layouts.config import FP8_ROW_ALIGN
 from layouts.scales import ATOM_ROWS, expert_scale_blocks
 
 FP8_MAX = 448.0
@@ -226,7 +225,7 @@ def _dispatch_to(cfg, x, topk_ids, dest, sources, e_loc, shared, shared_tokens,
     seg, src, tok, slot = seg[order], src[order], tok[order], slot[order]
 
     segments = cfg.segments
-    align = FP8_ROW_ALIGN if cfg.format == "fp8" else 1
+    align = cfg.row_align
     counts = torch.bincount(seg, minlength=segments)
     padded = (counts + align - 1) // align * align
     if cfg.layout == "slabs":  # every segment a whole slab, whatever it holds
