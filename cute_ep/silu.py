@@ -131,7 +131,7 @@ def _prepare(out_format, x, row_offsets) -> tuple[torch.Tensor, int]:
 def _layout(rows: int, sms: int) -> str:
     """The quantized kernels' layout for `rows` (scale rows for FP4): "table" once every warp of
     a CTA-per-SM grid has a row (a gate table per CTA, filled once, in place of an `expf` and a
-    division per element; FP4 with a warp per scale row and a lane pair per block), else
+    division per element; FP4 with a warp per scale row, a lane or a lane pair per block), else
     "thread" (a thread per block, the activation by the formula): a warp walking a whole row
     leaves the GPU idle on small inputs (measured at base clocks, H200, I = 7168: 256 rows
     53 us a warp per row, 14 us a thread per block). "warp" (a warp per row without the table)

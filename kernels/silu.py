@@ -52,9 +52,9 @@ FAMILIES = {"bf16": "fused_silu", "fp8": "fused_silu_fp8", "nvfp4": "fused_silu_
             "mxfp4": "fused_silu_mxfp4", "fp32": "fused_silu_fp32"}
 # Output elements per thread, and elements per scale.
 VECTOR = {"bf16": 8, "fp8": 16, "nvfp4": 16, "mxfp4": 32, "fp32": 8}
-# FP4 with a warp per scale row (`rows_per_warp`): a lane pair per scale block.
-PAIR_VECTOR = {"nvfp4": 8, "mxfp4": 16}
-FP4_LANES = 2
+# FP4 with a warp per scale row (`rows_per_warp`): elements a lane takes, a whole NVFP4 block
+# or half an MXFP4 one (a lane pair, the amax by one shuffle).
+ROW_VECTOR = {"nvfp4": 16, "mxfp4": 16}
 BLOCK = {"bf16": 1, "fp8": 128, "nvfp4": 16, "mxfp4": 32, "fp32": 1}
 ATOM_ROWS = 128
 MAX_SEGMENTS = 272
@@ -103,8 +103,8 @@ class FusedSilu:
     def __init__(self, out: str, interleaved: bool, activation: str = "silu",
                  e2m1: str | None = None, threads: int = 256, rows_per_warp: bool = False,
                  table: bool = False):
-        """`rows_per_warp` (FP4 only): a warp per scale row and a lane pair per scale block,
-        for inputs of at least as many scale rows as the grid has warps; otherwise a thread per
+        """`rows_per_warp` (FP4 only): a warp per scale row, a lane per NVFP4 block and a lane
+        pair per MXFP4 block (`ROW_VECTOR`), for inputs of at least as many scale rows as the grid has warps; otherwise a thread per
         scale block. `table` (quantized outputs): the gate's activation from a shared-memory
         table each CTA fills once (`kernels.gate_table`), for inputs large enough to repay it."""
         if out not in FAMILIES:
@@ -131,7 +131,8 @@ class FusedSilu:
         # issue (no faster), and swiglu_oai's registers (its formula for gates outside the
         # table) leave no room for inputs in flight.
         self.prefetch = self.rows_per_warp and out == "mxfp4" and activation == "silu"
-        self.vector = PAIR_VECTOR[out] if rows_per_warp else VECTOR[out]
+        self.vector = ROW_VECTOR[out] if rows_per_warp else VECTOR[out]
+        self.lanes = BLOCK[out] // self.vector  # lanes per scale block (rows_per_warp)
         self.fp4 = fp4
         if fp4:
             self.arches = ("sm_100a",) if e2m1 == "hardware" else ("sm_90a",)
@@ -232,9 +233,9 @@ class FusedSilu:
     def _fp4(self, smem, x, row_offsets, input_scales, out, scales, num_segments, intermediate,
              limit, alpha, tidx, bidx, stride, gates, recips):
         """The grid walks scale rows (units) x padded scale columns: a thread per scale block
-        (item), or with `rows_per_warp` a warp per scale row (its segment found once) and a
-        lane pair per block (the pair's amax by one shuffle); the block's first lane writes its
-        scale byte, zero for padding rows and columns."""
+        (item), or with `rows_per_warp` a warp per scale row (its segment found once) and
+        `lanes` lanes per block (a pair: its amax by one shuffle); the block's first lane writes
+        its scale byte, zero for padding rows and columns."""
         s_off = smem.allocate_tensor(Int32, cute.make_layout(SMEM_ENTRIES), byte_alignment=16)
         s_start = smem.allocate_tensor(Int32, cute.make_layout(SMEM_ENTRIES), byte_alignment=16)
         load_segment_blocks(row_offsets, num_segments, s_off, s_start, tidx, self.threads)
@@ -250,20 +251,20 @@ class FusedSilu:
             warps = self.threads // WARP
             lane = tidx % WARP
             # Lanes of a row, rounded up to whole warps so every lane reaches each shuffle.
-            span = (cols * FP4_LANES + WARP - 1) // WARP * WARP
+            span = (cols * self.lanes + WARP - 1) // WARP * WARP
             for unit in cutlass.range(bidx * warps + tidx // WARP, units, stride // WARP):
                 row, live, seg = self._unit(s_off, s_start, num_segments, unit, units)
                 gs = Float32(1.0)
                 if cutlass.const_expr(self.out == "nvfp4"):
                     gs = cute.make_tensor(input_scales, cute.make_layout(num_segments))[seg]
                 for h in cutlass.range(lane, span, WARP):
-                    kb = h // FP4_LANES
+                    kb = h // self.lanes
                     valid = live and kb < blocks
                     byte = self._row_vector(x, out, scales, row, h, intermediate, Int32(0),
                                             limit, alpha, gs, valid, gates, recips)
                     if not valid:
                         byte = Int32(0)  # padding rows and columns
-                    if h % FP4_LANES == 0 and kb < cols:
+                    if h % self.lanes == 0 and kb < cols:
                         store_u8(scales.toint() + scale_offset(unit, kb, rk), byte)
         else:
             total = s_start[num_segments] * ATOM_ROWS * cols
@@ -287,8 +288,8 @@ class FusedSilu:
     @cute.jit
     def _fp4_prefetching(self, x, input_scales, out, scales, num_segments, intermediate, limit,
                          alpha, tidx, bidx, stride, gates, recips, s_off, s_start):
-        """`rows_per_warp` with `prefetch`: the same walk (a warp per scale row, a lane pair per
-        block), each lane loading its next item's inputs (the next lane vector of the row, or
+        """`rows_per_warp` with `prefetch`: the same walk (a warp per scale row, `lanes` lanes
+        per block), each lane loading its next item's inputs (the next lane vector of the row, or
         the first one of the warp's next row) before it computes the current one, so every
         warp keeps a load in flight while it computes."""
         blocks = intermediate // BLOCK[self.out]
@@ -297,7 +298,7 @@ class FusedSilu:
         units = s_start[num_segments] * ATOM_ROWS
         warps = self.threads // WARP
         lane = tidx % WARP
-        span = (cols * FP4_LANES + WARP - 1) // WARP * WARP
+        span = (cols * self.lanes + WARP - 1) // WARP * WARP
         wstride = stride // WARP
         unit = bidx * warps + tidx // WARP
         inputs = cute.make_rmem_tensor(cute.make_layout(self.vector), Int32)
@@ -319,13 +320,13 @@ class FusedSilu:
                     load_h = lane
                     load_live = next_live
                 self._load_inputs(x, load_row, load_h, load_live, blocks, intermediate, ahead)
-                kb = h // FP4_LANES
+                kb = h // self.lanes
                 valid = live and kb < blocks
                 byte = self._row_vector(x, out, scales, row, h, intermediate, Int32(0), limit,
                                         alpha, gs, valid, gates, recips, inputs)
                 if not valid:
                     byte = Int32(0)  # padding rows and columns
-                if h % FP4_LANES == 0 and kb < cols:
+                if h % self.lanes == 0 and kb < cols:
                     store_u8(scales.toint() + scale_offset(unit, kb, rk), byte)
                 inputs.store(ahead.load())
             unit = unit + wstride
@@ -349,7 +350,7 @@ class FusedSilu:
         pairs; interleaved: the (gate, up) pairs in order), unless it is padding (not `live`,
         or past the last block), which computes zeros and loads nothing."""
         n = self.vector
-        if live and v // FP4_LANES < blocks:
+        if live and v // self.lanes < blocks:
             base = x.toint() + Int64(row) * Int64(4 * intermediate)
             if cutlass.const_expr(self.interleaved):
                 cute.autovec_copy(cute.make_tensor(_ptr(Int32, base + Int64(v) * (4 * n), 16),
@@ -487,7 +488,7 @@ class FusedSilu:
             amax = Float32(0.0)
             for i in cutlass.range_constexpr(n):
                 amax = cute.arch.fmax(amax, cute.arch.fmax(z[i], -z[i], nan=True), nan=True)
-            if cutlass.const_expr(self.rows_per_warp):
+            if cutlass.const_expr(self.rows_per_warp and self.lanes == 2):
                 # This lane holds half of a scale block; the pair's amax is the block's (an
                 # invalid lane holds zeros, and its pair lane is invalid too).
                 amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=1),
