@@ -104,9 +104,10 @@ class FusedSilu:
                  e2m1: str | None = None, threads: int = 256, rows_per_warp: bool = False,
                  table: bool = False):
         """`rows_per_warp` (FP4 only): a warp per scale row, a lane per NVFP4 block and a lane
-        pair per MXFP4 block (`ROW_VECTOR`), for inputs of at least as many scale rows as the grid has warps; otherwise a thread per
-        scale block. `table` (quantized outputs): the gate's activation from a shared-memory
-        table each CTA fills once (`kernels.gate_table`), for inputs large enough to repay it."""
+        pair per MXFP4 block (`ROW_VECTOR`), for inputs of at least as many scale rows as the
+        grid has warps; otherwise a thread per scale block. `table` (quantized outputs): the
+        gate's activation from a shared-memory table each CTA fills once
+        (`kernels.gate_table`), for inputs large enough to repay it."""
         if out not in FAMILIES:
             raise ValueError(f"out must be one of {sorted(FAMILIES)}, got {out!r}")
         if activation not in ("silu", "swiglu_oai"):
