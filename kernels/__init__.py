@@ -1,5 +1,5 @@
 """CuTe DSL kernel sources and the ahead-of-time build that compiles them into cubins.
 
-Importing this package needs the DSL (`pip install cute-ep[build]`); the runtime in `cute_ep`
-never imports it.
+Its kernel modules need the DSL (`pip install cute-ep[build]`), except `wheel.py`, the wheel's
+packaging hook; the runtime in `cute_ep` never imports this package.
 """
