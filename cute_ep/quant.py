@@ -7,7 +7,7 @@ import functools
 import torch
 
 from cute_ep.runtime.launch import check_tensor, device_arch, runtime
-from layouts.scales import scale_layout, scale_rows_capacity
+from layouts.scales import ATOM_ROWS, scale_layout, scale_rows_capacity
 
 NVFP4_BLOCK = 16
 E2M1_OF_ARCH = {"sm_90a": "software", "sm_100a": "hardware"}  # the e2m1 encoder per arch
@@ -60,6 +60,26 @@ def fp4_scale_rows(rows: int, segments: int, scale_rows: int | None) -> int:
     return scale_rows if scale_rows is not None else scale_rows_capacity(rows, segments)
 
 
+def check_scale_rows(scale_rows: int | None, rows: int, row_offsets: torch.Tensor) -> None:
+    """Refuse a caller's `scale_rows` too small for `row_offsets` (int32 [S + 1]): each segment
+    starts a fresh 128-row block, so the kernels write up to sum(ceil(n_g / 128)) * 128 scale
+    rows, which only the device's offsets say. Below the worst case (`rows + 128 S`) the offsets
+    are read (the host waits for the device), and refused under CUDA graph capture, where they
+    cannot be: a buffer too small for them would be written past its end."""
+    segments = row_offsets.numel() - 1
+    if scale_rows is None or scale_rows >= scale_rows_capacity(rows, segments):
+        return
+    if row_offsets.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise ValueError(f"scale_rows={scale_rows} is below {scale_rows_capacity(rows, segments)}"
+                         f" (M + 128 S), which cannot be checked against row_offsets while a "
+                         f"CUDA graph is captured: pass at least that, or None")
+    offsets = row_offsets.tolist()
+    need = sum(-(-(b - a) // ATOM_ROWS) for a, b in zip(offsets, offsets[1:])) * ATOM_ROWS
+    if scale_rows < need:
+        raise ValueError(f"scale_rows={scale_rows} is below the {need} scale rows these "
+                         f"row_offsets need (each segment starts a fresh {ATOM_ROWS}-row block)")
+
+
 @functools.lru_cache(maxsize=256)
 def fp4_scale_bytes(scale_rows: int, k: int, block: int) -> int:
     """Bytes of the 128x4 scale buffer for `scale_rows` rows of K elements, a scale per block."""
@@ -76,7 +96,8 @@ def quantize_nvfp4(x: torch.Tensor, global_scales: torch.Tensor | float,
     may be a capacity. None means one segment of all M rows. global_scales: fp32 [S] (or one
     number), the `gs` of `sf = e4m3(gs * amax / 6)`, `q = e2m1(x * gs / sf)`.
     scales: "linear" -> [M, K / 16]; "128x4" -> the block-scaled MMA layout of
-    `layouts.scales` for `scale_rows` rows (default M + 128 * S), each segment on a fresh 128-row
+    `layouts.scales` for `scale_rows` rows (default M + 128 * S; fewer are checked against
+    row_offsets, which makes the host wait for the device), each segment on a fresh 128-row
     block, padding zero. sm_90a encodes e2m1 in software, sm_100a with the hardware conversion;
     both give the same bytes.
     """
@@ -107,6 +128,7 @@ def quantize_nvfp4(x: torch.Tensor, global_scales: torch.Tensor | float,
         out_scales = torch.empty(m, k // NVFP4_BLOCK, dtype=torch.uint8, device=device)
     else:
         rows = fp4_scale_rows(m, segments, scale_rows)
+        check_scale_rows(scale_rows, m, row_offsets)
         out_scales = torch.empty(fp4_scale_bytes(rows, k, NVFP4_BLOCK), dtype=torch.uint8,
                                  device=device)
     # Every tensor is checked above or allocated here.

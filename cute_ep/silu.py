@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from cute_ep.quant import (E2M1_OF_ARCH, fp4_scale_bytes, fp4_scale_rows, per_segment_scales,
-                           segment_offsets, sm_count)
+from cute_ep.quant import (E2M1_OF_ARCH, check_scale_rows, fp4_scale_bytes, fp4_scale_rows,
+                           per_segment_scales, segment_offsets, sm_count)
 from cute_ep.runtime.launch import check_tensor, device_arch, runtime
 
 __all__ = ["fused_silu", "fused_silu_fp8", "fused_silu_nvfp4", "fused_silu_mxfp4"]
@@ -62,8 +62,9 @@ def fused_silu_nvfp4(x: torch.Tensor, input_scales: torch.Tensor | float,
 
     input_scales: fp32 [S] (or one number), segment g's global scale `gs`:
     `sf = e4m3(gs * amax / 6)`, `q = e2m1(z * gs / sf)` per 16 elements. Each segment's scales
-    start on a fresh 128-row block; the buffer holds `scale_rows` rows (default M + 128 S) and
-    the padding of every used block is zero.
+    start on a fresh 128-row block; the buffer holds `scale_rows` rows (default M + 128 S; fewer
+    are checked against row_offsets, which makes the host wait for the device) and the padding
+    of every used block is zero.
     """
     if torch.compiler.is_compiling():
         return torch.ops.cute_ep.fused_silu_nvfp4(
@@ -110,6 +111,7 @@ def _fp4(out_format, x, row_offsets, interleaved, scale_rows, **extra):
     rows = fp4_scale_rows(m, row_offsets.numel() - 1, scale_rows)
     if rows < 1:
         raise ValueError(f"scale_rows must be positive, got {scale_rows}")
+    check_scale_rows(scale_rows, m, row_offsets)
     codes = torch.empty(m, i // 2, dtype=torch.uint8, device=x.device)
     scales = torch.empty(fp4_scale_bytes(rows, i, _VECTOR[out_format]), dtype=torch.uint8,
                          device=x.device)

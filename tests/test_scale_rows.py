@@ -1,0 +1,51 @@
+"""A caller's `scale_rows` for the FP4 128x4 scales (`quantize_nvfp4`, `fused_silu_nvfp4`,
+`fused_silu_mxfp4`) is checked against the 128-row blocks its `row_offsets` need, on the host,
+before any launch: a buffer too small would be written past its end."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cute_ep.quant import check_scale_rows
+
+
+class _Unreadable:
+    """Offsets of S segments whose values must not be read."""
+
+    is_cuda = False
+
+    def __init__(self, segments: int):
+        self.segments = segments
+
+    def numel(self) -> int:
+        return self.segments + 1
+
+    def tolist(self):
+        raise AssertionError("row_offsets were read")
+
+
+OFFSETS = [0, 130, 130, 300, 301]  # 130, 0, 170 and 1 rows: 2 + 0 + 2 + 1 = 5 blocks
+
+
+def test_the_default_and_the_worst_case_need_no_read():
+    check_scale_rows(None, 301, _Unreadable(4))
+    check_scale_rows(301 + 4 * 128, 301, _Unreadable(4))
+    check_scale_rows(10_000, 301, _Unreadable(4))
+
+
+def test_exactly_the_blocks_the_offsets_need_is_accepted():
+    check_scale_rows(5 * 128, 301, torch.tensor(OFFSETS, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("scale_rows", [5 * 128 - 1, 4 * 128, 301, 1])
+def test_fewer_rows_than_the_offsets_need_are_refused(scale_rows):
+    with pytest.raises(ValueError, match=rf"scale_rows={scale_rows} is below the 640 scale rows"):
+        check_scale_rows(scale_rows, 301, torch.tensor(OFFSETS, dtype=torch.int32))
+
+
+def test_one_segment_of_every_row():
+    offsets = torch.tensor([0, 256], dtype=torch.int32)
+    check_scale_rows(256, 256, offsets)
+    with pytest.raises(ValueError, match="below the 256"):
+        check_scale_rows(255, 256, offsets)
