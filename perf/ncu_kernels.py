@@ -5,8 +5,9 @@ Nsight Compute to profile:
         --section WarpStateStats --section Occupancy --section LaunchStats \\
         -k regex:'FusedSilu|QuantizeNvfp4|kernelsepEp' python perf/ncu_kernels.py
 
-- the fused SwiGLU family (bf16, FP8, NVFP4, MXFP4) and `quantize_nvfp4` at M=8192, I=7168 over
-  8 experts (the kernel targets' shape);
+- the fused SwiGLU family (bf16, FP8, NVFP4 with both input layouts, MXFP4 with both
+  activations; `SILU_LAUNCHES`) and `quantize_nvfp4` at M=8192, I=7168 over 8 experts (the
+  kernel targets' shape);
 - one dispatch + combine per format through a one-rank `Buffer` with the throughput shape's
   per-rank load (4096 tokens, H=7168, K=8, 64 local experts): the receive expansion and the
   combine's weighted sums do the same HBM work as on each of 4 ranks; only the NVLink leg is
@@ -23,6 +24,13 @@ import os
 import tempfile
 
 import torch
+
+# The kernels `silu_kernels` launches, in order, once per layout (`perf/compare_libraries.py`
+# names Nsight Compute's launches by this list).
+SILU_LAUNCHES = ("fused_silu", "fused_silu_fp8", "fused_silu_nvfp4",
+                 "fused_silu_nvfp4 interleaved", "fused_silu_mxfp4",
+                 "fused_silu_mxfp4 swiglu_oai")
+QUANTIZE_LAUNCH = "quantize_nvfp4"
 
 
 def silu_kernels(rows: int, i: int, experts: int, layouts=(None,)) -> None:
@@ -41,6 +49,7 @@ def silu_kernels(rows: int, i: int, experts: int, layouts=(None,)) -> None:
         fused_silu(x, offsets)
         fused_silu_fp8(x, offsets)
         fused_silu_nvfp4(x, gs, offsets)
+        fused_silu_nvfp4(x, gs, offsets, interleaved=True)
         fused_silu_mxfp4(x, offsets)
         fused_silu_mxfp4(x, offsets, swiglu_limit=7.0)
     cute_ep.silu._layout = by_size
