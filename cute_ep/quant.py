@@ -7,6 +7,7 @@ import functools
 import torch
 
 from cute_ep.runtime.launch import check_tensor, device_arch, runtime
+from layouts.algebra import ceil_div
 from layouts.scales import ATOM_ROWS, scale_layout, scale_rows_capacity
 
 NVFP4_BLOCK = 16
@@ -66,15 +67,15 @@ def check_scale_rows(scale_rows: int | None, rows: int, row_offsets: torch.Tenso
     rows, which only the device's offsets say. Below the worst case (`rows + 128 S`) the offsets
     are read (the host waits for the device), and refused under CUDA graph capture, where they
     cannot be: a buffer too small for them would be written past its end."""
-    segments = row_offsets.numel() - 1
-    if scale_rows is None or scale_rows >= scale_rows_capacity(rows, segments):
+    worst = scale_rows_capacity(rows, row_offsets.numel() - 1)
+    if scale_rows is None or scale_rows >= worst:
         return
     if row_offsets.is_cuda and torch.cuda.is_current_stream_capturing():
-        raise ValueError(f"scale_rows={scale_rows} is below {scale_rows_capacity(rows, segments)}"
-                         f" (M + 128 S), which cannot be checked against row_offsets while a "
-                         f"CUDA graph is captured: pass at least that, or None")
+        raise ValueError(f"scale_rows={scale_rows} is below {worst} (M + 128 S), which cannot be "
+                         f"checked against row_offsets while a CUDA graph is captured: pass at "
+                         f"least that, or None")
     offsets = row_offsets.tolist()
-    need = sum(-(-(b - a) // ATOM_ROWS) for a, b in zip(offsets, offsets[1:])) * ATOM_ROWS
+    need = sum(ceil_div(b - a, ATOM_ROWS) for a, b in zip(offsets, offsets[1:])) * ATOM_ROWS
     if scale_rows < need:
         raise ValueError(f"scale_rows={scale_rows} is below the {need} scale rows these "
                          f"row_offsets need (each segment starts a fresh {ATOM_ROWS}-row block)")

@@ -128,9 +128,9 @@ class FusedSilu:
         self.rows_per_warp = bool(rows_per_warp)
         self.table = bool(table)
         # A warp per row loads an item ahead for MXFP4's silu, where the loads' latency showed
-        # (measured on an H200: 8% faster at I = 7168); NVFP4 is bound by its instruction
-        # issue (no faster), and swiglu_oai's registers (its formula for gates outside the
-        # table) leave no room for inputs in flight.
+        # (measured on an H200: 8% faster at I = 7168); NVFP4, a whole block a lane, and
+        # swiglu_oai (its formula for gates outside the table) have no registers left for
+        # inputs in flight.
         self.prefetch = self.rows_per_warp and out == "mxfp4" and activation == "silu"
         self.vector = ROW_VECTOR[out] if rows_per_warp else VECTOR[out]
         self.lanes = BLOCK[out] // self.vector  # lanes per scale block (rows_per_warp)
@@ -246,7 +246,8 @@ class FusedSilu:
         rk = cols // 4
         if cutlass.const_expr(self.prefetch):
             self._fp4_prefetching(x, input_scales, out, scales, num_segments, intermediate, limit,
-                                  alpha, tidx, bidx, stride, gates, recips, s_off, s_start)
+                                  alpha, tidx, bidx, stride, gates, recips, s_off, s_start,
+                                  blocks, cols, rk)
         elif cutlass.const_expr(self.rows_per_warp):
             units = s_start[num_segments] * ATOM_ROWS
             warps = self.threads // WARP
@@ -259,14 +260,8 @@ class FusedSilu:
                 if cutlass.const_expr(self.out == "nvfp4"):
                     gs = cute.make_tensor(input_scales, cute.make_layout(num_segments))[seg]
                 for h in cutlass.range(lane, span, WARP):
-                    kb = h // self.lanes
-                    valid = live and kb < blocks
-                    byte = self._row_vector(x, out, scales, row, h, intermediate, Int32(0),
-                                            limit, alpha, gs, valid, gates, recips)
-                    if not valid:
-                        byte = Int32(0)  # padding rows and columns
-                    if h % self.lanes == 0 and kb < cols:
-                        store_u8(scales.toint() + scale_offset(unit, kb, rk), byte)
+                    self._lane_item(x, out, scales, unit, row, h, live, blocks, cols, rk,
+                                    intermediate, limit, alpha, gs, gates, recips)
         else:
             total = s_start[num_segments] * ATOM_ROWS * cols
             for item in cutlass.range(bidx * self.threads + tidx, total, stride):
@@ -288,14 +283,12 @@ class FusedSilu:
 
     @cute.jit
     def _fp4_prefetching(self, x, input_scales, out, scales, num_segments, intermediate, limit,
-                         alpha, tidx, bidx, stride, gates, recips, s_off, s_start):
+                         alpha, tidx, bidx, stride, gates, recips, s_off, s_start, blocks, cols,
+                         rk):
         """`rows_per_warp` with `prefetch`: the same walk (a warp per scale row, `lanes` lanes
         per block), each lane loading its next item's inputs (the next lane vector of the row, or
         the first one of the warp's next row) before it computes the current one, so every
         warp keeps a load in flight while it computes."""
-        blocks = intermediate // BLOCK[self.out]
-        cols = (blocks + 3) // 4 * 4
-        rk = cols // 4
         units = s_start[num_segments] * ATOM_ROWS
         warps = self.threads // WARP
         lane = tidx % WARP
@@ -321,19 +314,28 @@ class FusedSilu:
                     load_h = lane
                     load_live = next_live
                 self._load_inputs(x, load_row, load_h, load_live, blocks, intermediate, ahead)
-                kb = h // self.lanes
-                valid = live and kb < blocks
-                byte = self._row_vector(x, out, scales, row, h, intermediate, Int32(0), limit,
-                                        alpha, gs, valid, gates, recips, inputs)
-                if not valid:
-                    byte = Int32(0)  # padding rows and columns
-                if h % self.lanes == 0 and kb < cols:
-                    store_u8(scales.toint() + scale_offset(unit, kb, rk), byte)
+                self._lane_item(x, out, scales, unit, row, h, live, blocks, cols, rk,
+                                intermediate, limit, alpha, gs, gates, recips, inputs)
                 inputs.store(ahead.load())
             unit = unit + wstride
             row = next_row
             live = next_live
             seg = next_seg
+
+    @cute.jit
+    def _lane_item(self, x, out, scales, unit, row, h, live, blocks, cols, rk, intermediate,
+                   limit, alpha, gs, gates, recips, words=None):
+        """Lane vector h of scale row `unit` (row `row` of x; `live`: not padding): its codes,
+        and its block's scale byte from the block's first lane (zero for padding rows and
+        columns). `words`: its inputs already loaded."""
+        kb = h // self.lanes
+        valid = live and kb < blocks
+        byte = self._row_vector(x, out, scales, row, h, intermediate, Int32(0), limit, alpha, gs,
+                                valid, gates, recips, words)
+        if not valid:
+            byte = Int32(0)
+        if h % self.lanes == 0 and kb < cols:
+            store_u8(scales.toint() + scale_offset(unit, kb, rk), byte)
 
     @cute.jit
     def _unit(self, s_off, s_start, num_segments, unit, units):
