@@ -31,6 +31,37 @@ class CudaError(RuntimeError):
     pass
 
 
+def _driver_launch():
+    """`cuLaunchKernel` of the driver library torch and cuda-python already loaded, called
+    through ctypes: the arguments are plain integers (a kernel's `CUfunction` and a stream as
+    their handles), which spares each launch cuda-python's wrapping of every argument (a few
+    microseconds of a dispatch's host time)."""
+    launch = ctypes.CDLL("libcuda.so.1").cuLaunchKernel
+    launch.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+    launch.restype = ctypes.c_int
+    return launch
+
+
+_LAUNCH = None
+
+
+def _launcher():
+    """The ctypes `cuLaunchKernel`, bound on first use (a machine without a GPU never needs
+    it)."""
+    global _LAUNCH
+    if _LAUNCH is None:
+        _LAUNCH = _driver_launch()
+    return _LAUNCH
+
+
+def _launch_kernel(function: int, grid, block, smem: int, stream: int, argv: int) -> None:
+    """Launch `function` (a CUfunction handle as an int) with the kernel parameter array at
+    address `argv` on `stream` (a raw handle); raise CudaError with the driver's words."""
+    err = (_LAUNCH or _launcher())(function, *grid, *block, smem, stream, argv, None)
+    if err:
+        check(driver.CUresult(err))
+
+
 def check(result):
     """Unwrap a cuda-python driver call's (error, *values) tuple, raising on error."""
     err, *values = result if isinstance(result, tuple) else (result,)
@@ -61,6 +92,8 @@ class Kernel:
         self.entry = entry
         self.spec: KernelSpec = entry.spec
         self.function = function
+        # The CUfunction as an int, for _launch_kernel (None: a kernel that is never launched).
+        self._handle = int(function) if function is not None else None
         self.device_index = device_index
         self._is_ptr = tuple(p.kind == "ptr" for p in self.spec.params)
         # Parameter storage and the void** array pointing into it, built once and refilled per
@@ -132,9 +165,8 @@ class Kernel:
         with self._lock:
             for slot, is_ptr, a in zip(self._slots, self._is_ptr, args):
                 slot.value = a.data_ptr() if is_ptr else a
-            check(driver.cuLaunchKernel(
-                self.function, *grid, *self.spec.block, self.spec.smem_bytes,
-                driver.CUstream(stream), ctypes.addressof(self._argv), 0))
+            _launch_kernel(self._handle, grid, self.spec.block, self.spec.smem_bytes, stream,
+                           ctypes.addressof(self._argv))
 
 
 class Launcher:
@@ -190,6 +222,7 @@ class Launcher:
                 self._grid.append((varying.index(rule.ceil_div[0]), rule.ceil_div[1], rule.max))
         self._lock = threading.Lock()
         self._tail = (*spec.block, spec.smem_bytes)
+        self._function = kernel._handle
         self._argv_address = ctypes.addressof(self._argv)
 
     def __call__(self, *values: int) -> None:
@@ -199,11 +232,13 @@ class Launcher:
         grid = self.grid_of(values)
         if 0 in grid:
             return
-        stream = driver.CUstream(_current_raw_stream(self.kernel.device_index))
+        stream = _current_raw_stream(self.kernel.device_index)
         with self._lock:
             self._pack(self._packed, 0, *values)
-            check(driver.cuLaunchKernel(self.kernel.function, *grid, *self._tail, stream,
-                                        self._argv_address, 0))
+            err = (_LAUNCH or _launcher())(self._function, *grid, *self._tail, stream,
+                                           self._argv_address, None)
+        if err:
+            check(driver.CUresult(err))
 
     def grid_of(self, values) -> list[int]:
         """The launch grid for these varying arguments (the spec's grid rules)."""
@@ -232,12 +267,14 @@ def _check_scalar(spec: KernelSpec, p, value) -> None:
                          f"{p.name}={spec.config[p.name]}")
 
 
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 def _current_raw_stream(device_index: int) -> int:
     """The handle of torch's current stream on the device: torch's raw accessor where it has one
     (a fraction of a microsecond), else the public one (several microseconds of Python)."""
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if raw is not None:
-        return raw(device_index)
+    if _RAW_STREAM is not None:
+        return _RAW_STREAM(device_index)
     return torch.cuda.current_stream(device_index).cuda_stream
 
 
