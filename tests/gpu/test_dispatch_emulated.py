@@ -348,3 +348,17 @@ def test_low_latency_handle_names_each_rows_source_and_range():
                 rows.append(toks)
             want = torch.cat(rows).int()
             assert torch.equal(handle[0][g, :len(want)], want), (d, g)
+
+
+def test_emulated_ranks_that_cannot_all_be_resident_are_refused():
+    """Every emulated rank's CTAs must run at once (each waits for the others): asking for more
+    SMs than the GPU has is an error at construction, not a layer that waits until the
+    timeout."""
+    from cute_ep.ep import Buffer
+    from layouts import EPConfig
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    cfg = EPConfig(1024, 4, 8, 2, 64)
+    with pytest.raises(ValueError, match=f"need {2 * (sms // 2 + 1)} SMs at once"):
+        Buffer.emulated(cfg, sms=sms // 2 + 1)
+    assert len(Buffer.emulated(cfg, sms=sms // 2)) == 2
