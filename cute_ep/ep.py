@@ -242,16 +242,16 @@ class Buffer:
         _check_config(cfg, cfg.ranks)
         dev = torch.device("cuda", torch.cuda.current_device())
         ranks = [cls.__new__(cls) for _ in range(cfg.ranks)]
+        device_sms = torch.cuda.get_device_properties(dev).multi_processor_count
         for r, buf in enumerate(ranks):
             buf.group = None
             buf._setup(cfg, r, dev, timeout_s, sms, geometry)
-        device_sms = torch.cuda.get_device_properties(dev).multi_processor_count
-        if cfg.ranks * ranks[0].sms > device_sms:
-            # Each rank's kernels wait for the others': with fewer SMs than CTAs some would
-            # never start and the rest would wait for them until the timeout.
-            raise ValueError(f"{cfg.ranks} emulated ranks x {ranks[0].sms} SMs need "
-                             f"{cfg.ranks * ranks[0].sms} SMs at once, this GPU has "
-                             f"{device_sms}: pass sms <= {device_sms // cfg.ranks}")
+            if cfg.ranks * buf.sms > device_sms:  # known from the first rank, before the rest
+                # Each rank's kernels wait for the others': with fewer SMs than CTAs some would
+                # never start and the rest would wait for them until the timeout.
+                raise ValueError(f"{cfg.ranks} emulated ranks x {buf.sms} SMs need "
+                                 f"{cfg.ranks * buf.sms} SMs at once, this GPU has "
+                                 f"{device_sms}: pass sms <= {device_sms // cfg.ranks}")
         syms = [torch.zeros(buf.peer_visible_bytes, dtype=torch.uint8, device=dev)
                 for buf in ranks]
         for buf, sym in zip(ranks, syms):
@@ -308,11 +308,11 @@ class Buffer:
         self.error = control["error"]  # ERROR_FIELDS
         # A dispatch's handle, allocated per dispatch.
         self._routes = [*combine_routes(cfg), channel_messages(cfg, self._sms)]
+        self._plan_outputs()
         self._active: dict[int | None, int] = {}  # active_channels by num_input_tokens
         self._no_f32 = torch.zeros(4, dtype=torch.float32, device=dev)
         self._no_i32 = torch.zeros(4, dtype=torch.int32, device=dev)
         self._no_i64 = torch.zeros(4, dtype=torch.int64, device=dev)
-        self._plan_outputs()
         # Set by `trace_dispatch(True)`: each dispatch then records its channels' timeline.
         self.trace: torch.Tensor | None = None
         self.combine_trace: torch.Tensor | None = None  # the same for combine
@@ -442,21 +442,19 @@ class Buffer:
         flat = out.__dict__["_flat"]
         if flat is not None:  # the carved outputs, at fixed offsets in one allocation
             base = flat.data_ptr()
-            scales, scales_offsets, *carved = [base + at if at is not None else absent
-                                               for at, absent in self._carved_at]
+            carved = [base + at for at in self._carved_at]
         else:
             h = out.handle
-            scales = out._address("scales") if cfg.format != "bf16" else \
-                self._no_f32.data_ptr()
-            scales_offsets = out._address("scales_offsets") if cfg.format == "nvfp4" else \
-                self._no_i32.data_ptr()
             carved = [out._address(name) for name in self._carved_names[:4]] + \
                 [h._address(name) for name in self._carved_names[4:]]
         trace = self.trace
         self._dispatch_launch(
             source, source_stride, scale_source, scale_stride, ids.data_ptr(),
-            weights.data_ptr(), out.tokens.data_ptr(), scales, scales_offsets, *carved,
-            num_tokens, int(skip_a2a), shared_begin, shared_end, int(weighted), active,
+            weights.data_ptr(), out.tokens.data_ptr(),
+            out._address("scales") if cfg.format != "bf16" else self._no_f32.data_ptr(),
+            out._address("scales_offsets") if cfg.format == "nvfp4"
+            else self._no_i32.data_ptr(), *carved, num_tokens, int(skip_a2a), shared_begin,
+            shared_end, int(weighted), active,
             (trace if trace is not None else self._no_i64).data_ptr(), int(trace is not None))
         return out
 
@@ -480,15 +478,8 @@ class Buffer:
         # The carved tensors the dispatch kernel takes, in DISPATCH_VARYING's order.
         self._carved_names = ("row_offsets", "expert_ids", "counts", "src_info", "rows",
                               "weights", "tokens", "messages", "channels")
-        # (offset in the allocation, or None and the placeholder address) of the scales, the
-        # NVFP4 scale offsets, then the carved names.
-        parts = self._output_carve.parts
-        self._carved_at = [
-            (parts["scales"][0], None) if "scales" in parts else (None, self._no_f32.data_ptr()),
-            (parts["scales_offsets"][0], None) if "scales_offsets" in parts
-            else (None, self._no_i32.data_ptr())] + \
-            [(parts[n][0], None) for n in self._carved_names[:4]] + \
-            [(self._handle_carve.parts[n][0], None) for n in self._carved_names[4:]]
+        self._carved_at = [self._output_carve.parts[n][0] for n in self._carved_names[:4]] + \
+            [self._handle_carve.parts[n][0] for n in self._carved_names[4:]]
 
     def _dispatch_outputs(self, route: Routing, separate: bool = False) -> DispatchOutput:
         cfg, dev = self.cfg, self.device

@@ -31,33 +31,29 @@ class CudaError(RuntimeError):
     pass
 
 
-def _driver_launch():
-    """`cuLaunchKernel` of the driver library torch and cuda-python already loaded, called
-    through ctypes: the arguments are plain integers (a kernel's `CUfunction` and a stream as
-    their handles), which spares each launch cuda-python's wrapping of every argument (a few
-    microseconds of a dispatch's host time)."""
-    launch = ctypes.CDLL("libcuda.so.1").cuLaunchKernel
-    launch.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
-    launch.restype = ctypes.c_int
-    return launch
-
-
 _LAUNCH = None
 
 
 def _launcher():
-    """The ctypes `cuLaunchKernel`, bound on first use (a machine without a GPU never needs
-    it)."""
+    """`cuLaunchKernel` of the driver library torch and cuda-python already loaded, called
+    through ctypes, bound on first use (a machine without a GPU never needs it): the arguments
+    are plain integers (a kernel's `CUfunction` and a stream as their handles), which spares
+    each launch cuda-python's wrapping of every argument (a few microseconds of a dispatch's
+    host time)."""
     global _LAUNCH
     if _LAUNCH is None:
-        _LAUNCH = _driver_launch()
+        launch = ctypes.CDLL("libcuda.so.1").cuLaunchKernel
+        launch.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+        launch.restype = ctypes.c_int
+        _LAUNCH = launch
     return _LAUNCH
 
 
-def _launch_kernel(function: int, grid, block, smem: int, stream: int, argv: int) -> None:
-    """Launch `function` (a CUfunction handle as an int) with the kernel parameter array at
-    address `argv` on `stream` (a raw handle); raise CudaError with the driver's words."""
-    err = (_LAUNCH or _launcher())(function, *grid, *block, smem, stream, argv, None)
+def _launch_kernel(function: int, grid, tail: tuple, stream: int, argv: int) -> None:
+    """Launch `function` (a CUfunction handle as an int) on `grid`, `tail` = (block x, y, z,
+    dynamic shared memory bytes), with the kernel parameter array at address `argv` on `stream`
+    (a raw handle); raise CudaError with the driver's words."""
+    err = (_LAUNCH or _launcher())(function, *grid, *tail, stream, argv, None)
     if err:
         check(driver.CUresult(err))
 
@@ -94,6 +90,7 @@ class Kernel:
         self.function = function
         # The CUfunction as an int, for _launch_kernel (None: a kernel that is never launched).
         self._handle = int(function) if function is not None else None
+        self._tail = (*self.spec.block, self.spec.smem_bytes)  # block and shared memory
         self.device_index = device_index
         self._is_ptr = tuple(p.kind == "ptr" for p in self.spec.params)
         # Parameter storage and the void** array pointing into it, built once and refilled per
@@ -165,8 +162,7 @@ class Kernel:
         with self._lock:
             for slot, is_ptr, a in zip(self._slots, self._is_ptr, args):
                 slot.value = a.data_ptr() if is_ptr else a
-            _launch_kernel(self._handle, grid, self.spec.block, self.spec.smem_bytes, stream,
-                           ctypes.addressof(self._argv))
+            _launch_kernel(self._handle, grid, self._tail, stream, ctypes.addressof(self._argv))
 
 
 class Launcher:
@@ -221,7 +217,7 @@ class Launcher:
             else:
                 self._grid.append((varying.index(rule.ceil_div[0]), rule.ceil_div[1], rule.max))
         self._lock = threading.Lock()
-        self._tail = (*spec.block, spec.smem_bytes)
+        self._tail = kernel._tail
         self._function = kernel._handle
         self._argv_address = ctypes.addressof(self._argv)
 
@@ -235,10 +231,7 @@ class Launcher:
         stream = _current_raw_stream(self.kernel.device_index)
         with self._lock:
             self._pack(self._packed, 0, *values)
-            err = (_LAUNCH or _launcher())(self._function, *grid, *self._tail, stream,
-                                           self._argv_address, None)
-        if err:
-            check(driver.CUresult(err))
+            _launch_kernel(self._function, grid, self._tail, stream, self._argv_address)
 
     def grid_of(self, values) -> list[int]:
         """The launch grid for these varying arguments (the spec's grid rules)."""
