@@ -20,6 +20,12 @@ sender warps and RECV_WARPS receiver warps:
   fp32 and k order, home_weights[t, k] times each k's row. Credit returns to every rank after
   the chunk.
 
+Both sums run through one routine (`EpCombine._row_sum`): a warp streams the listed rows a step
+at a time through its own shared-memory stages by cp.async, several steps in flight, and adds
+them in fp32 with little more than a conversion and a multiply-add per value (counters, not
+divisions or layout arithmetic, index the steps: the per-value work is what bounds a combine on
+a small SM budget).
+
 Waits are bounded by `timeout_ns` like dispatch's (the missing rank and phase are recorded). It
 runs on the `active` channels its dispatch used.
 """
@@ -32,6 +38,7 @@ from cutlass.cute.nvgpu import cpasync
 from kernels.copy import row_predicate, row_tiled_copy
 from kernels.dispatch import MAX_CHUNK, MAX_RANKS, MAX_TOPK, WARP, _wait_at_least
 from kernels.memory import gmem_ptr, load_f32, load_i32, trace_word
+from kernels.nvfp4 import high_bf16, low_bf16
 from kernels.routing import channel_tokens, route_ids, valid_expert
 from layouts.abi import GridRule, KernelSpec, Param
 from layouts.buffers import AT_EXPERTS, AT_HOME, UNREDUCED  # the `weighted` argument
@@ -41,8 +48,8 @@ from layouts.channels import (COMBINE, COMBINE_TRACE_FIELDS, HEADS, TAILS,
 SEND_WARPS = 8
 RECV_WARPS = 4
 ROW_VECTOR = 8  # bf16 elements per 16-byte access
-SUM_ROWS = 4  # expert rows a receiver loads together
-SEND_STAGES = 12  # row steps a sender warp has in flight (cp.async into its shared memory)
+PAIRS = ROW_VECTOR // 2  # 32-bit words of bf16 pairs in one
+STAGES = 8  # row steps a warp's sum has in flight (cp.async into its shared memory), plus one
 PHASE_COMBINE = 2  # the error record's phase (1-based, layouts.buffers.PHASES order)
 LIMITS = {"max_ranks": MAX_RANKS, "max_topk": MAX_TOPK, "max_chunk": MAX_CHUNK}
 
@@ -69,12 +76,11 @@ def _trace_max(trace: cute.Pointer, channel, field: cutlass.Constexpr, value):
 
 
 class EpCombine:
-    def __init__(self, send_vectors: int = 4, recv_vectors: int = 4):
+    def __init__(self, vectors: int = 4):
         self.threads = WARP * (SEND_WARPS + RECV_WARPS)
-        # 16-byte vectors per lane in one step of a row: a sender has SEND_STAGES - 1 steps of
-        # rows in flight, a receiver every rank's row and the shared expert's.
-        self.send_vectors = send_vectors
-        self.recv_vectors = recv_vectors
+        # 16-byte vectors per lane in one step of a row (a warp's step: WARP * vectors of the
+        # row's vectors); a warp's sum has STAGES - 1 steps of rows in flight.
+        self.vectors = vectors
 
     @property
     def smem_bytes(self) -> int:
@@ -84,17 +90,18 @@ class EpCombine:
                  + MAX_CHUNK * MAX_TOPK  # receivers: a chunk's ids
                  + 2 * RECV_WARPS * (MAX_TOPK + 1)  # receivers: a token's row addresses
                  + RECV_WARPS * MAX_TOPK)  # receivers: a token's home weights
-        return 4 * words + 8 * 2 * MAX_RANKS + 16 * 16 + 128 + self.stage_bytes * SEND_WARPS
+        return (4 * words + 8 * 2 * MAX_RANKS + 8 * SEND_WARPS * MAX_TOPK + 16 * 16 + 128
+                + self.stage_bytes * (SEND_WARPS + RECV_WARPS))
 
     @property
     def stage_bytes(self) -> int:
-        """Shared memory of one sender warp: SEND_STAGES steps of a row."""
-        return SEND_STAGES * WARP * self.send_vectors * 16
+        """Shared memory of one warp's row sums: STAGES steps of a row."""
+        return STAGES * WARP * self.vectors * 16
 
     def spec(self) -> KernelSpec:
         return KernelSpec(
             family="ep_combine",
-            config={"send_vectors": self.send_vectors, "recv_vectors": self.recv_vectors},
+            config={"vectors": self.vectors},
             params=(
                 Param("peer_bases", "ptr", "int64", align=8, min_elements=("ranks", 1)),
                 Param("y", "ptr", "bfloat16", align=16),
@@ -151,9 +158,7 @@ class EpCombine:
                     ranks, my_rank, weighted, skip_a2a, shared, shared_begin, shared_end,
                     hidden, channels, active, ring_slots, chunk_tokens, ring_offset,
                     counters_offset, timeout_ns, trace, tracing,
-                    row_tiled_copy(WARP, BFloat16, ROW_VECTOR),
-                    row_tiled_copy(WARP, BFloat16, ROW_VECTOR, cpasync.CopyG2SOp(
-                        cache_mode=cpasync.LoadCacheMode.GLOBAL))).launch(
+                    row_tiled_copy(WARP, BFloat16, ROW_VECTOR)).launch(
             grid=(active, 1, 1), block=(self.threads, 1, 1), smem=self.smem_bytes,
             stream=stream)
 
@@ -167,7 +172,7 @@ class EpCombine:
                hidden: Int32, channels: Int32,
                active: Int32, ring_slots: Int32, chunk_tokens: Int32, ring_offset: Int64,
                counters_offset: Int64, timeout_ns: Int64, trace: cute.Pointer, tracing: Int32,
-               row_copy: cute.TiledCopy, async_copy: cute.TiledCopy):
+               row_copy: cute.TiledCopy):
         tidx, _, _ = cute.arch.thread_idx()
         channel, _, _ = cute.arch.block_idx()
         warp = tidx // WARP
@@ -191,8 +196,12 @@ class EpCombine:
                                       byte_alignment=16)
         s_hw = smem.allocate_tensor(Float32, cute.make_layout(RECV_WARPS * MAX_TOPK),
                                     byte_alignment=16)
+        s_sa = smem.allocate_tensor(Int64, cute.make_layout(SEND_WARPS * MAX_TOPK),
+                                    byte_alignment=16)
         s_stage = smem.allocate_tensor(BFloat16, cute.make_layout(
-            SEND_WARPS * self.stage_bytes // 2), byte_alignment=128)
+            (SEND_WARPS + RECV_WARPS) * self.stage_bytes // 2), byte_alignment=128)
+        # This warp's stages of row steps for its sums (`_row_sum`).
+        stages = (s_stage.iterator + warp * (self.stage_bytes // 2)).align(128)
         peers = cute.make_tensor(peer_bases, cute.make_layout(ranks))
         here = peers[my_rank]
         counters = counters_layout(channels, ranks)
@@ -209,25 +218,25 @@ class EpCombine:
         cute.arch.sync_threads()
 
         if warp < SEND_WARPS:
-            tiler = (WARP * self.send_vectors, ROW_VECTOR)
+            tiler = (WARP * self.vectors, ROW_VECTOR)
             g_crd = cute.zipped_divide(cute.make_identity_tensor(layout.shape), tiler)
-            steps = cute.ceil_div(vectors, WARP * self.send_vectors)
+            steps = cute.ceil_div(vectors, WARP * self.vectors)
             self._send(warp, lane, channel, peers, here, y, comb_rows, comb_weights, chan_msgs,
                        streams, error, max_tokens, topk, ranks, my_rank, weighted, channels,
                        ring_slots, chunk_tokens, ring_offset, counters_offset, counters, ring,
                        timeout_ns, layout, tiler, g_crd, steps, vectors, thr, row_copy,
-                       async_copy, s_rows, s_w, s_stage, trace, tracing)
+                       s_rows, s_w, s_sa, stages, trace, tracing)
         else:
-            tiler = (WARP * self.recv_vectors, ROW_VECTOR)
+            tiler = (WARP * self.vectors, ROW_VECTOR)
             g_crd = cute.zipped_divide(cute.make_identity_tensor(layout.shape), tiler)
-            steps = cute.ceil_div(vectors, WARP * self.recv_vectors)
+            steps = cute.ceil_div(vectors, WARP * self.vectors)
             self._receive(warp - SEND_WARPS, lane, channel, peers, here, y, topk_ids, out,
                           home_weights, streams, error, num_tokens, topk, local_experts, ranks,
                           my_rank, weighted, skip_a2a, shared, shared_begin, shared_end, channels,
                           active, ring_slots, chunk_tokens, ring_offset, counters_offset, counters,
                           ring, timeout_ns, layout, tiler, g_crd, steps, vectors, thr, row_copy,
-                          s_first, s_items, s_mask, s_flag, s_pos, s_ids, s_addr, s_hw, trace,
-                          tracing)
+                          s_first, s_items, s_mask, s_flag, s_pos, s_ids, s_addr, s_hw, stages,
+                          trace, tracing)
         cute.arch.sync_threads()
         if tracing != 0 and tidx == 0:
             _trace_set(trace, channel, "end", cute.arch.globaltimer())
@@ -240,14 +249,9 @@ class EpCombine:
               streams: cute.Pointer, error: cute.Pointer, max_tokens, topk, ranks, my_rank,
               weighted, channels, ring_slots, chunk_tokens, ring_offset, counters_offset,
               counters, ring, timeout_ns, layout, tiler, g_crd, steps, vectors, thr,
-              row_copy: cute.TiledCopy, async_copy: cute.TiledCopy, s_rows: cute.Tensor,
-              s_w: cute.Tensor, s_stage: cute.Tensor, trace: cute.Pointer, tracing):
+              row_copy: cute.TiledCopy, s_rows: cute.Tensor, s_w: cute.Tensor,
+              s_sa: cute.Tensor, stages, trace: cute.Pointer, tracing):
         per_home = SEND_WARPS // ranks
-        # This warp's steps of rows in flight, each (WARP * send_vectors, ROW_VECTOR).
-        stages = cute.make_tensor(
-            (s_stage.iterator + w * (self.stage_bytes // 2)).align(16),
-            cute.make_layout((WARP * self.send_vectors, ROW_VECTOR, SEND_STAGES),
-                             stride=(ROW_VECTOR, 1, WARP * self.send_vectors * ROW_VECTOR)))
         waited = Int64(0)
         s = w % ranks
         sub = w // ranks
@@ -332,10 +336,15 @@ class EpCombine:
                             s_w[mat + p] = wk
                         cute.arch.sync_warp()
                         if weighted == AT_EXPERTS:
-                            self._send_sum(lane, peers[s], ring_offset, ring, item, ring_slots,
-                                           channel, my_rank, y, live, s_rows, s_w, mat, layout,
-                                           tiler, g_crd, steps, vectors, thr, row_copy,
-                                           async_copy, stages)
+                            # The live rows' addresses, then their weighted sum.
+                            if lane < live:
+                                s_sa[w * MAX_TOPK + lane] = y.toint() + Int64(
+                                    s_rows[mat + lane]) * Int64(vectors * 16)
+                            cute.arch.sync_warp()
+                            self._row_sum(lane, live, s_sa, w * MAX_TOPK, s_w, mat, True,
+                                          self._ring_row(peers[s], ring_offset, ring,
+                                                         ring_slots, channel, my_rank, item),
+                                          steps, vectors, stages)
                         else:
                             self._send_rows(lane, peers[s], ring_offset, ring, item, ring_slots,
                                             channel, my_rank, y, live, s_rows, mat, layout,
@@ -366,59 +375,145 @@ class EpCombine:
         return count
 
     @cute.jit
-    def _send_sum(self, lane, peer, ring_offset, ring, item, ring_slots, channel, my_rank,
-                  y: cute.Pointer, live, s_rows: cute.Tensor, s_w: cute.Tensor, at, layout,
-                  tiler, g_crd, steps, vectors, thr, row_copy: cute.TiledCopy,
-                  async_copy: cute.TiledCopy, stages: cute.Tensor):
-        """Item = bf16(sum of w_k * y[row_k] over the message's `live` rows here, at
-        s_rows[at ..] in k order), in fp32, a step of the row at a time. The loads go through
-        this warp's shared memory by cp.async, a (step, row) each, SEND_STAGES - 1 of them in
-        flight ahead of the sums; a lane reads back only what it copied itself."""
-        slot = self._ring_row(peer, ring_offset, ring, ring_slots, channel, my_rank, item)
-        dst = cute.zipped_divide(cute.make_tensor(gmem_ptr(BFloat16, slot, 16), layout), tiler)
-        thr_async = async_copy.get_slice(lane)
-        per_step = cutlass.max(live, 1)  # a message of no rows here still sends its zeros
-        units = steps * per_step
-        for u in cutlass.range_constexpr(SEND_STAGES - 1):
-            self._load_unit(u, units, per_step, live, s_rows, at, y, layout, tiler, g_crd,
-                            vectors, thr_async, async_copy, stages)
-            cute.arch.cp_async_commit_group()
-        acc = cute.make_fragment_like(thr.partition_D(dst[((None, None), 0)]), Float32)
-        for u in cutlass.range(units):
-            self._load_unit(u + SEND_STAGES - 1, units, per_step, live, s_rows, at, y, layout,
-                            tiler, g_crd, vectors, thr_async, async_copy, stages)
-            cute.arch.cp_async_commit_group()
-            cute.arch.cp_async_wait_group(SEND_STAGES - 1)
-            step = u // per_step
-            k = u - step * per_step
-            if k == 0:
-                acc.fill(0.0)
-            if k < live:
-                rows = thr.partition_S(stages[(None, None, u % SEND_STAGES)])
-                acc.store(acc.load() + rows.load().to(Float32) * s_w[at + k])
-            if k == per_step - 1:
-                crd = thr.partition_S(g_crd[((None, None), step)])
-                t_dst = thr.partition_D(dst[((None, None), step)])
-                res = cute.make_fragment_like(t_dst)
+    def _row_sum(self, lane, n, s_a: cute.Tensor, at, s_wt: cute.Tensor, wat,
+                 weigh: cutlass.Constexpr, dst_addr, steps, vectors, stages):
+        """The bf16 row at `dst_addr` = the fp32 sum, in list order, of the n rows at addresses
+        s_a[at ..] (each times its weight s_wt[wat ..] if `weigh`); zeros if n is 0.
+
+        A step of the rows (WARP * vectors 16-byte vectors) at a time: the loads go through
+        this warp's shared memory `stages` by cp.async, one (step, row) unit per stage, STAGES
+        - 1 units in flight ahead of the sums; a lane reads back only what it copied itself.
+        Every index is a counter advanced by one and a lane's part of a unit a fixed layout (its
+        vectors lane + WARP * v), so a unit costs its copies, conversions and adds and little
+        else. The first row of a step starts the sum and the others add to it in a loop of
+        their own (a branch between the two would be made into predicated copies of both)."""
+        step_vectors = WARP * self.vectors
+        step_bytes = step_vectors * 16
+        mine = cute.make_layout((self.vectors, ROW_VECTOR), stride=(WARP * ROW_VECTOR, 1))
+        packed = cute.make_layout((self.vectors, ROW_VECTOR), stride=(ROW_VECTOR, 1))
+        stage_elems = step_vectors * ROW_VECTOR
+        lane_stage = stages + lane * ROW_VECTOR
+        load_one = row_tiled_copy(1, BFloat16, ROW_VECTOR, cpasync.CopyG2SOp(
+            cache_mode=cpasync.LoadCacheMode.GLOBAL)).get_slice(0)
+        store_one = row_tiled_copy(1, BFloat16, ROW_VECTOR).get_slice(0)
+        acc = cute.make_rmem_tensor(packed, Float32)
+        res = cute.make_rmem_tensor(packed, BFloat16)
+        dst_lane = dst_addr + Int64(lane * 16)
+        if n == 0:
+            acc.fill(0.0)
+            res.store(acc.load().to(BFloat16))
+            for step in cutlass.range(steps):
+                t_dst = store_one.partition_D(cute.make_tensor(
+                    gmem_ptr(BFloat16, dst_lane + Int64(step * step_bytes), 16), mine))
+                cute.copy(store_one, store_one.partition_S(res), t_dst,
+                          pred=self._lane_predicate(t_dst, lane, vectors - step * step_vectors))
+        else:
+            lane_offset = Int64(lane * 16)
+            # The loader's next unit: row l_k of step l_step, into stage l_slot.
+            l_k = Int32(0)
+            l_step = Int32(0)
+            l_slot = Int32(0)
+            for _ in cutlass.range_constexpr(STAGES - 1):
+                l_k, l_step, l_slot = self._load_next(
+                    l_k, l_step, l_slot, n, steps, step_vectors, step_bytes, vectors,
+                    lane_offset, s_a, at, lane, lane_stage, stage_elems, mine, load_one)
+            c_slot = Int32(0)
+            for step in cutlass.range(steps):
+                l_k, l_step, l_slot, c_slot, x = self._next_unit(
+                    l_k, l_step, l_slot, c_slot, n, steps, step_vectors, step_bytes, vectors,
+                    lane_offset, s_a, at, lane, lane_stage, stage_elems, mine, load_one)
+                self._accumulate(acc, x, s_wt, wat, weigh, True)
+                for k in cutlass.range(1, n):
+                    l_k, l_step, l_slot, c_slot, x = self._next_unit(
+                        l_k, l_step, l_slot, c_slot, n, steps, step_vectors, step_bytes,
+                        vectors, lane_offset, s_a, at, lane, lane_stage, stage_elems, mine,
+                        load_one)
+                    self._accumulate(acc, x, s_wt, wat + k, weigh, False)
                 res.store(acc.load().to(BFloat16))
-                cute.copy(row_copy, res, t_dst, pred=row_predicate(crd, vectors))
+                t_dst = store_one.partition_D(cute.make_tensor(
+                    gmem_ptr(BFloat16, dst_lane + Int64(step * step_bytes), 16), mine))
+                cute.copy(store_one, store_one.partition_S(res), t_dst,
+                          pred=self._lane_predicate(t_dst, lane, vectors - step * step_vectors))
+            cute.arch.cp_async_wait_group(0)  # the loader's empty groups past the last unit
+        cute.arch.sync_warp()  # the caller's next list reuses the addresses
 
     @cute.jit
-    def _load_unit(self, u, units, per_step, live, s_rows: cute.Tensor, at, y: cute.Pointer,
-                   layout, tiler, g_crd, vectors, thr_async, async_copy: cute.TiledCopy,
-                   stages: cute.Tensor):
-        """Start unit u of a sum (step u // per_step of its row u % per_step) into stage
-        u % SEND_STAGES, if it is a unit with a row."""
-        step = u // per_step
-        k = u - step * per_step
-        if u < units and k < live:
-            src = cute.zipped_divide(cute.make_tensor(gmem_ptr(
-                BFloat16, y.toint() + Int64(s_rows[at + k]) * Int64(vectors * 16), 16), layout),
-                tiler)
-            cute.copy(async_copy, thr_async.partition_S(src[((None, None), step)]),
-                      thr_async.partition_D(stages[(None, None, u % SEND_STAGES)]),
-                      pred=row_predicate(thr_async.partition_S(g_crd[((None, None), step)]),
-                                         vectors))
+    def _accumulate(self, acc: cute.Tensor, x: cute.Tensor, s_wt: cute.Tensor, wat,
+                    weigh: cutlass.Constexpr, first: cutlass.Constexpr):
+        """acc (fp32, [vectors, ROW_VECTOR]) = (first: 0, else acc) + x (bf16 pairs), each
+        value times s_wt[wat] if `weigh`: one integer operation widens a value (`low_bf16`,
+        `high_bf16`), then one multiply-add."""
+        w = Float32(1.0)
+        if cutlass.const_expr(weigh):
+            w = s_wt[wat]
+        for v in cutlass.range_constexpr(self.vectors):
+            for j in cutlass.range_constexpr(PAIRS):
+                lo = low_bf16(x[v, j])
+                hi = high_bf16(x[v, j])
+                if cutlass.const_expr(weigh):
+                    lo = lo * w
+                    hi = hi * w
+                if cutlass.const_expr(first):
+                    acc[v, 2 * j] = lo
+                    acc[v, 2 * j + 1] = hi
+                else:
+                    acc[v, 2 * j] = acc[v, 2 * j] + lo
+                    acc[v, 2 * j + 1] = acc[v, 2 * j + 1] + hi
+
+    @cute.jit
+    def _next_unit(self, l_k, l_step, l_slot, c_slot, n, steps, step_vectors, step_bytes,
+                   vectors, lane_offset, s_a: cute.Tensor, at, lane, lane_stage, stage_elems,
+                   mine, load_one):
+        """Start the loader's next unit, wait for the oldest one (stage c_slot) and return its
+        bf16 pairs (this lane's part) with the advanced counters."""
+        l_k, l_step, l_slot = self._load_next(
+            l_k, l_step, l_slot, n, steps, step_vectors, step_bytes, vectors, lane_offset, s_a,
+            at, lane, lane_stage, stage_elems, mine, load_one)
+        cute.arch.cp_async_wait_group(STAGES - 1)
+        # The unit's bf16 pairs as words: vector v's word j holds elements 2j (low half) and
+        # 2j + 1 (high half).
+        x = cute.make_rmem_tensor(cute.make_layout((self.vectors, PAIRS), stride=(PAIRS, 1)),
+                                  Int32)
+        cute.autovec_copy(cute.make_tensor(cute.recast_ptr(
+            (lane_stage + c_slot * stage_elems).align(16), dtype=Int32),
+            cute.make_layout((self.vectors, PAIRS), stride=(WARP * PAIRS, 1))), x)
+        c_slot = c_slot + 1
+        if c_slot == STAGES:
+            c_slot = Int32(0)
+        return l_k, l_step, l_slot, c_slot, x
+
+    @cute.jit
+    def _load_next(self, l_k, l_step, l_slot, n, steps, step_vectors, step_bytes, vectors,
+                   lane_offset, s_a: cute.Tensor, at, lane, lane_stage, stage_elems, mine,
+                   load_one):
+        """Start the loader's unit (row l_k of step l_step, into stage l_slot) if there is one,
+        commit its group (empty past the last unit), and return the next unit's counters."""
+        if l_step < steps:
+            src = cute.make_tensor(gmem_ptr(BFloat16, s_a[at + l_k] + lane_offset
+                                            + Int64(l_step * step_bytes), 16), mine)
+            t_src = load_one.partition_S(src)
+            cute.copy(load_one, t_src, load_one.partition_D(
+                cute.make_tensor((lane_stage + l_slot * stage_elems).align(16), mine)),
+                pred=self._lane_predicate(t_src, lane, vectors - l_step * step_vectors))
+        cute.arch.cp_async_commit_group()
+        l_k = l_k + 1
+        if l_k == n:
+            l_k = Int32(0)
+            l_step = l_step + 1
+        l_slot = l_slot + 1
+        if l_slot == STAGES:
+            l_slot = Int32(0)
+        return l_k, l_step, l_slot
+
+    @cute.jit
+    def _lane_predicate(self, t_part: cute.Tensor, lane, remaining):
+        """Per access of a lane's part of a row step (vector lane + WARP * v): inside the row's
+        `remaining` vectors."""
+        pred = cute.make_rmem_tensor(cute.make_layout(
+            (1, cute.size(t_part, mode=[1]), cute.size(t_part, mode=[2]))), cutlass.Boolean)
+        for v in cutlass.range_constexpr(cute.size(t_part, mode=[1])):
+            pred[0, v, 0] = lane + WARP * v < remaining
+        return pred
 
     @cute.jit
     def _send_rows(self, lane, peer, ring_offset, ring, item, ring_slots, channel, my_rank,
@@ -457,7 +552,7 @@ class EpCombine:
                  tiler, g_crd, steps, vectors, thr, row_copy: cute.TiledCopy, s_first: cute.Tensor,
                  s_items: cute.Tensor, s_mask: cute.Tensor, s_flag: cute.Tensor,
                  s_pos: cute.Tensor, s_ids: cute.Tensor, s_addr: cute.Tensor,
-                 s_hw: cute.Tensor, trace: cute.Pointer, tracing):
+                 s_hw: cute.Tensor, stages, trace: cute.Pointer, tracing):
         threads = WARP * RECV_WARPS
         waited = Int64(0)
         routing = Int64(0)
@@ -536,14 +631,13 @@ class EpCombine:
                 if t < t1 and weighted == AT_EXPERTS:
                     self._sum_token(lane, t, i, here, ring_offset, ring, ring_slots, channel,
                                     ranks, y, out, shared, shared_begin, shared_end,
-                                    layout, tiler, g_crd, steps, vectors, thr, row_copy, s_first,
-                                    s_mask, s_pos, s_addr, rw * (MAX_TOPK + 1))
+                                    steps, vectors, s_first, s_mask, s_pos, s_addr,
+                                    rw * (MAX_TOPK + 1), stages)
                 if t < t1 and weighted == AT_HOME:
                     self._weigh_token(lane, t, i, here, ring_offset, ring, ring_slots, channel,
                                       topk, experts, local_experts, skip_a2a, my_rank, out,
-                                      home_weights, layout, tiler, g_crd, steps, vectors, thr,
-                                      row_copy, topk_ids, s_first, s_pos, s_addr, s_hw,
-                                      rw * (MAX_TOPK + 1), rw * MAX_TOPK)
+                                      home_weights, steps, vectors, topk_ids, s_first, s_pos,
+                                      s_addr, s_hw, rw * (MAX_TOPK + 1), rw * MAX_TOPK, stages)
                 if t < t1 and weighted == UNREDUCED:
                     self._copy_token(lane, t, i, here, ring_offset, ring, ring_slots, channel,
                                      topk, experts, local_experts, skip_a2a, my_rank, out,
@@ -585,12 +679,11 @@ class EpCombine:
     @cute.jit
     def _sum_token(self, lane, t, i, here, ring_offset, ring, ring_slots, channel, ranks,
                    y: cute.Pointer, out: cute.Pointer, shared, shared_begin, shared_end,
-                   layout, tiler, g_crd, steps, vectors, thr, row_copy: cute.TiledCopy,
-                   s_first: cute.Tensor, s_mask: cute.Tensor, s_pos: cute.Tensor,
-                   s_addr: cute.Tensor, at):
+                   steps, vectors, s_first: cute.Tensor, s_mask: cute.Tensor,
+                   s_pos: cute.Tensor, s_addr: cute.Tensor, at, stages):
         """out[t] = bf16(sum, in fp32, of the shared expert's row and the row from every rank t
         went to, in that order): the rows that exist listed first (their addresses at
-        s_addr[at ..]), then summed SUM_ROWS rows' loads at a time."""
+        s_addr[at ..]), then summed (`_row_sum`)."""
         mask = s_mask[i]
         here_bit = Int32(0)
         addr = Int64(0)
@@ -607,8 +700,8 @@ class EpCombine:
         if here_bit != 0:
             s_addr[at + cute.arch.popc(rows_bits & ((Int32(1) << lane) - Int32(1)))] = addr
         cute.arch.sync_warp()
-        self._sum_listed(t, live, out, s_addr, at, s_addr, 0, False, layout, tiler, g_crd,
-                         steps, vectors, thr, row_copy)
+        self._row_sum(lane, live, s_addr, at, s_addr, 0, False,
+                      out.toint() + Int64(t) * Int64(vectors * 16), steps, vectors, stages)
 
     @cute.jit
     def _ring_row(self, base, ring_offset, ring, ring_slots, channel, rank, item):
@@ -616,42 +709,6 @@ class EpCombine:
         at `base` (its slot: the item modulo the ring's slots)."""
         return base + ring_offset + Int64(ring((0, Int32(item % Int64(ring_slots)), channel,
                                                 rank)))
-
-    @cute.jit
-    def _sum_listed(self, t, n, out: cute.Pointer, s_addr: cute.Tensor, at, s_hw: cute.Tensor,
-                    wat, weigh: cutlass.Constexpr, layout, tiler, g_crd, steps, vectors, thr,
-                    row_copy: cute.TiledCopy):
-        """out[t] = bf16(fp32 sum, in list order, of the n rows at s_addr[at ..], each times its
-        weight s_hw[wat ..] if `weigh`), SUM_ROWS rows' loads in flight at a time."""
-        dst = cute.zipped_divide(cute.make_tensor(
-            gmem_ptr(BFloat16, out.toint() + Int64(t) * Int64(vectors * 16), 16), layout), tiler)
-        for step in cutlass.range(steps):
-            crd = thr.partition_S(g_crd[((None, None), step)])
-            t_dst = thr.partition_D(dst[((None, None), step)])
-            acc = cute.make_fragment_like(t_dst, Float32)
-            acc.fill(0.0)
-            for k0 in cutlass.range(0, n, SUM_ROWS):
-                frags = []
-                for r in cutlass.range_constexpr(SUM_ROWS):
-                    src = cute.zipped_divide(cute.make_tensor(gmem_ptr(
-                        BFloat16, s_addr[at + cutlass.min(k0 + r, n - 1)], 16), layout),
-                        tiler)
-                    t_src = thr.partition_S(src[((None, None), step)])
-                    regs = cute.make_fragment_like(t_src)
-                    regs.fill(0.0)
-                    cute.copy(row_copy, t_src, regs,
-                              pred=row_predicate(crd, vectors * Int32(k0 + r < n)))
-                    frags.append(regs)
-                for r in cutlass.range_constexpr(SUM_ROWS):
-                    if cutlass.const_expr(weigh):
-                        wr = s_hw[wat + cutlass.min(k0 + r, n - 1)]
-                        acc.store(acc.load() + frags[r].load().to(Float32) * wr)
-                    else:
-                        acc.store(acc.load() + frags[r].load().to(Float32))
-            res = cute.make_fragment_like(t_dst)
-            res.store(acc.load().to(BFloat16))
-            cute.copy(row_copy, res, t_dst, pred=row_predicate(crd, vectors))
-        cute.arch.sync_warp()  # the next token reuses the list
 
     @cute.jit
     def _copy_token(self, lane, t, i, here, ring_offset, ring, ring_slots, channel, topk,
@@ -702,12 +759,12 @@ class EpCombine:
     @cute.jit
     def _weigh_token(self, lane, t, i, here, ring_offset, ring, ring_slots, channel, topk,
                      experts, local_experts, skip_a2a, my_rank, out: cute.Pointer,
-                     home_weights: cute.Pointer, layout, tiler, g_crd, steps, vectors, thr,
-                     row_copy: cute.TiledCopy, topk_ids: cute.Pointer, s_first: cute.Tensor,
-                     s_pos: cute.Tensor, s_addr: cute.Tensor, s_hw: cute.Tensor, at, wat):
+                     home_weights: cute.Pointer, steps, vectors, topk_ids: cute.Pointer,
+                     s_first: cute.Tensor, s_pos: cute.Tensor, s_addr: cute.Tensor,
+                     s_hw: cute.Tensor, at, wat, stages):
         """Weighted at home: out[t] = bf16(sum over t's live pairs k, in k order and fp32, of
         home_weights[t, k] * the row of (t, k)). Lane k < topk finds pair k's row and weight;
-        the live ones are listed first (s_addr, s_hw), then summed SUM_ROWS rows at a time."""
+        the live ones are listed first (s_addr, s_hw), then summed (`_row_sum`)."""
         ids = cute.make_tensor(topk_ids, cute.make_layout((t + 1) * topk))
         live = Int32(0)
         addr = Int64(0)
@@ -725,8 +782,8 @@ class EpCombine:
             s_addr[at + p] = addr
             s_hw[wat + p] = wk
         cute.arch.sync_warp()
-        self._sum_listed(t, n, out, s_addr, at, s_hw, wat, True, layout, tiler, g_crd, steps,
-                         vectors, thr, row_copy)
+        self._row_sum(lane, n, s_addr, at, s_hw, wat, True,
+                      out.toint() + Int64(t) * Int64(vectors * 16), steps, vectors, stages)
 
 
 def combine_kernels() -> list:
