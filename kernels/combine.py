@@ -217,19 +217,17 @@ class EpCombine:
                     channel + 1, COMBINE_TRACE_FIELDS)((tidx, channel))) * 8, 8), Int64(0))
         cute.arch.sync_threads()
 
+        # A row's steps, WARP * vectors 16-byte vectors each (both roles walk rows by them).
+        tiler = (WARP * self.vectors, ROW_VECTOR)
+        g_crd = cute.zipped_divide(cute.make_identity_tensor(layout.shape), tiler)
+        steps = cute.ceil_div(vectors, WARP * self.vectors)
         if warp < SEND_WARPS:
-            tiler = (WARP * self.vectors, ROW_VECTOR)
-            g_crd = cute.zipped_divide(cute.make_identity_tensor(layout.shape), tiler)
-            steps = cute.ceil_div(vectors, WARP * self.vectors)
             self._send(warp, lane, channel, peers, here, y, comb_rows, comb_weights, chan_msgs,
                        streams, error, max_tokens, topk, ranks, my_rank, weighted, channels,
                        ring_slots, chunk_tokens, ring_offset, counters_offset, counters, ring,
                        timeout_ns, layout, tiler, g_crd, steps, vectors, thr, row_copy,
                        s_rows, s_w, s_sa, stages, trace, tracing)
         else:
-            tiler = (WARP * self.vectors, ROW_VECTOR)
-            g_crd = cute.zipped_divide(cute.make_identity_tensor(layout.shape), tiler)
-            steps = cute.ceil_div(vectors, WARP * self.vectors)
             self._receive(warp - SEND_WARPS, lane, channel, peers, here, y, topk_ids, out,
                           home_weights, streams, error, num_tokens, topk, local_experts, ranks,
                           my_rank, weighted, skip_a2a, shared, shared_begin, shared_end, channels,
@@ -403,10 +401,8 @@ class EpCombine:
             acc.fill(0.0)
             res.store(acc.load().to(BFloat16))
             for step in cutlass.range(steps):
-                t_dst = store_one.partition_D(cute.make_tensor(
-                    gmem_ptr(BFloat16, dst_lane + Int64(step * step_bytes), 16), mine))
-                cute.copy(store_one, store_one.partition_S(res), t_dst,
-                          pred=self._lane_predicate(t_dst, lane, vectors - step * step_vectors))
+                self._store_step(res, dst_lane, step, lane, vectors, step_vectors, mine,
+                                 store_one)
         else:
             lane_offset = Int64(lane * 16)
             # The loader's next unit: row l_k of step l_step, into stage l_slot.
@@ -430,12 +426,20 @@ class EpCombine:
                         load_one)
                     self._accumulate(acc, x, s_wt, wat + k, weigh, False)
                 res.store(acc.load().to(BFloat16))
-                t_dst = store_one.partition_D(cute.make_tensor(
-                    gmem_ptr(BFloat16, dst_lane + Int64(step * step_bytes), 16), mine))
-                cute.copy(store_one, store_one.partition_S(res), t_dst,
-                          pred=self._lane_predicate(t_dst, lane, vectors - step * step_vectors))
+                self._store_step(res, dst_lane, step, lane, vectors, step_vectors, mine,
+                                 store_one)
             cute.arch.cp_async_wait_group(0)  # the loader's empty groups past the last unit
         cute.arch.sync_warp()  # the caller's next list reuses the addresses
+
+    @cute.jit
+    def _store_step(self, res: cute.Tensor, dst_lane, step, lane, vectors, step_vectors, mine,
+                    store_one):
+        """Store this lane's part `res` of step `step` of the row whose lane address is
+        `dst_lane`, vectors past the row's end left out."""
+        t_dst = store_one.partition_D(cute.make_tensor(
+            gmem_ptr(BFloat16, dst_lane + Int64(step * step_vectors * 16), 16), mine))
+        cute.copy(store_one, store_one.partition_S(res), t_dst,
+                  pred=self._lane_predicate(t_dst, lane, vectors - step * step_vectors))
 
     @cute.jit
     def _accumulate(self, acc: cute.Tensor, x: cute.Tensor, s_wt: cute.Tensor, wat,
