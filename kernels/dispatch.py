@@ -42,6 +42,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint8
 
+from kernels.bulk_copy import bulk_load, bulk_store
 from kernels.copy import row_predicate, row_tiled_copy
 from kernels.memory import (error_field, gmem_ptr, load_f32, load_i32, scale_offset, store_f32,
                             store_i32, trace_word)
@@ -68,6 +69,12 @@ BATCH = STAGE_BATCH_TOKENS  # tokens the sender warps route and stage together
 MAX_STAGE_BATCHES = 16  # a channel's staging ring, in batches
 SEND_VECTORS = 32  # 16-byte vectors per lane a sender warp loads before storing them
 MAX_CHUNK = 8  # messages a receiver warp takes at once (the ring's chunk_tokens at most)
+# A receiver warp pulls messages through its own ring of PIECES shared-memory pieces of PIECE
+# bytes (bulk loads from the source's staging, bulk stores to the rows), LAG pieces in flight
+# ahead of the stores.
+PIECE = 4096
+PIECES = 5
+LAG = PIECES - 2
 ROWS = MAX_TOPK + 1  # rows a message can land in: its K experts and the shared expert
 FP8_BLOCK = 128
 NVFP4_BLOCK = 16
@@ -77,7 +84,7 @@ FLAG_ROUND = 256  # a count flag holds epoch * FLAG_ROUND + the channels its sou
 IDS, WEIGHTS = METADATA_FIELDS.index("expert_ids"), METADATA_FIELDS.index("weights")
 LIMITS = {"max_ranks": MAX_RANKS, "max_topk": MAX_TOPK, "max_segments": MAX_SEGMENTS - 1,
           "max_experts": MAX_EXPERTS, "max_chunk": MAX_CHUNK,
-          "max_stage_batches": MAX_STAGE_BATCHES, "stage_batch": BATCH}
+          "max_stage_batches": MAX_STAGE_BATCHES, "stage_batch": BATCH, "piece_bytes": PIECE}
 # Per receiver warp: raw ids, local segment ids, source tokens, staging slots, rows and scale
 # rows of a chunk's messages.
 IDS_AT, SEGS_AT, TOKS_AT = 0, MAX_CHUNK * MAX_TOPK, 2 * MAX_CHUNK * MAX_TOPK
@@ -176,7 +183,8 @@ class EpDispatch:
                  + SEND_WARPS * MAX_RANKS + SEND_WARPS + 4)  # s_ball, s_done
         dwords = (3 * SEND_WARPS * MAX_RANKS + SEND_WARPS * len(SEND_TIMES)  # s_wpos..s_time
                   + SEND_WARPS * MAX_STAGE_BATCHES * MAX_RANKS)  # s_stage
-        return 4 * words + 8 * dwords + 16 * 16 + 128
+        pieces = RECV_WARPS * PIECES * (PIECE + 8 + 4)  # s_ring, s_full, s_piece
+        return 4 * words + 8 * dwords + 16 * 16 + 128 + pieces + 3 * 128
 
     def spec(self) -> KernelSpec:
         return KernelSpec(
@@ -353,6 +361,12 @@ class EpDispatch:
         s_stage = smem.allocate_tensor(
             Int64, cute.make_layout(SEND_WARPS * MAX_STAGE_BATCHES * MAX_RANKS),
             byte_alignment=16)
+        # Per receiver warp: PIECES pieces of messages, their mbarriers and what each holds.
+        s_ring = smem.allocate_tensor(Uint8, cute.make_layout(RECV_WARPS * PIECES * PIECE),
+                                      byte_alignment=128)
+        s_full = smem.allocate_array(Int64, RECV_WARPS * PIECES, byte_alignment=8)
+        s_piece = smem.allocate_tensor(Int32, cute.make_layout(RECV_WARPS * PIECES),
+                                       byte_alignment=16)
 
         if tidx == 0:
             _stamp(trace, tracing, channel, "start", cute.arch.globaltimer())
@@ -363,6 +377,10 @@ class EpDispatch:
                 _stamp(trace, tracing, channel, SEND_TIMES[f], 0)
         if tidx < SEND_WARPS:
             s_done[tidx] = Int32(0)
+        if tidx == 0:
+            for i in cutlass.range(RECV_WARPS * PIECES):
+                cute.arch.mbarrier_init(s_full + i, 1)
+            cute.arch.mbarrier_init_fence()
         peers = cute.make_tensor(peer_bases, cute.make_layout(ranks))
         here = peers[my_rank]
         epoch = cute.arch.load(rounds, Int64, sem="relaxed", scope="gpu") + 1
@@ -436,7 +454,8 @@ class EpDispatch:
                           ring_slots, chunk_tokens, ring_offset, staging_offset,
                           counts_offset, flags_offset, counters_offset, counters, counts_at,
                           flags_at, parity, epoch, timeout_ns, s_next, s_totals, s_off, s_tot,
-                          s_raw, s_first, s_src, s_rows, s_wts, warp_copy, trace, tracing)
+                          s_raw, s_first, s_src, s_rows, s_wts, s_ring, s_full, s_piece,
+                          warp_copy, trace, tracing)
 
         # The last CTA to finish advances the round.
         cute.arch.sync_threads()
@@ -690,6 +709,7 @@ class EpDispatch:
                  parity, epoch, timeout_ns, s_next: cute.Tensor, s_totals: cute.Tensor,
                  s_off: cute.Tensor, s_tot: cute.Tensor, s_raw: cute.Tensor, s_first: cute.Tensor,
                  s_src: cute.Tensor, s_rows: cute.Tensor, s_wts: cute.Tensor,
+                 s_ring: cute.Tensor, s_full: cute.Pointer, s_piece: cute.Tensor,
                  warp_copy: cute.TiledCopy, trace: cute.Pointer, tracing):
         """The receiver warps (thread rt of RECV_WARPS * 32)."""
         threads = self.recv_threads
@@ -817,7 +837,8 @@ class EpDispatch:
                          scales_offset, row_capacity, channels, ring_slots, chunk_tokens,
                          ring_offset, staging_offset, counters_offset,
                          counters, timeout_ns, s_next, s_off, s_first, s_src, s_rows, s_wts,
-                         rwarp, warp_copy, payload_bytes, blocks, scale_cols, rk, trace, tracing)
+                         s_ring, s_full, s_piece, rwarp, warp_copy, payload_bytes, blocks,
+                         scale_cols, rk, trace, tracing)
 
     @cute.jit
     def _count(self, here, counts_offset, counts_at, entry, c, s, parity):
@@ -857,7 +878,8 @@ class EpDispatch:
                 row_capacity, channels, ring_slots, chunk_tokens, ring_offset, staging_offset,
                 counters_offset, counters, timeout_ns, s_next: cute.Tensor, s_off: cute.Tensor,
                 s_first: cute.Tensor, s_src: cute.Tensor, s_scratch: cute.Tensor,
-                s_wts: cute.Tensor, rwarp, warp_copy: cute.TiledCopy, payload_bytes, blocks,
+                s_wts: cute.Tensor, s_ring: cute.Tensor, s_full: cute.Pointer,
+                s_piece: cute.Tensor, rwarp, warp_copy: cute.TiledCopy, payload_bytes, blocks,
                 scale_cols, rk, trace: cute.Pointer, tracing):
         """One warp of source s: s's messages of this channel, a chunk at a time: as many as
         have arrived, up to `chunk_tokens` (a source restages a slot only once its messages are
@@ -888,6 +910,22 @@ class EpDispatch:
         g_crd = cute.zipped_divide(cute.make_identity_tensor(layout.shape), tiler)
         thr = warp_copy.get_slice(lane)
         tiles = cute.ceil_div(payload_vectors, WARP * self.tile_vectors)
+        # Rows of 16-byte multiples move by bulk copies through the warp's pieces (the other
+        # NVFP4 widths through registers): payload pieces, then FP8 / NVFP4 scales in one more.
+        bulk = Int32(payload_bytes % 16 == 0)
+        payload_pieces = Int32((payload_bytes + PIECE - 1) // PIECE)
+        scale_bytes = Int32(0)
+        if cutlass.const_expr(self.fmt == "fp8"):
+            scale_bytes = blocks * 4
+        if cutlass.const_expr(self.fmt == "nvfp4"):
+            scale_bytes = rk * 4
+        scale_bytes = (scale_bytes + 15) // 16 * 16
+        pieces = payload_pieces + Int32(scale_bytes > 0)
+        pieces_at = s_ring.iterator + rwarp * PIECES * PIECE
+        full = s_full + rwarp * PIECES
+        held = rwarp * PIECES  # s_piece words: what each piece of the ring holds
+        issued = Int32(0)  # pieces loaded and stored by this warp, over the whole stream
+        drained = Int32(0)
         tail = consumed
         alive = Int32(1)
         waited = Int64(0)
@@ -983,31 +1021,52 @@ class EpDispatch:
                     self._record(lane, s, first_msg + j0, cnt, topk, max_tokens, src_info,
                                  comb_rows, comb_weights, comb_tokens, s_scratch, s_wts, scratch,
                                  wts)
-                for m in cutlass.range(sub, cnt, per_source):
-                    msg = staging + Int64(stage((0, s_scratch[scratch + STAGE_AT + m], channel)))
-                    rows_at = scratch + ROWS_AT + m * ROWS
-                    g_src = cute.zipped_divide(cute.make_tensor(gmem_ptr(Uint8, msg, 16), layout),
-                                               tiler)
-                    for tile in cutlass.range(tiles):
-                        pred = row_predicate(thr.partition_S(g_crd[((None, None), tile)]),
-                                             payload_vectors)
-                        t_src = thr.partition_S(g_src[((None, None), tile)])
-                        regs = cute.make_fragment_like(t_src)
-                        cute.copy(warp_copy, t_src, regs, pred=pred)
-                        for k in cutlass.range(topk + 1):
-                            r = s_scratch[rows_at + k]
-                            if r >= 0:
-                                g_dst = cute.zipped_divide(cute.make_tensor(gmem_ptr(
-                                    Uint8, tokens.toint() + Int64(r) * payload_bytes, vec),
-                                    layout), tiler)
-                                cute.copy(warp_copy, regs,
-                                          thr.partition_D(g_dst[((None, None), tile)]),
-                                          pred=row_predicate(
-                                              thr.partition_S(g_crd[((None, None), tile)]),
-                                              payload_vectors))
-                    self._scales(lane, msg, scales, scales_offset, row_capacity, topk, blocks,
-                                 scale_cols, rk, s_scratch, rows_at,
-                                 scratch + SROWS_AT + m * ROWS)
+                if bulk != 0:
+                    # Every piece of this warp's messages of the chunk through the warp's ring;
+                    # all of them have landed (and their row stores are issued) on return.
+                    if lane == 0:
+                        cute.arch.fence_proxy("async.global")  # the tail's acquire, then bulk
+                    for m in cutlass.range(sub, cnt, per_source):
+                        msg = staging + Int64(stage((0, s_scratch[scratch + STAGE_AT + m],
+                                                     channel)))
+                        for p in cutlass.range(pieces):
+                            issued, drained = self._pull_piece(
+                                lane, msg, m, p, issued, drained, payload_pieces, payload_bytes,
+                                scale_bytes, scales_offset, pieces_at, full, s_piece, held, tokens,
+                                scales, row_capacity, topk, blocks, scale_cols, rk, s_scratch,
+                                scratch)
+                    while drained < issued:
+                        drained = self._store_piece(lane, drained, payload_pieces, payload_bytes,
+                                                    pieces_at, full, s_piece, held, tokens,
+                                                    scales, row_capacity, topk, blocks,
+                                                    scale_cols, rk, s_scratch, scratch)
+                else:
+                    for m in cutlass.range(sub, cnt, per_source):
+                        msg = staging + Int64(stage((0, s_scratch[scratch + STAGE_AT + m],
+                                                     channel)))
+                        rows_at = scratch + ROWS_AT + m * ROWS
+                        g_src = cute.zipped_divide(cute.make_tensor(gmem_ptr(Uint8, msg, 16),
+                                                                    layout), tiler)
+                        for tile in cutlass.range(tiles):
+                            pred = row_predicate(thr.partition_S(g_crd[((None, None), tile)]),
+                                                 payload_vectors)
+                            t_src = thr.partition_S(g_src[((None, None), tile)])
+                            regs = cute.make_fragment_like(t_src)
+                            cute.copy(warp_copy, t_src, regs, pred=pred)
+                            for k in cutlass.range(topk + 1):
+                                r = s_scratch[rows_at + k]
+                                if r >= 0:
+                                    g_dst = cute.zipped_divide(cute.make_tensor(gmem_ptr(
+                                        Uint8, tokens.toint() + Int64(r) * payload_bytes, vec),
+                                        layout), tiler)
+                                    cute.copy(warp_copy, regs,
+                                              thr.partition_D(g_dst[((None, None), tile)]),
+                                              pred=row_predicate(
+                                                  thr.partition_S(g_crd[((None, None), tile)]),
+                                                  payload_vectors))
+                        self._scales(lane, gmem_ptr(Uint8, msg + Int64(scales_offset), 16),
+                                     scales, row_capacity, topk, blocks, scale_cols, rk,
+                                     s_scratch, rows_at, scratch + SROWS_AT + m * ROWS)
                 # Credit back to the source once every warp of s is done with the chunk.
                 # Relaxed: every load from the chunk's descriptors and staged messages has
                 # returned (its value is already in shared memory or stored to a row), so the
@@ -1018,10 +1077,73 @@ class EpDispatch:
                     cute.arch.store(gmem_ptr(Int64, head_word, 8), p0 + Int64(cnt),
                                     sem="relaxed", scope="sys")
                 j0 = j0 + cnt
+        if lane == 0:
+            cute.arch.cp_async_bulk_wait_group(0)  # the rows are written before the CTA ends
         if sub == 0 and lane == 0:
             cute.arch.store(gmem_ptr(Int64, streams.toint() + Int64(
                 counters((channel, s, HEADS, DISPATCH))) * 8, 8), consumed + Int64(n))
             _stamp_max(trace, tracing, channel, "recv_wait_ns", waited)
+
+    @cute.jit
+    def _pull_piece(self, lane, msg, m, p, issued, drained, payload_pieces, payload_bytes,
+                    scale_bytes, scales_offset, ring: cute.Pointer, full: cute.Pointer,
+                    s_piece: cute.Tensor, held, tokens: cute.Pointer, scales: cute.Pointer,
+                    row_capacity, topk, blocks, scale_cols, rk, s_scratch: cute.Tensor, scratch):
+        """Bulk-load piece p of message m of the chunk (staged at `msg`) into the warp's next
+        piece of shared memory once the stores that read it last are done reading it; then
+        store the oldest piece if LAG pieces are in flight. Returns (issued, drained)."""
+        at = issued % PIECES
+        offset = Int64(p) * PIECE
+        nbytes = cutlass.min(Int32(PIECE), Int32(payload_bytes - offset))
+        if p >= payload_pieces:
+            offset = Int64(scales_offset)
+            nbytes = scale_bytes
+        if lane == 0:
+            # Piece issued - PIECES last held this one: its store group is complete up to the
+            # LAG - 1 newest (the pieces drained since it).
+            cute.arch.cp_async_bulk_wait_group(PIECES - 1 - LAG, read=True)
+            cute.arch.mbarrier_arrive_and_expect_tx(full + at, nbytes)
+            bulk_load(ring + at * PIECE, msg + offset, nbytes, full + at)
+        s_piece[held + at] = m * 64 + p  # (message of the chunk, piece): every lane writes it
+        issued = issued + 1
+        if issued - drained > LAG:
+            drained = self._store_piece(lane, drained, payload_pieces, payload_bytes, ring, full,
+                                        s_piece, held, tokens, scales, row_capacity, topk,
+                                        blocks, scale_cols, rk, s_scratch, scratch)
+        return issued, drained
+
+    @cute.jit
+    def _store_piece(self, lane, drained, payload_pieces, payload_bytes, ring: cute.Pointer,
+                     full: cute.Pointer, s_piece: cute.Tensor, held, tokens: cute.Pointer,
+                     scales: cute.Pointer, row_capacity, topk, blocks, scale_cols, rk,
+                     s_scratch: cute.Tensor, scratch):
+        """Wait for the warp's oldest piece in flight to land and store it: a payload piece to
+        every row of its message (bulk stores, one async group a piece), the scale piece by
+        every lane to the rows' scales. Returns drained + 1."""
+        at = drained % PIECES
+        cute.arch.mbarrier_wait(full + at, (drained // PIECES) % 2)
+        what = s_piece[held + at]
+        m = what // 64
+        p = what - m * 64
+        rows_at = scratch + ROWS_AT + m * ROWS
+        if p < payload_pieces:
+            if lane == 0:
+                offset = Int64(p) * PIECE
+                nbytes = cutlass.min(Int32(PIECE), Int32(payload_bytes - offset))
+                for k in cutlass.range(topk + 1):
+                    r = s_scratch[rows_at + k]
+                    if r >= 0:
+                        bulk_store(tokens.toint() + Int64(r) * payload_bytes + offset,
+                                   ring + at * PIECE, nbytes)
+        else:
+            self._scales(lane, ring + at * PIECE, scales, row_capacity, topk, blocks, scale_cols,
+                         rk, s_scratch, rows_at, scratch + SROWS_AT + m * ROWS)
+            # Every lane's reads of the piece are done before a bulk load refills it.
+            cute.arch.fence_view_async_shared()
+            cute.arch.sync_warp()
+        if lane == 0:
+            cute.arch.cp_async_bulk_commit_group()
+        return drained + 1
 
     @cute.jit
     def _record(self, lane, s, first, cnt, topk, max_tokens, src_info: cute.Pointer,
@@ -1051,13 +1173,13 @@ class EpDispatch:
                 store_i32(src_info.toint() + Int64(r) * 8 + 4, slot)
 
     @cute.jit
-    def _scales(self, lane, msg, scales: cute.Pointer, scales_offset, row_capacity, topk,
+    def _scales(self, lane, src: cute.Pointer, scales: cute.Pointer, row_capacity, topk,
                 blocks, scale_cols, rk, s_scratch: cute.Tensor, rows_at, srows_at):
-        """A message's scales into every row it filled: each lane loads its scales once, then
-        stores them to every row (fp8: transposed [H / 128, rows]; nvfp4: 128x4 words)."""
+        """A message's scales (at `src`: the staged message's scales or a piece in shared
+        memory) into every row it filled: each lane loads its scales once, then stores them to
+        every row (fp8: transposed [H / 128, rows]; nvfp4: 128x4 words)."""
         if cutlass.const_expr(self.fmt == "fp8"):
-            sc = cute.make_tensor(gmem_ptr(Float32, msg + Int64(scales_offset), 16),
-                                  cute.make_layout(blocks))
+            sc = cute.make_tensor(cute.recast_ptr(src, dtype=Float32), cute.make_layout(blocks))
             for b in cutlass.range(lane, blocks, WARP):
                 v = sc[b]
                 for k in cutlass.range(topk + 1):
@@ -1066,8 +1188,7 @@ class EpDispatch:
                         store_f32(scales.toint() + (Int64(b) * Int64(row_capacity) + Int64(r)) * 4,
                                   v)
         if cutlass.const_expr(self.fmt == "nvfp4"):
-            sw = cute.make_tensor(gmem_ptr(Int32, msg + Int64(scales_offset), 16),
-                                  cute.make_layout(rk))
+            sw = cute.make_tensor(cute.recast_ptr(src, dtype=Int32), cute.make_layout(rk))
             for c in cutlass.range(lane, rk, WARP):
                 word = sw[c]
                 valid = scale_cols - c * 4
