@@ -56,7 +56,7 @@ from layouts.channels import (DISPATCH, HEADS, SEND_TIMES, STAGE_BATCH_TOKENS, T
 from layouts.config import FP8_ROW_ALIGN
 from layouts.formats import (DESCRIPTOR_META, DESCRIPTOR_STAGE, DESCRIPTOR_TOKEN,
                              METADATA_FIELDS, metadata_layout)
-from layouts.scales import ATOM_BYTES, ATOM_ROWS
+from layouts.scales import ATOM_ROWS
 
 WARP = 32
 MAX_RANKS = 8
@@ -69,9 +69,10 @@ BATCH = STAGE_BATCH_TOKENS  # tokens the sender warps route and stage together
 MAX_STAGE_BATCHES = 16  # a channel's staging ring, in batches
 SEND_VECTORS = 32  # 16-byte vectors per lane a sender warp loads before storing them
 MAX_CHUNK = 8  # messages a receiver warp takes at once (the ring's chunk_tokens at most)
-# A receiver warp pulls messages through its own ring of PIECES shared-memory pieces of PIECE
-# bytes (bulk loads from the source's staging, bulk stores to the rows), LAG pieces in flight
-# ahead of the stores.
+# BF16: a receiver warp pulls messages through its own ring of PIECES shared-memory pieces of
+# PIECE bytes (bulk loads from the source's staging, bulk stores to the rows), LAG pieces in
+# flight ahead of the stores. (FP8 and NVFP4 messages, a half and a quarter as large with
+# scales that go to scattered words, move through registers: their bulk pulls measured slower.)
 PIECE = 4096
 PIECES = 5
 LAG = PIECES - 2
@@ -84,7 +85,7 @@ FLAG_ROUND = 256  # a count flag holds epoch * FLAG_ROUND + the channels its sou
 IDS, WEIGHTS = METADATA_FIELDS.index("expert_ids"), METADATA_FIELDS.index("weights")
 LIMITS = {"max_ranks": MAX_RANKS, "max_topk": MAX_TOPK, "max_segments": MAX_SEGMENTS - 1,
           "max_experts": MAX_EXPERTS, "max_chunk": MAX_CHUNK,
-          "max_stage_batches": MAX_STAGE_BATCHES, "stage_batch": BATCH, "piece_bytes": PIECE}
+          "max_stage_batches": MAX_STAGE_BATCHES, "stage_batch": BATCH}
 # Per receiver warp: raw ids, local segment ids, source tokens, staging slots, rows and scale
 # rows of a chunk's messages.
 IDS_AT, SEGS_AT, TOKS_AT = 0, MAX_CHUNK * MAX_TOPK, 2 * MAX_CHUNK * MAX_TOPK
@@ -183,8 +184,17 @@ class EpDispatch:
                  + SEND_WARPS * MAX_RANKS + SEND_WARPS + 4)  # s_ball, s_done
         dwords = (3 * SEND_WARPS * MAX_RANKS + SEND_WARPS * len(SEND_TIMES)  # s_wpos..s_time
                   + SEND_WARPS * MAX_STAGE_BATCHES * MAX_RANKS)  # s_stage
-        pieces = RECV_WARPS * PIECES * (PIECE + 8 + 4)  # s_ring, s_full, s_piece
-        return 4 * words + 8 * dwords + 16 * 16 + 128 + pieces + 3 * 128
+        return 4 * words + 8 * dwords + 16 * 16 + 128 + self.ring_bytes
+
+    @property
+    def bulk(self) -> bool:
+        """Whether receivers pull payloads by bulk copies (BF16) or through registers."""
+        return self.fmt == "bf16"
+
+    @property
+    def ring_bytes(self) -> int:
+        """Shared memory of the receiver warps' pieces, their mbarriers and what each holds."""
+        return RECV_WARPS * PIECES * (PIECE + 8 + 4) + 3 * 128 if self.bulk else 0
 
     def spec(self) -> KernelSpec:
         return KernelSpec(
@@ -362,11 +372,11 @@ class EpDispatch:
             Int64, cute.make_layout(SEND_WARPS * MAX_STAGE_BATCHES * MAX_RANKS),
             byte_alignment=16)
         # Per receiver warp: PIECES pieces of messages, their mbarriers and what each holds.
-        s_ring = smem.allocate_tensor(Uint8, cute.make_layout(RECV_WARPS * PIECES * PIECE),
+        pieces = RECV_WARPS * PIECES if self.bulk else 1
+        s_ring = smem.allocate_tensor(Uint8, cute.make_layout(pieces * PIECE if self.bulk else 16),
                                       byte_alignment=128)
-        s_full = smem.allocate_array(Int64, RECV_WARPS * PIECES, byte_alignment=8)
-        s_piece = smem.allocate_tensor(Int32, cute.make_layout(RECV_WARPS * PIECES),
-                                       byte_alignment=16)
+        s_full = smem.allocate_array(Int64, pieces, byte_alignment=8)
+        s_piece = smem.allocate_tensor(Int32, cute.make_layout(pieces), byte_alignment=16)
 
         if tidx == 0:
             _stamp(trace, tracing, channel, "start", cute.arch.globaltimer())
@@ -377,10 +387,11 @@ class EpDispatch:
                 _stamp(trace, tracing, channel, SEND_TIMES[f], 0)
         if tidx < SEND_WARPS:
             s_done[tidx] = Int32(0)
-        if tidx == 0:
-            for i in cutlass.range(RECV_WARPS * PIECES):
-                cute.arch.mbarrier_init(s_full + i, 1)
-            cute.arch.mbarrier_init_fence()
+        if cutlass.const_expr(self.bulk):
+            if tidx == 0:
+                for i in cutlass.range(RECV_WARPS * PIECES):
+                    cute.arch.mbarrier_init(s_full + i, 1)
+                cute.arch.mbarrier_init_fence()
         peers = cute.make_tensor(peer_bases, cute.make_layout(ranks))
         here = peers[my_rank]
         epoch = cute.arch.load(rounds, Int64, sem="relaxed", scope="gpu") + 1
@@ -804,14 +815,15 @@ class EpDispatch:
         blocks = payload_vectors * self.vector_bytes // FP8_BLOCK
         scale_cols = payload_vectors * self.vector_bytes * 2 // NVFP4_BLOCK
         rk = (scale_cols + 3) // 4
+        # Padding: the receiver warps of every channel take a segment each in turn.
         if cutlass.const_expr(self.row_align > 1):
             if segment_rows == 0:  # slabs leave the rows past a segment's count undefined
-                self._zero_row_padding(channel * threads + rt, active * threads, tokens,
-                                       scales, src_info, s_off, s_raw, segments,
+                self._zero_row_padding(channel * RECV_WARPS + rwarp, active * RECV_WARPS, lane,
+                                       tokens, scales, src_info, s_off, s_raw, segments,
                                        payload_bytes, blocks, row_capacity)
         if cutlass.const_expr(self.fmt == "nvfp4"):
-            self._zero_scale_padding(channel * threads + rt, active * threads, scales, s_raw,
-                                     s_first, segments, rk)
+            self._zero_scale_padding(channel * RECV_WARPS + rwarp, active * RECV_WARPS, lane,
+                                     scales, s_raw, s_first, segments, rk)
 
         # 3b. The messages of source s (warps rwarp = s, s + ranks, ... share them: each copies
         # its share of every payload, the first of them does the rest).
@@ -910,17 +922,11 @@ class EpDispatch:
         g_crd = cute.zipped_divide(cute.make_identity_tensor(layout.shape), tiler)
         thr = warp_copy.get_slice(lane)
         tiles = cute.ceil_div(payload_vectors, WARP * self.tile_vectors)
-        # Rows of 16-byte multiples move by bulk copies through the warp's pieces (the other
-        # NVFP4 widths through registers): payload pieces, then FP8 / NVFP4 scales in one more.
-        bulk = Int32(payload_bytes % 16 == 0)
-        payload_pieces = Int32((payload_bytes + PIECE - 1) // PIECE)
-        scale_bytes = Int32(0)
-        if cutlass.const_expr(self.fmt == "fp8"):
-            scale_bytes = blocks * 4
-        if cutlass.const_expr(self.fmt == "nvfp4"):
-            scale_bytes = rk * 4
-        scale_bytes = (scale_bytes + 15) // 16 * 16
-        pieces = payload_pieces + Int32(scale_bytes > 0)
+        # BF16 rows of 16-byte multiples move by bulk copies through the warp's pieces.
+        bulk = Int32(0)
+        if cutlass.const_expr(self.bulk):
+            bulk = Int32(payload_bytes % 16 == 0)
+        pieces = Int32((payload_bytes + PIECE - 1) // PIECE)
         pieces_at = s_ring.iterator + rwarp * PIECES * PIECE
         full = s_full + rwarp * PIECES
         held = rwarp * PIECES  # s_piece words: what each piece of the ring holds
@@ -1031,15 +1037,12 @@ class EpDispatch:
                                                      channel)))
                         for p in cutlass.range(pieces):
                             issued, drained = self._pull_piece(
-                                lane, msg, m, p, issued, drained, payload_pieces, payload_bytes,
-                                scale_bytes, scales_offset, pieces_at, full, s_piece, held, tokens,
-                                scales, row_capacity, topk, blocks, scale_cols, rk, s_scratch,
-                                scratch)
+                                lane, msg, m, p, issued, drained, payload_bytes, pieces_at, full,
+                                s_piece, held, tokens, topk, s_scratch, scratch)
                     while drained < issued:
-                        drained = self._store_piece(lane, drained, payload_pieces, payload_bytes,
-                                                    pieces_at, full, s_piece, held, tokens,
-                                                    scales, row_capacity, topk, blocks,
-                                                    scale_cols, rk, s_scratch, scratch)
+                        drained = self._store_piece(lane, drained, payload_bytes, pieces_at,
+                                                    full, s_piece, held, tokens, topk, s_scratch,
+                                                    scratch)
                 else:
                     for m in cutlass.range(sub, cnt, per_source):
                         msg = staging + Int64(stage((0, s_scratch[scratch + STAGE_AT + m],
@@ -1064,9 +1067,9 @@ class EpDispatch:
                                               pred=row_predicate(
                                                   thr.partition_S(g_crd[((None, None), tile)]),
                                                   payload_vectors))
-                        self._scales(lane, gmem_ptr(Uint8, msg + Int64(scales_offset), 16),
-                                     scales, row_capacity, topk, blocks, scale_cols, rk,
-                                     s_scratch, rows_at, scratch + SROWS_AT + m * ROWS)
+                        self._scales(lane, msg, scales, scales_offset, row_capacity, topk,
+                                     blocks, scale_cols, rk, s_scratch, rows_at,
+                                     scratch + SROWS_AT + m * ROWS)
                 # Credit back to the source once every warp of s is done with the chunk.
                 # Relaxed: every load from the chunk's descriptors and staged messages has
                 # returned (its value is already in shared memory or stored to a row), so the
@@ -1077,71 +1080,56 @@ class EpDispatch:
                     cute.arch.store(gmem_ptr(Int64, head_word, 8), p0 + Int64(cnt),
                                     sem="relaxed", scope="sys")
                 j0 = j0 + cnt
-        if lane == 0:
-            cute.arch.cp_async_bulk_wait_group(0)  # the rows are written before the CTA ends
+        if cutlass.const_expr(self.bulk):
+            if lane == 0:
+                cute.arch.cp_async_bulk_wait_group(0)  # the rows are written before the CTA ends
         if sub == 0 and lane == 0:
             cute.arch.store(gmem_ptr(Int64, streams.toint() + Int64(
                 counters((channel, s, HEADS, DISPATCH))) * 8, 8), consumed + Int64(n))
             _stamp_max(trace, tracing, channel, "recv_wait_ns", waited)
 
     @cute.jit
-    def _pull_piece(self, lane, msg, m, p, issued, drained, payload_pieces, payload_bytes,
-                    scale_bytes, scales_offset, ring: cute.Pointer, full: cute.Pointer,
-                    s_piece: cute.Tensor, held, tokens: cute.Pointer, scales: cute.Pointer,
-                    row_capacity, topk, blocks, scale_cols, rk, s_scratch: cute.Tensor, scratch):
+    def _pull_piece(self, lane, msg, m, p, issued, drained, payload_bytes, ring: cute.Pointer,
+                    full: cute.Pointer, s_piece: cute.Tensor, held, tokens: cute.Pointer, topk,
+                    s_scratch: cute.Tensor, scratch):
         """Bulk-load piece p of message m of the chunk (staged at `msg`) into the warp's next
         piece of shared memory once the stores that read it last are done reading it; then
         store the oldest piece if LAG pieces are in flight. Returns (issued, drained)."""
         at = issued % PIECES
         offset = Int64(p) * PIECE
-        nbytes = cutlass.min(Int32(PIECE), Int32(payload_bytes - offset))
-        if p >= payload_pieces:
-            offset = Int64(scales_offset)
-            nbytes = scale_bytes
+        nbytes = cutlass.min(Int32(PIECE), Int32(Int64(payload_bytes) - offset))
         if lane == 0:
-            # Piece issued - PIECES last held this one: its store group is complete up to the
-            # LAG - 1 newest (the pieces drained since it).
+            # Piece `issued - PIECES` last held this one; of the store groups committed since
+            # (one per piece drained), at most PIECES - 1 - LAG are newer than its own.
             cute.arch.cp_async_bulk_wait_group(PIECES - 1 - LAG, read=True)
             cute.arch.mbarrier_arrive_and_expect_tx(full + at, nbytes)
             bulk_load(ring + at * PIECE, msg + offset, nbytes, full + at)
         s_piece[held + at] = m * 64 + p  # (message of the chunk, piece): every lane writes it
         issued = issued + 1
         if issued - drained > LAG:
-            drained = self._store_piece(lane, drained, payload_pieces, payload_bytes, ring, full,
-                                        s_piece, held, tokens, scales, row_capacity, topk,
-                                        blocks, scale_cols, rk, s_scratch, scratch)
+            drained = self._store_piece(lane, drained, payload_bytes, ring, full, s_piece, held,
+                                        tokens, topk, s_scratch, scratch)
         return issued, drained
 
     @cute.jit
-    def _store_piece(self, lane, drained, payload_pieces, payload_bytes, ring: cute.Pointer,
-                     full: cute.Pointer, s_piece: cute.Tensor, held, tokens: cute.Pointer,
-                     scales: cute.Pointer, row_capacity, topk, blocks, scale_cols, rk,
+    def _store_piece(self, lane, drained, payload_bytes, ring: cute.Pointer, full: cute.Pointer,
+                     s_piece: cute.Tensor, held, tokens: cute.Pointer, topk,
                      s_scratch: cute.Tensor, scratch):
-        """Wait for the warp's oldest piece in flight to land and store it: a payload piece to
-        every row of its message (bulk stores, one async group a piece), the scale piece by
-        every lane to the rows' scales. Returns drained + 1."""
+        """Wait for the warp's oldest piece in flight to land and bulk-store it to every row of
+        its message (one async group a piece). Returns drained + 1."""
         at = drained % PIECES
         cute.arch.mbarrier_wait(full + at, (drained // PIECES) % 2)
         what = s_piece[held + at]
         m = what // 64
-        p = what - m * 64
         rows_at = scratch + ROWS_AT + m * ROWS
-        if p < payload_pieces:
-            if lane == 0:
-                offset = Int64(p) * PIECE
-                nbytes = cutlass.min(Int32(PIECE), Int32(payload_bytes - offset))
-                for k in cutlass.range(topk + 1):
-                    r = s_scratch[rows_at + k]
-                    if r >= 0:
-                        bulk_store(tokens.toint() + Int64(r) * payload_bytes + offset,
-                                   ring + at * PIECE, nbytes)
-        else:
-            self._scales(lane, ring + at * PIECE, scales, row_capacity, topk, blocks, scale_cols,
-                         rk, s_scratch, rows_at, scratch + SROWS_AT + m * ROWS)
-            # Every lane's reads of the piece are done before a bulk load refills it.
-            cute.arch.fence_view_async_shared()
-            cute.arch.sync_warp()
         if lane == 0:
+            offset = Int64(what - m * 64) * PIECE
+            nbytes = cutlass.min(Int32(PIECE), Int32(Int64(payload_bytes) - offset))
+            for k in cutlass.range(topk + 1):
+                r = s_scratch[rows_at + k]
+                if r >= 0:
+                    bulk_store(tokens.toint() + Int64(r) * payload_bytes + offset,
+                               ring + at * PIECE, nbytes)
             cute.arch.cp_async_bulk_commit_group()
         return drained + 1
 
@@ -1173,13 +1161,13 @@ class EpDispatch:
                 store_i32(src_info.toint() + Int64(r) * 8 + 4, slot)
 
     @cute.jit
-    def _scales(self, lane, src: cute.Pointer, scales: cute.Pointer, row_capacity, topk,
+    def _scales(self, lane, msg, scales: cute.Pointer, scales_offset, row_capacity, topk,
                 blocks, scale_cols, rk, s_scratch: cute.Tensor, rows_at, srows_at):
-        """A message's scales (at `src`: the staged message's scales or a piece in shared
-        memory) into every row it filled: each lane loads its scales once, then stores them to
-        every row (fp8: transposed [H / 128, rows]; nvfp4: 128x4 words)."""
+        """A message's scales into every row it filled: each lane loads its scales once, then
+        stores them to every row (fp8: transposed [H / 128, rows]; nvfp4: 128x4 words)."""
         if cutlass.const_expr(self.fmt == "fp8"):
-            sc = cute.make_tensor(cute.recast_ptr(src, dtype=Float32), cute.make_layout(blocks))
+            sc = cute.make_tensor(gmem_ptr(Float32, msg + Int64(scales_offset), 16),
+                                  cute.make_layout(blocks))
             for b in cutlass.range(lane, blocks, WARP):
                 v = sc[b]
                 for k in cutlass.range(topk + 1):
@@ -1188,7 +1176,8 @@ class EpDispatch:
                         store_f32(scales.toint() + (Int64(b) * Int64(row_capacity) + Int64(r)) * 4,
                                   v)
         if cutlass.const_expr(self.fmt == "nvfp4"):
-            sw = cute.make_tensor(cute.recast_ptr(src, dtype=Int32), cute.make_layout(rk))
+            sw = cute.make_tensor(gmem_ptr(Int32, msg + Int64(scales_offset), 16),
+                                  cute.make_layout(rk))
             for c in cutlass.range(lane, rk, WARP):
                 word = sw[c]
                 valid = scale_cols - c * 4
@@ -1200,39 +1189,43 @@ class EpDispatch:
                                   + scale_offset(s_scratch[srows_at + k], c * 4, rk), word)
 
     @cute.jit
-    def _zero_row_padding(self, first, stride, tokens: cute.Pointer, scales: cute.Pointer,
-                          src_info: cute.Pointer, s_off: cute.Tensor, s_raw: cute.Tensor,
-                          segments, payload_bytes, blocks, row_capacity):
+    def _zero_row_padding(self, warp_id, warps, lane, tokens: cute.Pointer,
+                          scales: cute.Pointer, src_info: cute.Pointer, s_off: cute.Tensor,
+                          s_raw: cute.Tensor, segments, payload_bytes, blocks, row_capacity):
         """FP8: zero the alignment rows after each segment's rows (payload words, their scales,
-        src_info -1), the receiver threads of every channel striding over them."""
+        src_info -1): warp `warp_id` of `warps` (every channel's receivers) takes segments
+        warp_id, warp_id + warps, ..., its lanes the segment's padding words."""
         words = Int32(payload_bytes // 4)
-        for g in cutlass.range(segments):
+        for g in cutlass.range(warp_id, segments, warps):
             pad_begin = s_off[g] + s_raw[g]
             pad_rows = s_off[g + 1] - pad_begin
-            for i in cutlass.range(first, pad_rows * words, stride):
+            for i in cutlass.range(lane, pad_rows * words, WARP):
                 store_i32(tokens.toint() + Int64(pad_begin) * payload_bytes + Int64(i) * 4,
-                           Int32(0))
-            for i in cutlass.range(first, pad_rows * blocks, stride):
+                          Int32(0))
+            for i in cutlass.range(lane, pad_rows * blocks, WARP):
                 r = pad_begin + i // blocks
                 store_f32(scales.toint()
-                           + (Int64(i % blocks) * Int64(row_capacity) + Int64(r)) * 4,
-                           Float32(0.0))
-            for i in cutlass.range(first, pad_rows * 2, stride):
+                          + (Int64(i % blocks) * Int64(row_capacity) + Int64(r)) * 4,
+                          Float32(0.0))
+            for i in cutlass.range(lane, pad_rows * 2, WARP):
                 store_i32(src_info.toint() + Int64(pad_begin) * 8 + Int64(i) * 4, Int32(-1))
 
     @cute.jit
-    def _zero_scale_padding(self, first, stride, scales: cute.Pointer, s_raw: cute.Tensor,
-                            s_first: cute.Tensor, segments, rk):
+    def _zero_scale_padding(self, warp_id, warps, lane, scales: cute.Pointer,
+                            s_raw: cute.Tensor, s_first: cute.Tensor, segments, rk):
         """NVFP4: zero the scale words of the rows past each segment's count in its last
-        128-row block (word w of an atom holds row w / 4 + 32 (w % 4))."""
-        for g in cutlass.range(segments):
+        128-row block, only those: warp `warp_id` of `warps` takes segments warp_id,
+        warp_id + warps, ..., its lanes the (atom, row) words of the padded rows."""
+        for g in cutlass.range(warp_id, segments, warps):
             used = s_raw[g] - (s_first[g + 1] - s_first[g] - 1) * ATOM_ROWS
             if s_raw[g] > 0 and used < ATOM_ROWS:
-                base = scales.toint() + Int64(s_first[g + 1] - 1) * Int64(rk) * ATOM_BYTES
-                for i in cutlass.range(first, rk * (ATOM_BYTES // 4), stride):
-                    w = i % (ATOM_BYTES // 4)
-                    if w // 4 + 32 * (w % 4) >= used:
-                        store_i32(base + Int64(i) * 4, Int32(0))
+                block_row = (s_first[g + 1] - 1) * ATOM_ROWS
+                pad = ATOM_ROWS - used
+                for i in cutlass.range(lane, rk * pad, WARP):
+                    atom = i // pad
+                    store_i32(scales.toint()
+                              + scale_offset(block_row + used + i - atom * pad, atom * 4, rk),
+                              Int32(0))
 
 
 def dispatch_kernels() -> list:
