@@ -30,8 +30,10 @@ has SEND_WARPS sender warps and RECV_WARPS receiver warps, and runs three parts:
    message's rows are the next free row of each of its local experts (and of the shared expert
    for this rank's own tokens), so rows follow source-token order without any plan on the
    sender. The payload is loaded once from the source's staging (over NVLink) and stored to
-   every row; scales go to the output's layout; the rows, weights and source token are recorded
-   for combine. Credit returns to the source after every chunk.
+   every row: BF16 by bulk copies (`cp.async.bulk`) through PIECES pieces of shared memory per
+   warp, each piece bulk-stored to every row as it lands; FP8 and NVFP4 through registers.
+   Scales go to the output's layout; the rows, weights and source token are recorded for
+   combine. Credit returns to the source after every chunk, once its messages have landed.
 
 Every wait is bounded by `timeout_ns` of `%globaltimer`: the missing rank and the phase go to the
 error record and the CTA stops waiting (its outputs are then partial, never out of bounds). The
@@ -922,10 +924,8 @@ class EpDispatch:
         g_crd = cute.zipped_divide(cute.make_identity_tensor(layout.shape), tiler)
         thr = warp_copy.get_slice(lane)
         tiles = cute.ceil_div(payload_vectors, WARP * self.tile_vectors)
-        # BF16 rows of 16-byte multiples move by bulk copies through the warp's pieces.
-        bulk = Int32(0)
-        if cutlass.const_expr(self.bulk):
-            bulk = Int32(payload_bytes % 16 == 0)
+        # BF16 rows (16-byte multiples: H is a multiple of 8) move by bulk copies through the
+        # warp's pieces.
         pieces = Int32((payload_bytes + PIECE - 1) // PIECE)
         pieces_at = s_ring.iterator + rwarp * PIECES * PIECE
         full = s_full + rwarp * PIECES
@@ -1027,7 +1027,7 @@ class EpDispatch:
                     self._record(lane, s, first_msg + j0, cnt, topk, max_tokens, src_info,
                                  comb_rows, comb_weights, comb_tokens, s_scratch, s_wts, scratch,
                                  wts)
-                if bulk != 0:
+                if cutlass.const_expr(self.bulk):
                     # Every piece of this warp's messages of the chunk through the warp's ring;
                     # all of them have landed (and their row stores are issued) on return.
                     if lane == 0:
@@ -1215,17 +1215,18 @@ class EpDispatch:
                             s_raw: cute.Tensor, s_first: cute.Tensor, segments, rk):
         """NVFP4: zero the scale words of the rows past each segment's count in its last
         128-row block, only those: warp `warp_id` of `warps` takes segments warp_id,
-        warp_id + warps, ..., its lanes the (atom, row) words of the padded rows."""
+        warp_id + warps, ...; in each of the block's rk atoms lane j writes the words of rows
+        j, j + 32, j + 64 and j + 96 that are padding (16 bytes of the atom: one pass a
+        warp)."""
         for g in cutlass.range(warp_id, segments, warps):
             used = s_raw[g] - (s_first[g + 1] - s_first[g] - 1) * ATOM_ROWS
             if s_raw[g] > 0 and used < ATOM_ROWS:
                 block_row = (s_first[g + 1] - 1) * ATOM_ROWS
-                pad = ATOM_ROWS - used
-                for i in cutlass.range(lane, rk * pad, WARP):
-                    atom = i // pad
-                    store_i32(scales.toint()
-                              + scale_offset(block_row + used + i - atom * pad, atom * 4, rk),
-                              Int32(0))
+                for atom in cutlass.range(rk):
+                    for q in cutlass.range_constexpr(ATOM_ROWS // WARP):
+                        if lane + q * WARP >= used:
+                            store_i32(scales.toint() + scale_offset(
+                                block_row + lane + q * WARP, atom * 4, rk), Int32(0))
 
 
 def dispatch_kernels() -> list:
