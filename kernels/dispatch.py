@@ -30,8 +30,10 @@ has SEND_WARPS sender warps and RECV_WARPS receiver warps, and runs three parts:
    message's rows are the next free row of each of its local experts (and of the shared expert
    for this rank's own tokens), so rows follow source-token order without any plan on the
    sender. The payload is loaded once from the source's staging (over NVLink) and stored to
-   every row; scales go to the output's layout; the rows, weights and source token are recorded
-   for combine. Credit returns to the source after every chunk.
+   every row: BF16 by bulk copies (`cp.async.bulk`) through PIECES pieces of shared memory per
+   warp, each piece bulk-stored to every row as it lands; FP8 and NVFP4 through registers.
+   Scales go to the output's layout; the rows, weights and source token are recorded for
+   combine. Credit returns to the source after every chunk, once its messages have landed.
 
 Every wait is bounded by `timeout_ns` of `%globaltimer`: the missing rank and the phase go to the
 error record and the CTA stops waiting (its outputs are then partial, never out of bounds). The
@@ -42,6 +44,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint8
 
+from kernels.bulk_copy import bulk_load, bulk_store
 from kernels.copy import row_predicate, row_tiled_copy
 from kernels.memory import (error_field, gmem_ptr, load_f32, load_i32, scale_offset, store_f32,
                             store_i32, trace_word)
@@ -55,7 +58,7 @@ from layouts.channels import (DISPATCH, HEADS, SEND_TIMES, STAGE_BATCH_TOKENS, T
 from layouts.config import FP8_ROW_ALIGN
 from layouts.formats import (DESCRIPTOR_META, DESCRIPTOR_STAGE, DESCRIPTOR_TOKEN,
                              METADATA_FIELDS, metadata_layout)
-from layouts.scales import ATOM_BYTES, ATOM_ROWS
+from layouts.scales import ATOM_ROWS
 
 WARP = 32
 MAX_RANKS = 8
@@ -68,6 +71,13 @@ BATCH = STAGE_BATCH_TOKENS  # tokens the sender warps route and stage together
 MAX_STAGE_BATCHES = 16  # a channel's staging ring, in batches
 SEND_VECTORS = 32  # 16-byte vectors per lane a sender warp loads before storing them
 MAX_CHUNK = 8  # messages a receiver warp takes at once (the ring's chunk_tokens at most)
+# BF16: a receiver warp pulls messages through its own ring of PIECES shared-memory pieces of
+# PIECE bytes (bulk loads from the source's staging, bulk stores to the rows), LAG pieces in
+# flight ahead of the stores. (FP8 and NVFP4 messages, a half and a quarter as large with
+# scales that go to scattered words, move through registers: their bulk pulls measured slower.)
+PIECE = 4096
+PIECES = 5
+LAG = PIECES - 2
 ROWS = MAX_TOPK + 1  # rows a message can land in: its K experts and the shared expert
 FP8_BLOCK = 128
 NVFP4_BLOCK = 16
@@ -176,7 +186,17 @@ class EpDispatch:
                  + SEND_WARPS * MAX_RANKS + SEND_WARPS + 4)  # s_ball, s_done
         dwords = (3 * SEND_WARPS * MAX_RANKS + SEND_WARPS * len(SEND_TIMES)  # s_wpos..s_time
                   + SEND_WARPS * MAX_STAGE_BATCHES * MAX_RANKS)  # s_stage
-        return 4 * words + 8 * dwords + 16 * 16 + 128
+        return 4 * words + 8 * dwords + 16 * 16 + 128 + self.ring_bytes
+
+    @property
+    def bulk(self) -> bool:
+        """Whether receivers pull payloads by bulk copies (BF16) or through registers."""
+        return self.fmt == "bf16"
+
+    @property
+    def ring_bytes(self) -> int:
+        """Shared memory of the receiver warps' pieces, their mbarriers and what each holds."""
+        return RECV_WARPS * PIECES * (PIECE + 8 + 4) + 3 * 128 if self.bulk else 0
 
     def spec(self) -> KernelSpec:
         return KernelSpec(
@@ -353,6 +373,12 @@ class EpDispatch:
         s_stage = smem.allocate_tensor(
             Int64, cute.make_layout(SEND_WARPS * MAX_STAGE_BATCHES * MAX_RANKS),
             byte_alignment=16)
+        # Per receiver warp: PIECES pieces of messages, their mbarriers and what each holds.
+        pieces = RECV_WARPS * PIECES if self.bulk else 1
+        s_ring = smem.allocate_tensor(Uint8, cute.make_layout(pieces * PIECE if self.bulk else 16),
+                                      byte_alignment=128)
+        s_full = smem.allocate_array(Int64, pieces, byte_alignment=8)
+        s_piece = smem.allocate_tensor(Int32, cute.make_layout(pieces), byte_alignment=16)
 
         if tidx == 0:
             _stamp(trace, tracing, channel, "start", cute.arch.globaltimer())
@@ -363,6 +389,11 @@ class EpDispatch:
                 _stamp(trace, tracing, channel, SEND_TIMES[f], 0)
         if tidx < SEND_WARPS:
             s_done[tidx] = Int32(0)
+        if cutlass.const_expr(self.bulk):
+            if tidx == 0:
+                for i in cutlass.range(RECV_WARPS * PIECES):
+                    cute.arch.mbarrier_init(s_full + i, 1)
+                cute.arch.mbarrier_init_fence()
         peers = cute.make_tensor(peer_bases, cute.make_layout(ranks))
         here = peers[my_rank]
         epoch = cute.arch.load(rounds, Int64, sem="relaxed", scope="gpu") + 1
@@ -436,7 +467,8 @@ class EpDispatch:
                           ring_slots, chunk_tokens, ring_offset, staging_offset,
                           counts_offset, flags_offset, counters_offset, counters, counts_at,
                           flags_at, parity, epoch, timeout_ns, s_next, s_totals, s_off, s_tot,
-                          s_raw, s_first, s_src, s_rows, s_wts, warp_copy, trace, tracing)
+                          s_raw, s_first, s_src, s_rows, s_wts, s_ring, s_full, s_piece,
+                          warp_copy, trace, tracing)
 
         # The last CTA to finish advances the round.
         cute.arch.sync_threads()
@@ -690,6 +722,7 @@ class EpDispatch:
                  parity, epoch, timeout_ns, s_next: cute.Tensor, s_totals: cute.Tensor,
                  s_off: cute.Tensor, s_tot: cute.Tensor, s_raw: cute.Tensor, s_first: cute.Tensor,
                  s_src: cute.Tensor, s_rows: cute.Tensor, s_wts: cute.Tensor,
+                 s_ring: cute.Tensor, s_full: cute.Pointer, s_piece: cute.Tensor,
                  warp_copy: cute.TiledCopy, trace: cute.Pointer, tracing):
         """The receiver warps (thread rt of RECV_WARPS * 32)."""
         threads = self.recv_threads
@@ -784,14 +817,15 @@ class EpDispatch:
         blocks = payload_vectors * self.vector_bytes // FP8_BLOCK
         scale_cols = payload_vectors * self.vector_bytes * 2 // NVFP4_BLOCK
         rk = (scale_cols + 3) // 4
+        # Padding: the receiver warps of every channel take a segment each in turn.
         if cutlass.const_expr(self.row_align > 1):
             if segment_rows == 0:  # slabs leave the rows past a segment's count undefined
-                self._zero_row_padding(channel * threads + rt, active * threads, tokens,
-                                       scales, src_info, s_off, s_raw, segments,
+                self._zero_row_padding(channel * RECV_WARPS + rwarp, active * RECV_WARPS, lane,
+                                       tokens, scales, src_info, s_off, s_raw, segments,
                                        payload_bytes, blocks, row_capacity)
         if cutlass.const_expr(self.fmt == "nvfp4"):
-            self._zero_scale_padding(channel * threads + rt, active * threads, scales, s_raw,
-                                     s_first, segments, rk)
+            self._zero_scale_padding(channel * RECV_WARPS + rwarp, active * RECV_WARPS, lane,
+                                     scales, s_raw, s_first, segments, rk)
 
         # 3b. The messages of source s (warps rwarp = s, s + ranks, ... share them: each copies
         # its share of every payload, the first of them does the rest).
@@ -817,7 +851,8 @@ class EpDispatch:
                          scales_offset, row_capacity, channels, ring_slots, chunk_tokens,
                          ring_offset, staging_offset, counters_offset,
                          counters, timeout_ns, s_next, s_off, s_first, s_src, s_rows, s_wts,
-                         rwarp, warp_copy, payload_bytes, blocks, scale_cols, rk, trace, tracing)
+                         s_ring, s_full, s_piece, rwarp, warp_copy, payload_bytes, blocks,
+                         scale_cols, rk, trace, tracing)
 
     @cute.jit
     def _count(self, here, counts_offset, counts_at, entry, c, s, parity):
@@ -857,7 +892,8 @@ class EpDispatch:
                 row_capacity, channels, ring_slots, chunk_tokens, ring_offset, staging_offset,
                 counters_offset, counters, timeout_ns, s_next: cute.Tensor, s_off: cute.Tensor,
                 s_first: cute.Tensor, s_src: cute.Tensor, s_scratch: cute.Tensor,
-                s_wts: cute.Tensor, rwarp, warp_copy: cute.TiledCopy, payload_bytes, blocks,
+                s_wts: cute.Tensor, s_ring: cute.Tensor, s_full: cute.Pointer,
+                s_piece: cute.Tensor, rwarp, warp_copy: cute.TiledCopy, payload_bytes, blocks,
                 scale_cols, rk, trace: cute.Pointer, tracing):
         """One warp of source s: s's messages of this channel, a chunk at a time: as many as
         have arrived, up to `chunk_tokens` (a source restages a slot only once its messages are
@@ -888,6 +924,14 @@ class EpDispatch:
         g_crd = cute.zipped_divide(cute.make_identity_tensor(layout.shape), tiler)
         thr = warp_copy.get_slice(lane)
         tiles = cute.ceil_div(payload_vectors, WARP * self.tile_vectors)
+        # BF16 rows (16-byte multiples: H is a multiple of 8) move by bulk copies through the
+        # warp's pieces.
+        pieces = Int32((payload_bytes + PIECE - 1) // PIECE)
+        pieces_at = s_ring.iterator + rwarp * PIECES * PIECE
+        full = s_full + rwarp * PIECES
+        held = rwarp * PIECES  # s_piece words: what each piece of the ring holds
+        issued = Int32(0)  # pieces loaded and stored by this warp, over the whole stream
+        drained = Int32(0)
         tail = consumed
         alive = Int32(1)
         waited = Int64(0)
@@ -983,31 +1027,49 @@ class EpDispatch:
                     self._record(lane, s, first_msg + j0, cnt, topk, max_tokens, src_info,
                                  comb_rows, comb_weights, comb_tokens, s_scratch, s_wts, scratch,
                                  wts)
-                for m in cutlass.range(sub, cnt, per_source):
-                    msg = staging + Int64(stage((0, s_scratch[scratch + STAGE_AT + m], channel)))
-                    rows_at = scratch + ROWS_AT + m * ROWS
-                    g_src = cute.zipped_divide(cute.make_tensor(gmem_ptr(Uint8, msg, 16), layout),
-                                               tiler)
-                    for tile in cutlass.range(tiles):
-                        pred = row_predicate(thr.partition_S(g_crd[((None, None), tile)]),
-                                             payload_vectors)
-                        t_src = thr.partition_S(g_src[((None, None), tile)])
-                        regs = cute.make_fragment_like(t_src)
-                        cute.copy(warp_copy, t_src, regs, pred=pred)
-                        for k in cutlass.range(topk + 1):
-                            r = s_scratch[rows_at + k]
-                            if r >= 0:
-                                g_dst = cute.zipped_divide(cute.make_tensor(gmem_ptr(
-                                    Uint8, tokens.toint() + Int64(r) * payload_bytes, vec),
-                                    layout), tiler)
-                                cute.copy(warp_copy, regs,
-                                          thr.partition_D(g_dst[((None, None), tile)]),
-                                          pred=row_predicate(
-                                              thr.partition_S(g_crd[((None, None), tile)]),
-                                              payload_vectors))
-                    self._scales(lane, msg, scales, scales_offset, row_capacity, topk, blocks,
-                                 scale_cols, rk, s_scratch, rows_at,
-                                 scratch + SROWS_AT + m * ROWS)
+                if cutlass.const_expr(self.bulk):
+                    # Every piece of this warp's messages of the chunk through the warp's ring;
+                    # all of them have landed (and their row stores are issued) on return.
+                    if lane == 0:
+                        cute.arch.fence_proxy("async.global")  # the tail's acquire, then bulk
+                    for m in cutlass.range(sub, cnt, per_source):
+                        msg = staging + Int64(stage((0, s_scratch[scratch + STAGE_AT + m],
+                                                     channel)))
+                        for p in cutlass.range(pieces):
+                            issued, drained = self._pull_piece(
+                                lane, msg, m, p, issued, drained, payload_bytes, pieces_at, full,
+                                s_piece, held, tokens, topk, s_scratch, scratch)
+                    while drained < issued:
+                        drained = self._store_piece(lane, drained, payload_bytes, pieces_at,
+                                                    full, s_piece, held, tokens, topk, s_scratch,
+                                                    scratch)
+                else:
+                    for m in cutlass.range(sub, cnt, per_source):
+                        msg = staging + Int64(stage((0, s_scratch[scratch + STAGE_AT + m],
+                                                     channel)))
+                        rows_at = scratch + ROWS_AT + m * ROWS
+                        g_src = cute.zipped_divide(cute.make_tensor(gmem_ptr(Uint8, msg, 16),
+                                                                    layout), tiler)
+                        for tile in cutlass.range(tiles):
+                            pred = row_predicate(thr.partition_S(g_crd[((None, None), tile)]),
+                                                 payload_vectors)
+                            t_src = thr.partition_S(g_src[((None, None), tile)])
+                            regs = cute.make_fragment_like(t_src)
+                            cute.copy(warp_copy, t_src, regs, pred=pred)
+                            for k in cutlass.range(topk + 1):
+                                r = s_scratch[rows_at + k]
+                                if r >= 0:
+                                    g_dst = cute.zipped_divide(cute.make_tensor(gmem_ptr(
+                                        Uint8, tokens.toint() + Int64(r) * payload_bytes, vec),
+                                        layout), tiler)
+                                    cute.copy(warp_copy, regs,
+                                              thr.partition_D(g_dst[((None, None), tile)]),
+                                              pred=row_predicate(
+                                                  thr.partition_S(g_crd[((None, None), tile)]),
+                                                  payload_vectors))
+                        self._scales(lane, msg, scales, scales_offset, row_capacity, topk,
+                                     blocks, scale_cols, rk, s_scratch, rows_at,
+                                     scratch + SROWS_AT + m * ROWS)
                 # Credit back to the source once every warp of s is done with the chunk.
                 # Relaxed: every load from the chunk's descriptors and staged messages has
                 # returned (its value is already in shared memory or stored to a row), so the
@@ -1018,10 +1080,58 @@ class EpDispatch:
                     cute.arch.store(gmem_ptr(Int64, head_word, 8), p0 + Int64(cnt),
                                     sem="relaxed", scope="sys")
                 j0 = j0 + cnt
+        if cutlass.const_expr(self.bulk):
+            if lane == 0:
+                cute.arch.cp_async_bulk_wait_group(0)  # the rows are written before the CTA ends
         if sub == 0 and lane == 0:
             cute.arch.store(gmem_ptr(Int64, streams.toint() + Int64(
                 counters((channel, s, HEADS, DISPATCH))) * 8, 8), consumed + Int64(n))
             _stamp_max(trace, tracing, channel, "recv_wait_ns", waited)
+
+    @cute.jit
+    def _pull_piece(self, lane, msg, m, p, issued, drained, payload_bytes, ring: cute.Pointer,
+                    full: cute.Pointer, s_piece: cute.Tensor, held, tokens: cute.Pointer, topk,
+                    s_scratch: cute.Tensor, scratch):
+        """Bulk-load piece p of message m of the chunk (staged at `msg`) into the warp's next
+        piece of shared memory once the stores that read it last are done reading it; then
+        store the oldest piece if LAG pieces are in flight. Returns (issued, drained)."""
+        at = issued % PIECES
+        offset = Int64(p) * PIECE
+        nbytes = cutlass.min(Int32(PIECE), Int32(Int64(payload_bytes) - offset))
+        if lane == 0:
+            # Piece `issued - PIECES` last held this one; of the store groups committed since
+            # (one per piece drained), at most PIECES - 1 - LAG are newer than its own.
+            cute.arch.cp_async_bulk_wait_group(PIECES - 1 - LAG, read=True)
+            cute.arch.mbarrier_arrive_and_expect_tx(full + at, nbytes)
+            bulk_load(ring + at * PIECE, msg + offset, nbytes, full + at)
+        s_piece[held + at] = m * 64 + p  # (message of the chunk, piece): every lane writes it
+        issued = issued + 1
+        if issued - drained > LAG:
+            drained = self._store_piece(lane, drained, payload_bytes, ring, full, s_piece, held,
+                                        tokens, topk, s_scratch, scratch)
+        return issued, drained
+
+    @cute.jit
+    def _store_piece(self, lane, drained, payload_bytes, ring: cute.Pointer, full: cute.Pointer,
+                     s_piece: cute.Tensor, held, tokens: cute.Pointer, topk,
+                     s_scratch: cute.Tensor, scratch):
+        """Wait for the warp's oldest piece in flight to land and bulk-store it to every row of
+        its message (one async group a piece). Returns drained + 1."""
+        at = drained % PIECES
+        cute.arch.mbarrier_wait(full + at, (drained // PIECES) % 2)
+        what = s_piece[held + at]
+        m = what // 64
+        rows_at = scratch + ROWS_AT + m * ROWS
+        if lane == 0:
+            offset = Int64(what - m * 64) * PIECE
+            nbytes = cutlass.min(Int32(PIECE), Int32(Int64(payload_bytes) - offset))
+            for k in cutlass.range(topk + 1):
+                r = s_scratch[rows_at + k]
+                if r >= 0:
+                    bulk_store(tokens.toint() + Int64(r) * payload_bytes + offset,
+                               ring + at * PIECE, nbytes)
+            cute.arch.cp_async_bulk_commit_group()
+        return drained + 1
 
     @cute.jit
     def _record(self, lane, s, first, cnt, topk, max_tokens, src_info: cute.Pointer,
@@ -1079,39 +1189,44 @@ class EpDispatch:
                                   + scale_offset(s_scratch[srows_at + k], c * 4, rk), word)
 
     @cute.jit
-    def _zero_row_padding(self, first, stride, tokens: cute.Pointer, scales: cute.Pointer,
-                          src_info: cute.Pointer, s_off: cute.Tensor, s_raw: cute.Tensor,
-                          segments, payload_bytes, blocks, row_capacity):
+    def _zero_row_padding(self, warp_id, warps, lane, tokens: cute.Pointer,
+                          scales: cute.Pointer, src_info: cute.Pointer, s_off: cute.Tensor,
+                          s_raw: cute.Tensor, segments, payload_bytes, blocks, row_capacity):
         """FP8: zero the alignment rows after each segment's rows (payload words, their scales,
-        src_info -1), the receiver threads of every channel striding over them."""
+        src_info -1): warp `warp_id` of `warps` (every channel's receivers) takes segments
+        warp_id, warp_id + warps, ..., its lanes the segment's padding words."""
         words = Int32(payload_bytes // 4)
-        for g in cutlass.range(segments):
+        for g in cutlass.range(warp_id, segments, warps):
             pad_begin = s_off[g] + s_raw[g]
             pad_rows = s_off[g + 1] - pad_begin
-            for i in cutlass.range(first, pad_rows * words, stride):
+            for i in cutlass.range(lane, pad_rows * words, WARP):
                 store_i32(tokens.toint() + Int64(pad_begin) * payload_bytes + Int64(i) * 4,
-                           Int32(0))
-            for i in cutlass.range(first, pad_rows * blocks, stride):
+                          Int32(0))
+            for i in cutlass.range(lane, pad_rows * blocks, WARP):
                 r = pad_begin + i // blocks
                 store_f32(scales.toint()
-                           + (Int64(i % blocks) * Int64(row_capacity) + Int64(r)) * 4,
-                           Float32(0.0))
-            for i in cutlass.range(first, pad_rows * 2, stride):
+                          + (Int64(i % blocks) * Int64(row_capacity) + Int64(r)) * 4,
+                          Float32(0.0))
+            for i in cutlass.range(lane, pad_rows * 2, WARP):
                 store_i32(src_info.toint() + Int64(pad_begin) * 8 + Int64(i) * 4, Int32(-1))
 
     @cute.jit
-    def _zero_scale_padding(self, first, stride, scales: cute.Pointer, s_raw: cute.Tensor,
-                            s_first: cute.Tensor, segments, rk):
+    def _zero_scale_padding(self, warp_id, warps, lane, scales: cute.Pointer,
+                            s_raw: cute.Tensor, s_first: cute.Tensor, segments, rk):
         """NVFP4: zero the scale words of the rows past each segment's count in its last
-        128-row block (word w of an atom holds row w / 4 + 32 (w % 4))."""
-        for g in cutlass.range(segments):
+        128-row block, only those: warp `warp_id` of `warps` takes segments warp_id,
+        warp_id + warps, ...; in each of the block's rk atoms lane j writes the words of rows
+        j, j + 32, j + 64 and j + 96 that are padding (16 bytes of the atom: one pass a
+        warp)."""
+        for g in cutlass.range(warp_id, segments, warps):
             used = s_raw[g] - (s_first[g + 1] - s_first[g] - 1) * ATOM_ROWS
             if s_raw[g] > 0 and used < ATOM_ROWS:
-                base = scales.toint() + Int64(s_first[g + 1] - 1) * Int64(rk) * ATOM_BYTES
-                for i in cutlass.range(first, rk * (ATOM_BYTES // 4), stride):
-                    w = i % (ATOM_BYTES // 4)
-                    if w // 4 + 32 * (w % 4) >= used:
-                        store_i32(base + Int64(i) * 4, Int32(0))
+                block_row = (s_first[g + 1] - 1) * ATOM_ROWS
+                for atom in cutlass.range(rk):
+                    for q in cutlass.range_constexpr(ATOM_ROWS // WARP):
+                        if lane + q * WARP >= used:
+                            store_i32(scales.toint() + scale_offset(
+                                block_row + lane + q * WARP, atom * 4, rk), Int32(0))
 
 
 def dispatch_kernels() -> list:

@@ -160,3 +160,27 @@ def test_fp4_kernels_use_the_hardware_e2m1_conversion_only_on_sm_100a(name):
 def _jobs(kernels, arches) -> int:
     """Configurations x architectures the build compiles (a kernel may name its arches)."""
     return sum(a in getattr(k, "arches", ARCHES) for k in kernels for a in arches)
+
+
+@pytest.mark.build
+def test_every_kernel_asks_for_at_most_the_shared_memory_a_block_may_have():
+    from kernels.matrix import full_matrix
+
+    limit = 227 * 1024  # per block on sm_90a and sm_100a, opted in
+    for kernel in full_matrix():
+        spec = kernel.spec()
+        assert 0 <= spec.smem_bytes <= limit, (spec.key, spec.smem_bytes)
+
+
+@pytest.mark.build
+def test_only_bf16_dispatch_receivers_pull_by_bulk_copies():
+    from kernels.build import compile_with_ptx
+    from kernels.dispatch import FORMATS, EpDispatch
+
+    for fmt in FORMATS:
+        kernel = EpDispatch(fmt)
+        ptx = compile_with_ptx(kernel, kernel.spec(), "sm_90a")[2]
+        pulls = "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in ptx
+        stores = "cp.async.bulk.global.shared::cta.bulk_group" in ptx
+        assert pulls == stores == (fmt == "bf16"), fmt
+        assert (kernel.smem_bytes > 160 * 1024) == (fmt == "bf16")
