@@ -194,9 +194,17 @@ class EpDispatch:
         return self.fmt == "bf16"
 
     @property
+    def ring_shape(self) -> tuple[int, int]:
+        """(pieces, bytes of a piece) of the receiver warps' rings: PIECES of PIECE bytes per
+        warp with bulk pulls, else one 16-byte placeholder."""
+        return (RECV_WARPS * PIECES, PIECE) if self.bulk else (1, 16)
+
+    @property
     def ring_bytes(self) -> int:
-        """Shared memory of the receiver warps' pieces, their mbarriers and what each holds."""
-        return RECV_WARPS * PIECES * (PIECE + 8 + 4) + 3 * 128 if self.bulk else 0
+        """Shared memory of the receiver warps' pieces, their mbarriers and what each holds,
+        with the alignment of the three allocations."""
+        pieces, piece = self.ring_shape
+        return pieces * (piece + 8 + 4) + 3 * 128
 
     def spec(self) -> KernelSpec:
         return KernelSpec(
@@ -374,9 +382,8 @@ class EpDispatch:
             Int64, cute.make_layout(SEND_WARPS * MAX_STAGE_BATCHES * MAX_RANKS),
             byte_alignment=16)
         # Per receiver warp: PIECES pieces of messages, their mbarriers and what each holds.
-        pieces = RECV_WARPS * PIECES if self.bulk else 1
-        s_ring = smem.allocate_tensor(Uint8, cute.make_layout(pieces * PIECE if self.bulk else 16),
-                                      byte_alignment=128)
+        pieces, piece = self.ring_shape
+        s_ring = smem.allocate_tensor(Uint8, cute.make_layout(pieces * piece), byte_alignment=128)
         s_full = smem.allocate_array(Int64, pieces, byte_alignment=8)
         s_piece = smem.allocate_tensor(Int32, cute.make_layout(pieces), byte_alignment=16)
 
