@@ -12,7 +12,7 @@ has SEND_WARPS sender warps and RECV_WARPS receiver warps, and runs three parts:
    batch header (every token's K ids and weights, as the caller gave them, and its index) and
    each token's message (the bf16 row of `x`; FP8 codes and their scales from their own rows,
    the caller's or `ep_encode`'s; or the NVFP4 message `ep_encode` wrote into `send_buf`),
-   token b by warp b % SEND_WARPS, tiles of `tile_vectors` 16-byte vectors per lane with every
+   token b by warp b % SEND_WARPS, tiles of SEND_VECTORS 16-byte vectors per lane with every
    load in flight. A sender does nothing per destination per token: it waits, once per batch,
    until every destination has returned credit for the batch the slot held, and the warp that
    finishes a batch last (one shared-memory atomic a warp) fences once at system scope and
@@ -69,6 +69,7 @@ BATCH = STAGE_BATCH_TOKENS  # tokens staged together: a header, tails and credit
 MAX_STAGE_BATCHES = 16  # a channel's staging ring, in batches
 SEND_VECTORS = 32  # 16-byte vectors per lane a sender warp loads before storing them
 MAX_CHUNK = 8  # tokens of a batch a receiver warp takes at once (BATCH in two chunks)
+SCALE_REGS = 4  # FP8 / NVFP4 scale words per lane a receiver loads with a message's payload
 SEND_BARRIER = 15  # the named barrier of the sender warps (receivers use 1 and 2 + source)
 # BF16: a receiver warp pulls messages through its own ring of PIECES shared-memory pieces of
 # PIECE bytes (bulk loads from the source's staging, bulk stores to the rows), LAG pieces in
@@ -168,7 +169,7 @@ def _stamp_max(trace: cute.Pointer, tracing, channel, field: cutlass.Constexpr, 
 
 
 class EpDispatch:
-    def __init__(self, fmt: str, tile_vectors: int = 32):
+    def __init__(self, fmt: str, tile_vectors: int = 16):
         if fmt not in FORMATS:
             raise ValueError(f"ep_dispatch formats: {FORMATS}, not {fmt!r}")
         self.fmt = fmt
@@ -177,7 +178,9 @@ class EpDispatch:
         self.row_align = FP8_ROW_ALIGN if fmt == "fp8" else 1
         # Payload rows move in 16-byte vectors, NVFP4 rows (H / 2 bytes) in 8-byte ones.
         self.vector_bytes = 8 if fmt == "nvfp4" else 16
-        self.tile_vectors = tile_vectors  # per lane: a warp loads this many before storing
+        # Per lane: a receiver warp loads this many vectors of a message before storing them (16:
+        # a whole FP8 or NVFP4 message up to H = 8192 in one tile, half the registers of 32).
+        self.tile_vectors = tile_vectors
 
     @property
     def smem_bytes(self) -> int:
@@ -1034,6 +1037,8 @@ class EpDispatch:
             for m in cutlass.range(sub, cnt, per_source):
                 msg = staging + Int64(stage((0, s_scratch[scratch + STAGE_AT + m], channel)))
                 rows_at = scratch + ROWS_AT + m * ROWS
+                scale_words = blocks if self.fmt == "fp8" else rk
+                sregs = self._load_scales(lane, msg, scales_offset, scale_words, scale_cols)
                 g_src = cute.zipped_divide(cute.make_tensor(gmem_ptr(Uint8, msg, 16), layout),
                                            tiler)
                 for tile in cutlass.range(tiles):
@@ -1053,8 +1058,9 @@ class EpDispatch:
                                       pred=row_predicate(
                                           thr.partition_S(g_crd[((None, None), tile)]),
                                           payload_vectors))
-                self._scales(lane, msg, scales, scales_offset, row_capacity, topk, blocks,
-                             scale_cols, rk, s_scratch, rows_at, scratch + SROWS_AT + m * ROWS)
+                self._store_scales(lane, msg, sregs, scales, scales_offset, row_capacity, topk,
+                                   scale_words, scale_cols, rk, s_scratch, rows_at,
+                                   scratch + SROWS_AT + m * ROWS)
         return issued, drained
 
     @cute.jit
@@ -1132,32 +1138,58 @@ class EpDispatch:
                 store_i32(src_info.toint() + Int64(r) * 8 + 4, slot)
 
     @cute.jit
-    def _scales(self, lane, msg, scales: cute.Pointer, scales_offset, row_capacity, topk,
-                blocks, scale_cols, rk, s_scratch: cute.Tensor, rows_at, srows_at):
-        """A message's scales into every row it filled: each lane loads its scales once, then
-        stores them to every row (fp8: transposed [H / 128, rows]; nvfp4: 128x4 words)."""
-        if cutlass.const_expr(self.fmt == "fp8"):
-            sc = cute.make_tensor(gmem_ptr(Float32, msg + Int64(scales_offset), 16),
-                                  cute.make_layout(blocks))
-            for b in cutlass.range(lane, blocks, WARP):
-                v = sc[b]
-                for k in cutlass.range(topk + 1):
-                    r = s_scratch[rows_at + k]
-                    if r >= 0:
-                        store_f32(scales.toint() + (Int64(b) * Int64(row_capacity) + Int64(r)) * 4,
-                                  v)
+    def _load_scales(self, lane, msg, scales_offset, words, scale_cols):
+        """A message's scale words lane, lane + 32, ... (the first SCALE_REGS of each lane) into
+        registers, loaded before any of the message's stores so that they travel with its
+        payload's loads (NVFP4: a last partial word's padding bytes cleared)."""
+        sregs = cute.make_rmem_tensor(cute.make_layout(SCALE_REGS), Int32)
+        src = cute.make_tensor(gmem_ptr(Int32, msg + Int64(scales_offset), 16),
+                               cute.make_layout(words))
+        for q in cutlass.range_constexpr(SCALE_REGS):
+            c = lane + q * WARP
+            word = Int32(0)
+            if c < words:
+                word = self._scale_word(src[c], c, scale_cols)
+            sregs[q] = word
+        return sregs
+
+    @cute.jit
+    def _scale_word(self, word, c, scale_cols):
+        """Scale word c as stored: NVFP4's last word keeps only its valid columns."""
         if cutlass.const_expr(self.fmt == "nvfp4"):
-            sw = cute.make_tensor(gmem_ptr(Int32, msg + Int64(scales_offset), 16),
-                                  cute.make_layout(rk))
-            for c in cutlass.range(lane, rk, WARP):
-                word = sw[c]
-                valid = scale_cols - c * 4
-                if valid < 4:
-                    word = word & ((Int32(1) << (valid * 8)) - 1)
-                for k in cutlass.range(topk + 1):
-                    if s_scratch[rows_at + k] >= 0:
-                        store_i32(scales.toint()
-                                  + scale_offset(s_scratch[srows_at + k], c * 4, rk), word)
+            valid = scale_cols - c * 4
+            if valid < 4:
+                word = word & ((Int32(1) << (valid * 8)) - 1)
+        return word
+
+    @cute.jit
+    def _store_scales(self, lane, msg, sregs: cute.Tensor, scales: cute.Pointer, scales_offset,
+                      row_capacity, topk, words, scale_cols, rk, s_scratch: cute.Tensor, rows_at,
+                      srows_at):
+        """A message's scales into every row it filled (fp8: transposed [H / 128, rows]; nvfp4:
+        128x4 words): the words `_load_scales` holds, then any beyond them, loaded here."""
+        src = cute.make_tensor(gmem_ptr(Int32, msg + Int64(scales_offset), 16),
+                               cute.make_layout(words))
+        for k in cutlass.range(topk + 1):
+            r = s_scratch[rows_at + k]
+            if r >= 0:
+                for q in cutlass.range_constexpr(SCALE_REGS):
+                    c = lane + q * WARP
+                    if c < words:
+                        self._store_scale(scales, c, sregs[q], r, s_scratch[srows_at + k],
+                                          row_capacity, rk)
+                for c in cutlass.range(lane + SCALE_REGS * WARP, words, WARP):
+                    self._store_scale(scales, c, self._scale_word(src[c], c, scale_cols), r,
+                                      s_scratch[srows_at + k], row_capacity, rk)
+
+    @cute.jit
+    def _store_scale(self, scales: cute.Pointer, c, word, row, scale_row, row_capacity, rk):
+        """Scale word c of a row (fp8: block c's fp32 scale of row `row`; nvfp4: columns
+        4c .. 4c + 3 of scale row `scale_row`)."""
+        if cutlass.const_expr(self.fmt == "fp8"):
+            store_i32(scales.toint() + (Int64(c) * Int64(row_capacity) + Int64(row)) * 4, word)
+        if cutlass.const_expr(self.fmt == "nvfp4"):
+            store_i32(scales.toint() + scale_offset(scale_row, c * 4, rk), word)
 
     @cute.jit
     def _zero_row_padding(self, warp_id, warps, lane, tokens: cute.Pointer,
