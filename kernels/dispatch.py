@@ -815,10 +815,11 @@ class EpDispatch:
                 s_piece: cute.Tensor, rwarp, warp_copy: cute.TiledCopy, payload_bytes, blocks,
                 scale_cols, rk, trace: cute.Pointer, tracing):
         """One warp of source s: s's batches of this channel in order, once each is published,
-        until the last message from s has landed. Every warp of s reads the batch's header and places the rows of its messages (so each
-        keeps the same next-row counters), MAX_CHUNK tokens at a time; message m of a chunk is
-        then pulled from the source's staging by warp m % per_source and stored to its rows.
-        The warps of s meet at a named barrier after each batch, which then goes back to s."""
+        until the last message from s has landed. Every warp of s reads the batch's header and
+        places the rows of its messages (so each keeps the same next-row counters), MAX_CHUNK
+        tokens at a time; message m of a chunk is then pulled from the source's staging by warp
+        m % per_source and stored to its rows. The warps of s meet at a named barrier after
+        each batch, which then goes back to s."""
         stage = staging_layout(stage_bytes, stage_batches * BATCH, channels)
         headers = headers_layout(header_bytes, stage_batches, channels)
         hdr = batch_header_layout(topk)
@@ -988,7 +989,8 @@ class EpDispatch:
 
     @cute.jit
     def _place(self, lane, sub, per_source, s, cnt, first, topk, max_tokens, my_rank, shared,
-               shared_begin, shared_end, staging, stage, channel, tokens: cute.Pointer, scales: cute.Pointer,
+               shared_begin, shared_end, staging, stage, channel, tokens: cute.Pointer,
+               scales: cute.Pointer,
                src_info: cute.Pointer, comb_rows: cute.Pointer, comb_weights: cute.Pointer,
                comb_tokens: cute.Pointer, scales_offset, row_capacity, s_next: cute.Tensor,
                s_off: cute.Tensor, s_first: cute.Tensor, s_scratch: cute.Tensor,

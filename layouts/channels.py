@@ -110,8 +110,8 @@ def count_flags_layout(channels, ranks) -> Layout:
 def counters_layout(channels, ranks) -> Layout:
     """(channel, rank, kind, phase) -> 64-bit word: kind TAILS = what source `rank` has made
     ready for this rank, kind HEADS = what destination `rank` is done with (dispatch: batches
-    staged and consumed; combine: rows written and consumed); phase DISPATCH or COMBINE. The peer-visible counters
-    and the local stream positions share this layout."""
+    staged and consumed; combine: rows written and consumed); phase DISPATCH or COMBINE. The
+    peer-visible counters and the local stream positions share this layout."""
     return Layout((channels, ranks, 2, 2), (1, channels, channels * ranks, 2 * channels * ranks))
 
 

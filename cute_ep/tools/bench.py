@@ -503,9 +503,9 @@ def _print(record, formats) -> None:
     console.print("DeepEP GB/s = received token rows (own rank included) x bytes per token row "
                   "(payload + scales) / time; combine: the same rows x 2H / time. NVLink GB/s = "
                   "bytes of this GPU's tokens that crossed to other GPUs (dispatch: staged "
-                  "payload + scales per message, a header per batch of 16 tokens) / time. NCCL a2a: "
-                  "all_to_all_single of the same token bytes; P2P copy: copy-engine copies of "
-                  "this GPU's outgoing message bytes into every peer at once.")
+                  "payload + scales per message, a header per batch of 16 tokens) / time. "
+                  "NCCL a2a: all_to_all_single of the same token bytes; P2P copy: copy-engine "
+                  "copies of this GPU's outgoing message bytes into every peer at once.")
 
     d = Table(title=f"decode: {cfg['decode_tokens']} tokens/rank, median of {cfg['iters']} "
                     f"(slowest rank shown)")
