@@ -18,9 +18,10 @@ are latched in a device flag and raised by `check()`; the outputs of such a call
 partial, never out of bounds. A Buffer that timed out must be recreated.
 
 What crosses NVLink per token: one message per destination rank that hosts at least one of its
-experts, not one per expert: the destination pulls the payload from the source's staging and
-the source writes a 16-byte-aligned descriptor (source index, staging slot, K ids, K weights)
-into the destination's ring; the receiver expands the message into expert rows. Combine returns
+experts, not one per expert: the source stages its tokens in batches of 16 (their messages and
+one header of their ids, weights and indices) in its own peer-visible memory, and each
+destination reads every batch's header and pulls the messages of the tokens that route to it;
+the receiver expands each message into expert rows. Combine returns
 one bf16 row per (token, destination rank): the rank's weighted partial sum over its local
 experts.
 
@@ -291,9 +292,9 @@ class Buffer:
         if self.geo.ring_slots < max(self.geo.chunk_tokens, cfg.topk):
             raise ValueError(f"a ring of {self.geo.ring_slots} slots cannot hold a chunk of "
                              f"{self.geo.chunk_tokens} messages or one token's {cfg.topk} rows")
-        if self.geo.chunk_tokens > sizes["max_chunk"]:
+        if self.geo.chunk_tokens > self.k_combine.spec.sizes["max_chunk"]:
             raise ValueError(f"chunk_tokens {self.geo.chunk_tokens} exceeds the kernel's "
-                             f"{sizes['max_chunk']}")
+                             f"{self.k_combine.spec.sizes['max_chunk']}")
         if self.geo.stage_batches > sizes["max_stage_batches"]:
             raise ValueError(f"stage_batches {self.geo.stage_batches} exceeds the kernel's "
                              f"{sizes['max_stage_batches']}")
@@ -327,21 +328,21 @@ class Buffer:
                       max_tokens=cfg.max_tokens_per_rank, topk=cfg.topk,
                       local_experts=cfg.local_experts, ranks=cfg.ranks, my_rank=self.rank,
                       shared=int(cfg.fused_shared_expert), channels=geo.channels,
-                      ring_slots=geo.ring_slots, chunk_tokens=geo.chunk_tokens,
                       counters_offset=off["counters"], timeout_ns=self._timeout_ns)
         self._dispatch_launch = self.k_dispatch.bind(
             DISPATCH_VARYING, **common, rounds=self.dispatch_epoch, done=self.dispatch_done,
-            descriptor_bytes=geo.descriptor_bytes,
+            header_bytes=geo.header_bytes,
             # FP8 payloads are loaded alone (H bytes of codes), their scales from their own rows.
             load_bytes=cfg.hidden if cfg.format == "fp8" else self.msg.staged_bytes,
-            stage_bytes=self.msg.staged_bytes, stage_slots=geo.stage_slots,
+            stage_bytes=self.msg.staged_bytes, stage_batches=geo.stage_batches,
             payload_vectors=self.payload_vectors, scales_offset=self.scales_at,
             row_capacity=cfg.row_capacity, segment_rows=cfg.slab_rows,
-            ring_offset=off["dispatch_rings"],
+            headers_offset=off["batch_headers"],
             staging_offset=off["staging"], counts_offset=off["counts"],
             flags_offset=off["count_flags"])
         self._combine_launch = self.k_combine.bind(
-            COMBINE_VARYING, **common, hidden=cfg.hidden, ring_offset=off["combine_rings"])
+            COMBINE_VARYING, **common, hidden=cfg.hidden, ring_slots=geo.ring_slots,
+            chunk_tokens=geo.chunk_tokens, ring_offset=off["combine_rings"])
         self._encode_launch = self.k_encode.bind(
             ("x", "global_scale", "num_tokens"), send_buf=self.send_buf, hidden=cfg.hidden,
             msg_bytes=self.msg.size, scales_offset=self.scales_at) \

@@ -7,33 +7,30 @@ has SEND_WARPS sender warps and RECV_WARPS receiver warps, and runs three parts:
    naming the same expert dropped, ids outside [0, E) dropped and reported) and counted per
    expert and per destination rank; the counts go to every destination's `counts` table under
    the round's parity, and the channel's count flag there is raised to the round's epoch.
-2. Send (SEND_WARPS sender warps): the channel's tokens go in batches of BATCH; every sender
-   warp routes each batch itself (so each knows every token's destinations and, by a ballot per
-   destination, every message's position in that destination's stream) and handles the batch's
-   tokens b = warp, warp + SEND_WARPS, ...: a token's payload (the bf16 row of `x`; FP8 codes
-   and their scales from their own rows, the caller's or `ep_encode`'s; or the NVFP4 message
-   `ep_encode` wrote into `send_buf`) is copied once, tiles of SEND_VECTORS 16-byte vectors per
-   lane with every load in flight, into this rank's own staging slot of the token (peer-visible
-   memory, `layouts.channels.staging_layout`), and a descriptor (source token, staging slot, K
-   ids, K weights) goes into the ring of each destination rank the token routes to. The payload
-   is written once, locally, whatever the number of destinations; the destinations pull it. A
-   descriptor slot is written only when the destination has returned credit for it (`heads`),
-   and a staging slot only when every destination of its previous token has consumed it. Once a
-   warp's share of a batch is written it fences at system scope and marks the batch done in
-   shared memory; the warp that completes a batch last publishes the destinations' `tails` at
-   the batch's end (a batch is published only after every earlier one, so tails only grow).
+2. Send (SEND_WARPS sender warps): the channel's tokens go in batches of BATCH, each into the
+   next batch slot of this rank's own staging (peer-visible memory, `layouts.channels`): the
+   batch header (every token's K ids and weights, as the caller gave them, and its index) and
+   each token's message (the bf16 row of `x`; FP8 codes and their scales from their own rows,
+   the caller's or `ep_encode`'s; or the NVFP4 message `ep_encode` wrote into `send_buf`),
+   token b by warp b % SEND_WARPS, tiles of SEND_VECTORS 16-byte vectors per lane with every
+   load in flight. A sender does nothing per destination per token: it waits, once per batch,
+   until every destination has returned credit for the batch the slot held, and the warp that
+   finishes a batch last (one shared-memory atomic a warp) fences once at system scope and
+   publishes the batch in every destination's `tails`.
 3. Receive (the receiver warps): they wait for every (channel, source)'s counts, from which each
    CTA derives the whole row layout (segments padded to the format's row alignment, NVFP4
    segments on fresh 128-row scale blocks) and the first row of every (segment, source) that
-   its channel fills. The warps of source s then take s's messages of this channel as their
-   tails advance, in order, as many as have arrived up to `chunk_tokens` at a time: a
-   message's rows are the next free row of each of its local experts (and of the shared expert
-   for this rank's own tokens), so rows follow source-token order without any plan on the
-   sender. The payload is loaded once from the source's staging (over NVLink) and stored to
-   every row: BF16 by bulk copies (`cp.async.bulk`) through PIECES pieces of shared memory per
-   warp, each piece bulk-stored to every row as it lands; FP8 and NVFP4 through registers.
-   Scales go to the output's layout; the rows, weights and source token are recorded for
-   combine. Credit returns to the source after every chunk, once its messages have landed.
+   its channel fills. The warps of source s then take s's batches of this channel in order as
+   its tail advances: they read the batch's header from the source (over NVLink), keep the
+   tokens with an expert here (or this rank's shared-expert tokens), MAX_CHUNK at a time, and
+   place each such message in the next free row of each of its local experts, so rows follow
+   source-token order without any plan on the sender. The payload is loaded once from the
+   source's staging (over NVLink) and stored to every row: BF16 by bulk copies
+   (`cp.async.bulk`) through PIECES pieces of shared memory per warp, each piece bulk-stored to
+   every row as it lands; FP8 and NVFP4 through registers. Scales go to the output's layout;
+   the rows, weights and source token are recorded for combine. Credit returns to the source
+   after every batch, and for all the rest of the round's batches once the last message from
+   the source has landed (their slots are not read).
 
 Every wait is bounded by `timeout_ns` of `%globaltimer`: the missing rank and the phase go to the
 error record and the CTA stops waiting (its outputs are then partial, never out of bounds). The
@@ -48,16 +45,17 @@ from kernels.bulk_copy import bulk_load, bulk_store
 from kernels.copy import row_predicate, row_tiled_copy
 from kernels.memory import (error_field, gmem_ptr, load_f32, load_i32, scale_offset, store_f32,
                             store_i32, trace_word)
-from kernels.routing import channel_tokens, route_ids, route_token
+from kernels.routing import channel_tokens, route_token
 from kernels.scan import warp_exclusive_scan
 from layouts.abi import GridRule, KernelSpec, Param
 from layouts.buffers import ERROR_CHANNELS, ERROR_COUNTS
-from layouts.channels import (DISPATCH, HEADS, SEND_TIMES, STAGE_BATCH_TOKENS, TAILS,
-                              TRACE_FIELDS, channel_messages_layout, count_flags_layout,
-                              counters_layout, counts_layout, ring_layout, staging_layout)
+from layouts.channels import (COUNT_MESSAGES, COUNT_SEGMENTS, COUNT_TOKENS, DISPATCH, HEADS,
+                              SEND_TIMES, STAGE_BATCH_TOKENS, TAILS, TRACE_FIELDS,
+                              batch_header_layout, channel_messages_layout, count_flags_layout,
+                              counters_layout, counts_layout, header_token_word, headers_layout,
+                              staging_layout)
 from layouts.config import FP8_ROW_ALIGN
-from layouts.formats import (DESCRIPTOR_META, DESCRIPTOR_STAGE, DESCRIPTOR_TOKEN,
-                             METADATA_FIELDS, metadata_layout)
+from layouts.formats import METADATA_FIELDS
 from layouts.scales import ATOM_ROWS
 
 WARP = 32
@@ -67,10 +65,12 @@ MAX_SEGMENTS = 272  # local experts + a shared expert, with slack
 MAX_EXPERTS = 2176  # MAX_RANKS x 272
 SEND_WARPS = 4
 RECV_WARPS = 8
-BATCH = STAGE_BATCH_TOKENS  # tokens the sender warps route and stage together
+BATCH = STAGE_BATCH_TOKENS  # tokens staged together: a header, tails and credit per batch
 MAX_STAGE_BATCHES = 16  # a channel's staging ring, in batches
 SEND_VECTORS = 32  # 16-byte vectors per lane a sender warp loads before storing them
-MAX_CHUNK = 8  # messages a receiver warp takes at once (the ring's chunk_tokens at most)
+MAX_CHUNK = 8  # tokens of a batch a receiver warp takes at once (BATCH in two chunks)
+SCALE_REGS = 4  # FP8 / NVFP4 scale words per lane a receiver loads with a message's payload
+SEND_BARRIER = 15  # the named barrier of the sender warps (receivers use 1 and 2 + source)
 # BF16: a receiver warp pulls messages through its own ring of PIECES shared-memory pieces of
 # PIECE bytes (bulk loads from the source's staging, bulk stores to the rows), LAG pieces in
 # flight ahead of the stores. (FP8 and NVFP4 messages, a half and a quarter as large with
@@ -86,15 +86,21 @@ PHASE_DISPATCH = 1  # the error record's phase (layouts.buffers.PHASES order, 1-
 FLAG_ROUND = 256  # a count flag holds epoch * FLAG_ROUND + the channels its source used
 IDS, WEIGHTS = METADATA_FIELDS.index("expert_ids"), METADATA_FIELDS.index("weights")
 LIMITS = {"max_ranks": MAX_RANKS, "max_topk": MAX_TOPK, "max_segments": MAX_SEGMENTS - 1,
-          "max_experts": MAX_EXPERTS, "max_chunk": MAX_CHUNK,
-          "max_stage_batches": MAX_STAGE_BATCHES, "stage_batch": BATCH}
-# Per receiver warp: raw ids, local segment ids, source tokens, staging slots, rows and scale
-# rows of a chunk's messages.
-IDS_AT, SEGS_AT, TOKS_AT = 0, MAX_CHUNK * MAX_TOPK, 2 * MAX_CHUNK * MAX_TOPK
+          "max_experts": MAX_EXPERTS, "max_stage_batches": MAX_STAGE_BATCHES,
+          "stage_batch": BATCH}
+# Per receiver warp, a chunk of a batch: its tokens' raw ids and local segment ids (by token of
+# the chunk); then by message (the tokens that come here, in order): the token of the chunk,
+# the source token, the staging slot, the rows and the scale rows.
+IDS_AT, SEGS_AT = 0, MAX_CHUNK * MAX_TOPK
+MAP_AT = 2 * MAX_CHUNK * MAX_TOPK
+TOKS_AT = MAP_AT + MAX_CHUNK
 STAGE_AT = TOKS_AT + MAX_CHUNK
 ROWS_AT = STAGE_AT + MAX_CHUNK
 SROWS_AT = ROWS_AT + MAX_CHUNK * ROWS
 SCRATCH = SROWS_AT + MAX_CHUNK * ROWS
+# s_src words per source: messages, messages of the channels before, messages in all, the
+# chunk decision of its first warp, tokens of its channel.
+SRC_WORDS = 5
 
 
 @cute.jit
@@ -163,7 +169,7 @@ def _stamp_max(trace: cute.Pointer, tracing, channel, field: cutlass.Constexpr, 
 
 
 class EpDispatch:
-    def __init__(self, fmt: str, tile_vectors: int = 32):
+    def __init__(self, fmt: str, tile_vectors: int = 16):
         if fmt not in FORMATS:
             raise ValueError(f"ep_dispatch formats: {FORMATS}, not {fmt!r}")
         self.fmt = fmt
@@ -172,7 +178,9 @@ class EpDispatch:
         self.row_align = FP8_ROW_ALIGN if fmt == "fp8" else 1
         # Payload rows move in 16-byte vectors, NVFP4 rows (H / 2 bytes) in 8-byte ones.
         self.vector_bytes = 8 if fmt == "nvfp4" else 16
-        self.tile_vectors = tile_vectors  # per lane: a warp loads this many before storing
+        # Per lane: a receiver warp loads this many vectors of a message before storing them (16:
+        # a whole FP8 or NVFP4 message up to H = 8192 in one tile, half the registers of 32).
+        self.tile_vectors = tile_vectors
 
     @property
     def smem_bytes(self) -> int:
@@ -180,13 +188,11 @@ class EpDispatch:
                  + RECV_WARPS * MAX_SEGMENTS  # s_next
                  + MAX_RANKS * MAX_SEGMENTS  # s_totals
                  + 4 * (MAX_SEGMENTS + 4)  # s_off, s_tot, s_raw, s_first
-                 + 4 * MAX_RANKS  # s_src
+                 + SRC_WORDS * MAX_RANKS  # s_src
                  + RECV_WARPS * (SCRATCH + MAX_CHUNK * MAX_TOPK)  # s_scratch, s_wts
-                 + 2 * SEND_WARPS * BATCH * MAX_TOPK  # s_bids, s_bw
-                 + SEND_WARPS * MAX_RANKS + SEND_WARPS + 4)  # s_ball, s_done
-        dwords = (3 * SEND_WARPS * MAX_RANKS + SEND_WARPS * len(SEND_TIMES)  # s_wpos..s_time
-                  + SEND_WARPS * MAX_STAGE_BATCHES * MAX_RANKS)  # s_stage
-        return 4 * words + 8 * dwords + 16 * 16 + 128 + self.ring_bytes
+                 + MAX_STAGE_BATCHES)  # s_arrive
+        dwords = SEND_WARPS * MAX_RANKS + SEND_WARPS * len(SEND_TIMES)  # s_head, s_time
+        return 4 * words + 8 * dwords + 13 * 16 + 128 + self.ring_bytes
 
     @property
     def bulk(self) -> bool:
@@ -247,20 +253,18 @@ class EpDispatch:
                 Param("shared_begin", "i32"),
                 Param("shared_end", "i32"),
                 Param("has_weights", "i32"),
-                Param("descriptor_bytes", "i32"),
+                Param("header_bytes", "i32"),
                 Param("source_stride", "i32"),
                 Param("load_bytes", "i32"),
                 Param("stage_bytes", "i32"),
-                Param("stage_slots", "i32"),
+                Param("stage_batches", "i32"),
                 Param("payload_vectors", "i32"),
                 Param("scales_offset", "i32"),
                 Param("row_capacity", "i32"),
                 Param("segment_rows", "i32"),
                 Param("channels", "i32"),
                 Param("active", "i32"),
-                Param("ring_slots", "i32"),
-                Param("chunk_tokens", "i32"),
-                Param("ring_offset", "i64"),
+                Param("headers_offset", "i64"),
                 Param("staging_offset", "i64"),
                 Param("counts_offset", "i64"),
                 Param("flags_offset", "i64"),
@@ -289,12 +293,12 @@ class EpDispatch:
                  max_tokens: Int32, topk: Int32,
                  local_experts: Int32, ranks: Int32, my_rank: Int32, shared: Int32,
                  skip_a2a: Int32, shared_begin: Int32, shared_end: Int32, has_weights: Int32,
-                 descriptor_bytes: Int32, source_stride: Int32, load_bytes: Int32,
-                 stage_bytes: Int32, stage_slots: Int32,
+                 header_bytes: Int32, source_stride: Int32, load_bytes: Int32,
+                 stage_bytes: Int32, stage_batches: Int32,
                  payload_vectors: Int32, scales_offset: Int32, row_capacity: Int32,
                  segment_rows: Int32,
-                 channels: Int32, active: Int32, ring_slots: Int32, chunk_tokens: Int32,
-                 ring_offset: Int64, staging_offset: Int64, counts_offset: Int64,
+                 channels: Int32, active: Int32,
+                 headers_offset: Int64, staging_offset: Int64, counts_offset: Int64,
                  flags_offset: Int64,
                  counters_offset: Int64, timeout_ns: Int64, trace: cute.Pointer,
                  tracing: Int32, stream):
@@ -304,10 +308,10 @@ class EpDispatch:
                     src_info, comb_rows, comb_weights, comb_tokens, comb_counts, chan_msgs,
                     num_tokens,
                     max_tokens, topk, local_experts, ranks, my_rank, shared, skip_a2a,
-                    shared_begin, shared_end, has_weights, descriptor_bytes, source_stride,
-                    load_bytes, stage_bytes, stage_slots, payload_vectors, scales_offset,
-                    row_capacity, segment_rows, channels, active, ring_slots, chunk_tokens,
-                    ring_offset, staging_offset, counts_offset, flags_offset,
+                    shared_begin, shared_end, has_weights, header_bytes, source_stride,
+                    load_bytes, stage_bytes, stage_batches, payload_vectors, scales_offset,
+                    row_capacity, segment_rows, channels, active,
+                    headers_offset, staging_offset, counts_offset, flags_offset,
                     counters_offset, timeout_ns, trace, tracing,
                     row_tiled_copy(WARP, Uint8, self.vector_bytes),
                     row_tiled_copy(WARP, Uint8, 16)).launch(
@@ -326,12 +330,12 @@ class EpDispatch:
                max_tokens: Int32, topk: Int32, local_experts: Int32, ranks: Int32,
                my_rank: Int32, shared: Int32,
                skip_a2a: Int32, shared_begin: Int32, shared_end: Int32, has_weights: Int32,
-               descriptor_bytes: Int32, source_stride: Int32, load_bytes: Int32,
-               stage_bytes: Int32, stage_slots: Int32,
+               header_bytes: Int32, source_stride: Int32, load_bytes: Int32,
+               stage_bytes: Int32, stage_batches: Int32,
                payload_vectors: Int32, scales_offset: Int32, row_capacity: Int32,
                segment_rows: Int32,
-               channels: Int32, active: Int32, ring_slots: Int32, chunk_tokens: Int32,
-               ring_offset: Int64, staging_offset: Int64, counts_offset: Int64,
+               channels: Int32, active: Int32,
+               headers_offset: Int64, staging_offset: Int64, counts_offset: Int64,
                flags_offset: Int64,
                counters_offset: Int64, timeout_ns: Int64, trace: cute.Pointer, tracing: Int32,
                warp_copy: cute.TiledCopy, send_copy: cute.TiledCopy):
@@ -341,7 +345,7 @@ class EpDispatch:
         lane = tidx % WARP
         experts = local_experts * ranks
         segments = local_experts + shared
-        entries = 1 + segments
+        entries = COUNT_SEGMENTS + segments
 
         smem = cutlass.memory.SmemAllocator()
         s_cnt = smem.allocate_tensor(Int32, cute.make_layout(MAX_EXPERTS + 2 * MAX_RANKS + 8),
@@ -355,32 +359,20 @@ class EpDispatch:
         s_raw = smem.allocate_tensor(Int32, cute.make_layout(MAX_SEGMENTS + 4), byte_alignment=16)
         s_first = smem.allocate_tensor(Int32, cute.make_layout(MAX_SEGMENTS + 4),
                                        byte_alignment=16)
-        s_src = smem.allocate_tensor(Int32, cute.make_layout(4 * MAX_RANKS), byte_alignment=16)
+        s_src = smem.allocate_tensor(Int32, cute.make_layout(SRC_WORDS * MAX_RANKS),
+                                     byte_alignment=16)
         s_rows = smem.allocate_tensor(Int32, cute.make_layout(RECV_WARPS * SCRATCH),
                                       byte_alignment=16)
         s_wts = smem.allocate_tensor(Float32, cute.make_layout(RECV_WARPS * MAX_CHUNK * MAX_TOPK),
                                      byte_alignment=16)
-        # Per sender warp: a batch's ids and weights, a ballot per destination, its stream
-        # positions, the ring credit it has seen, the slots of the token it is moving, its
-        # times; and per warp the batches it has completed.
-        s_bids = smem.allocate_tensor(Int32, cute.make_layout(SEND_WARPS * BATCH * MAX_TOPK),
-                                      byte_alignment=16)
-        s_bw = smem.allocate_tensor(Float32, cute.make_layout(SEND_WARPS * BATCH * MAX_TOPK),
-                                    byte_alignment=16)
-        s_ball = smem.allocate_tensor(Int32, cute.make_layout(SEND_WARPS * MAX_RANKS),
-                                      byte_alignment=16)
-        s_done = smem.allocate_tensor(Int32, cute.make_layout(SEND_WARPS + 4), byte_alignment=16)
-        s_wpos = smem.allocate_tensor(Int64, cute.make_layout(SEND_WARPS * MAX_RANKS),
-                                      byte_alignment=16)
+        # Per sender warp: the staging credit it has seen per destination, its times; per batch
+        # slot, the sender warps done with the batch it holds (`_send`).
+        s_arrive = smem.allocate_tensor(Int32, cute.make_layout(MAX_STAGE_BATCHES),
+                                        byte_alignment=16)
         s_head = smem.allocate_tensor(Int64, cute.make_layout(SEND_WARPS * MAX_RANKS),
-                                      byte_alignment=16)
-        s_slot = smem.allocate_tensor(Int64, cute.make_layout(SEND_WARPS * MAX_RANKS),
                                       byte_alignment=16)
         s_time = smem.allocate_tensor(Int64, cute.make_layout(SEND_WARPS * len(SEND_TIMES)),
                                       byte_alignment=16)
-        s_stage = smem.allocate_tensor(
-            Int64, cute.make_layout(SEND_WARPS * MAX_STAGE_BATCHES * MAX_RANKS),
-            byte_alignment=16)
         # Per receiver warp: PIECES pieces of messages, their mbarriers and what each holds.
         pieces, piece = self.ring_shape
         s_ring = smem.allocate_tensor(Uint8, cute.make_layout(pieces * piece), byte_alignment=128)
@@ -394,8 +386,8 @@ class EpDispatch:
             _stamp(trace, tracing, channel, "recv_wait_ns", 0)
             for f in cutlass.range_constexpr(len(SEND_TIMES)):
                 _stamp(trace, tracing, channel, SEND_TIMES[f], 0)
-        if tidx < SEND_WARPS:
-            s_done[tidx] = Int32(0)
+        if tidx < MAX_STAGE_BATCHES:
+            s_arrive[tidx] = Int32(0)
         if cutlass.const_expr(self.bulk):
             if tidx == 0:
                 for i in cutlass.range(RECV_WARPS * PIECES):
@@ -433,13 +425,15 @@ class EpDispatch:
             d = i // entries
             entry = i - d * entries
             value = Int32(0)
-            if entry == 0:
+            if entry == COUNT_MESSAGES:
                 value = s_cnt[msgs_at + d]
-            elif shared != 0 and entry == 1:
+            elif entry == COUNT_TOKENS:
+                value = t1 - t0
+            elif shared != 0 and entry == COUNT_SEGMENTS:
                 if d == my_rank:
                     value = s_cnt[shared_at]
             else:
-                value = s_cnt[d * local_experts + entry - 1 - shared]
+                value = s_cnt[d * local_experts + entry - COUNT_SEGMENTS - shared]
             store_i32(peers[d] + counts_offset
                        + Int64(counts_at((entry, channel, my_rank, parity))) * 4, value)
         cute.arch.sync_threads()
@@ -454,28 +448,24 @@ class EpDispatch:
         # 2. Send ----------------------------------------------------------------------------
         if warp < SEND_WARPS:
             self._send(warp, lane, channel, t0, t1, peers, here, source, scale_source,
-                       scale_stride, topk_ids, topk_weights,
-                       streams, error, topk, experts, local_experts, ranks, my_rank, shared,
-                       skip_a2a, shared_begin, shared_end, has_weights, descriptor_bytes,
-                       source_stride, load_bytes, stage_bytes, stage_slots, channels, ring_slots,
-                       ring_offset, staging_offset, counters_offset, counters, timeout_ns,
-                       payload_vectors, scales_offset, send_copy, s_bids, s_bw, s_ball, s_done,
-                       s_wpos, s_head, s_slot, s_time, s_stage, trace, tracing)
+                       scale_stride, topk_ids, topk_weights, streams, error, topk, ranks,
+                       my_rank, has_weights, header_bytes, source_stride, load_bytes,
+                       stage_bytes, stage_batches, channels, headers_offset, staging_offset,
+                       counters_offset, counters, timeout_ns, payload_vectors, scales_offset,
+                       send_copy, s_arrive, s_head, s_time, trace, tracing)
 
         # 3. Receive -------------------------------------------------------------------------
         if warp >= SEND_WARPS:
             self._receive(tidx - SEND_WARPS * WARP, channel, peers, here, streams, error, tokens,
                           scales, scales_offsets, row_offsets, expert_ids, seg_counts, src_info,
                           comb_rows, comb_weights, comb_tokens, comb_counts, chan_msgs,
-                          max_tokens, topk,
-                          local_experts, ranks, my_rank, shared, shared_begin, shared_end,
-                          descriptor_bytes, stage_bytes, stage_slots, payload_vectors,
-                          scales_offset, row_capacity, segment_rows, channels, active,
-                          ring_slots, chunk_tokens, ring_offset, staging_offset,
-                          counts_offset, flags_offset, counters_offset, counters, counts_at,
-                          flags_at, parity, epoch, timeout_ns, s_next, s_totals, s_off, s_tot,
-                          s_raw, s_first, s_src, s_rows, s_wts, s_ring, s_full, s_piece,
-                          warp_copy, trace, tracing)
+                          max_tokens, topk, local_experts, ranks, my_rank, shared, skip_a2a,
+                          shared_begin, shared_end, header_bytes, stage_bytes, stage_batches,
+                          payload_vectors, scales_offset, row_capacity, segment_rows, channels,
+                          active, headers_offset, staging_offset, counts_offset, flags_offset,
+                          counters_offset, counters, counts_at, flags_at, parity, epoch,
+                          timeout_ns, s_next, s_totals, s_off, s_tot, s_raw, s_first, s_src,
+                          s_rows, s_wts, s_ring, s_full, s_piece, warp_copy, trace, tracing)
 
         # The last CTA to finish advances the round.
         cute.arch.sync_threads()
@@ -490,50 +480,28 @@ class EpDispatch:
     def _send(self, sw, lane, channel, t0, t1, peers: cute.Tensor, here, source: cute.Pointer,
               scale_source: cute.Pointer, scale_stride, topk_ids: cute.Pointer,
               topk_weights: cute.Pointer, streams: cute.Pointer, error: cute.Pointer, topk,
-              experts, local_experts, ranks, my_rank, shared, skip_a2a, shared_begin,
-              shared_end, has_weights, descriptor_bytes, source_stride, load_bytes, stage_bytes,
-              stage_slots, channels, ring_slots, ring_offset, staging_offset, counters_offset,
+              ranks, my_rank, has_weights, header_bytes, source_stride, load_bytes, stage_bytes,
+              stage_batches, channels, headers_offset, staging_offset, counters_offset,
               counters, timeout_ns, payload_vectors, scales_offset, send_copy: cute.TiledCopy,
-              s_bids: cute.Tensor, s_bw: cute.Tensor, s_ball: cute.Tensor, s_done: cute.Tensor,
-              s_wpos: cute.Tensor, s_head: cute.Tensor, s_slot: cute.Tensor,
-              s_time: cute.Tensor, s_stage: cute.Tensor, trace: cute.Pointer, tracing):
-        """Sender warp `sw`: its share of every batch (tokens sw, sw + SEND_WARPS, ...), each
-        token copied once into its staging slot and described in every destination's ring; the
-        last warp to finish a batch publishes the tails at its end."""
-        ring = ring_layout(descriptor_bytes, ring_slots, channels, ranks)
-        stage = staging_layout(stage_bytes, stage_slots, channels)
-        stage_batches = stage_slots // BATCH
+              s_arrive: cute.Tensor, s_head: cute.Tensor, s_time: cute.Tensor,
+              trace: cute.Pointer, tracing):
+        """Sender warp `sw`: every batch of the channel's tokens into the next batch slot of this
+        rank's staging, this warp's share of its header words and its tokens b = sw,
+        sw + SEND_WARPS, ...; the last warp done with a batch publishes it."""
+        stage = staging_layout(stage_bytes, stage_batches * BATCH, channels)
+        headers = headers_layout(header_bytes, stage_batches, channels)
+        hdr = batch_header_layout(topk)
         credit_at = here + counters_offset  # destinations' credit lands in these counters
-
-        meta = metadata_layout(topk)
-        words = DESCRIPTOR_META + meta.cosize()
         mine = sw * MAX_RANKS  # this warp's words of the per-destination arrays
         times = sw * len(SEND_TIMES)
-        # Per (staging batch, destination): the stream position after this warp's last token of
-        # that batch sent there; the slots are restaged once the destination's credit passes it.
-        staged = sw * MAX_STAGE_BATCHES * MAX_RANKS
-        ids = cute.make_tensor(s_bids.iterator + sw * BATCH * MAX_TOPK,
-                               cute.make_layout(BATCH * MAX_TOPK))
-        wts = cute.make_tensor(s_bw.iterator + sw * BATCH * MAX_TOPK,
-                               cute.make_layout(BATCH * MAX_TOPK))
-        for i in cutlass.range(lane, MAX_STAGE_BATCHES * MAX_RANKS, WARP):
-            s_stage[staged + i] = Int64(0)
-        ok = Int32(1)
+        # Batches this channel staged in earlier rounds (the same count for every destination).
+        position = cute.arch.load(gmem_ptr(
+            Int64, streams.toint() + Int64(counters((channel, 0, TAILS, DISPATCH))) * 8, 8), Int64)
         if lane < ranks:
-            # Where this channel's stream to each destination stands, and the credit returned.
-            # The staging slots were last filled in an earlier round: every destination must
-            # have consumed that round's messages before they are filled again.
-            s_wpos[mine + lane] = cute.arch.load(gmem_ptr(
-                Int64, streams.toint() + Int64(counters((channel, lane, TAILS, DISPATCH))) * 8,
-                8), Int64)
             s_head[mine + lane] = Int64(-1)  # nothing seen yet: the first wait reads it
-            ok = _await_credit(credit_at, counters, channel, lane, s_wpos[mine + lane], s_head,
-                               mine + lane, timeout_ns, error)
         if lane < len(SEND_TIMES):
             s_time[times + lane] = Int64(0)
         alive = Int32(1)
-        if cute.arch.vote_ballot_sync(ok == 0) != 0:
-            alive = Int32(0)
         cute.arch.sync_warp()
         # The message bytes a sender moves (payload and scales) as rows of 16-byte vectors, in
         # tiles of SEND_VECTORS vectors per lane.
@@ -543,172 +511,106 @@ class EpDispatch:
         g_crd = cute.zipped_divide(cute.make_identity_tensor(layout.shape), tiler)
         thr = send_copy.get_slice(lane)
         tiles = cute.ceil_div(load_vectors, WARP * SEND_VECTORS)
-        batch_no = Int32(0)
-        for batch in cutlass.range(t0, t1, BATCH):
+        batches = (t1 - t0 + BATCH - 1) // BATCH
+        for i in cutlass.range(batches):
+            at = position + Int64(i)  # the batch's place in the channel's stream
+            slot = Int32(at % Int64(stage_batches))
+            batch = t0 + i * BATCH
+            n = cutlass.min(Int32(BATCH), t1 - batch)
             start = Int64(0)
             if tracing != 0:
                 start = cute.arch.globaltimer()
-            n = t1 - batch
-            if n > BATCH:
-                n = Int32(BATCH)
-            # The batch's ids and weights (contiguous in [T, K]), every load in flight before
-            # the first store; indices past the batch read its last word again (in bounds).
-            at = Int64(batch) * Int64(topk)
-            batch_words = n * topk
-            ids_regs = []
-            wts_regs = []
-            for k in cutlass.range_constexpr(BATCH * MAX_TOPK // WARP):
-                i = cutlass.min(k * WARP + lane, batch_words - 1)
-                ids_regs.append(load_i32(topk_ids.toint() + (at + Int64(i)) * 4))
-                # Without weights, word 0 of the placeholder is read and replaced by 0.
-                wts_regs.append(load_f32(topk_weights.toint()
-                                         + (at + Int64(i)) * 4 * Int64(has_weights)))
-            for k in cutlass.range_constexpr(BATCH * MAX_TOPK // WARP):
-                i = k * WARP + lane
-                if i < batch_words:
-                    b = i // topk
-                    w = wts_regs[k]
-                    if has_weights == 0:
-                        w = Float32(0.0)
-                    ids[b * MAX_TOPK + i - b * topk] = ids_regs[k]
-                    wts[b * MAX_TOPK + i - b * topk] = w
-            cute.arch.sync_warp()
-            mask = Int32(0)
-            if lane < n:
-                mask, _ = route_ids(ids, lane, MAX_TOPK, batch + lane, topk, experts,
-                                    local_experts, my_rank, skip_a2a, shared, shared_begin,
-                                    shared_end, s_bids, False)
-            # Bit b of destination d's ballot: token b goes to d. A message's position in d's
-            # stream is the warp's position at the batch plus the ballot's bits below it.
-            for d in cutlass.range(ranks):
-                ballot = cute.arch.vote_ballot_sync(((mask >> d) & 1) != 0)
-                if lane == 0:
-                    s_ball[mine + d] = ballot
-            # This warp's staging slots of the batch are free once every destination consumed
-            # what they held (the same warp staged those tokens stage_batches batches ago).
-            sb = batch_no % stage_batches
-            if tracing != 0 and lane == 0:
-                s_time[times + 1] += cute.arch.globaltimer() - start
-                start = cute.arch.globaltimer()
+            # The slot is free once every destination is done with the batch it held.
             ok = Int32(1)
             if lane < ranks and alive != 0:
                 ok = _await_credit(credit_at, counters, channel, lane,
-                                   s_stage[staged + sb * MAX_RANKS + lane], s_head, mine + lane,
-                                   timeout_ns, error)
+                                   at - Int64(stage_batches) + 1, s_head, mine + lane, timeout_ns,
+                                   error)
             if cute.arch.vote_ballot_sync(ok == 0) != 0:
                 alive = Int32(0)
-            cute.arch.sync_warp()
             if tracing != 0 and lane == 0:
                 s_time[times] += cute.arch.globaltimer() - start
-            for b in cutlass.range(sw, n, SEND_WARPS):
-                m = cute.arch.shuffle_sync(mask, b)
-                if m != 0 and alive != 0:
+                start = cute.arch.globaltimer()
+            if alive != 0:
+                # The header: ids and weights as [n, K] words, as in topk_ids (this warp's
+                # share), then the tokens' indices.
+                head = cute.make_tensor(gmem_ptr(Int32, here + headers_offset + Int64(
+                    headers((0, slot, channel))), 16), cute.make_layout(
+                    header_token_word(topk, BATCH)))
+                head_f = cute.make_tensor(gmem_ptr(Float32, head.iterator.toint(), 16),
+                                          cute.make_layout(header_token_word(topk, BATCH)))
+                for w in cutlass.range(sw * WARP + lane, n * topk, SEND_WARPS * WARP):
+                    b = w // topk
+                    k = w - b * topk
+                    from_at = Int64(batch) * Int64(topk) + Int64(w)
+                    head[hdr((k, IDS, b))] = load_i32(topk_ids.toint() + from_at * 4)
+                    weight = Float32(0.0)
+                    if has_weights != 0:
+                        weight = load_f32(topk_weights.toint() + from_at * 4)
+                    head_f[hdr((k, WEIGHTS, b))] = weight
+                if sw == SEND_WARPS - 1 and lane < n:
+                    head[header_token_word(topk, lane)] = batch + lane
+                if tracing != 0 and lane == 0:
+                    s_time[times + 1] += cute.arch.globaltimer() - start
+                    start = cute.arch.globaltimer()
+                for b in cutlass.range(sw, n, SEND_WARPS):
                     tok = batch + b
-                    slot_no = sb * BATCH + b
-                    if lane == 0:
-                        start = Int64(0)
-                        if tracing != 0:
-                            start = cute.arch.globaltimer()
-                        for i in cutlass.range(ranks):
-                            d = (my_rank + sw + i) % ranks
-                            slot = Int64(-1)
-                            if (m >> d) & 1 != 0 and alive != 0:
-                                below = s_ball[mine + d] & ((Int32(1) << b) - 1)
-                                pos = s_wpos[mine + d] + Int64(cute.arch.popc(below))
-                                # The ring slot is free once d consumed the message before.
-                                alive = _await_credit(credit_at, counters, channel, d,
-                                                      pos - Int64(ring_slots) + 1, s_head,
-                                                      mine + d, timeout_ns, error)
-                                if alive != 0:
-                                    slot = peers[d] + ring_offset + Int64(ring(
-                                        (0, Int32(pos % Int64(ring_slots)), channel, my_rank)))
-                                    s_stage[staged + sb * MAX_RANKS + d] = pos + 1
-                            s_slot[mine + d] = slot
-                        if tracing != 0:
-                            s_time[times] += cute.arch.globaltimer() - start
-                    alive = cute.arch.shuffle_sync(alive, 0)
-                    cute.arch.sync_warp()
-                    if alive != 0:
-                        start = Int64(0)
-                        if tracing != 0:
-                            start = cute.arch.globaltimer()
-                        staged_at = here + staging_offset + Int64(stage((0, slot_no, channel)))
-                        g_src = cute.zipped_divide(cute.make_tensor(gmem_ptr(
-                            Uint8, source.toint() + Int64(tok) * Int64(source_stride), 16),
-                            layout), tiler)
-                        g_dst = cute.zipped_divide(cute.make_tensor(
-                            gmem_ptr(Uint8, staged_at, 16), layout), tiler)
-                        for tile in cutlass.range(tiles):
-                            pred = row_predicate(thr.partition_S(g_crd[((None, None), tile)]),
-                                                 load_vectors)
-                            t_src = thr.partition_S(g_src[((None, None), tile)])
-                            regs = cute.make_fragment_like(t_src)
-                            cute.copy(send_copy, t_src, regs, pred=pred)
-                            cute.copy(send_copy, regs, thr.partition_D(g_dst[((None, None), tile)]),
-                                      pred=pred)
-                        if cutlass.const_expr(self.fmt == "fp8"):
-                            # FP8's scales come from their own rows (the payload above is H
-                            # bytes of codes): one fp32 word a lane.
-                            scale_words = payload_vectors * self.vector_bytes // FP8_BLOCK
-                            src = scale_source.toint() + Int64(tok) * Int64(scale_stride)
-                            for w0 in cutlass.range(0, scale_words, WARP):
-                                w = w0 + lane
-                                if w < scale_words:
-                                    store_i32(staged_at + Int64(scales_offset) + Int64(w) * 4,
-                                              load_i32(src + Int64(w) * 4))
-                        for d in cutlass.range(ranks):
-                            slot = s_slot[mine + d]
-                            if slot >= 0:
-                                if lane < topk:
-                                    cute.make_tensor(gmem_ptr(Int32, slot, 16), cute.make_layout(
-                                        words))[DESCRIPTOR_META + meta((lane, IDS))] = \
-                                        ids[b * MAX_TOPK + lane]
-                                    cute.make_tensor(gmem_ptr(Float32, slot, 16), cute.make_layout(
-                                        words))[DESCRIPTOR_META + meta((lane, WEIGHTS))] = \
-                                        wts[b * MAX_TOPK + lane]
-                                if lane == WARP - 1:
-                                    cute.make_tensor(gmem_ptr(Int32, slot, 16), cute.make_layout(
-                                        words))[DESCRIPTOR_TOKEN] = tok
-                                if lane == WARP - 2:
-                                    cute.make_tensor(gmem_ptr(Int32, slot, 16), cute.make_layout(
-                                        words))[DESCRIPTOR_STAGE] = slot_no
-                        if tracing != 0 and lane == 0:
-                            s_time[times + 2] += cute.arch.globaltimer() - start
-            # This warp's share of the batch is written: release it. The warp that sees every
-            # warp past the batch publishes the batch's end as each destination's tail (a
-            # warp marks a batch done only after its tails of earlier batches, so they grow).
+                    staged_at = here + staging_offset + Int64(stage((0, slot * BATCH + b,
+                                                                     channel)))
+                    g_src = cute.zipped_divide(cute.make_tensor(gmem_ptr(
+                        Uint8, source.toint() + Int64(tok) * Int64(source_stride), 16),
+                        layout), tiler)
+                    g_dst = cute.zipped_divide(cute.make_tensor(
+                        gmem_ptr(Uint8, staged_at, 16), layout), tiler)
+                    for tile in cutlass.range(tiles):
+                        pred = row_predicate(thr.partition_S(g_crd[((None, None), tile)]),
+                                             load_vectors)
+                        t_src = thr.partition_S(g_src[((None, None), tile)])
+                        regs = cute.make_fragment_like(t_src)
+                        cute.copy(send_copy, t_src, regs, pred=pred)
+                        cute.copy(send_copy, regs, thr.partition_D(g_dst[((None, None), tile)]),
+                                  pred=pred)
+                    if cutlass.const_expr(self.fmt == "fp8"):
+                        # FP8's scales come from their own rows (the payload above is H bytes
+                        # of codes): one fp32 word a lane.
+                        scale_words = payload_vectors * self.vector_bytes // FP8_BLOCK
+                        src = scale_source.toint() + Int64(tok) * Int64(scale_stride)
+                        for w0 in cutlass.range(0, scale_words, WARP):
+                            w = w0 + lane
+                            if w < scale_words:
+                                store_i32(staged_at + Int64(scales_offset) + Int64(w) * 4,
+                                          load_i32(src + Int64(w) * 4))
+                if tracing != 0 and lane == 0:
+                    s_time[times + 2] += cute.arch.globaltimer() - start
+            # This warp's share of the batch is written. The warp that completes the batch
+            # (the last of SEND_WARPS to arrive at its slot's counter) fences once at system
+            # scope, covering every warp's stores (each arrived after its own), and publishes
+            # the batch to every destination. It does so before it arrives at any later batch,
+            # so a later batch is published after this one: tails only grow.
             cute.arch.sync_warp()
             if alive != 0 and lane == 0:
                 start = Int64(0)
                 if tracing != 0:
                     start = cute.arch.globaltimer()
-                cute.arch.fence_acq_rel_sys()
-                cute.arch.store(s_done.iterator + sw, batch_no + 1, sem="release", scope="cta")
-                last = Int32(1)
-                for w in cutlass.range_constexpr(SEND_WARPS):
-                    if cute.arch.load(s_done.iterator + w, Int32, sem="acquire",
-                                      scope="cta") <= batch_no:
-                        last = Int32(0)
-                if last != 0:
+                old = cute.arch.atomic_add(s_arrive.iterator + slot, Int32(1), sem="acq_rel",
+                                           scope="cta")
+                if old == SEND_WARPS - 1:
+                    # The slot's next batch starts only after every destination returned credit
+                    # for this one, so the counter is reset before anyone arrives there again.
+                    s_arrive[slot] = Int32(0)
+                    cute.arch.fence_acq_rel_sys()
                     for d in cutlass.range(ranks):
-                        sent = cute.arch.popc(s_ball[mine + d])
-                        if sent != 0:
-                            tail = peers[d] + counters_offset + Int64(
-                                counters((channel, my_rank, TAILS, DISPATCH))) * 8
-                            cute.arch.store(gmem_ptr(Int64, tail, 8),
-                                            s_wpos[mine + d] + Int64(sent), sem="release",
-                                            scope="sys")
+                        tail = peers[d] + counters_offset + Int64(
+                            counters((channel, my_rank, TAILS, DISPATCH))) * 8
+                        cute.arch.store(gmem_ptr(Int64, tail, 8), at + 1, sem="release",
+                                        scope="sys")
                 if tracing != 0:
                     s_time[times + 3] += cute.arch.globaltimer() - start
-            if lane == 0:
-                for d in cutlass.range(ranks):
-                    s_wpos[mine + d] = s_wpos[mine + d] + Int64(cute.arch.popc(s_ball[mine + d]))
-            batch_no = batch_no + 1
             cute.arch.sync_warp()
-        if sw == 0 and lane < ranks:
+        if sw == 0 and lane == 0:
             cute.arch.store(gmem_ptr(Int64, streams.toint()
-                                 + Int64(counters((channel, lane, TAILS, DISPATCH))) * 8, 8),
-                            s_wpos[mine + lane])
+                                 + Int64(counters((channel, 0, TAILS, DISPATCH))) * 8, 8),
+                            position + Int64(batches))
         if lane == 0:
             _stamp_max(trace, tracing, channel, "send_done", cute.arch.globaltimer())
             for f in cutlass.range_constexpr(len(SEND_TIMES)):
@@ -721,10 +623,9 @@ class EpDispatch:
                  expert_ids: cute.Pointer, seg_counts: cute.Pointer, src_info: cute.Pointer,
                  comb_rows: cute.Pointer, comb_weights: cute.Pointer, comb_tokens: cute.Pointer,
                  comb_counts: cute.Pointer, chan_msgs: cute.Pointer, max_tokens, topk,
-                 local_experts, ranks, my_rank,
-                 shared, shared_begin, shared_end, descriptor_bytes, stage_bytes,
-                 stage_slots, payload_vectors, scales_offset, row_capacity, segment_rows,
-                 channels, active, ring_slots, chunk_tokens, ring_offset, staging_offset,
+                 local_experts, ranks, my_rank, shared, skip_a2a, shared_begin, shared_end,
+                 header_bytes, stage_bytes, stage_batches, payload_vectors, scales_offset,
+                 row_capacity, segment_rows, channels, active, headers_offset, staging_offset,
                  counts_offset, flags_offset, counters_offset, counters, counts_at, flags_at,
                  parity, epoch, timeout_ns, s_next: cute.Tensor, s_totals: cute.Tensor,
                  s_off: cute.Tensor, s_tot: cute.Tensor, s_raw: cute.Tensor, s_first: cute.Tensor,
@@ -754,23 +655,34 @@ class EpDispatch:
         failed = cute.arch.load(error, Int32, sem="relaxed", scope="gpu") != 0 or \
             (cute.arch.load(error_field(error, "bad_counts"), Int32, sem="relaxed",
                             scope="gpu") & ERROR_CHANNELS) != 0
-        # Per source: messages of this channel, messages of the channels before it, in total.
+        # Per source: messages of this channel, messages of the channels before it, in total;
+        # the tokens of its channel (so its batches).
         if rt < ranks:
             n = Int32(0)
             before = Int32(0)
             total = Int32(0)
+            ntok = Int32(0)
             if not failed:
-                before, total = self._sum_counts(here, counts_offset, counts_at, 0, rt, parity,
-                                                 channel, active, max_tokens, error)
-                n = self._count(here, counts_offset, counts_at, 0, channel, rt, parity)
-                if n < 0 or n > max_tokens:
+                before, total = self._sum_counts(here, counts_offset, counts_at, COUNT_MESSAGES,
+                                                 rt, parity, channel, active, max_tokens, error)
+                n = self._count(here, counts_offset, counts_at, COUNT_MESSAGES, channel, rt,
+                                parity)
+                ntok = self._count(here, counts_offset, counts_at, COUNT_TOKENS, channel, rt,
+                                   parity)
+                if n < 0 or n > max_tokens or ntok < n or ntok > max_tokens:
+                    cute.arch.atomic_or(error_field(error, "bad_counts"), Int32(ERROR_COUNTS),
+                                        sem="relaxed", scope="gpu")
                     n = Int32(0)
+                    ntok = Int32(0)
             if total > max_tokens:
                 cute.arch.atomic_or(error_field(error, "bad_counts"), Int32(ERROR_COUNTS),
                                     sem="relaxed", scope="gpu")
                 n = Int32(0)
+                ntok = Int32(0)
                 total = Int32(0)
             s_src[rt] = n
+            s_src[3 * MAX_RANKS + rt] = Int32(0)  # set once a warp of source rt gives up
+            s_src[4 * MAX_RANKS + rt] = ntok
             cute.make_tensor(chan_msgs, channel_messages_layout(ranks, channels).to_cute())[
                 (rt, channel)] = n
             s_src[MAX_RANKS + rt] = before
@@ -783,8 +695,9 @@ class EpDispatch:
             part = Int32(0)
             total = Int32(0)
             if not failed:
-                part, total = self._sum_counts(here, counts_offset, counts_at, 1 + g, s, parity,
-                                               channel, active, max_tokens, error)
+                part, total = self._sum_counts(here, counts_offset, counts_at,
+                                               COUNT_SEGMENTS + g, s, parity, channel, active,
+                                               max_tokens, error)
             s_next[s * MAX_SEGMENTS + g] = part
             s_totals[s * MAX_SEGMENTS + g] = total
         cute.arch.barrier(barrier_id=1, number_of_threads=threads)
@@ -853,13 +766,12 @@ class EpDispatch:
         if sub < per_source:
             self._expand(lane, sub, per_source, s, channel, peers, here, streams, error, tokens,
                          scales, src_info, comb_rows, comb_weights, comb_tokens, max_tokens,
-                         topk, local_experts, ranks, my_rank, shared, shared_begin, shared_end,
-                         descriptor_bytes, stage_bytes, stage_slots, payload_vectors,
-                         scales_offset, row_capacity, channels, ring_slots, chunk_tokens,
-                         ring_offset, staging_offset, counters_offset,
-                         counters, timeout_ns, s_next, s_off, s_first, s_src, s_rows, s_wts,
-                         s_ring, s_full, s_piece, rwarp, warp_copy, payload_bytes, blocks,
-                         scale_cols, rk, trace, tracing)
+                         topk, local_experts, ranks, my_rank, shared, skip_a2a, shared_begin,
+                         shared_end, header_bytes, stage_bytes, stage_batches, payload_vectors,
+                         scales_offset, row_capacity, channels, headers_offset, staging_offset,
+                         counters_offset, counters, timeout_ns, s_next, s_off, s_first, s_src,
+                         s_rows, s_wts, s_ring, s_full, s_piece, rwarp, warp_copy,
+                         payload_bytes, blocks, scale_cols, rk, trace, tracing)
 
     @cute.jit
     def _count(self, here, counts_offset, counts_at, entry, c, s, parity):
@@ -894,27 +806,27 @@ class EpDispatch:
                 streams: cute.Pointer, error: cute.Pointer, tokens: cute.Pointer,
                 scales: cute.Pointer, src_info: cute.Pointer, comb_rows: cute.Pointer,
                 comb_weights: cute.Pointer, comb_tokens: cute.Pointer, max_tokens, topk,
-                local_experts, ranks, my_rank, shared, shared_begin, shared_end,
-                descriptor_bytes, stage_bytes, stage_slots, payload_vectors, scales_offset,
-                row_capacity, channels, ring_slots, chunk_tokens, ring_offset, staging_offset,
-                counters_offset, counters, timeout_ns, s_next: cute.Tensor, s_off: cute.Tensor,
+                local_experts, ranks, my_rank, shared, skip_a2a, shared_begin, shared_end,
+                header_bytes, stage_bytes, stage_batches, payload_vectors, scales_offset,
+                row_capacity, channels, headers_offset, staging_offset, counters_offset,
+                counters, timeout_ns, s_next: cute.Tensor, s_off: cute.Tensor,
                 s_first: cute.Tensor, s_src: cute.Tensor, s_scratch: cute.Tensor,
                 s_wts: cute.Tensor, s_ring: cute.Tensor, s_full: cute.Pointer,
                 s_piece: cute.Tensor, rwarp, warp_copy: cute.TiledCopy, payload_bytes, blocks,
                 scale_cols, rk, trace: cute.Pointer, tracing):
-        """One warp of source s: s's messages of this channel, a chunk at a time: as many as
-        have arrived, up to `chunk_tokens` (a source restages a slot only once its messages are
-        consumed, so waiting for a whole chunk could wait for it). The first warp of s decides
-        each chunk's size; every warp of s reads the chunk's descriptors and places its rows (so
-        each keeps the same next-row counters); message m of the chunk is then pulled from the
-        source's staging by warp m % per_source and stored to its rows."""
-        ring = ring_layout(descriptor_bytes, ring_slots, channels, ranks)
-        stage = staging_layout(stage_bytes, stage_slots, channels)
-        meta = metadata_layout(topk)
-        words = DESCRIPTOR_META + meta.cosize()
+        """One warp of source s: s's batches of this channel in order, once each is published,
+        until the last message from s has landed. Every warp of s reads the batch's header and
+        places the rows of its messages (so each keeps the same next-row counters), MAX_CHUNK
+        tokens at a time; message m of a chunk is then pulled from the source's staging by warp
+        m % per_source and stored to its rows. The warps of s meet at a named barrier after
+        each batch, which then goes back to s."""
+        stage = staging_layout(stage_bytes, stage_batches * BATCH, channels)
+        headers = headers_layout(header_bytes, stage_batches, channels)
+        hdr = batch_header_layout(topk)
         n = s_src[s]
         first_msg = s_src[MAX_RANKS + s]
-        chunk_at = 3 * MAX_RANKS + s  # s_src word holding the chunk size the first warp chose
+        ntok = s_src[4 * MAX_RANKS + s]
+        batches = (ntok + BATCH - 1) // BATCH
         consumed = cute.arch.load(gmem_ptr(Int64, streams.toint() + Int64(
             counters((channel, s, HEADS, DISPATCH))) * 8, 8), Int64)
         tail_word = here + counters_offset + Int64(counters((channel, s, TAILS, DISPATCH))) * 8
@@ -942,158 +854,216 @@ class EpDispatch:
         tail = consumed
         alive = Int32(1)
         waited = Int64(0)
-        j0 = Int32(0)
-        while j0 < n:
-            p0 = consumed + Int64(j0)
-            cnt = Int32(0)
-            if sub == 0:
-                if lane == 0:
-                    if tail <= p0 and alive != 0:
-                        start = Int64(0)
-                        if tracing != 0:
-                            start = cute.arch.globaltimer()
-                        tail, alive = _wait_at_least(tail_word, p0 + 1, timeout_ns, error, s,
-                                                     Int32(PHASE_DISPATCH))
-                        if tracing != 0:
-                            waited = waited + cute.arch.globaltimer() - start
-                    cnt = Int32(cutlass.min(tail - p0, Int64(cutlass.min(chunk_tokens, n - j0))))
-                    if alive == 0:
-                        cnt = Int32(-1)
-                cnt = cute.arch.shuffle_sync(cnt, 0)
-            if per_source > 1:
-                if sub == 0 and lane == 0:
-                    s_src[chunk_at] = cnt
-                cute.arch.barrier(barrier_id=2 + s, number_of_threads=WARP * per_source)
-                cnt = s_src[chunk_at]
-            if cnt < 0:
-                j0 = n  # a rank timed out: the rest of this stream is given up
-            else:
-                # The chunk's descriptors: ids, weights, source tokens and staging slots (loads
-                # into shared memory, all in flight together).
-                for i in cutlass.range(lane, cnt * topk, WARP, unroll=4):
-                    m = i // topk
-                    k = i - m * topk
-                    desc = here + ring_offset + Int64(
-                        ring((0, Int32((p0 + Int64(m)) % Int64(ring_slots)), channel, s)))
-                    s_scratch[scratch + IDS_AT + i] = cute.make_tensor(
-                        gmem_ptr(Int32, desc, 16), cute.make_layout(words))[
-                        DESCRIPTOR_META + meta((k, IDS))]
-                    s_wts[wts + i] = cute.make_tensor(
-                        gmem_ptr(Float32, desc, 16), cute.make_layout(words))[
-                        DESCRIPTOR_META + meta((k, WEIGHTS))]
-                if lane < cnt:
-                    desc = cute.make_tensor(gmem_ptr(Int32, here + ring_offset + Int64(ring(
-                        (0, Int32((p0 + Int64(lane)) % Int64(ring_slots)), channel, s))), 16),
-                        cute.make_layout(words))
-                    s_scratch[scratch + TOKS_AT + lane] = desc[DESCRIPTOR_TOKEN]
-                    slot_no = desc[DESCRIPTOR_STAGE]
-                    if slot_no < 0 or slot_no >= stage_slots:
-                        cute.arch.atomic_or(error_field(error, "bad_counts"),
-                                            Int32(ERROR_COUNTS), sem="relaxed", scope="gpu")
-                        slot_no = Int32(0)
-                    s_scratch[scratch + STAGE_AT + lane] = slot_no
-                cute.arch.sync_warp()
-                # Each (message, k)'s local segment: -1 for another rank's expert, an id
-                # outside the experts, or a later k naming an expert an earlier k named (the
-                # sender counted the same pairs).
-                for i in cutlass.range(lane, cnt * topk, WARP):
-                    m = i // topk
-                    k = i - m * topk
-                    e = s_scratch[scratch + IDS_AT + i]
-                    g = Int32(-1)
-                    if e >= lo and e < lo + local_experts:
-                        g = e - lo + shared
-                        for k2 in cutlass.range(k):
-                            if s_scratch[scratch + IDS_AT + m * topk + k2] == e:
-                                g = Int32(-1)
-                    s_scratch[scratch + SEGS_AT + i] = g
-                cute.arch.sync_warp()
-                # Rows, message by message (the experts of one message differ, so its lanes
-                # never share a counter).
-                for m in cutlass.range(cnt):
-                    row = Int32(-1)
-                    if lane < topk:
-                        g = s_scratch[scratch + SEGS_AT + m * topk + lane]
-                        if g >= 0:
-                            row = s_next[next_at + g]
-                            s_next[next_at + g] = row + 1
-                            if cutlass.const_expr(self.fmt == "nvfp4"):
-                                s_scratch[scratch + SROWS_AT + m * ROWS + lane] = \
-                                    row - s_off[g] + s_first[g] * ATOM_ROWS
-                    if lane == topk:
-                        tok = s_scratch[scratch + TOKS_AT + m]
-                        if shared != 0 and s == my_rank and tok >= shared_begin \
-                                and tok < shared_end:
-                            row = tok - shared_begin  # segment 0: this rank's tokens in order
-                        if cutlass.const_expr(self.fmt == "nvfp4"):
-                            s_scratch[scratch + SROWS_AT + m * ROWS + lane] = row
-                    if lane <= topk:
-                        s_scratch[scratch + ROWS_AT + m * ROWS + lane] = row
-                cute.arch.sync_warp()
-                if sub == 0:
-                    self._record(lane, s, first_msg + j0, cnt, topk, max_tokens, src_info,
-                                 comb_rows, comb_weights, comb_tokens, s_scratch, s_wts, scratch,
-                                 wts)
+        placed = Int32(0)  # messages of s this warp has seen
+        i = Int32(0)
+        while i < batches and placed < n:
+            at = consumed + Int64(i)
+            # Every warp of s waits for the batch itself (one lane polls).
+            if lane == 0:
+                if tail <= at and alive != 0:
+                    start = Int64(0)
+                    if tracing != 0:
+                        start = cute.arch.globaltimer()
+                    tail, alive = _wait_at_least(tail_word, at + 1, timeout_ns, error, s,
+                                                 Int32(PHASE_DISPATCH))
+                    if tracing != 0:
+                        waited = waited + cute.arch.globaltimer() - start
+            alive = cute.arch.shuffle_sync(alive, 0)
+            if alive != 0:
+                slot = Int32(at % Int64(stage_batches))
+                head = cute.make_tensor(gmem_ptr(Int32, peers[s] + headers_offset + Int64(
+                    headers((0, slot, channel))), 16), cute.make_layout(
+                    header_token_word(topk, BATCH)))
+                head_f = cute.make_tensor(gmem_ptr(Float32, head.iterator.toint(), 16),
+                                          cute.make_layout(header_token_word(topk, BATCH)))
                 if cutlass.const_expr(self.bulk):
-                    # Every piece of this warp's messages of the chunk through the warp's ring;
-                    # all of them have landed (and their row stores are issued) on return.
                     if lane == 0:
                         cute.arch.fence_proxy("async.global")  # the tail's acquire, then bulk
-                    for m in cutlass.range(sub, cnt, per_source):
-                        msg = staging + Int64(stage((0, s_scratch[scratch + STAGE_AT + m],
-                                                     channel)))
-                        for p in cutlass.range(pieces):
-                            issued, drained = self._pull_piece(
-                                lane, msg, m, p, issued, drained, payload_bytes, pieces_at, full,
-                                s_piece, held, tokens, topk, s_scratch, scratch)
-                    while drained < issued:
-                        drained = self._store_piece(lane, drained, payload_bytes, pieces_at,
-                                                    full, s_piece, held, tokens, topk, s_scratch,
-                                                    scratch)
-                else:
-                    for m in cutlass.range(sub, cnt, per_source):
-                        msg = staging + Int64(stage((0, s_scratch[scratch + STAGE_AT + m],
-                                                     channel)))
-                        rows_at = scratch + ROWS_AT + m * ROWS
-                        g_src = cute.zipped_divide(cute.make_tensor(gmem_ptr(Uint8, msg, 16),
-                                                                    layout), tiler)
-                        for tile in cutlass.range(tiles):
-                            pred = row_predicate(thr.partition_S(g_crd[((None, None), tile)]),
-                                                 payload_vectors)
-                            t_src = thr.partition_S(g_src[((None, None), tile)])
-                            regs = cute.make_fragment_like(t_src)
-                            cute.copy(warp_copy, t_src, regs, pred=pred)
-                            for k in cutlass.range(topk + 1):
-                                r = s_scratch[rows_at + k]
-                                if r >= 0:
-                                    g_dst = cute.zipped_divide(cute.make_tensor(gmem_ptr(
-                                        Uint8, tokens.toint() + Int64(r) * payload_bytes, vec),
-                                        layout), tiler)
-                                    cute.copy(warp_copy, regs,
-                                              thr.partition_D(g_dst[((None, None), tile)]),
-                                              pred=row_predicate(
-                                                  thr.partition_S(g_crd[((None, None), tile)]),
-                                                  payload_vectors))
-                        self._scales(lane, msg, scales, scales_offset, row_capacity, topk,
-                                     blocks, scale_cols, rk, s_scratch, rows_at,
-                                     scratch + SROWS_AT + m * ROWS)
-                # Credit back to the source once every warp of s is done with the chunk.
-                # Relaxed: every load from the chunk's descriptors and staged messages has
-                # returned (its value is already in shared memory or stored to a row), so the
-                # source may overwrite them; a release would also wait until this warp's row
-                # stores are acknowledged, which the source does not need.
+                in_batch = cutlass.min(Int32(BATCH), ntok - i * BATCH)
+                for h in cutlass.range(0, in_batch, MAX_CHUNK):
+                    hn = cutlass.min(Int32(MAX_CHUNK), in_batch - h)
+                    # The chunk's ids and weights (loads into shared memory, all in flight
+                    # together) and source tokens.
+                    for w in cutlass.range(lane, hn * topk, WARP, unroll=4):
+                        c = w // topk
+                        k = w - c * topk
+                        s_scratch[scratch + IDS_AT + w] = head[hdr((k, IDS, h + c))]
+                        s_wts[wts + w] = head_f[hdr((k, WEIGHTS, h + c))]
+                    tok = Int32(-1)
+                    if lane < hn:
+                        tok = head[header_token_word(topk, h + lane)]
+                    cute.arch.sync_warp()
+                    # Each (token, k)'s local segment: -1 for another rank's expert, an id
+                    # outside the experts, or a later k naming an expert an earlier k named
+                    # (the sender counted the same pairs).
+                    for w in cutlass.range(lane, hn * topk, WARP):
+                        c = w // topk
+                        k = w - c * topk
+                        e = s_scratch[scratch + IDS_AT + w]
+                        g = Int32(-1)
+                        if e >= lo and e < lo + local_experts:
+                            g = e - lo + shared
+                            for k2 in cutlass.range(k):
+                                if s_scratch[scratch + IDS_AT + c * topk + k2] == e:
+                                    g = Int32(-1)
+                        if skip_a2a != 0 and s != my_rank:
+                            g = Int32(-1)
+                        s_scratch[scratch + SEGS_AT + w] = g
+                    cute.arch.sync_warp()
+                    # The chunk's messages: its tokens with a segment here, or this rank's
+                    # own shared-expert tokens, in order.
+                    comes = Int32(0)
+                    if lane < hn:
+                        for k in cutlass.range(topk):
+                            if s_scratch[scratch + SEGS_AT + lane * topk + k] >= 0:
+                                comes = Int32(1)
+                        if shared != 0 and s == my_rank and tok >= shared_begin and \
+                                tok < shared_end:
+                            comes = Int32(1)
+                    ballot = cute.arch.vote_ballot_sync(comes != 0)
+                    cnt = cute.arch.popc(ballot)
+                    if placed + cnt > n:  # more than the counts said: never past them
+                        cute.arch.atomic_or(error_field(error, "bad_counts"),
+                                            Int32(ERROR_COUNTS), sem="relaxed", scope="gpu")
+                        cnt = n - placed
+                    m_of = cute.arch.popc(ballot & ((Int32(1) << lane) - 1))
+                    if comes != 0 and m_of < cnt:
+                        if tok < 0 or tok >= max_tokens:
+                            cute.arch.atomic_or(error_field(error, "bad_counts"),
+                                                Int32(ERROR_COUNTS), sem="relaxed", scope="gpu")
+                            tok = Int32(0)
+                        s_scratch[scratch + MAP_AT + m_of] = lane
+                        s_scratch[scratch + TOKS_AT + m_of] = tok
+                        s_scratch[scratch + STAGE_AT + m_of] = slot * BATCH + h + lane
+                    cute.arch.sync_warp()
+                    issued, drained = self._place(
+                        lane, sub, per_source, s, cnt, first_msg + placed, topk, max_tokens,
+                        my_rank, shared, shared_begin, shared_end, staging, stage, channel,
+                        tokens, scales,
+                        src_info, comb_rows, comb_weights, comb_tokens, scales_offset,
+                        row_capacity, s_next, s_off, s_first, s_scratch, s_wts, scratch, wts,
+                        next_at, pieces_at, full, s_piece, held, pieces, payload_bytes, blocks,
+                        scale_cols, rk, layout, tiler, g_crd, thr, tiles, warp_copy,
+                        payload_vectors, issued, drained)
+                    if cutlass.const_expr(self.bulk):
+                        # All of the chunk's pieces have landed (and their row stores are
+                        # issued) before the batch is credited.
+                        while drained < issued:
+                            drained = self._store_piece(lane, drained, payload_bytes, pieces_at,
+                                                        full, s_piece, held, tokens, topk,
+                                                        s_scratch, scratch)
+                    placed = placed + cnt
+            if per_source > 1:
+                # The warps of s agree on going on: a warp whose wait failed says so before the
+                # barrier (the word is only ever set in this kernel).
+                if alive == 0 and lane == 0:
+                    s_src[3 * MAX_RANKS + s] = Int32(1)
                 cute.arch.barrier(barrier_id=2 + s, number_of_threads=WARP * per_source)
-                if sub == 0 and lane == 0:
-                    cute.arch.store(gmem_ptr(Int64, head_word, 8), p0 + Int64(cnt),
-                                    sem="relaxed", scope="sys")
-                j0 = j0 + cnt
+                if s_src[3 * MAX_RANKS + s] != 0:
+                    alive = Int32(0)
+            if alive == 0:
+                placed = n  # a rank timed out: the rest of this stream is given up
+            elif sub == 0 and lane == 0:
+                # Every warp of s is done with the batch: its slot goes back to s. Relaxed: its
+                # header and payloads are loaded (their values in shared memory or stored to
+                # rows), which is all the source needs; a release would also wait until the
+                # row stores are acknowledged.
+                cute.arch.store(gmem_ptr(Int64, head_word, 8), at + 1, sem="relaxed",
+                                scope="sys")
+            i = i + 1
+        # The batches past s's last message here are not read at all: they all go back to s.
+        if placed < n and alive != 0:  # the batches held fewer messages than the counts said
+            if lane == 0:
+                cute.arch.atomic_or(error_field(error, "bad_counts"), Int32(ERROR_COUNTS),
+                                    sem="relaxed", scope="gpu")
+        if sub == 0 and lane == 0 and alive != 0:
+            cute.arch.store(gmem_ptr(Int64, head_word, 8), consumed + Int64(batches),
+                            sem="relaxed", scope="sys")
+            cute.arch.store(gmem_ptr(Int64, streams.toint() + Int64(
+                counters((channel, s, HEADS, DISPATCH))) * 8, 8), consumed + Int64(batches))
         if cutlass.const_expr(self.bulk):
             if lane == 0:
                 cute.arch.cp_async_bulk_wait_group(0)  # the rows are written before the CTA ends
         if sub == 0 and lane == 0:
-            cute.arch.store(gmem_ptr(Int64, streams.toint() + Int64(
-                counters((channel, s, HEADS, DISPATCH))) * 8, 8), consumed + Int64(n))
             _stamp_max(trace, tracing, channel, "recv_wait_ns", waited)
+
+    @cute.jit
+    def _place(self, lane, sub, per_source, s, cnt, first, topk, max_tokens, my_rank, shared,
+               shared_begin, shared_end, staging, stage, channel, tokens: cute.Pointer,
+               scales: cute.Pointer,
+               src_info: cute.Pointer, comb_rows: cute.Pointer, comb_weights: cute.Pointer,
+               comb_tokens: cute.Pointer, scales_offset, row_capacity, s_next: cute.Tensor,
+               s_off: cute.Tensor, s_first: cute.Tensor, s_scratch: cute.Tensor,
+               s_wts: cute.Tensor, scratch, wts, next_at, pieces_at: cute.Pointer,
+               full: cute.Pointer, s_piece: cute.Tensor, held, pieces, payload_bytes, blocks,
+               scale_cols, rk, layout, tiler, g_crd, thr, tiles, warp_copy: cute.TiledCopy,
+               payload_vectors, issued, drained):
+        """A chunk's `cnt` messages (messages first .. first + cnt - 1 of source s here): their
+        rows, message by message (the experts of one message differ, so its lanes never share a
+        counter); what combine needs of them (the first warp of s); then this warp's messages
+        m = sub, sub + per_source, ... pulled from the source's staging into their rows.
+        Returns the warp's (issued, drained) pieces of the bulk path."""
+        vec = self.vector_bytes
+        for m in cutlass.range(cnt):
+            c = s_scratch[scratch + MAP_AT + m]
+            row = Int32(-1)
+            if lane < topk:
+                g = s_scratch[scratch + SEGS_AT + c * topk + lane]
+                if g >= 0:
+                    row = s_next[next_at + g]
+                    s_next[next_at + g] = row + 1
+                    if cutlass.const_expr(self.fmt == "nvfp4"):
+                        s_scratch[scratch + SROWS_AT + m * ROWS + lane] = \
+                            row - s_off[g] + s_first[g] * ATOM_ROWS
+            if lane == topk:
+                tok = s_scratch[scratch + TOKS_AT + m]
+                if shared != 0 and s == my_rank and tok >= shared_begin and tok < shared_end:
+                    row = tok - shared_begin  # segment 0: this rank's tokens in order
+                if cutlass.const_expr(self.fmt == "nvfp4"):
+                    s_scratch[scratch + SROWS_AT + m * ROWS + lane] = row
+            if lane <= topk:
+                s_scratch[scratch + ROWS_AT + m * ROWS + lane] = row
+        cute.arch.sync_warp()
+        if sub == 0:
+            self._record(lane, s, first, cnt, topk, max_tokens, src_info, comb_rows,
+                         comb_weights, comb_tokens, s_scratch, s_wts, scratch, wts)
+        if cutlass.const_expr(self.bulk):
+            # Every piece of this warp's messages of the chunk through the warp's ring.
+            for m in cutlass.range(sub, cnt, per_source):
+                msg = staging + Int64(stage((0, s_scratch[scratch + STAGE_AT + m], channel)))
+                for p in cutlass.range(pieces):
+                    issued, drained = self._pull_piece(
+                        lane, msg, m, p, issued, drained, payload_bytes, pieces_at, full,
+                        s_piece, held, tokens, topk, s_scratch, scratch)
+        else:
+            for m in cutlass.range(sub, cnt, per_source):
+                msg = staging + Int64(stage((0, s_scratch[scratch + STAGE_AT + m], channel)))
+                rows_at = scratch + ROWS_AT + m * ROWS
+                scale_words = blocks if self.fmt == "fp8" else rk
+                sregs = self._load_scales(lane, msg, scales_offset, scale_words, scale_cols)
+                g_src = cute.zipped_divide(cute.make_tensor(gmem_ptr(Uint8, msg, 16), layout),
+                                           tiler)
+                for tile in cutlass.range(tiles):
+                    pred = row_predicate(thr.partition_S(g_crd[((None, None), tile)]),
+                                         payload_vectors)
+                    t_src = thr.partition_S(g_src[((None, None), tile)])
+                    regs = cute.make_fragment_like(t_src)
+                    cute.copy(warp_copy, t_src, regs, pred=pred)
+                    for k in cutlass.range(topk + 1):
+                        r = s_scratch[rows_at + k]
+                        if r >= 0:
+                            g_dst = cute.zipped_divide(cute.make_tensor(gmem_ptr(
+                                Uint8, tokens.toint() + Int64(r) * payload_bytes, vec),
+                                layout), tiler)
+                            cute.copy(warp_copy, regs,
+                                      thr.partition_D(g_dst[((None, None), tile)]),
+                                      pred=row_predicate(
+                                          thr.partition_S(g_crd[((None, None), tile)]),
+                                          payload_vectors))
+                self._store_scales(lane, msg, sregs, scales, scales_offset, row_capacity, topk,
+                                   scale_words, scale_cols, rk, s_scratch, rows_at,
+                                   scratch + SROWS_AT + m * ROWS)
+        return issued, drained
 
     @cute.jit
     def _pull_piece(self, lane, msg, m, p, issued, drained, payload_bytes, ring: cute.Pointer,
@@ -1145,13 +1115,15 @@ class EpDispatch:
                 comb_rows: cute.Pointer, comb_weights: cute.Pointer, comb_tokens: cute.Pointer,
                 s_scratch: cute.Tensor, s_wts: cute.Tensor, scratch, wts):
         """What combine needs of the chunk's messages first .. first + cnt - 1 of source s (row
-        and weight per k, source token), and src_info of every row they filled."""
+        and weight per k, source token), and src_info of every row they filled (a message's
+        weights are those of its token of the chunk, `MAP_AT`)."""
         for i in cutlass.range(lane, cnt * topk, WARP):
             m = i // topk
             k = i - m * topk
             at = (Int64(s) * Int64(max_tokens) + Int64(first + m)) * Int64(topk) + Int64(k)
             store_i32(comb_rows.toint() + at * 4, s_scratch[scratch + ROWS_AT + m * ROWS + k])
-            store_f32(comb_weights.toint() + at * 4, s_wts[wts + i])
+            store_f32(comb_weights.toint() + at * 4,
+                      s_wts[wts + s_scratch[scratch + MAP_AT + m] * topk + k])
         if lane < cnt:
             store_i32(comb_tokens.toint()
                       + (Int64(s) * Int64(max_tokens) + Int64(first + lane)) * 4,
@@ -1168,32 +1140,58 @@ class EpDispatch:
                 store_i32(src_info.toint() + Int64(r) * 8 + 4, slot)
 
     @cute.jit
-    def _scales(self, lane, msg, scales: cute.Pointer, scales_offset, row_capacity, topk,
-                blocks, scale_cols, rk, s_scratch: cute.Tensor, rows_at, srows_at):
-        """A message's scales into every row it filled: each lane loads its scales once, then
-        stores them to every row (fp8: transposed [H / 128, rows]; nvfp4: 128x4 words)."""
-        if cutlass.const_expr(self.fmt == "fp8"):
-            sc = cute.make_tensor(gmem_ptr(Float32, msg + Int64(scales_offset), 16),
-                                  cute.make_layout(blocks))
-            for b in cutlass.range(lane, blocks, WARP):
-                v = sc[b]
-                for k in cutlass.range(topk + 1):
-                    r = s_scratch[rows_at + k]
-                    if r >= 0:
-                        store_f32(scales.toint() + (Int64(b) * Int64(row_capacity) + Int64(r)) * 4,
-                                  v)
+    def _load_scales(self, lane, msg, scales_offset, words, scale_cols):
+        """A message's scale words lane, lane + 32, ... (the first SCALE_REGS of each lane) into
+        registers, loaded before any of the message's stores so that they travel with its
+        payload's loads (NVFP4: a last partial word's padding bytes cleared)."""
+        sregs = cute.make_rmem_tensor(cute.make_layout(SCALE_REGS), Int32)
+        src = cute.make_tensor(gmem_ptr(Int32, msg + Int64(scales_offset), 16),
+                               cute.make_layout(words))
+        for q in cutlass.range_constexpr(SCALE_REGS):
+            c = lane + q * WARP
+            word = Int32(0)
+            if c < words:
+                word = self._scale_word(src[c], c, scale_cols)
+            sregs[q] = word
+        return sregs
+
+    @cute.jit
+    def _scale_word(self, word, c, scale_cols):
+        """Scale word c as stored: NVFP4's last word keeps only its valid columns."""
         if cutlass.const_expr(self.fmt == "nvfp4"):
-            sw = cute.make_tensor(gmem_ptr(Int32, msg + Int64(scales_offset), 16),
-                                  cute.make_layout(rk))
-            for c in cutlass.range(lane, rk, WARP):
-                word = sw[c]
-                valid = scale_cols - c * 4
-                if valid < 4:
-                    word = word & ((Int32(1) << (valid * 8)) - 1)
-                for k in cutlass.range(topk + 1):
-                    if s_scratch[rows_at + k] >= 0:
-                        store_i32(scales.toint()
-                                  + scale_offset(s_scratch[srows_at + k], c * 4, rk), word)
+            valid = scale_cols - c * 4
+            if valid < 4:
+                word = word & ((Int32(1) << (valid * 8)) - 1)
+        return word
+
+    @cute.jit
+    def _store_scales(self, lane, msg, sregs: cute.Tensor, scales: cute.Pointer, scales_offset,
+                      row_capacity, topk, words, scale_cols, rk, s_scratch: cute.Tensor, rows_at,
+                      srows_at):
+        """A message's scales into every row it filled (fp8: transposed [H / 128, rows]; nvfp4:
+        128x4 words): the words `_load_scales` holds, then any beyond them, loaded here."""
+        src = cute.make_tensor(gmem_ptr(Int32, msg + Int64(scales_offset), 16),
+                               cute.make_layout(words))
+        for k in cutlass.range(topk + 1):
+            r = s_scratch[rows_at + k]
+            if r >= 0:
+                for q in cutlass.range_constexpr(SCALE_REGS):
+                    c = lane + q * WARP
+                    if c < words:
+                        self._store_scale(scales, c, sregs[q], r, s_scratch[srows_at + k],
+                                          row_capacity, rk)
+                for c in cutlass.range(lane + SCALE_REGS * WARP, words, WARP):
+                    self._store_scale(scales, c, self._scale_word(src[c], c, scale_cols), r,
+                                      s_scratch[srows_at + k], row_capacity, rk)
+
+    @cute.jit
+    def _store_scale(self, scales: cute.Pointer, c, word, row, scale_row, row_capacity, rk):
+        """Scale word c of a row (fp8: block c's fp32 scale of row `row`; nvfp4: columns
+        4c .. 4c + 3 of scale row `scale_row`)."""
+        if cutlass.const_expr(self.fmt == "fp8"):
+            store_i32(scales.toint() + (Int64(c) * Int64(row_capacity) + Int64(row)) * 4, word)
+        if cutlass.const_expr(self.fmt == "nvfp4"):
+            store_i32(scales.toint() + scale_offset(scale_row, c * 4, rk), word)
 
     @cute.jit
     def _zero_row_padding(self, warp_id, warps, lane, tokens: cute.Pointer,

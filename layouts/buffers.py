@@ -3,8 +3,8 @@
 `EPConfig` holds the parameters (H, K, E, R, max_tokens_per_rank, format, fused shared expert)
 and checks them; the functions below derive each buffer from it:
 
-- peer-visible (read or written by other ranks over NVLink): dispatch's staging and
-  descriptor rings, combine's rings, the counts and counters (`layouts.channels`, sized by the
+- peer-visible (read or written by other ranks over NVLink): dispatch's staging and batch
+  headers, combine's rings, the counts and counters (`layouts.channels`, sized by the
   channels, not the tokens);
 - local: the dispatch send buffer (fp8 / nvfp4 messages, quantized once), the dispatch round,
   the stream positions, the error record;

@@ -2,36 +2,37 @@
 by `max_tokens_per_rank`.
 
 A layer runs on `channels` persistent CTAs per rank (the SM budget). Channel c of a source owns
-a contiguous run of that source's tokens. Dispatch **stages** each of them once in the source's
-own peer-visible memory (`staging_layout`: a ring of `stage_batches` batches of
-STAGE_BATCH_TOKENS message slots per channel) and writes, per destination rank the token routes
-to, a small **descriptor** (source token, staging slot, K expert ids, K weights) into that
-destination's ring (c, source): `ring_chunks` chunks of `chunk_tokens` descriptor slots. The
-destination reads the payload from the source's staging over NVLink and stores it straight into
-its expert rows: each token crosses NVLink once per destination rank, as before, but the
-source's SMs write it once (locally) instead of once per destination, and the receivers' loads,
-many in flight, move the bytes.
+a contiguous run of that source's tokens and moves them in **batches** of STAGE_BATCH_TOKENS. It
+**stages** each batch once in the source's own peer-visible memory: the tokens' messages (payload
+and scales) in `staging_layout`'s slots, and one **batch header** (every token's K expert ids, K
+weights and source index, `batch_header_layout`) in `headers_layout`; both are rings of
+`stage_batches` batches per channel. Every destination reads each batch's header over NVLink,
+keeps the tokens that route to it, pulls their payloads from the staging and stores them
+straight into its expert rows: each token crosses NVLink once per destination rank that hosts one
+of its experts, and the source's SMs write it once (locally), whatever the number of
+destinations. The source does no per-destination work per token.
 
-The source publishes progress in the destination's `tails[c, source]` (descriptors written,
-counted across rounds, so nothing is reset between layers); the destination's receiver returns
-credit in the source's `heads[c, destination]` (messages consumed: descriptors read and staged
-payloads loaded). A sender may write descriptor m of a channel only when m - head < ring slots,
-and may restage a slot only when every destination it went to has consumed it, so both rings
-are reused as many times as the round needs. Combine sends expert outputs back through rings of
-bf16 rows of the same shape, in the order dispatch delivered the messages (a weighted combine
-one row per message, an unreduced one a row per expert of the message that lives there), so it
-needs no counts of its own.
+The source publishes progress in each destination's `tails[c, source]` (batches staged,
+counted across rounds, so nothing is reset between layers); the destination returns credit in
+the source's `heads[c, destination]` (batches it is done with). A source restages a batch slot
+only when every destination has returned credit for the batch it held, so the staging is reused
+as many times as the round needs. Combine sends expert outputs back through rings (`ring_layout`)
+of bf16 rows, `ring_chunks` chunks of `chunk_tokens` slots per (channel, source), in the order
+dispatch delivered the messages (a weighted combine one row per message, an unreduced one a row
+per expert of the message that lives there), so it needs no counts of its own.
 
 Before any message, each channel tells every destination what it will send this round: the
-`counts` entries (entry 0 the messages, entry 1 + g the rows for segment g) of
-(channel, source) under the round's parity, raised by `count_flags` to the round's epoch. A
-destination places rows only once it holds every (channel, source)'s counts, so its expert-grouped
-row order is fixed before the data arrives and each message lands in its rows as it comes.
+`counts` entries (COUNT_MESSAGES, COUNT_TOKENS: the channel's tokens, so its batches; from
+COUNT_SEGMENTS the rows for each segment) of (channel, source) under the round's parity, raised by
+`count_flags` to the round's epoch. A destination places rows only once it holds every (channel,
+source)'s counts, so its expert-grouped row order is fixed before the data arrives and each
+message lands in its rows as it comes.
 
 Every function of a layout here also takes DSL integers, so a kernel evaluates the same layout.
 
-Peer-visible bytes per rank = channels x (stage slots x staged message + ranks x ring slots x
-(descriptor + combine row)) + counts + counters, independent of how many tokens a rank holds.
+Peer-visible bytes per rank = channels x (stage batches x (BATCH x staged message + header) +
+ranks x ring slots x combine row) + counts + counters, independent of how many tokens a rank
+holds.
 """
 
 from __future__ import annotations
@@ -40,16 +41,19 @@ from dataclasses import dataclass
 
 from layouts.algebra import Layout, align_up
 from layouts.config import EPConfig
-from layouts.formats import ALIGN, descriptor_bytes
+from layouts.formats import ALIGN, METADATA_FIELDS
 
 DEFAULT_CHANNELS = 24  # the SM budget engines give communication (see cute_ep.ep)
 COUNTER_BYTES = 8  # a 64-bit message count, written with a release store
 PARITIES = 2  # counts of round n and n + 1 live side by side (see `counts_layout`)
 DISPATCH, COMBINE = 0, 1  # the phase mode of `counters_layout`
 TAILS, HEADS = 0, 1  # the kind mode of `counters_layout`
-# Tokens a dispatch channel's sender warps route and stage together (a batch); tails are
-# published per batch, and a staging slot is reused a whole batch at a time.
+# Tokens a dispatch channel stages together (a batch): one header, tails and credit per batch,
+# staging slots reused a whole batch at a time.
 STAGE_BATCH_TOKENS = 16
+# The counts entries of (channel, source): its messages to this rank, its tokens this round (so
+# its batches), then one per segment (the rows it fills there).
+COUNT_MESSAGES, COUNT_TOKENS, COUNT_SEGMENTS = 0, 1, 2
 
 
 def ring_layout(item_bytes, slots, channels, ranks) -> Layout:
@@ -62,6 +66,31 @@ def ring_layout(item_bytes, slots, channels, ranks) -> Layout:
 def staging_layout(item_bytes, slots, channels) -> Layout:
     """(byte, slot, channel) -> byte offset of a rank's staged messages: `slots` per channel."""
     return Layout((item_bytes, slots, channels), (1, item_bytes, item_bytes * slots))
+
+
+def batch_header_layout(topk) -> Layout:
+    """(k, field, token of the batch) -> int32 word of a batch header: the K values of each
+    METADATA_FIELDS field (expert ids, router weights) of every token, a field's words of the
+    batch contiguous (token-major, as in `topk_ids`). The tokens' source indices follow at
+    `header_token_word`."""
+    return Layout((topk, len(METADATA_FIELDS), STAGE_BATCH_TOKENS),
+                  (1, STAGE_BATCH_TOKENS * topk, topk))
+
+
+def header_token_word(topk, b):
+    """Word of a batch header holding the source index of the batch's token b."""
+    return len(METADATA_FIELDS) * STAGE_BATCH_TOKENS * topk + b
+
+
+def header_bytes(topk: int) -> int:
+    """Bytes of one batch header, 16-byte aligned."""
+    return align_up(4 * header_token_word(topk, STAGE_BATCH_TOKENS), ALIGN)
+
+
+def headers_layout(item_bytes, batches, channels) -> Layout:
+    """(byte, batch slot, channel) -> byte offset of a rank's batch headers: `batches` per
+    channel."""
+    return Layout((item_bytes, batches, channels), (1, item_bytes, item_bytes * batches))
 
 
 def counts_layout(entries, channels, ranks) -> Layout:
@@ -79,9 +108,10 @@ def count_flags_layout(channels, ranks) -> Layout:
 
 
 def counters_layout(channels, ranks) -> Layout:
-    """(channel, rank, kind, phase) -> 64-bit word: kind TAILS = messages written into this rank
-    by source `rank`, kind HEADS = messages consumed by destination `rank`; phase DISPATCH or
-    COMBINE. The peer-visible counters and the local stream positions share this layout."""
+    """(channel, rank, kind, phase) -> 64-bit word: kind TAILS = what source `rank` has made
+    ready for this rank, kind HEADS = what destination `rank` is done with (dispatch: batches
+    staged and consumed; combine: rows written and consumed); phase DISPATCH or COMBINE. The
+    peer-visible counters and the local stream positions share this layout."""
     return Layout((channels, ranks, 2, 2), (1, channels, channels * ranks, 2 * channels * ranks))
 
 
@@ -93,9 +123,9 @@ def channel_messages_layout(ranks, channels) -> Layout:
 # What a traced dispatch records per channel (int64 each, `trace_layout`): %globaltimer at the
 # kernel's start, once its counts are sent, once every channel's counts arrived, once the row
 # layout is known, when its last sender warp finished, at the kernel's end; then, for the sender
-# warp that spent the most on each, the nanoseconds it waited for ring credit, routed batches,
-# copied tokens, and fenced and published tails; last, the longest any source's messages kept
-# this channel's receivers waiting.
+# warp that spent the most on each, the nanoseconds it waited for staging credit, wrote batch
+# headers, copied tokens, and fenced and published tails; last, the longest any source's batches
+# kept this channel's receivers waiting.
 SEND_TIMES = ("credit_wait_ns", "batch_ns", "copy_ns", "fence_ns")
 TRACE_FIELDS = ("start", "counts_sent", "counts_arrived", "layout_ready", "send_done", "end",
                 *SEND_TIMES, "recv_wait_ns")
@@ -137,8 +167,8 @@ class ChannelGeometry:
         return STAGE_BATCH_TOKENS * self.stage_batches
 
     @property
-    def descriptor_bytes(self) -> int:
-        return descriptor_bytes(self.cfg.topk)
+    def header_bytes(self) -> int:
+        return header_bytes(self.cfg.topk)
 
     @property
     def combine_row_bytes(self) -> int:
@@ -146,11 +176,11 @@ class ChannelGeometry:
 
     @property
     def entries(self) -> int:
-        return 1 + self.cfg.segments
+        return COUNT_SEGMENTS + self.cfg.segments
 
-    def dispatch_ring(self) -> Layout:
-        """(descriptor byte, slot, channel, source) -> byte offset in the dispatch rings."""
-        return ring_layout(self.descriptor_bytes, self.ring_slots, self.channels, self.cfg.ranks)
+    def headers(self) -> Layout:
+        """(header byte, batch slot, channel) -> byte offset in this rank's batch headers."""
+        return headers_layout(self.header_bytes, self.stage_batches, self.channels)
 
     def staging(self) -> Layout:
         """(staged message byte, slot, channel) -> byte offset in this rank's staging."""
@@ -174,7 +204,7 @@ class ChannelGeometry:
         """Peer-visible bytes per rank, by part, in the order `peer_offsets` places them."""
         return {
             "staging": align_up(self.staging().cosize(), ALIGN),
-            "dispatch_rings": align_up(self.dispatch_ring().cosize(), ALIGN),
+            "batch_headers": align_up(self.headers().cosize(), ALIGN),
             "combine_rings": align_up(self.combine_ring().cosize(), ALIGN),
             "counts": align_up(self.counts().cosize() * 4, ALIGN),
             "count_flags": align_up(self.count_flags().cosize() * 8, ALIGN),

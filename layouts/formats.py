@@ -121,24 +121,13 @@ class MessageLayout:
     @property
     def staged_bytes(self) -> int:
         """Bytes of the message a source stages for its destinations to read: payload and
-        scales (the metadata travels in the descriptor)."""
+        scales (the metadata travels in the batch's header, `layouts.channels`)."""
         return self.segment("src_token").offset
 
     @property
     def metadata_base(self) -> int:
         """Word of the message where `metadata`'s (0, 0) lies."""
         return self.segment(METADATA_FIELDS[0]).element_offset
-
-
-# A dispatch descriptor: what a source writes into a destination's ring per message (the payload
-# stays in the source's staging, `layouts.channels`): word DESCRIPTOR_TOKEN the source token,
-# word DESCRIPTOR_STAGE its staging slot, then the per-k fields from word DESCRIPTOR_META.
-DESCRIPTOR_TOKEN, DESCRIPTOR_STAGE, DESCRIPTOR_META = 0, 1, 2
-
-
-def descriptor_bytes(topk: int) -> int:
-    """Bytes of one dispatch descriptor of `topk` experts, 16-byte aligned."""
-    return align_up(4 * (DESCRIPTOR_META + len(METADATA_FIELDS) * topk), ALIGN)
 
 
 def metadata_layout(topk) -> Layout:

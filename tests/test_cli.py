@@ -7,7 +7,7 @@ def test_layouts_prints_the_byte_map_and_sizes(capsys):
     assert main(["layouts", "--format", "nvfp4", "--hidden", "7168", "--ranks", "4"]) == 0
     out = capsys.readouterr().out
     assert "4112 bytes" in out  # 3584 payload + 448 scales + 68 metadata, 16-byte aligned
-    for name in ("payload", "scales", "expert_ids", "dispatch_rings", "combine_rings",
+    for name in ("payload", "scales", "expert_ids", "batch_headers", "combine_rings",
                  "row_offsets", "scales_offsets", "GPU memory per rank"):
         assert name in out
 

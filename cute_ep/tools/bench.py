@@ -21,7 +21,8 @@ Figures, each with its formula in the output:
   bytes per token row = payload + scales (BF16 2H, FP8 H + 4H/128, NVFP4 H/2 + H/16);
   combine: the same rows x 2H / time;
 - NVLink bytes this GPU's tokens put on the links / time (per message to a peer: the staged
-  payload and scales the peer pulls, and the descriptor written into its ring).
+  payload and scales the peer pulls; per batch of 16 tokens and peer: the batch header the peer
+  reads).
 
 The launching process prints rich tables (the slowest rank's figure for each cell) and writes a JSON record
 (device, GPU count, library version, config, every rank's numbers) under `--out`.
@@ -218,10 +219,11 @@ def _throughput(rank, world, args, fmt, budgets, flush) -> dict:
             "sms": sms or "all", **t,
             "received_tokens": received, "rows": rows, "token_bytes": token_bytes,
             "dispatch_deepep_gbps": received * token_bytes / t["dispatch_us"] / 1e3,
-            # What crosses NVLink per message: the staged payload and scales a destination
-            # pulls, and the descriptor the source writes into its ring.
-            "dispatch_nvlink_gbps": sent_peers * (msg.staged_bytes + buf.geo.descriptor_bytes)
-            / t["dispatch_us"] / 1e3,
+            # What crosses NVLink: per message, the staged payload and scales a destination
+            # pulls; per batch and peer, the header it reads.
+            "dispatch_nvlink_gbps": (sent_peers * msg.staged_bytes
+                                     + _batches(buf, args.tokens) * (world - 1)
+                                     * buf.geo.header_bytes) / t["dispatch_us"] / 1e3,
             "combine_deepep_gbps": received * 2 * cfg.hidden / t["combine_us"] / 1e3,
             "combine_nvlink_gbps": from_peers * 2 * cfg.hidden / t["combine_us"] / 1e3,
             "ctas": _ctas(buf, args.tokens),
@@ -292,6 +294,15 @@ def _traced(switch, recorded, run, fields) -> dict:
         elif field != "start":
             out[field] = (trace[:, i].max() - start).item() / 1e3
     return out
+
+
+def _batches(buf, tokens) -> int:
+    """Batches of 16 tokens a rank's channels stage for `tokens` tokens."""
+    from layouts.channels import STAGE_BATCH_TOKENS, active_channels
+
+    active = active_channels(buf.sms, buf.cfg.max_tokens_per_rank, None)
+    return sum(-(-(end - begin) // STAGE_BATCH_TOKENS)
+               for begin, end in (buf.geo.token_range(c, tokens) for c in range(active)))
 
 
 def _ctas(buf, tokens) -> dict:
@@ -492,9 +503,9 @@ def _print(record, formats) -> None:
     console.print("DeepEP GB/s = received token rows (own rank included) x bytes per token row "
                   "(payload + scales) / time; combine: the same rows x 2H / time. NVLink GB/s = "
                   "bytes of this GPU's tokens that crossed to other GPUs (dispatch: staged "
-                  "payload + scales and the descriptor per message) / time. NCCL a2a: "
-                  "all_to_all_single of the same token bytes; P2P copy: copy-engine copies of "
-                  "this GPU's outgoing message bytes into every peer at once.")
+                  "payload + scales per message, a header per batch of 16 tokens) / time. "
+                  "NCCL a2a: all_to_all_single of the same token bytes; P2P copy: copy-engine "
+                  "copies of this GPU's outgoing message bytes into every peer at once.")
 
     d = Table(title=f"decode: {cfg['decode_tokens']} tokens/rank, median of {cfg['iters']} "
                     f"(slowest rank shown)")

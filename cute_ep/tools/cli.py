@@ -103,7 +103,7 @@ def _layouts(argv) -> int:
     console.print(f"GPU memory per rank for this layer on {args.sms} SMs: "
                   f"{total_bytes(cfg, args.sms) / 2**20:.1f} MiB, of which "
                   f"{peer_visible_bytes(cfg, args.sms) / 2**20:.1f} MiB peer-visible "
-                  "(dispatch's staging and rings, combine's rings, counts and counters), then "
+                  "(dispatch's staging and batch headers, combine's rings, counts and counters), then "
                   "local buffers and dispatch outputs")
     return 0
 

@@ -269,9 +269,10 @@ def test_prequantized_fp8_input_is_checked():
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
 @pytest.mark.parametrize("ranks,sms", [(2, 4), (4, 6)])
 def test_tiny_staging_and_rings_wrap_on_every_batch(fmt, ranks, sms):
-    """One staging batch (16 slots a channel) and two chunks of descriptor slots: a sender
-    restages after every batch only once each destination consumed the last one, and a
-    receiver takes whatever part of a chunk has arrived, so neither waits on the other."""
+    """One staging batch a channel (16 message slots and one header) and combine rings of two
+    chunks: a sender restages after every batch only once each destination is done with the last
+    one, and each destination credits a batch before it waits for the next, so neither waits on
+    the other."""
     from cute_ep.ep import Buffer
     from layouts import EPConfig
 

@@ -48,7 +48,7 @@ def test_layouts_mirror_the_dsl():
     import cutlass.cute as cute
 
     from layouts.buffers import EPConfig, combine_routes
-    from layouts.channels import ChannelGeometry
+    from layouts.channels import ChannelGeometry, batch_header_layout
     from layouts.scales import scale_layout
     from layouts.swiglu import swiglu_views
 
@@ -56,7 +56,8 @@ def test_layouts_mirror_the_dsl():
     mirrored = [
         scale_layout(130, 96, 16),
         scale_layout(40, 128, 32),
-        ChannelGeometry(cfg, 3, chunk_tokens=2, ring_chunks=2).dispatch_ring(),
+        ChannelGeometry(cfg, 3, stage_batches=2).headers(),
+        batch_header_layout(3),
         ChannelGeometry(cfg, 3).counts(),
         ChannelGeometry(cfg, 3).combine_ring(),
         combine_routes(cfg)[0].layout,

@@ -4,7 +4,8 @@ import pytest
 
 from layouts.buffers import EPConfig
 from layouts.channels import (COUNTER_BYTES, TOKENS_PER_CHANNEL, ChannelGeometry,
-                              active_channels, channel_tokens)
+                              active_channels, batch_header_layout, channel_tokens,
+                              header_token_word)
 
 from .conftest import MODELS
 
@@ -15,20 +16,24 @@ def test_rings_against_the_formula(fmt, ranks, rng):
     cfg = EPConfig(7168, 8, 256, ranks, 4096, fmt)
     geo = ChannelGeometry(cfg, channels=24)
     slots, row = geo.ring_slots, 2 * cfg.hidden
-    # A descriptor: source token, staging slot, then K ids and K weights, 16-byte aligned.
-    desc = -(-(4 * (2 + 2 * cfg.topk)) // 16) * 16
+    # A batch header: 16 tokens' K ids, then their K weights, then their indices, 16-byte
+    # aligned.
+    header = -(-(4 * 16 * (2 * cfg.topk + 1)) // 16) * 16
     # A staged message: payload and scales (no metadata), 16-byte aligned.
     payload = {"bf16": 2 * cfg.hidden, "fp8": cfg.hidden, "nvfp4": cfg.hidden // 2}[fmt]
     scales = {"bf16": 0, "fp8": cfg.hidden // 128 * 4, "nvfp4": cfg.hidden // 16}[fmt]
     staged = -(-payload // 16) * 16 + -(-scales // 16) * 16
-    assert geo.descriptor_bytes == desc and cfg.message.staged_bytes == staged
-    ring, back, counters = geo.dispatch_ring(), geo.combine_ring(), geo.counters()
-    staging = geo.staging()
+    assert geo.header_bytes == header and cfg.message.staged_bytes == staged
+    headers, back, counters = geo.headers(), geo.combine_ring(), geo.counters()
+    staging, words = geo.staging(), batch_header_layout(cfg.topk)
     assert geo.stage_slots == 16 * geo.stage_batches
     for _ in range(500):
         s, c, src = rng.randrange(slots), rng.randrange(24), rng.randrange(ranks)
-        b = rng.randrange(desc)
-        assert ring((b, s, c, src)) == ((src * 24 + c) * slots + s) * desc + b
+        batch, b = rng.randrange(geo.stage_batches), rng.randrange(header)
+        assert headers((b, batch, c)) == (c * geo.stage_batches + batch) * header + b
+        k, field, t = rng.randrange(cfg.topk), rng.randrange(2), rng.randrange(16)
+        assert words((k, field, t)) == field * 16 * cfg.topk + t * cfg.topk + k
+        assert header_token_word(cfg.topk, t) == 32 * cfg.topk + t
         slot, b = rng.randrange(geo.stage_slots), rng.randrange(staged)
         assert staging((b, slot, c)) == (c * geo.stage_slots + slot) * staged + b
         b = rng.randrange(row)
@@ -36,8 +41,12 @@ def test_rings_against_the_formula(fmt, ranks, rng):
         kind, phase = rng.randrange(2), rng.randrange(2)
         assert counters((c, src, kind, phase)) == ((phase * 2 + kind) * ranks + src) * 24 + c
     assert sorted(counters.offsets()) == list(range(24 * ranks * 4))
+    # Every header word of a batch is one (k, field, token) or one token's index, once.
+    assert sorted([*words.offsets(), *(header_token_word(cfg.topk, t) for t in range(16))]) \
+        == list(range(16 * (2 * cfg.topk + 1)))
     assert geo.peer_bytes()["counters"] == 24 * ranks * 4 * COUNTER_BYTES
     assert geo.peer_bytes()["staging"] == 24 * geo.stage_slots * staged
+    assert geo.peer_bytes()["batch_headers"] == 24 * geo.stage_batches * header
 
 
 @pytest.mark.parametrize("name,hidden,topk,experts", MODELS)
