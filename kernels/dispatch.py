@@ -27,10 +27,15 @@ has SEND_WARPS sender warps and RECV_WARPS receiver warps, and runs three parts:
    source-token order without any plan on the sender. The payload is loaded once from the
    source's staging (over NVLink) and stored to every row: BF16 by bulk copies
    (`cp.async.bulk`) through PIECES pieces of shared memory per warp, each piece bulk-stored to
-   every row as it lands; FP8 and NVFP4 through registers. Scales go to the output's layout;
-   the rows, weights and source token are recorded for combine. Credit returns to the source
+   every row as it lands; FP8 and NVFP4 through registers, a row's scales contiguously into
+   `scale_rows` (row-major); the rows, weights and source token are recorded for combine. Credit returns to the source
    after every batch, and for all the rest of the round's batches once the last message from
    the source has landed (their slots are not read).
+
+4. FP8 and NVFP4 (packed rows): once every CTA has finished (the round's advance below, which
+   each CTA waits for), all warps write `scale_rows` into the output's scale layout, a tile of
+   whole lines at a time (a scale word stored straight into FP8's transposed or NVFP4's 128x4
+   layout is a 32-byte sector of its own: what FP8 and NVFP4 receivers spent most on).
 
 Every wait is bounded by `timeout_ns` of `%globaltimer`: the missing rank and the phase go to the
 error record and the CTA stops waiting (its outputs are then partial, never out of bounds). The
@@ -43,9 +48,9 @@ from cutlass import Float32, Int32, Int64, Uint8
 
 from kernels.bulk_copy import bulk_load, bulk_store
 from kernels.copy import row_predicate, row_tiled_copy
-from kernels.nvfp4 import segment_of
 from kernels.memory import (error_field, gmem_ptr, load_f32, load_i32, scale_offset, store_f32,
                             store_i32, trace_word)
+from kernels.nvfp4 import segment_of
 from kernels.routing import channel_tokens, route_token
 from kernels.scan import warp_exclusive_scan
 from layouts.abi import GridRule, KernelSpec, Param
