@@ -55,8 +55,8 @@ from cute_ep.torch_ops import DISPATCH_FIELDS, register_buffer
 from layouts import EPConfig
 from layouts.buffers import (AT_EXPERTS, AT_HOME, ERROR_CHANNELS, ERROR_ID_RANGE,
                              ERROR_ID_TWICE, UNREDUCED, buffer_sizes,
-                             channel_messages, combine_routes, control_buffers, output_scales,
-                             total_bytes)
+                             channel_messages, combine_routes, control_buffers,
+                             dispatch_scale_rows, output_scales, total_bytes)
 from layouts.channels import DEFAULT_CHANNELS, ChannelGeometry, active_channels
 
 # The SM budget engines give communication (DeepEP's tuned default is 20-24): the rest of the GPU
@@ -302,6 +302,9 @@ class Buffer:
 
         self.send_buf = torch.empty(t * self.msg.size, dtype=torch.uint8, device=dev) \
             if cfg.format != "bf16" else None
+        scale_rows = dispatch_scale_rows(cfg)  # the received rows' scales, row by row
+        self.scale_rows = torch.empty(scale_rows.layout.cosize(), dtype=torch.int32,
+                                      device=dev) if scale_rows is not None else None
         control = {b.name: _zeros(b, dev) for b in control_buffers(cfg, self._sms)}
         self.dispatch_epoch = control["dispatch_round"]  # dispatches completed
         self.dispatch_done = control["dispatch_done"]
@@ -337,6 +340,7 @@ class Buffer:
             stage_bytes=self.msg.staged_bytes, stage_batches=geo.stage_batches,
             payload_vectors=self.payload_vectors, scales_offset=self.scales_at,
             row_capacity=cfg.row_capacity, segment_rows=cfg.slab_rows,
+            scale_rows=self.scale_rows if self.scale_rows is not None else self._no_i32,
             headers_offset=off["batch_headers"],
             staging_offset=off["staging"], counts_offset=off["counts"],
             flags_offset=off["count_flags"])

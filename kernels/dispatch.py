@@ -27,10 +27,15 @@ has SEND_WARPS sender warps and RECV_WARPS receiver warps, and runs three parts:
    source-token order without any plan on the sender. The payload is loaded once from the
    source's staging (over NVLink) and stored to every row: BF16 by bulk copies
    (`cp.async.bulk`) through PIECES pieces of shared memory per warp, each piece bulk-stored to
-   every row as it lands; FP8 and NVFP4 through registers. Scales go to the output's layout;
-   the rows, weights and source token are recorded for combine. Credit returns to the source
+   every row as it lands; FP8 and NVFP4 through registers, a row's scales contiguously into
+   `scale_rows` (row-major); the rows, weights and source token are recorded for combine. Credit returns to the source
    after every batch, and for all the rest of the round's batches once the last message from
    the source has landed (their slots are not read).
+
+4. FP8 and NVFP4 (packed rows): once every CTA has finished (the round's advance below, which
+   each CTA waits for), all warps write `scale_rows` into the output's scale layout, a tile of
+   whole lines at a time (a scale word stored straight into FP8's transposed or NVFP4's 128x4
+   layout is a 32-byte sector of its own: what FP8 and NVFP4 receivers spent most on).
 
 Every wait is bounded by `timeout_ns` of `%globaltimer`: the missing rank and the phase go to the
 error record and the CTA stops waiting (its outputs are then partial, never out of bounds). The
@@ -45,6 +50,7 @@ from kernels.bulk_copy import bulk_load, bulk_store
 from kernels.copy import row_predicate, row_tiled_copy
 from kernels.memory import (error_field, gmem_ptr, load_f32, load_i32, scale_offset, store_f32,
                             store_i32, trace_word)
+from kernels.nvfp4 import segment_of
 from kernels.routing import channel_tokens, route_token
 from kernels.scan import warp_exclusive_scan
 from layouts.abi import GridRule, KernelSpec, Param
@@ -70,6 +76,10 @@ MAX_STAGE_BATCHES = 16  # a channel's staging ring, in batches
 SEND_VECTORS = 32  # 16-byte vectors per lane a sender warp loads before storing them
 MAX_CHUNK = 8  # tokens of a batch a receiver warp takes at once (BATCH in two chunks)
 SCALE_REGS = 4  # FP8 / NVFP4 scale words per lane a receiver loads with a message's payload
+# FP8 / NVFP4 scales go out through a tile per warp: up to TILE_ROWS rows of TILE_COLS words, a
+# row TILE_STRIDE words apart (one more than its words: no bank conflicts reading a column).
+TILE_ROWS, TILE_COLS = 128, 8
+TILE_STRIDE = TILE_COLS + 1
 SEND_BARRIER = 15  # the named barrier of the sender warps (receivers use 1 and 2 + source)
 # BF16: a receiver warp pulls messages through its own ring of PIECES shared-memory pieces of
 # PIECE bytes (bulk loads from the source's staging, bulk stores to the rows), LAG pieces in
@@ -192,7 +202,12 @@ class EpDispatch:
                  + RECV_WARPS * (SCRATCH + MAX_CHUNK * MAX_TOPK)  # s_scratch, s_wts
                  + MAX_STAGE_BATCHES)  # s_arrive
         dwords = SEND_WARPS * MAX_RANKS + SEND_WARPS * len(SEND_TIMES)  # s_head, s_time
-        return 4 * words + 8 * dwords + 13 * 16 + 128 + self.ring_bytes
+        return 4 * words + 8 * dwords + 14 * 16 + 128 + self.ring_bytes + 4 * self.tile_words
+
+    @property
+    def tile_words(self) -> int:
+        """Shared-memory words of the warps' scale tiles (`_write_scales`); 4 for bf16."""
+        return 4 if self.fmt == "bf16" else (SEND_WARPS + RECV_WARPS) * TILE_ROWS * TILE_STRIDE
 
     @property
     def bulk(self) -> bool:
@@ -230,6 +245,7 @@ class EpDispatch:
                 Param("tokens", "ptr", "uint8", align=16, writes=True),
                 Param("scales", "ptr", "uint8" if self.fmt == "nvfp4" else "float32", align=4,
                       writes=True),
+                Param("scale_rows", "ptr", "int32", align=4, writes=True),
                 Param("scales_offsets", "ptr", "int32", align=4, writes=True),
                 Param("row_offsets", "ptr", "int32", align=4, writes=True),
                 Param("expert_ids", "ptr", "int32", align=4, writes=True),
@@ -286,7 +302,8 @@ class EpDispatch:
                  scale_source: cute.Pointer, scale_stride: Int32, topk_ids: cute.Pointer,
                  topk_weights: cute.Pointer, streams: cute.Pointer, rounds: cute.Pointer,
                  done: cute.Pointer, error: cute.Pointer, tokens: cute.Pointer,
-                 scales: cute.Pointer, scales_offsets: cute.Pointer, row_offsets: cute.Pointer,
+                 scales: cute.Pointer, scale_rows: cute.Pointer,
+                 scales_offsets: cute.Pointer, row_offsets: cute.Pointer,
                  expert_ids: cute.Pointer, seg_counts: cute.Pointer, src_info: cute.Pointer,
                  comb_rows: cute.Pointer, comb_weights: cute.Pointer, comb_tokens: cute.Pointer,
                  comb_counts: cute.Pointer, chan_msgs: cute.Pointer, num_tokens: Int32,
@@ -304,7 +321,7 @@ class EpDispatch:
                  tracing: Int32, stream):
         self.kernel(peer_bases, source, scale_source, scale_stride, topk_ids, topk_weights,
                     streams, rounds, done, error,
-                    tokens, scales, scales_offsets, row_offsets, expert_ids, seg_counts,
+                    tokens, scales, scale_rows, scales_offsets, row_offsets, expert_ids, seg_counts,
                     src_info, comb_rows, comb_weights, comb_tokens, comb_counts, chan_msgs,
                     num_tokens,
                     max_tokens, topk, local_experts, ranks, my_rank, shared, skip_a2a,
@@ -323,7 +340,8 @@ class EpDispatch:
                scale_source: cute.Pointer, scale_stride: Int32, topk_ids: cute.Pointer,
                topk_weights: cute.Pointer, streams: cute.Pointer, rounds: cute.Pointer,
                done: cute.Pointer, error: cute.Pointer, tokens: cute.Pointer,
-               scales: cute.Pointer, scales_offsets: cute.Pointer, row_offsets: cute.Pointer,
+               scales: cute.Pointer, scale_rows: cute.Pointer,
+               scales_offsets: cute.Pointer, row_offsets: cute.Pointer,
                expert_ids: cute.Pointer, seg_counts: cute.Pointer, src_info: cute.Pointer,
                comb_rows: cute.Pointer, comb_weights: cute.Pointer, comb_tokens: cute.Pointer,
                comb_counts: cute.Pointer, chan_msgs: cute.Pointer, num_tokens: Int32,
@@ -373,6 +391,7 @@ class EpDispatch:
                                       byte_alignment=16)
         s_time = smem.allocate_tensor(Int64, cute.make_layout(SEND_WARPS * len(SEND_TIMES)),
                                       byte_alignment=16)
+        s_tile = smem.allocate_tensor(Int32, cute.make_layout(self.tile_words), byte_alignment=16)
         # Per receiver warp: PIECES pieces of messages, their mbarriers and what each holds.
         pieces, piece = self.ring_shape
         s_ring = smem.allocate_tensor(Uint8, cute.make_layout(pieces * piece), byte_alignment=128)
@@ -457,8 +476,8 @@ class EpDispatch:
         # 3. Receive -------------------------------------------------------------------------
         if warp >= SEND_WARPS:
             self._receive(tidx - SEND_WARPS * WARP, channel, peers, here, streams, error, tokens,
-                          scales, scales_offsets, row_offsets, expert_ids, seg_counts, src_info,
-                          comb_rows, comb_weights, comb_tokens, comb_counts, chan_msgs,
+                          scales, scale_rows, scales_offsets, row_offsets, expert_ids, seg_counts,
+                          src_info, comb_rows, comb_weights, comb_tokens, comb_counts, chan_msgs,
                           max_tokens, topk, local_experts, ranks, my_rank, shared, skip_a2a,
                           shared_begin, shared_end, header_bytes, stage_bytes, stage_batches,
                           payload_vectors, scales_offset, row_capacity, segment_rows, channels,
@@ -470,11 +489,24 @@ class EpDispatch:
         # The last CTA to finish advances the round.
         cute.arch.sync_threads()
         if tidx == 0:
-            _stamp(trace, tracing, channel, "end", cute.arch.globaltimer())
+            cute.arch.fence_acq_rel_gpu()  # this CTA's rows before its arrival
             old = cute.arch.atomic_add(done, Int32(1), sem="acq_rel", scope="gpu")
             if old == active - 1:
                 cute.arch.store(done, Int32(0))
-                cute.arch.store(rounds, epoch)
+                cute.arch.store(rounds, epoch, sem="release", scope="gpu")
+        if cutlass.const_expr(self.fmt != "bf16"):
+            if segment_rows == 0:
+                # Every CTA's received scales are in scale_rows once the round has advanced:
+                # then all of them write the output's layout, a share each.
+                if tidx == 0:
+                    _wait_at_least(rounds.toint(), epoch, timeout_ns, error, my_rank,
+                                   Int32(PHASE_DISPATCH))
+                cute.arch.sync_threads()
+                self._write_scales(warp, lane, channel, active, scales, scale_rows, s_off, s_raw,
+                                   s_first, s_tile, local_experts + shared, row_capacity,
+                                   payload_vectors)
+        if tidx == 0:
+            _stamp(trace, tracing, channel, "end", cute.arch.globaltimer())
 
     @cute.jit
     def _send(self, sw, lane, channel, t0, t1, peers: cute.Tensor, here, source: cute.Pointer,
@@ -619,6 +651,7 @@ class EpDispatch:
     @cute.jit
     def _receive(self, rt, channel, peers: cute.Tensor, here, streams: cute.Pointer,
                  error: cute.Pointer, tokens: cute.Pointer, scales: cute.Pointer,
+                 scale_rows: cute.Pointer,
                  scales_offsets: cute.Pointer, row_offsets: cute.Pointer,
                  expert_ids: cute.Pointer, seg_counts: cute.Pointer, src_info: cute.Pointer,
                  comb_rows: cute.Pointer, comb_weights: cute.Pointer, comb_tokens: cute.Pointer,
@@ -741,11 +774,8 @@ class EpDispatch:
         if cutlass.const_expr(self.row_align > 1):
             if segment_rows == 0:  # slabs leave the rows past a segment's count undefined
                 self._zero_row_padding(channel * RECV_WARPS + rwarp, active * RECV_WARPS, lane,
-                                       tokens, scales, src_info, s_off, s_raw, segments,
-                                       payload_bytes, blocks, row_capacity)
-        if cutlass.const_expr(self.fmt == "nvfp4"):
-            self._zero_scale_padding(channel * RECV_WARPS + rwarp, active * RECV_WARPS, lane,
-                                     scales, s_raw, s_first, segments, rk)
+                                       tokens, scale_rows, src_info, s_off, s_raw, segments,
+                                       payload_bytes, blocks)
 
         # 3b. The messages of source s (warps rwarp = s, s + ranks, ... share them: each copies
         # its share of every payload, the first of them does the rest).
@@ -765,9 +795,10 @@ class EpDispatch:
             _stamp(trace, tracing, channel, "layout_ready", cute.arch.globaltimer())
         if sub < per_source:
             self._expand(lane, sub, per_source, s, channel, peers, here, streams, error, tokens,
-                         scales, src_info, comb_rows, comb_weights, comb_tokens, max_tokens,
-                         topk, local_experts, ranks, my_rank, shared, skip_a2a, shared_begin,
-                         shared_end, header_bytes, stage_bytes, stage_batches, payload_vectors,
+                         scales, scale_rows, segment_rows, src_info, comb_rows, comb_weights,
+                         comb_tokens, max_tokens, topk, local_experts, ranks, my_rank, shared,
+                         skip_a2a, shared_begin, shared_end, header_bytes, stage_bytes,
+                         stage_batches, payload_vectors,
                          scales_offset, row_capacity, channels, headers_offset, staging_offset,
                          counters_offset, counters, timeout_ns, s_next, s_off, s_first, s_src,
                          s_rows, s_wts, s_ring, s_full, s_piece, rwarp, warp_copy,
@@ -804,7 +835,8 @@ class EpDispatch:
     @cute.jit
     def _expand(self, lane, sub, per_source, s, channel, peers: cute.Tensor, here,
                 streams: cute.Pointer, error: cute.Pointer, tokens: cute.Pointer,
-                scales: cute.Pointer, src_info: cute.Pointer, comb_rows: cute.Pointer,
+                scales: cute.Pointer, scale_rows: cute.Pointer, segment_rows,
+                src_info: cute.Pointer, comb_rows: cute.Pointer,
                 comb_weights: cute.Pointer, comb_tokens: cute.Pointer, max_tokens, topk,
                 local_experts, ranks, my_rank, shared, skip_a2a, shared_begin, shared_end,
                 header_bytes, stage_bytes, stage_batches, payload_vectors, scales_offset,
@@ -939,9 +971,9 @@ class EpDispatch:
                     issued, drained = self._place(
                         lane, sub, per_source, s, cnt, first_msg + placed, topk, max_tokens,
                         my_rank, shared, shared_begin, shared_end, staging, stage, channel,
-                        tokens, scales,
-                        src_info, comb_rows, comb_weights, comb_tokens, scales_offset,
-                        row_capacity, s_next, s_off, s_first, s_scratch, s_wts, scratch, wts,
+                        tokens, scales, scale_rows, segment_rows, src_info, comb_rows,
+                        comb_weights, comb_tokens, scales_offset, row_capacity, s_next, s_off,
+                        s_first, s_scratch, s_wts, scratch, wts,
                         next_at, pieces_at, full, s_piece, held, pieces, payload_bytes, blocks,
                         scale_cols, rk, layout, tiler, g_crd, thr, tiles, warp_copy,
                         payload_vectors, issued, drained)
@@ -990,7 +1022,7 @@ class EpDispatch:
     @cute.jit
     def _place(self, lane, sub, per_source, s, cnt, first, topk, max_tokens, my_rank, shared,
                shared_begin, shared_end, staging, stage, channel, tokens: cute.Pointer,
-               scales: cute.Pointer,
+               scales: cute.Pointer, scale_rows: cute.Pointer, segment_rows,
                src_info: cute.Pointer, comb_rows: cute.Pointer, comb_weights: cute.Pointer,
                comb_tokens: cute.Pointer, scales_offset, row_capacity, s_next: cute.Tensor,
                s_off: cute.Tensor, s_first: cute.Tensor, s_scratch: cute.Tensor,
@@ -1060,9 +1092,9 @@ class EpDispatch:
                                       pred=row_predicate(
                                           thr.partition_S(g_crd[((None, None), tile)]),
                                           payload_vectors))
-                self._store_scales(lane, msg, sregs, scales, scales_offset, row_capacity, topk,
-                                   scale_words, scale_cols, rk, s_scratch, rows_at,
-                                   scratch + SROWS_AT + m * ROWS)
+                self._store_scales(lane, msg, sregs, scales, scale_rows, segment_rows,
+                                   scales_offset, row_capacity, topk, scale_words, scale_cols,
+                                   rk, s_scratch, rows_at, scratch + SROWS_AT + m * ROWS)
         return issued, drained
 
     @cute.jit
@@ -1165,11 +1197,13 @@ class EpDispatch:
         return word
 
     @cute.jit
-    def _store_scales(self, lane, msg, sregs: cute.Tensor, scales: cute.Pointer, scales_offset,
-                      row_capacity, topk, words, scale_cols, rk, s_scratch: cute.Tensor, rows_at,
-                      srows_at):
-        """A message's scales into every row it filled (fp8: transposed [H / 128, rows]; nvfp4:
-        128x4 words): the words `_load_scales` holds, then any beyond them, loaded here."""
+    def _store_scales(self, lane, msg, sregs: cute.Tensor, scales: cute.Pointer,
+                      scale_rows: cute.Pointer, segment_rows, scales_offset, row_capacity, topk,
+                      words, scale_cols, rk, s_scratch: cute.Tensor, rows_at, srows_at):
+        """A message's scales into every row it filled: the words `_load_scales` holds, then any
+        beyond them, loaded here. Packed rows: into `scale_rows` (row r's words contiguous),
+        from which the dispatch's end writes the output's layout; slabs: straight into the
+        output (fp8: transposed [H / 128, rows])."""
         src = cute.make_tensor(gmem_ptr(Int32, msg + Int64(scales_offset), 16),
                                cute.make_layout(words))
         for k in cutlass.range(topk + 1):
@@ -1178,28 +1212,32 @@ class EpDispatch:
                 for q in cutlass.range_constexpr(SCALE_REGS):
                     c = lane + q * WARP
                     if c < words:
-                        self._store_scale(scales, c, sregs[q], r, s_scratch[srows_at + k],
-                                          row_capacity, rk)
+                        self._store_scale(scales, scale_rows, segment_rows, c, sregs[q], r,
+                                          s_scratch[srows_at + k], row_capacity, rk, words)
                 for c in cutlass.range(lane + SCALE_REGS * WARP, words, WARP):
-                    self._store_scale(scales, c, self._scale_word(src[c], c, scale_cols), r,
-                                      s_scratch[srows_at + k], row_capacity, rk)
+                    self._store_scale(scales, scale_rows, segment_rows, c,
+                                      self._scale_word(src[c], c, scale_cols), r,
+                                      s_scratch[srows_at + k], row_capacity, rk, words)
 
     @cute.jit
-    def _store_scale(self, scales: cute.Pointer, c, word, row, scale_row, row_capacity, rk):
-        """Scale word c of a row (fp8: block c's fp32 scale of row `row`; nvfp4: columns
-        4c .. 4c + 3 of scale row `scale_row`)."""
-        if cutlass.const_expr(self.fmt == "fp8"):
-            store_i32(scales.toint() + (Int64(c) * Int64(row_capacity) + Int64(row)) * 4, word)
-        if cutlass.const_expr(self.fmt == "nvfp4"):
-            store_i32(scales.toint() + scale_offset(scale_row, c * 4, rk), word)
+    def _store_scale(self, scales: cute.Pointer, scale_rows: cute.Pointer, segment_rows, c, word,
+                     row, scale_row, row_capacity, rk, words):
+        """Scale word c of a row: packed, word c of row `row` of `scale_rows`; slabs (FP8 only),
+        block c's fp32 scale of row `row` in the transposed output."""
+        if segment_rows == 0:
+            store_i32(scale_rows.toint() + (Int64(row) * Int64(words) + Int64(c)) * 4, word)
+        else:
+            if cutlass.const_expr(self.fmt == "fp8"):
+                store_i32(scales.toint() + (Int64(c) * Int64(row_capacity) + Int64(row)) * 4,
+                          word)
 
     @cute.jit
     def _zero_row_padding(self, warp_id, warps, lane, tokens: cute.Pointer,
-                          scales: cute.Pointer, src_info: cute.Pointer, s_off: cute.Tensor,
-                          s_raw: cute.Tensor, segments, payload_bytes, blocks, row_capacity):
-        """FP8: zero the alignment rows after each segment's rows (payload words, their scales,
-        src_info -1): warp `warp_id` of `warps` (every channel's receivers) takes segments
-        warp_id, warp_id + warps, ..., its lanes the segment's padding words."""
+                          scale_rows: cute.Pointer, src_info: cute.Pointer, s_off: cute.Tensor,
+                          s_raw: cute.Tensor, segments, payload_bytes, blocks):
+        """FP8: zero the alignment rows after each segment's rows (payload words, their scales in
+        `scale_rows`, src_info -1): warp `warp_id` of `warps` (every channel's receivers) takes
+        segments warp_id, warp_id + warps, ..., its lanes the segment's padding words."""
         words = Int32(payload_bytes // 4)
         for g in cutlass.range(warp_id, segments, warps):
             pad_begin = s_off[g] + s_raw[g]
@@ -1208,30 +1246,84 @@ class EpDispatch:
                 store_i32(tokens.toint() + Int64(pad_begin) * payload_bytes + Int64(i) * 4,
                           Int32(0))
             for i in cutlass.range(lane, pad_rows * blocks, WARP):
-                r = pad_begin + i // blocks
-                store_f32(scales.toint()
-                          + (Int64(i % blocks) * Int64(row_capacity) + Int64(r)) * 4,
-                          Float32(0.0))
+                store_i32(scale_rows.toint() + (Int64(pad_begin) * Int64(blocks) + Int64(i)) * 4,
+                          Int32(0))
             for i in cutlass.range(lane, pad_rows * 2, WARP):
                 store_i32(src_info.toint() + Int64(pad_begin) * 8 + Int64(i) * 4, Int32(-1))
 
     @cute.jit
-    def _zero_scale_padding(self, warp_id, warps, lane, scales: cute.Pointer,
-                            s_raw: cute.Tensor, s_first: cute.Tensor, segments, rk):
-        """NVFP4: zero the scale words of the rows past each segment's count in its last
-        128-row block, only those: warp `warp_id` of `warps` takes segments warp_id,
-        warp_id + warps, ...; in each of the block's rk atoms lane j writes the words of rows
-        j, j + 32, j + 64 and j + 96 that are padding (16 bytes of the atom: one pass a
-        warp)."""
-        for g in cutlass.range(warp_id, segments, warps):
-            used = s_raw[g] - (s_first[g + 1] - s_first[g] - 1) * ATOM_ROWS
-            if s_raw[g] > 0 and used < ATOM_ROWS:
-                block_row = (s_first[g + 1] - 1) * ATOM_ROWS
-                for atom in cutlass.range(rk):
-                    for q in cutlass.range_constexpr(ATOM_ROWS // WARP):
-                        if lane + q * WARP >= used:
-                            store_i32(scales.toint() + scale_offset(
-                                block_row + lane + q * WARP, atom * 4, rk), Int32(0))
+    def _write_scales(self, warp, lane, channel, active, scales: cute.Pointer,
+                      scale_rows: cute.Pointer, s_off: cute.Tensor, s_raw: cute.Tensor,
+                      s_first: cute.Tensor, s_tile: cute.Tensor, segments, row_capacity,
+                      payload_vectors):
+        """Once every CTA's receivers are done: the received rows' scales from `scale_rows` into
+        the output's layout, whole tiles at a time through the warp's TILE_ROWS x 9 words of
+        shared memory (loads of 8 contiguous words a row, stores of whole lines), the tiles
+        shared out over every warp of every CTA. FP8: 32 rows x 8 blocks of the transposed
+        [H / 128, rows] (alignment rows included: their words were zeroed). NVFP4: 8 atoms of
+        a 128-row block of the 128x4 layout, rows past the segment's count zero."""
+        gw = channel * (SEND_WARPS + RECV_WARPS) + warp
+        nw = active * (SEND_WARPS + RECV_WARPS)
+        base = warp * TILE_ROWS * TILE_STRIDE
+        col = lane % TILE_COLS
+        if cutlass.const_expr(self.fmt == "fp8"):
+            words = payload_vectors * self.vector_bytes // FP8_BLOCK
+            rows = s_off[segments]
+            tiles_b = (words + TILE_COLS - 1) // TILE_COLS
+            for u in cutlass.range(gw, (rows + WARP - 1) // WARP * tiles_b, nw):
+                r0 = u // tiles_b * WARP
+                b = u % tiles_b * TILE_COLS + col
+                # Every load of the tile in flight before the first shared-memory store.
+                vals = cute.make_rmem_tensor(cute.make_layout(TILE_COLS), Int32)
+                for i in cutlass.range_constexpr(TILE_COLS):
+                    rr = lane // TILE_COLS + i * (WARP // TILE_COLS)
+                    v = Int32(0)
+                    if r0 + rr < rows and b < words:
+                        v = load_i32(scale_rows.toint()
+                                     + (Int64(r0 + rr) * Int64(words) + Int64(b)) * 4)
+                    vals[i] = v
+                for i in cutlass.range_constexpr(TILE_COLS):
+                    s_tile[base + (lane // TILE_COLS + i * (WARP // TILE_COLS)) * TILE_STRIDE
+                           + col] = vals[i]
+                cute.arch.sync_warp()
+                for j in cutlass.range_constexpr(TILE_COLS):
+                    b = u % tiles_b * TILE_COLS + j
+                    if b < words and r0 + lane < rows:
+                        store_i32(scales.toint() + (Int64(b) * Int64(row_capacity)
+                                                    + Int64(r0 + lane)) * 4,
+                                  s_tile[base + lane * TILE_STRIDE + j])
+                cute.arch.sync_warp()
+        if cutlass.const_expr(self.fmt == "nvfp4"):
+            rk = (payload_vectors * self.vector_bytes * 2 // NVFP4_BLOCK + 3) // 4
+            tiles_c = (rk + TILE_COLS - 1) // TILE_COLS
+            for u in cutlass.range(gw, s_first[segments] * tiles_c, nw):
+                q = u // tiles_c  # the 128-row scale block
+                c = u % tiles_c * TILE_COLS + col
+                g = segment_of(s_first, segments, q)
+                first = (q - s_first[g]) * ATOM_ROWS  # its first row within segment g
+                valid = s_raw[g] - first
+                at = scale_rows.toint() + (Int64(s_off[g] + first) * Int64(rk) + Int64(c)) * 4
+                # Every load of the tile in flight before the first shared-memory store.
+                vals = cute.make_rmem_tensor(cute.make_layout(ATOM_ROWS * TILE_COLS // WARP),
+                                             Int32)
+                for i in cutlass.range_constexpr(ATOM_ROWS * TILE_COLS // WARP):
+                    rr = lane // TILE_COLS + i * (WARP // TILE_COLS)
+                    v = Int32(0)
+                    if rr < valid and c < rk:
+                        v = load_i32(at + Int64(rr) * Int64(rk) * 4)
+                    vals[i] = v
+                for i in cutlass.range_constexpr(ATOM_ROWS * TILE_COLS // WARP):
+                    s_tile[base + (lane // TILE_COLS + i * (WARP // TILE_COLS)) * TILE_STRIDE
+                           + col] = vals[i]
+                cute.arch.sync_warp()
+                for j in cutlass.range_constexpr(TILE_COLS):
+                    atom = u % tiles_c * TILE_COLS + j
+                    if atom < rk:
+                        at = scales.toint() + scale_offset(q * ATOM_ROWS + lane, atom * 4, rk)
+                        for part in cutlass.range_constexpr(ATOM_ROWS // WARP):
+                            store_i32(at + part * 4,
+                                      s_tile[base + (lane + part * WARP) * TILE_STRIDE + j])
+                cute.arch.sync_warp()
 
 
 def dispatch_kernels() -> list:

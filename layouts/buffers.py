@@ -71,6 +71,28 @@ def dispatch_send_buffer(cfg: EPConfig) -> Buffer:
                   "this rank's token messages, encoded once")
 
 
+def scale_words(cfg: EPConfig) -> int:
+    """32-bit scale words of one row: FP8 one fp32 per 128 elements, NVFP4 four e4m3 bytes per
+    64 elements (the last word padded); 0 for bf16."""
+    if cfg.format == "fp8":
+        return cfg.hidden // 128
+    if cfg.format == "nvfp4":
+        return -(-cfg.hidden // 64)
+    return 0
+
+
+def dispatch_scale_rows(cfg: EPConfig) -> Buffer | None:
+    """(scale word, row): the received rows' scales row by row, as the receivers store them
+    (one contiguous run a row), before the dispatch writes them out in the output's layout (FP8
+    transposed, NVFP4 128x4) a whole tile at a time. None for bf16 and for the slabs layout
+    (whose decode-sized dispatch stores the output's layout directly)."""
+    words = scale_words(cfg)
+    if not words or cfg.layout != "packed":
+        return None
+    return Buffer("dispatch_scale_rows", "int32", Layout((words, cfg.row_capacity), (1, words)),
+                  "received rows' scales, row-major, before the output layout")
+
+
 def dispatch_round() -> Buffer:
     """The number of dispatches completed (a round's counts carry it + 1 as their epoch)."""
     return Buffer("dispatch_round", "int64", Layout(1, 1), "dispatches completed")
@@ -195,6 +217,8 @@ def buffer_sizes(cfg: EPConfig, channels: int = DEFAULT_CHANNELS) -> dict[str, d
     local = [*control_buffers(cfg, channels)]
     if cfg.format != "bf16":
         local.insert(0, dispatch_send_buffer(cfg))
+    if dispatch_scale_rows(cfg) is not None:
+        local.insert(1, dispatch_scale_rows(cfg))
     return {
         "peer-visible": ChannelGeometry(cfg, channels).peer_bytes(),
         "local": {b.name: b.nbytes for b in local},

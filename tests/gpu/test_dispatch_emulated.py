@@ -286,6 +286,21 @@ def test_tiny_staging_and_rings_wrap_on_every_batch(fmt, ranks, sms):
     _layer(bufs, seed + 1, [400] * ranks, "hot")
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
+def test_a_destination_done_early_credits_the_rest_unread(fmt):
+    """Rank 0 hosts experts of only a few early tokens of each channel (t % 64 < 4): once its
+    last message from a source has landed it credits the source's remaining batches unread, and
+    with one staging batch a channel the sources restage every batch on that credit, round after
+    round, while the other ranks read every batch."""
+    from cute_ep.ep import Buffer
+    from layouts import EPConfig
+
+    cfg = EPConfig(1024, 8, 8 * 4, 4, 512, fmt)
+    bufs = Buffer.emulated(cfg, timeout_s=20.0, sms=6, stage_batches=1)
+    for seed, tokens in enumerate(([512] * 4, [100, 7, 512, 64], [0, 512, 3, 512], [512] * 4)):
+        _layer(bufs, 700 + seed, tokens, "front")
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "fp8"])
 @pytest.mark.parametrize("ranks,sms", [(4, 12), (2, 8), (8, 6)])
 def test_emulated_slabs_and_weights_at_home(fmt, ranks, sms):

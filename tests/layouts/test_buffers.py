@@ -1,10 +1,12 @@
 """EP buffers and dispatch outputs against plain formulas, at model shapes and R = 2, 4, 8."""
 
+import dataclasses
+
 import pytest
 
 from layouts.buffers import (EPConfig, buffer_sizes, dispatch_outputs, dispatch_rows,
-                             dispatch_send_buffer, output_scales, output_tokens,
-                             peer_visible_bytes, total_bytes)
+                             dispatch_scale_rows, dispatch_send_buffer, output_scales,
+                             output_tokens, peer_visible_bytes, total_bytes)
 from layouts.channels import ChannelGeometry
 
 from .conftest import MODELS, RANKS
@@ -46,6 +48,16 @@ def test_buffers_at_model_shapes(cfg, rng):
         assert scales.nbytes == scales.layout.mode(0).size() * -(-h // (4 * vector)) * 4
     else:
         assert scales is None
+    # The received rows' scales, row by row (a row's words contiguous), before the output layout.
+    words = {"fp8": h // 128, "nvfp4": h // 64}.get(cfg.format, 0)
+    staged = dispatch_scale_rows(cfg)
+    assert (staged is None) == (words == 0)
+    if staged is not None:
+        word = rng.randrange(words)
+        assert staged.layout((word, row)) == row * words + word
+        assert staged.nbytes == -(-cfg.row_capacity * words * 4 // 16) * 16
+    if cfg.format == "fp8":  # the slabs layout stores the output's layout directly
+        assert dispatch_scale_rows(dataclasses.replace(cfg, layout="slabs")) is None
 
     for channels in (5, 24):
         sizes = buffer_sizes(cfg, channels)
@@ -55,6 +67,7 @@ def test_buffers_at_model_shapes(cfg, rng):
         assert total_bytes(cfg, channels) == peer + sum(sizes["local"].values()) + \
             sum(sizes["dispatch outputs"].values())
         assert ("dispatch_send" in sizes["local"]) == (cfg.format != "bf16")
+        assert ("dispatch_scale_rows" in sizes["local"]) == (staged is not None)
         assert sizes["dispatch outputs"]["route_channels"] == -(-4 * r * channels // 16) * 16
 
 

@@ -56,7 +56,16 @@ def _inputs(cfg, seed, tokens, routing="uniform", same_everywhere=False):
         if cfg.topk > len(pool):
             pool = torch.arange(cfg.experts, device="cuda")
         pick = torch.rand(t, len(pool), device="cuda", generator=gen).argsort(dim=1)[:, :cfg.topk]
-        ids.append(pool[pick].to(torch.int64 if seed % 2 else torch.int32))
+        chosen = pool[pick]
+        if routing == "front":  # rank 0's experts for tokens t % 64 < 4 only, the rest elsewhere
+            first = torch.arange(cfg.local_experts, device="cuda")
+            rest = torch.arange(cfg.local_experts, cfg.experts, device="cuda")
+            a = first[torch.rand(t, len(first), device="cuda", generator=gen)
+                      .argsort(dim=1)[:, :cfg.topk]]
+            b = rest[torch.rand(t, len(rest), device="cuda", generator=gen)
+                     .argsort(dim=1)[:, :cfg.topk]]
+            chosen = torch.where((torch.arange(t, device="cuda") % 64 < 4)[:, None], a, b)
+        ids.append(chosen.to(torch.int64 if seed % 2 else torch.int32))
         ws.append(torch.rand(t, cfg.topk, device="cuda", generator=gen))
     return xs, ids, ws
 
