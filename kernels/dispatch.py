@@ -28,9 +28,10 @@ has SEND_WARPS sender warps and RECV_WARPS receiver warps, and runs three parts:
    source's staging (over NVLink) and stored to every row: BF16 by bulk copies
    (`cp.async.bulk`) through PIECES pieces of shared memory per warp, each piece bulk-stored to
    every row as it lands; FP8 and NVFP4 through registers, a row's scales contiguously into
-   `scale_rows` (row-major); the rows, weights and source token are recorded for combine. Credit returns to the source
-   after every batch, and for all the rest of the round's batches once the last message from
-   the source has landed (their slots are not read).
+   `scale_rows` (row-major, `layouts.buffers.scale_rows_layout`); the rows, weights and source
+   token are recorded for combine. Credit returns to the source after every batch, and for all
+   the rest of the round's batches once the last message from the source has landed (their
+   slots are not read).
 
 4. FP8 and NVFP4 (packed rows): once every CTA has finished (the round's advance below, which
    each CTA waits for), all warps write `scale_rows` into the output's scale layout, a tile of
@@ -54,7 +55,7 @@ from kernels.nvfp4 import segment_of
 from kernels.routing import channel_tokens, route_token
 from kernels.scan import warp_exclusive_scan
 from layouts.abi import GridRule, KernelSpec, Param
-from layouts.buffers import ERROR_CHANNELS, ERROR_COUNTS
+from layouts.buffers import ERROR_CHANNELS, ERROR_COUNTS, scale_rows_layout
 from layouts.channels import (COUNT_MESSAGES, COUNT_SEGMENTS, COUNT_TOKENS, DISPATCH, HEADS,
                               SEND_TIMES, STAGE_BATCH_TOKENS, TAILS, TRACE_FIELDS,
                               batch_header_layout, channel_messages_layout, count_flags_layout,
@@ -775,7 +776,7 @@ class EpDispatch:
             if segment_rows == 0:  # slabs leave the rows past a segment's count undefined
                 self._zero_row_padding(channel * RECV_WARPS + rwarp, active * RECV_WARPS, lane,
                                        tokens, scale_rows, src_info, s_off, s_raw, segments,
-                                       payload_bytes, blocks)
+                                       payload_bytes, blocks, row_capacity)
 
         # 3b. The messages of source s (warps rwarp = s, s + ranks, ... share them: each copies
         # its share of every payload, the first of them does the rest).
@@ -1225,7 +1226,8 @@ class EpDispatch:
         """Scale word c of a row: packed, word c of row `row` of `scale_rows`; slabs (FP8 only),
         block c's fp32 scale of row `row` in the transposed output."""
         if segment_rows == 0:
-            store_i32(scale_rows.toint() + (Int64(row) * Int64(words) + Int64(c)) * 4, word)
+            store_i32(scale_rows.toint() + Int64(scale_rows_layout(words, row_capacity)(
+                (Int64(c), Int64(row)))) * 4, word)
         else:
             if cutlass.const_expr(self.fmt == "fp8"):
                 store_i32(scales.toint() + (Int64(c) * Int64(row_capacity) + Int64(row)) * 4,
@@ -1234,7 +1236,7 @@ class EpDispatch:
     @cute.jit
     def _zero_row_padding(self, warp_id, warps, lane, tokens: cute.Pointer,
                           scale_rows: cute.Pointer, src_info: cute.Pointer, s_off: cute.Tensor,
-                          s_raw: cute.Tensor, segments, payload_bytes, blocks):
+                          s_raw: cute.Tensor, segments, payload_bytes, blocks, row_capacity):
         """FP8: zero the alignment rows after each segment's rows (payload words, their scales in
         `scale_rows`, src_info -1): warp `warp_id` of `warps` (every channel's receivers) takes
         segments warp_id, warp_id + warps, ..., its lanes the segment's padding words."""
@@ -1246,8 +1248,8 @@ class EpDispatch:
                 store_i32(tokens.toint() + Int64(pad_begin) * payload_bytes + Int64(i) * 4,
                           Int32(0))
             for i in cutlass.range(lane, pad_rows * blocks, WARP):
-                store_i32(scale_rows.toint() + (Int64(pad_begin) * Int64(blocks) + Int64(i)) * 4,
-                          Int32(0))
+                store_i32(scale_rows.toint() + Int64(scale_rows_layout(blocks, row_capacity)(
+                    (Int64(i % blocks), Int64(pad_begin + i // blocks)))) * 4, Int32(0))
             for i in cutlass.range(lane, pad_rows * 2, WARP):
                 store_i32(src_info.toint() + Int64(pad_begin) * 8 + Int64(i) * 4, Int32(-1))
 
@@ -1279,8 +1281,8 @@ class EpDispatch:
                     rr = lane // TILE_COLS + i * (WARP // TILE_COLS)
                     v = Int32(0)
                     if r0 + rr < rows and b < words:
-                        v = load_i32(scale_rows.toint()
-                                     + (Int64(r0 + rr) * Int64(words) + Int64(b)) * 4)
+                        v = load_i32(scale_rows.toint() + Int64(scale_rows_layout(
+                            words, row_capacity)((Int64(b), Int64(r0 + rr)))) * 4)
                     vals[i] = v
                 for i in cutlass.range_constexpr(TILE_COLS):
                     s_tile[base + (lane // TILE_COLS + i * (WARP // TILE_COLS)) * TILE_STRIDE
@@ -1302,7 +1304,7 @@ class EpDispatch:
                 g = segment_of(s_first, segments, q)
                 first = (q - s_first[g]) * ATOM_ROWS  # its first row within segment g
                 valid = s_raw[g] - first
-                at = scale_rows.toint() + (Int64(s_off[g] + first) * Int64(rk) + Int64(c)) * 4
+                staged = scale_rows_layout(rk, row_capacity)
                 # Every load of the tile in flight before the first shared-memory store.
                 vals = cute.make_rmem_tensor(cute.make_layout(ATOM_ROWS * TILE_COLS // WARP),
                                              Int32)
@@ -1310,7 +1312,8 @@ class EpDispatch:
                     rr = lane // TILE_COLS + i * (WARP // TILE_COLS)
                     v = Int32(0)
                     if rr < valid and c < rk:
-                        v = load_i32(at + Int64(rr) * Int64(rk) * 4)
+                        v = load_i32(scale_rows.toint() + Int64(staged(
+                            (Int64(c), Int64(s_off[g] + first + rr)))) * 4)
                     vals[i] = v
                 for i in cutlass.range_constexpr(ATOM_ROWS * TILE_COLS // WARP):
                     s_tile[base + (lane // TILE_COLS + i * (WARP // TILE_COLS)) * TILE_STRIDE

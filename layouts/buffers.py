@@ -81,6 +81,12 @@ def scale_words(cfg: EPConfig) -> int:
     return 0
 
 
+def scale_rows_layout(words, rows) -> Layout:
+    """(scale word, row) -> int32 word of the row-major scale buffer: a row's `words` words
+    contiguous. Also takes DSL integers (the dispatch kernel evaluates the same layout)."""
+    return Layout((words, rows), (1, words))
+
+
 def dispatch_scale_rows(cfg: EPConfig) -> Buffer | None:
     """(scale word, row): the received rows' scales row by row, as the receivers store them
     (one contiguous run a row), before the dispatch writes them out in the output's layout (FP8
@@ -89,7 +95,7 @@ def dispatch_scale_rows(cfg: EPConfig) -> Buffer | None:
     words = scale_words(cfg)
     if not words or cfg.layout != "packed":
         return None
-    return Buffer("dispatch_scale_rows", "int32", Layout((words, cfg.row_capacity), (1, words)),
+    return Buffer("dispatch_scale_rows", "int32", scale_rows_layout(words, cfg.row_capacity),
                   "received rows' scales, row-major, before the output layout")
 
 

@@ -47,7 +47,7 @@ def test_layouts_mirror_the_dsl():
     """The same (shape, stride) as a DSL `cute.Layout` gives the same offset at every coordinate."""
     import cutlass.cute as cute
 
-    from layouts.buffers import EPConfig, combine_routes
+    from layouts.buffers import EPConfig, combine_routes, scale_rows_layout
     from layouts.channels import ChannelGeometry, batch_header_layout
     from layouts.scales import scale_layout
     from layouts.swiglu import swiglu_views
@@ -58,6 +58,7 @@ def test_layouts_mirror_the_dsl():
         scale_layout(40, 128, 32),
         ChannelGeometry(cfg, 3, stage_batches=2).headers(),
         batch_header_layout(3),
+        scale_rows_layout(7, 5),
         ChannelGeometry(cfg, 3).counts(),
         ChannelGeometry(cfg, 3).combine_ring(),
         combine_routes(cfg)[0].layout,
