@@ -11,7 +11,8 @@ has SEND_WARPS sender warps and RECV_WARPS receiver warps, and runs three parts:
    next batch slot of this rank's own staging (peer-visible memory, `layouts.channels`): the
    batch header (every token's K ids and weights, as the caller gave them, and its index) and
    each token's message (the bf16 row of `x`; FP8 codes and their scales from their own rows,
-   the caller's or `ep_encode`'s; or the NVFP4 message `ep_encode` wrote into `send_buf`),
+   the caller's or `ep_encode`'s; NVFP4 codes and scales from the caller's rows, or the whole
+   message `ep_encode` wrote into `send_buf`),
    token b by warp b % SEND_WARPS, tiles of SEND_VECTORS 16-byte vectors per lane with every
    load in flight. A sender does nothing per destination per token: it waits, once per batch,
    until every destination has returned credit for the batch the slot held, and the warp that
@@ -603,16 +604,21 @@ class EpDispatch:
                         cute.copy(send_copy, t_src, regs, pred=pred)
                         cute.copy(send_copy, regs, thr.partition_D(g_dst[((None, None), tile)]),
                                   pred=pred)
-                    if cutlass.const_expr(self.fmt == "fp8"):
-                        # FP8's scales come from their own rows (the payload above is H bytes
-                        # of codes): one fp32 word a lane.
-                        scale_words = payload_vectors * self.vector_bytes // FP8_BLOCK
-                        src = scale_source.toint() + Int64(tok) * Int64(scale_stride)
-                        for w0 in cutlass.range(0, scale_words, WARP):
-                            w = w0 + lane
-                            if w < scale_words:
-                                store_i32(staged_at + Int64(scales_offset) + Int64(w) * 4,
-                                          load_i32(src + Int64(w) * 4))
+                    if cutlass.const_expr(self.fmt != "bf16"):
+                        if scale_stride != 0:
+                            # The scales come from their own rows (the payload above is the
+                            # codes alone): FP8's fp32 words, NVFP4's e4m3 bytes four to a
+                            # word (its rows then H / 64 words), a word a lane.
+                            payload_bytes = payload_vectors * self.vector_bytes
+                            scale_words = payload_bytes // FP8_BLOCK
+                            if cutlass.const_expr(self.fmt == "nvfp4"):
+                                scale_words = payload_bytes * 2 // NVFP4_BLOCK // 4
+                            src = scale_source.toint() + Int64(tok) * Int64(scale_stride)
+                            for w0 in cutlass.range(0, scale_words, WARP):
+                                w = w0 + lane
+                                if w < scale_words:
+                                    store_i32(staged_at + Int64(scales_offset) + Int64(w) * 4,
+                                              load_i32(src + Int64(w) * 4))
                 if tracing != 0 and lane == 0:
                     s_time[times + 2] += cute.arch.globaltimer() - start
             # This warp's share of the batch is written. The warp that completes the batch

@@ -64,7 +64,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--ranks", default="2,4")
     parser.add_argument("--sms", default="24")
-    # fp8-input: an fp8 layer given its tokens already quantized, (codes, scales).
+    # fp8-input, nvfp4-input: a layer given its tokens already quantized, (codes, scales).
     parser.add_argument("--formats", default="bf16,fp8,fp8-input")
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--hidden", type=int, default=7168)
@@ -82,7 +82,7 @@ def main():
                 *(f"{f} us" for f in stamps), *(f"{f[:-3]} us" for f in waits)):
         table.add_column(col)
     for name in args.formats.split(","):
-        fmt = "fp8" if name == "fp8-input" else name
+        fmt = name.removesuffix("-input")
         for r in map(int, args.ranks.split(",")):
             for sms in map(int, args.sms.split(",")):
                 cfg = EPConfig(args.hidden, 8, 256, r, args.tokens, fmt)
@@ -101,6 +101,10 @@ def main():
                         from cute_ep.reference.ep import quantize_fp8_blockwise
 
                         x = tuple(quantize_fp8_blockwise(x))
+                    elif name == "nvfp4-input":
+                        from cute_ep.quant import quantize_nvfp4
+
+                        x = quantize_nvfp4(x, quant.pop("global_scale"), scales="linear")
                     call.append(((x, ids, w), quant))
                 us = _time_all(bufs, call, args.reps)
                 # Combine of one dispatch, repeated; random expert outputs (one tensor all

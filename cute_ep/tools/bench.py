@@ -44,7 +44,8 @@ from cute_ep.tools.spawn import RanksFailed, run_ranks
 
 # "fp8-input": an fp8 layer given its tokens already quantized, (codes, scales), as DeepEP's
 # FP8 dispatch takes them (its benchmark quantizes before timing); "fp8" quantizes in the call.
-FORMATS = ("bf16", "fp8", "fp8-input", "nvfp4")
+# "nvfp4-input" likewise: NVFP4 codes and linear e4m3 scales, quantized before timing.
+FORMATS = ("bf16", "fp8", "fp8-input", "nvfp4", "nvfp4-input")
 WARMUP = 5
 FLUSH_BYTES = 256 << 20
 
@@ -133,7 +134,7 @@ def _worker(rank, world, args, formats, budgets) -> dict:
 
 def _layer_format(fmt: str) -> str:
     """The Buffer format a bench format runs on."""
-    return "fp8" if fmt == "fp8-input" else fmt
+    return fmt.removesuffix("-input")
 
 
 def _inputs(cfg, tokens, seed, fmt=None):
@@ -148,6 +149,10 @@ def _inputs(cfg, tokens, seed, fmt=None):
         from cute_ep.reference.ep import quantize_fp8_blockwise
 
         x = tuple(quantize_fp8_blockwise(x))
+    elif fmt == "nvfp4-input":
+        from cute_ep.quant import quantize_nvfp4
+
+        x = quantize_nvfp4(x, quant.pop("global_scale"), scales="linear")
     return x, ids.to(torch.int32), w, y, quant
 
 
