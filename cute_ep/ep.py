@@ -335,7 +335,8 @@ class Buffer:
                       counters_offset=off["counters"], timeout_ns=self._timeout_ns)
         self._dispatch_launch = self.k_dispatch.bind(
             DISPATCH_VARYING, **common, rounds=self.dispatch_epoch, done=self.dispatch_done,
-            header_bytes=geo.header_bytes, stage_bytes=self.msg.staged_bytes, stage_batches=geo.stage_batches,
+            header_bytes=geo.header_bytes, stage_bytes=self.msg.staged_bytes,
+            stage_batches=geo.stage_batches,
             payload_vectors=self.payload_vectors, scales_offset=self.scales_at,
             row_capacity=cfg.row_capacity, segment_rows=cfg.slab_rows,
             scale_rows=self.scale_rows if self.scale_rows is not None else self._no_i32,
@@ -376,8 +377,9 @@ class Buffer:
         [T, H / 128]) of DeepSeek blockwise FP8 (as DeepEP takes it), for an nvfp4 Buffer
         (codes uint8 [T, H / 2], scales uint8 [T, H / 16], linear: `cute_ep.quantize_nvfp4(x,
         gs, scales="linear")`'s, H a multiple of 64): then nothing is quantized here and the
-        one kernel only moves bytes; topk_ids: int32/int64 [T, K], expert ids in [0, E) or -1 for an empty slot (the
-        pair goes nowhere, DeepEP's convention);
+        one kernel only moves bytes.
+        topk_ids: int32/int64 [T, K], expert ids in [0, E) or -1 for an empty slot (the pair
+        goes nowhere, DeepEP's convention);
         topk_weights: float32 [T, K] or None (combine then returns the unreduced [T, K, H]).
         skip_a2a: every rank holds all tokens and keeps only its own experts (allreduce mode).
         num_input_tokens: an upper bound on T over all ranks (decode), the same on every rank;

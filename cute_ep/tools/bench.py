@@ -24,8 +24,8 @@ Figures, each with its formula in the output:
   payload and scales the peer pulls; per batch of 16 tokens and peer: the batch header the peer
   reads).
 
-The launching process prints rich tables (the slowest rank's figure for each cell) and writes a JSON record
-(device, GPU count, library version, config, every rank's numbers) under `--out`.
+The launching process prints rich tables (the slowest rank's figure for each cell) and writes a
+JSON record (device, GPU count, library version, config, every rank's numbers) under `--out`.
 """
 
 from __future__ import annotations
