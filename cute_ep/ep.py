@@ -72,7 +72,8 @@ E2M1_OF_ARCH = {"sm_90a": "software", "sm_100a": "hardware"}
 PHASES = {1: "dispatch", 2: "combine"}
 # The kernel arguments that change from call to call, in the order the Buffer passes them (the
 # rest are fixed for a Buffer's life and written once: `Kernel.bind`).
-DISPATCH_VARYING = ("source", "source_stride", "scale_source", "scale_stride", "topk_ids",
+DISPATCH_VARYING = ("source", "source_stride", "load_bytes", "scale_source", "scale_stride",
+                    "topk_ids",
                     "topk_weights", "tokens", "scales", "scales_offsets",
                     "row_offsets", "expert_ids", "seg_counts", "src_info", "comb_rows",
                     "comb_weights", "comb_tokens", "comb_counts", "chan_msgs", "num_tokens",
@@ -334,10 +335,8 @@ class Buffer:
                       counters_offset=off["counters"], timeout_ns=self._timeout_ns)
         self._dispatch_launch = self.k_dispatch.bind(
             DISPATCH_VARYING, **common, rounds=self.dispatch_epoch, done=self.dispatch_done,
-            header_bytes=geo.header_bytes,
-            # FP8 payloads are loaded alone (H bytes of codes), their scales from their own rows.
-            load_bytes=cfg.hidden if cfg.format == "fp8" else self.msg.staged_bytes,
-            stage_bytes=self.msg.staged_bytes, stage_batches=geo.stage_batches,
+            header_bytes=geo.header_bytes, stage_bytes=self.msg.staged_bytes,
+            stage_batches=geo.stage_batches,
             payload_vectors=self.payload_vectors, scales_offset=self.scales_at,
             row_capacity=cfg.row_capacity, segment_rows=cfg.slab_rows,
             scale_rows=self.scale_rows if self.scale_rows is not None else self._no_i32,
@@ -369,21 +368,25 @@ class Buffer:
                        topk_weights: torch.Tensor | None = None, *, skip_a2a: bool = False,
                        num_input_tokens: int | None = None,
                        global_scale: torch.Tensor | None = None) -> _PendingDispatch:
-        """Launch the whole dispatch (one kernel; fp8 and nvfp4 quantize first in a second);
-        returns what `dispatch_wait` hands back. Work queued on the stream between the two runs
-        after the dispatch.
+        """Launch the whole dispatch (one kernel; fp8 and nvfp4 given bf16 tokens quantize them
+        first, in a second); returns what `dispatch_wait` hands back. Work queued on the stream
+        between the two runs after the dispatch.
 
-        x: bf16 [T, H], T <= max_tokens_per_rank; for an fp8 Buffer also the pre-quantized
-        tuple (codes float8_e4m3fn [T, H], scales float32 [T, H / 128]) of DeepSeek blockwise
-        FP8 (as DeepEP takes it): then nothing is quantized here and the one kernel only moves
-        bytes; topk_ids: int32/int64 [T, K], expert ids in [0, E) or -1 for an empty slot (the
-        pair goes nowhere, DeepEP's convention);
+        x: bf16 [T, H], T <= max_tokens_per_rank; or the tokens already quantized, a tuple
+        (codes, scales): for an fp8 Buffer (codes float8_e4m3fn [T, H], scales float32
+        [T, H / 128]) of DeepSeek blockwise FP8 (as DeepEP takes it), for an nvfp4 Buffer
+        (codes uint8 [T, H / 2], scales uint8 [T, H / 16], linear: `cute_ep.quantize_nvfp4(x,
+        gs, scales="linear")`'s, H a multiple of 64): then nothing is quantized here and the
+        one kernel only moves bytes.
+        topk_ids: int32/int64 [T, K], expert ids in [0, E) or -1 for an empty slot (the pair
+        goes nowhere, DeepEP's convention);
         topk_weights: float32 [T, K] or None (combine then returns the unreduced [T, K, H]).
         skip_a2a: every rank holds all tokens and keeps only its own experts (allreduce mode).
         num_input_tokens: an upper bound on T over all ranks (decode), the same on every rank;
         it splits the tokens over fewer channels (`active_channels`). Must be >= T.
-        global_scale: nvfp4 only (and required there): fp32 CUDA tensor of one element, the
-        `gs` of `sf = e4m3(gs * amax / 6)`, `q = e2m1(x * gs / sf)`; the same on every rank.
+        global_scale: nvfp4 bf16 x only (and required there): fp32 CUDA tensor of one
+        element, the `gs` of `sf = e4m3(gs * amax / 6)`, `q = e2m1(x * gs / sf)`; the same on
+        every rank.
         """
         return _PendingDispatch(self._checked_dispatch(x, topk_ids, topk_weights, skip_a2a,
                                                        num_input_tokens, global_scale))
@@ -391,7 +394,7 @@ class Buffer:
     def _checked_dispatch(self, x, topk_ids, topk_weights, skip_a2a, num_input_tokens,
                           global_scale, separate=False) -> DispatchOutput:
         num_tokens = self._check_dispatch_inputs(x, topk_ids, topk_weights)
-        self._check_global_scale(global_scale)
+        self._check_global_scale(global_scale, type(x) is tuple)
         if num_input_tokens is not None and not 0 <= num_tokens <= int(num_input_tokens):
             raise ValueError(f"num_input_tokens={num_input_tokens} is below this rank's "
                              f"{num_tokens} tokens")
@@ -427,20 +430,28 @@ class Buffer:
             active = self._active[num_input_tokens] = self.active_channels(num_input_tokens)
         weights = topk_weights if weighted else self._no_f32
 
-        # The payload rows (and FP8's scale rows) the senders read, and their strides.
+        # The rows the senders read (bytes a token, loaded by 16-byte vectors), and the rows of
+        # the scales where those come from rows of their own (scale_stride 0: none).
         scale_source, scale_stride = self._no_f32.data_ptr(), 0
         if cfg.format == "bf16":
             source, source_stride = x.data_ptr(), 2 * cfg.hidden
-        elif type(x) is tuple:  # pre-quantized FP8: (codes [T, H], scales [T, H / 128])
-            source, source_stride = x[0].data_ptr(), cfg.hidden
-            scale_source, scale_stride = x[1].data_ptr(), cfg.hidden // 128 * 4
+            load_bytes = source_stride
+        elif type(x) is tuple:  # pre-quantized: (codes, scales), a row of each per token
+            codes, scales = x
+            source, source_stride = codes.data_ptr(), codes.shape[1] * codes.element_size()
+            scale_source = scales.data_ptr()
+            scale_stride = scales.shape[1] * scales.element_size()
+            load_bytes = source_stride
         else:
             self._encode_launch(x.data_ptr(), global_scale.data_ptr()
                                 if global_scale is not None else self._no_f32.data_ptr(),
                                 num_tokens)
             source, source_stride = self.send_buf.data_ptr(), self.msg.size
-            if cfg.format == "fp8":
+            if cfg.format == "fp8":  # the codes, then the scales from the message's own rows
                 scale_source, scale_stride = source + self.scales_at, self.msg.size
+                load_bytes = cfg.hidden
+            else:  # NVFP4: the whole message
+                load_bytes = self.msg.staged_bytes
 
         out = self._dispatch_outputs(Routing(active, num_tokens, weighted, skip_a2a,
                                              shared_begin, shared_end, ids), separate)
@@ -454,7 +465,7 @@ class Buffer:
                 [h._address(name) for name in self._carved_names[4:]]
         trace = self.trace
         self._dispatch_launch(
-            source, source_stride, scale_source, scale_stride, ids.data_ptr(),
+            source, source_stride, load_bytes, scale_source, scale_stride, ids.data_ptr(),
             weights.data_ptr(), out.tokens.data_ptr(),
             out._address("scales") if cfg.format != "bf16" else self._no_f32.data_ptr(),
             out._address("scales_offsets") if cfg.format == "nvfp4"
@@ -515,7 +526,7 @@ class Buffer:
         `cute_ep::dispatch` operator (`cute_ep.torch_ops`)."""
         if torch.compiler.is_compiling():
             if type(x) is tuple:
-                raise NotImplementedError("a pre-quantized (codes, scales) fp8 input is eager "
+                raise NotImplementedError("a pre-quantized (codes, scales) input is eager "
                                           "only; under torch.compile pass bf16 x")
             return self._dispatch_via_op(x, topk_ids, topk_weights, skip_a2a, num_input_tokens,
                                          global_scale)
@@ -732,7 +743,7 @@ class Buffer:
     def _check_dispatch_inputs(self, x, topk_ids, topk_weights) -> int:
         cfg, dev = self.cfg, self.device.index
         if type(x) is tuple:
-            num_tokens = self._check_fp8_input(x)
+            num_tokens = self._check_quantized_input(x)
             self._check_routing(topk_ids, topk_weights, num_tokens)
             return num_tokens
         # The common case in one expression of cheap reads (a microsecond or two); anything
@@ -776,31 +787,47 @@ class Buffer:
                 raise ValueError(f"topk_weights must be float32 [{num_tokens}, {cfg.topk}], got "
                                  f"{tuple(topk_weights.shape)}")
 
-    def _check_fp8_input(self, x: tuple) -> int:
-        """An FP8 layer's pre-quantized input (codes, scales), checked; returns T."""
+    def _check_quantized_input(self, x: tuple) -> int:
+        """An FP8 or NVFP4 layer's pre-quantized input (codes, scales), checked; returns T."""
         cfg = self.cfg
-        if cfg.format != "fp8" or len(x) != 2:
-            raise TypeError(f"x may be a (codes, scales) tuple only for an fp8 Buffer (this one "
-                            f"is {cfg.format}): codes float8_e4m3fn [T, H], scales float32 "
-                            f"[T, H / 128]")
+        h = cfg.hidden
+        shapes = {"fp8": (("float8_e4m3fn", h, "float8_e4m3fn [T, H]"),
+                          ("float32", h // 128, "float32 [T, H / 128]")),
+                  "nvfp4": (("uint8", h // 2, "uint8 [T, H / 2] (two e2m1 codes a byte)"),
+                            ("uint8", h // 16, "uint8 [T, H / 16] (e4m3 bytes, linear)"))}
+        if cfg.format not in shapes or len(x) != 2:
+            raise TypeError(f"x may be a (codes, scales) tuple only for an fp8 or nvfp4 Buffer "
+                            f"(this one is {cfg.format}): fp8 codes float8_e4m3fn [T, H] and "
+                            f"scales float32 [T, H / 128]; nvfp4 codes uint8 [T, H / 2] and "
+                            f"scales uint8 [T, H / 16]")
+        if cfg.format == "nvfp4" and h % 64:
+            raise ValueError(f"a pre-quantized nvfp4 input needs a hidden size that is a multiple "
+                             f"of 64 (16-byte code rows, 4-byte scale rows), got {h}; pass the "
+                             f"bf16 tokens instead")
+        (code_dtype, code_cols, code_what), (scale_dtype, scale_cols, scale_what) = \
+            shapes[cfg.format]
         codes, scales = x
         dev = self.device.index
-        check_tensor(codes, name="x codes", dtype="float8_e4m3fn", align=16, device_index=dev)
-        check_tensor(scales, name="x scales", dtype="float32", align=4, device_index=dev)
-        if codes.dim() != 2 or codes.shape[1] != cfg.hidden:
-            raise ValueError(f"x codes must be float8_e4m3fn [T, {cfg.hidden}], got "
+        check_tensor(codes, name="x codes", dtype=code_dtype, align=16, device_index=dev)
+        check_tensor(scales, name="x scales", dtype=scale_dtype, align=4, device_index=dev)
+        if codes.dim() != 2 or codes.shape[1] != code_cols:
+            raise ValueError(f"x codes must be {code_what} = [T, {code_cols}], got "
                              f"{tuple(codes.shape)}")
         t = codes.shape[0]
-        if tuple(scales.shape) != (t, cfg.hidden // 128):
-            raise ValueError(f"x scales must be float32 [{t}, {cfg.hidden // 128}] (one per 128 "
-                             f"elements of each token), got {tuple(scales.shape)}")
+        if tuple(scales.shape) != (t, scale_cols):
+            raise ValueError(f"x scales must be {scale_what} = [{t}, {scale_cols}], got "
+                             f"{tuple(scales.shape)}")
         return t
 
-    def _check_global_scale(self, global_scale) -> None:
-        if self.cfg.format != "nvfp4":
+    def _check_global_scale(self, global_scale, quantized: bool) -> None:
+        """`quantized`: x is a (codes, scales) tuple, already scaled."""
+        if self.cfg.format != "nvfp4" or quantized:
             if global_scale is not None:
-                raise ValueError(f"global_scale is for nvfp4 dispatch only; this Buffer "
-                                 f"dispatches {self.cfg.format}")
+                raise ValueError(
+                    "global_scale quantizes bf16 tokens; a pre-quantized (codes, scales) input "
+                    "is already scaled: pass global_scale=None" if quantized else
+                    f"global_scale is for nvfp4 dispatch only; this Buffer dispatches "
+                    f"{self.cfg.format}")
             return
         if global_scale is None:
             raise ValueError("nvfp4 dispatch needs global_scale: an fp32 CUDA tensor of one "

@@ -11,7 +11,8 @@ has SEND_WARPS sender warps and RECV_WARPS receiver warps, and runs three parts:
    next batch slot of this rank's own staging (peer-visible memory, `layouts.channels`): the
    batch header (every token's K ids and weights, as the caller gave them, and its index) and
    each token's message (the bf16 row of `x`; FP8 codes and their scales from their own rows,
-   the caller's or `ep_encode`'s; or the NVFP4 message `ep_encode` wrote into `send_buf`),
+   the caller's or `ep_encode`'s; NVFP4 codes and scales from the caller's rows, or the whole
+   message `ep_encode` wrote into `send_buf`),
    token b by warp b % SEND_WARPS, tiles of SEND_VECTORS 16-byte vectors per lane with every
    load in flight. A sender does nothing per destination per token: it waits, once per batch,
    until every destination has returned credit for the batch the slot held, and the warp that
@@ -603,16 +604,15 @@ class EpDispatch:
                         cute.copy(send_copy, t_src, regs, pred=pred)
                         cute.copy(send_copy, regs, thr.partition_D(g_dst[((None, None), tile)]),
                                   pred=pred)
+                    # The scales from their own rows (the payload above is the codes alone):
+                    # always for FP8, for NVFP4 when the caller quantized (scale_stride != 0).
                     if cutlass.const_expr(self.fmt == "fp8"):
-                        # FP8's scales come from their own rows (the payload above is H bytes
-                        # of codes): one fp32 word a lane.
-                        scale_words = payload_vectors * self.vector_bytes // FP8_BLOCK
-                        src = scale_source.toint() + Int64(tok) * Int64(scale_stride)
-                        for w0 in cutlass.range(0, scale_words, WARP):
-                            w = w0 + lane
-                            if w < scale_words:
-                                store_i32(staged_at + Int64(scales_offset) + Int64(w) * 4,
-                                          load_i32(src + Int64(w) * 4))
+                        self._copy_scale_row(lane, scale_source, tok, scale_stride, staged_at,
+                                             scales_offset, payload_vectors)
+                    if cutlass.const_expr(self.fmt == "nvfp4"):
+                        if scale_stride != 0:
+                            self._copy_scale_row(lane, scale_source, tok, scale_stride,
+                                                 staged_at, scales_offset, payload_vectors)
                 if tracing != 0 and lane == 0:
                     s_time[times + 2] += cute.arch.globaltimer() - start
             # This warp's share of the batch is written. The warp that completes the batch
@@ -648,6 +648,22 @@ class EpDispatch:
             _stamp_max(trace, tracing, channel, "send_done", cute.arch.globaltimer())
             for f in cutlass.range_constexpr(len(SEND_TIMES)):
                 _stamp_max(trace, tracing, channel, SEND_TIMES[f], s_time[times + f])
+
+    @cute.jit
+    def _copy_scale_row(self, lane, scale_source: cute.Pointer, tok, scale_stride, staged_at,
+                        scales_offset, payload_vectors):
+        """Token `tok`'s scale row into its staged message, a 32-bit word a lane: FP8's fp32
+        words (H / 128), NVFP4's e4m3 bytes four to a word (H / 64 words)."""
+        payload_bytes = payload_vectors * self.vector_bytes
+        words = payload_bytes // FP8_BLOCK
+        if cutlass.const_expr(self.fmt == "nvfp4"):
+            words = payload_bytes * 2 // NVFP4_BLOCK // 4
+        src = scale_source.toint() + Int64(tok) * Int64(scale_stride)
+        for w0 in cutlass.range(0, words, WARP):
+            w = w0 + lane
+            if w < words:
+                store_i32(staged_at + Int64(scales_offset) + Int64(w) * 4,
+                          load_i32(src + Int64(w) * 4))
 
     @cute.jit
     def _receive(self, rt, channel, peers: cute.Tensor, here, streams: cute.Pointer,

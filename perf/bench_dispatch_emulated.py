@@ -5,7 +5,8 @@ expansion, reduction), not the link.
     python perf/bench_dispatch_emulated.py [--ranks 2,4] [--sms 24] [--tokens 4096] [--json FILE]
 
 Each emulated rank runs its dispatch on its own CUDA stream; time = median over --reps of all
-ranks' dispatches started together (events on a joining stream). One more traced dispatch
+ranks' dispatches started together (events on a joining stream; the launches queued behind a
+device sleep first, so the time is the GPU's and not the serial host launches'). One more traced dispatch
 (`Buffer.trace_dispatch`) then gives where a channel's time goes: the latest channel's
 %globaltimer stamps from the kernel's start, and every measured wait or step (`_ns` fields of
 `layouts.channels.TRACE_FIELDS`, the longest channel's).
@@ -14,35 +15,60 @@ ranks' dispatches started together (events on a joining stream). One more traced
 import argparse
 import json
 import statistics
+import time
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
 
+def _sleep_cycles(us: float) -> int:
+    """Clock cycles of `torch.cuda._sleep` that last about `us` microseconds on this GPU."""
+    probe = 1 << 20
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    torch.cuda._sleep(probe)
+    end.record()
+    end.synchronize()
+    return int(probe * us / (start.elapsed_time(end) * 1e3))
+
+
 def _time_all(bufs, args_of, reps, call=lambda buf, args: buf.dispatch(*args[0], **args[1])):
-    """Median us of every rank's `call` (default: its dispatch) started together (reps + 3
-    runs, 3 warm-ups)."""
+    """Median device us of every rank's `call` (default: its dispatch) started together (reps
+    + 3 runs, 3 warm-ups). The ranks' calls are queued behind a sleep on the timing stream, so
+    the time starts when the last rank's kernels are already queued: one Python thread launches
+    every emulated rank one after another, host time that a GPU per process does not add (the
+    host path is `profile_host.py`'s). A run whose launches outlast the sleep is repeated with
+    a longer one."""
     streams = [torch.cuda.Stream() for _ in bufs]
     main = torch.cuda.current_stream()
+    gate_us = 500.0 * len(bufs)
+    cycles = _sleep_cycles(gate_us)
     times = []
-    for i in range(reps + 3):
+    while len(times) < reps + 3:
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(cycles)
         start.record(main)
+        host = time.perf_counter()
         for buf, stream, args in zip(bufs, streams, args_of):
             stream.wait_stream(main)
             with torch.cuda.stream(stream):
                 call(buf, args)
+        host = (time.perf_counter() - host) * 1e6
         for stream in streams:
             main.wait_stream(stream)
         end.record(main)
         end.synchronize()
-        if i >= 3:
-            times.append(start.elapsed_time(end) * 1e3)
+        if host > 0.8 * gate_us:  # the time may have started before the last launch
+            gate_us *= 2
+            cycles = _sleep_cycles(gate_us)
+            continue
+        times.append(start.elapsed_time(end) * 1e3)
     for buf in bufs:
         buf.check()
-    return statistics.median(times) if times else None
+    return statistics.median(times[3:]) if reps else None
 
 
 def _dispatch_all(bufs, call):
@@ -64,7 +90,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--ranks", default="2,4")
     parser.add_argument("--sms", default="24")
-    # fp8-input: an fp8 layer given its tokens already quantized, (codes, scales).
+    # fp8-input, nvfp4-input: a layer given its tokens already quantized, (codes, scales).
     parser.add_argument("--formats", default="bf16,fp8,fp8-input")
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--hidden", type=int, default=7168)
@@ -72,8 +98,9 @@ def main():
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args()
     records = []
-    table = Table(title=f"{torch.cuda.get_device_name()}: emulated ranks, {args.tokens} tokens/rank, "
-                        f"H={args.hidden} K=8 E=256, median of {args.reps}")
+    table = Table(title=f"{torch.cuda.get_device_name()}: emulated ranks, "
+                        f"{args.tokens} tokens/rank, H={args.hidden} K=8 E=256, "
+                        f"median of {args.reps}")
     from layouts.channels import TRACE_FIELDS
 
     stamps = [f for f in TRACE_FIELDS[1:] if not f.endswith("_ns")]
@@ -82,7 +109,7 @@ def main():
                 *(f"{f} us" for f in stamps), *(f"{f[:-3]} us" for f in waits)):
         table.add_column(col)
     for name in args.formats.split(","):
-        fmt = "fp8" if name == "fp8-input" else name
+        fmt = name.removesuffix("-input")
         for r in map(int, args.ranks.split(",")):
             for sms in map(int, args.sms.split(",")):
                 cfg = EPConfig(args.hidden, 8, 256, r, args.tokens, fmt)
@@ -101,6 +128,10 @@ def main():
                         from cute_ep.reference.ep import quantize_fp8_blockwise
 
                         x = tuple(quantize_fp8_blockwise(x))
+                    elif name == "nvfp4-input":
+                        from cute_ep.quant import quantize_nvfp4
+
+                        x = quantize_nvfp4(x, quant.pop("global_scale"), scales="linear")
                     call.append(((x, ids, w), quant))
                 us = _time_all(bufs, call, args.reps)
                 # Combine of one dispatch, repeated; random expert outputs (one tensor all

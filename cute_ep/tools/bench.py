@@ -24,8 +24,8 @@ Figures, each with its formula in the output:
   payload and scales the peer pulls; per batch of 16 tokens and peer: the batch header the peer
   reads).
 
-The launching process prints rich tables (the slowest rank's figure for each cell) and writes a JSON record
-(device, GPU count, library version, config, every rank's numbers) under `--out`.
+The launching process prints rich tables (the slowest rank's figure for each cell) and writes a
+JSON record (device, GPU count, library version, config, every rank's numbers) under `--out`.
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ from cute_ep.tools.spawn import RanksFailed, run_ranks
 
 # "fp8-input": an fp8 layer given its tokens already quantized, (codes, scales), as DeepEP's
 # FP8 dispatch takes them (its benchmark quantizes before timing); "fp8" quantizes in the call.
-FORMATS = ("bf16", "fp8", "fp8-input", "nvfp4")
+# "nvfp4-input" likewise: NVFP4 codes and linear e4m3 scales, quantized before timing.
+FORMATS = ("bf16", "fp8", "fp8-input", "nvfp4", "nvfp4-input")
 WARMUP = 5
 FLUSH_BYTES = 256 << 20
 
@@ -133,7 +134,7 @@ def _worker(rank, world, args, formats, budgets) -> dict:
 
 def _layer_format(fmt: str) -> str:
     """The Buffer format a bench format runs on."""
-    return "fp8" if fmt == "fp8-input" else fmt
+    return fmt.removesuffix("-input")
 
 
 def _inputs(cfg, tokens, seed, fmt=None):
@@ -148,6 +149,10 @@ def _inputs(cfg, tokens, seed, fmt=None):
         from cute_ep.reference.ep import quantize_fp8_blockwise
 
         x = tuple(quantize_fp8_blockwise(x))
+    elif fmt == "nvfp4-input":
+        from cute_ep.quant import quantize_nvfp4
+
+        x = quantize_nvfp4(x, quant.pop("global_scale"), scales="linear")
     return x, ids.to(torch.int32), w, y, quant
 
 

@@ -31,8 +31,9 @@ def _streams(bufs):
 
 def _layer(bufs, seed, tokens, routing="uniform", weighted=True, skip_a2a=False,
            num_input_tokens=None, prequantized=False, at_home=False, empty_slots=0.0):
-    """One layer on every emulated rank against the reference; `prequantized` (fp8): each rank
-    passes its tokens already quantized, (codes, scales), as the reference quantizes them;
+    """One layer on every emulated rank against the reference; `prequantized` (fp8, nvfp4):
+    each rank passes its tokens already quantized, (codes, scales), as the reference quantizes
+    them (`"kernel"`: nvfp4 by `cute_ep.quantize_nvfp4`, linear scales);
     `at_home`: dispatch carries no weights and combine weighs at home with them (DeepEP's
     low-latency combine); `empty_slots`: that share of the (token, k) ids is -1 (nothing is
     reported for them)."""
@@ -47,13 +48,22 @@ def _layer(bufs, seed, tokens, routing="uniform", weighted=True, skip_a2a=False,
                            -1, i).to(i.dtype) for i in ids]
     gs = _global_scales(cfg, seed)
     streams = _streams(bufs)
-    torch.cuda.synchronize()
     sources = xs
-    if prequantized:
+    if prequantized and cfg.format == "fp8":
         sources = [tuple(reference.quantize_fp8_blockwise(x)) for x in xs]
+    elif prequantized == "kernel":
+        from cute_ep.quant import quantize_nvfp4
+
+        sources = [quantize_nvfp4(x, gs[r], scales="linear") for r, x in enumerate(xs)]
+    elif prequantized:
+        from cute_ep.reference.fp4 import quantize_nvfp4
+
+        sources = [quantize_nvfp4(x, torch.full((x.shape[0],), gs[r], device="cuda"))
+                   for r, x in enumerate(xs)]
+    torch.cuda.synchronize()  # the ranks' streams read what the default stream just wrote
     outs = []
     for r, (buf, stream) in enumerate(zip(bufs, streams)):
-        quant = {} if gs is None else {
+        quant = {} if gs is None or prequantized else {
             "global_scale": torch.tensor([gs[r]], dtype=torch.float32, device="cuda")}
         with torch.cuda.stream(stream):
             outs.append(buf.dispatch(sources[r], ids[r],
@@ -226,21 +236,24 @@ def test_ranks_that_disagree_on_num_input_tokens_get_an_error_not_a_hang():
             buf.check()
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
 @pytest.mark.parametrize("ranks,sms,hidden,shared", [(2, 8, 2048, False), (4, 16, 7168, False),
                                                      (3, 5, 1152, True)])
-def test_emulated_prequantized_fp8_input(ranks, sms, hidden, shared):
-    """FP8 tokens passed as (codes, scales), DeepEP's FP8 input: the same rows and scales as
-    quantizing the bf16 tokens in the layer (H = 1152: scale rows of 36 bytes, not 16-byte
-    multiples)."""
+def test_emulated_prequantized_input(fmt, ranks, sms, hidden, shared):
+    """Tokens passed as (codes, scales) (DeepEP's FP8 input; NVFP4 codes and linear e4m3
+    scales): the same rows and scales as quantizing the bf16 tokens in the layer (H = 1152:
+    FP8 scale rows of 36 bytes, NVFP4 ones of 72, not 16-byte multiples)."""
     from cute_ep.ep import Buffer
     from layouts import EPConfig
 
-    cfg = EPConfig(hidden, 8, 16 * ranks, ranks, 1024, "fp8", fused_shared_expert=shared)
+    cfg = EPConfig(hidden, 8, 16 * ranks, ranks, 1024, fmt, fused_shared_expert=shared)
     bufs = Buffer.emulated(cfg, timeout_s=20.0, sms=sms)
     seed = 70 + ranks
     for tokens in ([1024] * ranks, [0] * ranks, [(0, 1, 300, 1024)[r % 4] for r in range(ranks)]):
         seed += 1
         _layer(bufs, seed, tokens, prequantized=True)
+    if fmt == "nvfp4":  # quantized by the library's own kernel, as a caller would
+        _layer(bufs, seed + 2, [700] * ranks, "hot", prequantized="kernel")
     _layer(bufs, seed + 1, [500] * ranks)  # bf16 tokens again on the same Buffers
 
 
@@ -255,15 +268,41 @@ def test_prequantized_fp8_input_is_checked():
     scales = torch.ones(4, 8, device="cuda")
     with pytest.raises(TypeError, match="float8_e4m3fn"):
         buf.dispatch((codes.float(), scales), ids)
-    with pytest.raises(ValueError, match=r"scales must be float32 \[4, 8\]"):
+    with pytest.raises(ValueError, match=r"scales must be float32 \[T, H / 128\] = \[4, 8\]"):
         buf.dispatch((codes, scales[:, :4].contiguous()), ids)
     with pytest.raises(ValueError, match="codes must be"):
         buf.dispatch((codes[:, :512].contiguous(), scales), ids)
     with pytest.raises(ValueError, match="topk_ids"):
         buf.dispatch((codes, scales), ids[:3])
     bf16 = Buffer.emulated(EPConfig(1024, 4, 8, 1, 64, "bf16"), timeout_s=5.0, sms=2)[0]
-    with pytest.raises(TypeError, match="only for an fp8 Buffer"):
+    with pytest.raises(TypeError, match="only for an fp8 or nvfp4 Buffer"):
         bf16.dispatch((codes, scales), ids)
+
+
+def test_prequantized_nvfp4_input_is_checked():
+    from cute_ep.ep import Buffer
+    from layouts import EPConfig
+
+    (buf,) = Buffer.emulated(EPConfig(1024, 4, 8, 1, 64, "nvfp4"), timeout_s=5.0, sms=2)
+    ids = torch.zeros(4, 4, dtype=torch.int32, device="cuda")
+    codes = torch.zeros(4, 512, dtype=torch.uint8, device="cuda")
+    scales = torch.zeros(4, 64, dtype=torch.uint8, device="cuda")
+    gs = torch.ones(1, device="cuda")
+    with pytest.raises(TypeError, match="uint8"):
+        buf.dispatch((codes.view(torch.int8), scales), ids)
+    with pytest.raises(ValueError, match=r"scales must be uint8 \[T, H / 16\].* = \[4, 64\]"):
+        buf.dispatch((codes, scales[:, :32].contiguous()), ids)
+    with pytest.raises(ValueError, match=r"codes must be uint8 \[T, H / 2\]"):
+        buf.dispatch((codes[:, :256].contiguous(), scales), ids)
+    with pytest.raises(ValueError, match="already scaled: pass global_scale=None"):
+        buf.dispatch((codes, scales), ids, global_scale=gs)
+    with pytest.raises(ValueError, match="needs global_scale"):
+        buf.dispatch(torch.zeros(4, 1024, dtype=torch.bfloat16, device="cuda"), ids)
+    (odd,) = Buffer.emulated(EPConfig(1040, 4, 8, 1, 64, "nvfp4"), timeout_s=5.0, sms=2)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        odd.dispatch((torch.zeros(4, 520, dtype=torch.uint8, device="cuda"),
+                      torch.zeros(4, 65, dtype=torch.uint8, device="cuda")), ids)
+    buf.check()  # nothing reached the device
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
