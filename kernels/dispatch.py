@@ -1,7 +1,7 @@
 """`ep_dispatch`: one persistent launch per dispatch, a CTA per channel (transport v2).
 
 Channel c of every rank owns a contiguous run of that rank's tokens (`layouts.channels`). Its CTA
-has SEND_WARPS sender warps and RECV_WARPS receiver warps, and runs three parts:
+has SEND_WARPS sender warps and RECV_WARPS[format] receiver warps, and runs three parts:
 
 1. Counts (all warps): the channel's tokens are routed (each valid (token, k) pair, a later k
    naming the same expert dropped, ids outside [0, E) dropped and reported) and counted per
@@ -12,9 +12,8 @@ has SEND_WARPS sender warps and RECV_WARPS receiver warps, and runs three parts:
    batch header (every token's K ids and weights, as the caller gave them, and its index) and
    each token's message (the bf16 row of `x`; FP8 codes and their scales from their own rows,
    the caller's or `ep_encode`'s; NVFP4 codes and scales from the caller's rows, or the whole
-   message `ep_encode` wrote into `send_buf`),
-   token b by warp b % SEND_WARPS, tiles of SEND_VECTORS 16-byte vectors per lane with every
-   load in flight. A sender does nothing per destination per token: it waits, once per batch,
+   message `ep_encode` wrote into `send_buf`), token b by warp b % SEND_WARPS, tiles of
+   SEND_VECTORS[format] 16-byte vectors per lane with every load in flight. A sender does nothing per destination per token: it waits, once per batch,
    until every destination has returned credit for the batch the slot held, and the warp that
    finishes a batch last (one shared-memory atomic a warp) fences once at system scope and
    publishes the batch in every destination's `tails`.
@@ -72,10 +71,18 @@ MAX_TOPK = 16
 MAX_SEGMENTS = 272  # local experts + a shared expert, with slack
 MAX_EXPERTS = 2176  # MAX_RANKS x 272
 SEND_WARPS = 4
-RECV_WARPS = 8
+# Receiver warps per CTA, by format. BF16 receivers move messages by bulk copies through shared
+# memory (225 KB of it); FP8 and NVFP4 ones through registers, so more warps keep more messages
+# in flight: 20 warps of a CTA fit 96 registers a thread (the block size caps them).
+RECV_WARPS = {"bf16": 8, "fp8": 16, "nvfp4": 16}
 BATCH = STAGE_BATCH_TOKENS  # tokens staged together: a header, tails and credit per batch
 MAX_STAGE_BATCHES = 16  # a channel's staging ring, in batches
-SEND_VECTORS = 32  # 16-byte vectors per lane a sender warp loads before storing them
+# 16-byte vectors per lane a sender warp loads before storing them (FP8 and NVFP4 messages of
+# H <= 8192 fit one tile of 16), and the vectors a receiver lane holds of a message (NVFP4's
+# 8-byte ones: a whole message up to H = 8192; FP8's 16-byte ones in tiles of 8, which keep 16
+# warps within 96 registers without spilling).
+SEND_VECTORS = {"bf16": 32, "fp8": 16, "nvfp4": 16}
+TILE_VECTORS = {"bf16": 16, "fp8": 8, "nvfp4": 16}
 MAX_CHUNK = 8  # tokens of a batch a receiver warp takes at once (BATCH in two chunks)
 SCALE_REGS = 4  # FP8 / NVFP4 scale words per lane a receiver loads with a message's payload
 # FP8 / NVFP4 scales go out through a tile per warp: up to TILE_ROWS rows of TILE_COLS words, a
@@ -181,27 +188,28 @@ def _stamp_max(trace: cute.Pointer, tracing, channel, field: cutlass.Constexpr, 
 
 
 class EpDispatch:
-    def __init__(self, fmt: str, tile_vectors: int = 16):
+    def __init__(self, fmt: str):
         if fmt not in FORMATS:
             raise ValueError(f"ep_dispatch formats: {FORMATS}, not {fmt!r}")
         self.fmt = fmt
-        self.threads = WARP * (SEND_WARPS + RECV_WARPS)
-        self.recv_threads = WARP * RECV_WARPS
+        self.recv_warps = RECV_WARPS[fmt]
+        self.send_vectors = SEND_VECTORS[fmt]
+        # Per lane: a receiver warp loads this many vectors of a message before storing them.
+        self.tile_vectors = TILE_VECTORS[fmt]
+        self.threads = WARP * (SEND_WARPS + self.recv_warps)
+        self.recv_threads = WARP * self.recv_warps
         self.row_align = FP8_ROW_ALIGN if fmt == "fp8" else 1
         # Payload rows move in 16-byte vectors, NVFP4 rows (H / 2 bytes) in 8-byte ones.
         self.vector_bytes = 8 if fmt == "nvfp4" else 16
-        # Per lane: a receiver warp loads this many vectors of a message before storing them (16:
-        # a whole FP8 or NVFP4 message up to H = 8192 in one tile, half the registers of 32).
-        self.tile_vectors = tile_vectors
 
     @property
     def smem_bytes(self) -> int:
         words = (MAX_EXPERTS + 2 * MAX_RANKS + 8  # s_cnt
-                 + RECV_WARPS * MAX_SEGMENTS  # s_next
+                 + self.recv_warps * MAX_SEGMENTS  # s_next
                  + MAX_RANKS * MAX_SEGMENTS  # s_totals
                  + 4 * (MAX_SEGMENTS + 4)  # s_off, s_tot, s_raw, s_first
                  + SRC_WORDS * MAX_RANKS  # s_src
-                 + RECV_WARPS * (SCRATCH + MAX_CHUNK * MAX_TOPK)  # s_scratch, s_wts
+                 + self.recv_warps * (SCRATCH + MAX_CHUNK * MAX_TOPK)  # s_scratch, s_wts
                  + MAX_STAGE_BATCHES)  # s_arrive
         dwords = SEND_WARPS * MAX_RANKS + SEND_WARPS * len(SEND_TIMES)  # s_head, s_time
         return 4 * words + 8 * dwords + 14 * 16 + 128 + self.ring_bytes + 4 * self.tile_words
@@ -209,7 +217,7 @@ class EpDispatch:
     @property
     def tile_words(self) -> int:
         """Shared-memory words of the warps' scale tiles (`_write_scales`); 4 for bf16."""
-        return 4 if self.fmt == "bf16" else (SEND_WARPS + RECV_WARPS) * TILE_ROWS * TILE_STRIDE
+        return 4 if self.fmt == "bf16" else (SEND_WARPS + self.recv_warps) * TILE_ROWS * TILE_STRIDE
 
     @property
     def bulk(self) -> bool:
@@ -220,7 +228,7 @@ class EpDispatch:
     def ring_shape(self) -> tuple[int, int]:
         """(pieces, bytes of a piece) of the receiver warps' rings: PIECES of PIECE bytes per
         warp with bulk pulls, else one 16-byte placeholder."""
-        return (RECV_WARPS * PIECES, PIECE) if self.bulk else (1, 16)
+        return (self.recv_warps * PIECES, PIECE) if self.bulk else (1, 16)
 
     @property
     def ring_bytes(self) -> int:
@@ -296,7 +304,7 @@ class EpDispatch:
                   GridRule(constant=1)),
             smem_bytes=self.smem_bytes,
             sizes=dict(LIMITS, row_align=self.row_align, vector_bytes=self.vector_bytes,
-                       recv_warps=RECV_WARPS),
+                       recv_warps=self.recv_warps),
         )
 
     @cute.jit
@@ -370,7 +378,7 @@ class EpDispatch:
         smem = cutlass.memory.SmemAllocator()
         s_cnt = smem.allocate_tensor(Int32, cute.make_layout(MAX_EXPERTS + 2 * MAX_RANKS + 8),
                                      byte_alignment=16)
-        s_next = smem.allocate_tensor(Int32, cute.make_layout(RECV_WARPS * MAX_SEGMENTS),
+        s_next = smem.allocate_tensor(Int32, cute.make_layout(self.recv_warps * MAX_SEGMENTS),
                                       byte_alignment=16)
         s_totals = smem.allocate_tensor(Int32, cute.make_layout(MAX_RANKS * MAX_SEGMENTS),
                                         byte_alignment=16)
@@ -381,9 +389,10 @@ class EpDispatch:
                                        byte_alignment=16)
         s_src = smem.allocate_tensor(Int32, cute.make_layout(SRC_WORDS * MAX_RANKS),
                                      byte_alignment=16)
-        s_rows = smem.allocate_tensor(Int32, cute.make_layout(RECV_WARPS * SCRATCH),
+        s_rows = smem.allocate_tensor(Int32, cute.make_layout(self.recv_warps * SCRATCH),
                                       byte_alignment=16)
-        s_wts = smem.allocate_tensor(Float32, cute.make_layout(RECV_WARPS * MAX_CHUNK * MAX_TOPK),
+        s_wts = smem.allocate_tensor(Float32, cute.make_layout(
+            self.recv_warps * MAX_CHUNK * MAX_TOPK),
                                      byte_alignment=16)
         # Per sender warp: the staging credit it has seen per destination, its times; per batch
         # slot, the sender warps done with the batch it holds (`_send`).
@@ -411,7 +420,7 @@ class EpDispatch:
             s_arrive[tidx] = Int32(0)
         if cutlass.const_expr(self.bulk):
             if tidx == 0:
-                for i in cutlass.range(RECV_WARPS * PIECES):
+                for i in cutlass.range(self.recv_warps * PIECES):
                     cute.arch.mbarrier_init(s_full + i, 1)
                 cute.arch.mbarrier_init_fence()
         peers = cute.make_tensor(peer_bases, cute.make_layout(ranks))
@@ -541,10 +550,10 @@ class EpDispatch:
         # tiles of SEND_VECTORS vectors per lane.
         load_vectors = load_bytes // 16
         layout = cute.make_layout((load_vectors, 16), stride=(16, 1))
-        tiler = (WARP * SEND_VECTORS, 16)
+        tiler = (WARP * self.send_vectors, 16)
         g_crd = cute.zipped_divide(cute.make_identity_tensor(layout.shape), tiler)
         thr = send_copy.get_slice(lane)
-        tiles = cute.ceil_div(load_vectors, WARP * SEND_VECTORS)
+        tiles = cute.ceil_div(load_vectors, WARP * self.send_vectors)
         batches = (t1 - t0 + BATCH - 1) // BATCH
         for i in cutlass.range(batches):
             at = position + Int64(i)  # the batch's place in the channel's stream
@@ -682,7 +691,7 @@ class EpDispatch:
                  s_src: cute.Tensor, s_rows: cute.Tensor, s_wts: cute.Tensor,
                  s_ring: cute.Tensor, s_full: cute.Pointer, s_piece: cute.Tensor,
                  warp_copy: cute.TiledCopy, trace: cute.Pointer, tracing):
-        """The receiver warps (thread rt of RECV_WARPS * 32)."""
+        """The receiver warps (thread rt of recv_warps * 32)."""
         threads = self.recv_threads
         rwarp = rt // WARP
         lane = rt % WARP
@@ -790,13 +799,16 @@ class EpDispatch:
         # Padding: the receiver warps of every channel take a segment each in turn.
         if cutlass.const_expr(self.row_align > 1):
             if segment_rows == 0:  # slabs leave the rows past a segment's count undefined
-                self._zero_row_padding(channel * RECV_WARPS + rwarp, active * RECV_WARPS, lane,
+                self._zero_row_padding(channel * self.recv_warps + rwarp, active * self.recv_warps,
+                                       lane,
                                        tokens, scale_rows, src_info, s_off, s_raw, segments,
                                        payload_bytes, blocks, row_capacity)
 
         # 3b. The messages of source s (warps rwarp = s, s + ranks, ... share them: each copies
         # its share of every payload, the first of them does the rest).
-        per_source = RECV_WARPS // ranks
+        # Warps per source: a chunk's messages go one per warp, so more warps than a chunk's
+        # messages would idle (the rest of the warps then have no source).
+        per_source = cutlass.min(self.recv_warps // ranks, MAX_CHUNK)
         s = rwarp % ranks
         sub = rwarp // ranks
         for i in cutlass.range(rt, ranks * segments, threads):
@@ -1280,8 +1292,8 @@ class EpDispatch:
         shared out over every warp of every CTA. FP8: 32 rows x 8 blocks of the transposed
         [H / 128, rows] (alignment rows included: their words were zeroed). NVFP4: 8 atoms of
         a 128-row block of the 128x4 layout, rows past the segment's count zero."""
-        gw = channel * (SEND_WARPS + RECV_WARPS) + warp
-        nw = active * (SEND_WARPS + RECV_WARPS)
+        gw = channel * (SEND_WARPS + self.recv_warps) + warp
+        nw = active * (SEND_WARPS + self.recv_warps)
         base = warp * TILE_ROWS * TILE_STRIDE
         col = lane % TILE_COLS
         if cutlass.const_expr(self.fmt == "fp8"):
