@@ -1061,7 +1061,7 @@ class EpDispatch:
                payload_vectors, issued, drained):
         """A chunk's `cnt` messages (messages first .. first + cnt - 1 of source s here): their
         rows, message by message (the experts of one message differ, so its lanes never share a
-        counter); what combine needs of them (the first warp of s); then this warp's messages
+        counter; a warp barrier between messages); what combine needs of them (the first warp of s); then this warp's messages
         m = sub, sub + per_source, ... pulled from the source's staging into their rows.
         Returns the warp's (issued, drained) pieces of the bulk path."""
         vec = self.vector_bytes
@@ -1084,7 +1084,9 @@ class EpDispatch:
                     s_scratch[scratch + SROWS_AT + m * ROWS + lane] = row
             if lane <= topk:
                 s_scratch[scratch + ROWS_AT + m * ROWS + lane] = row
-        cute.arch.sync_warp()
+            # The next message's lanes read counters this one's lanes just wrote (the same
+            # expert under another k): ordered by the warp barrier, not by lockstep.
+            cute.arch.sync_warp()
         if sub == 0:
             self._record(lane, s, first, cnt, topk, max_tokens, src_info, comb_rows,
                          comb_weights, comb_tokens, s_scratch, s_wts, scratch, wts)
