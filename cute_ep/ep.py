@@ -276,6 +276,7 @@ class Buffer:
         self.msg = cfg.message
         # Byte offset of the scales inside one token message (layouts.formats).
         self.scales_at = self.msg.segment("scales").offset if cfg.format != "bf16" else 0
+        self._quantized_rows = _quantized_rows(cfg)
         self.geo = ChannelGeometry(cfg, channels=self._sms, **(geometry or {}))
         self.channel_offsets = self.geo.peer_offsets()
         self.peer_visible_bytes = self.channel_offsets["total"]
@@ -791,11 +792,7 @@ class Buffer:
         """An FP8 or NVFP4 layer's pre-quantized input (codes, scales), checked; returns T."""
         cfg = self.cfg
         h = cfg.hidden
-        shapes = {"fp8": (("float8_e4m3fn", h, "float8_e4m3fn [T, H]"),
-                          ("float32", h // 128, "float32 [T, H / 128]")),
-                  "nvfp4": (("uint8", h // 2, "uint8 [T, H / 2] (two e2m1 codes a byte)"),
-                            ("uint8", h // 16, "uint8 [T, H / 16] (e4m3 bytes, linear)"))}
-        if cfg.format not in shapes or len(x) != 2:
+        if self._quantized_rows is None or len(x) != 2:
             raise TypeError(f"x may be a (codes, scales) tuple only for an fp8 or nvfp4 Buffer "
                             f"(this one is {cfg.format}): fp8 codes float8_e4m3fn [T, H] and "
                             f"scales float32 [T, H / 128]; nvfp4 codes uint8 [T, H / 2] and "
@@ -805,7 +802,7 @@ class Buffer:
                              f"of 64 (16-byte code rows, 4-byte scale rows), got {h}; pass the "
                              f"bf16 tokens instead")
         (code_dtype, code_cols, code_what), (scale_dtype, scale_cols, scale_what) = \
-            shapes[cfg.format]
+            self._quantized_rows
         codes, scales = x
         dev = self.device.index
         check_tensor(codes, name="x codes", dtype=code_dtype, align=16, device_index=dev)
@@ -842,6 +839,17 @@ class Buffer:
         if global_scale.numel() != 1:
             raise ValueError(f"global_scale must hold one element, got shape "
                              f"{tuple(global_scale.shape)}")
+
+
+def _quantized_rows(cfg: EPConfig):
+    """A pre-quantized input's code and scale rows, each (dtype, columns, how the error names
+    it); None for a format that takes none (planned once per Buffer, not on every dispatch)."""
+    h = cfg.hidden
+    return {"fp8": (("float8_e4m3fn", h, "float8_e4m3fn [T, H]"),
+                    ("float32", h // 128, "float32 [T, H / 128]")),
+            "nvfp4": (("uint8", h // 2, "uint8 [T, H / 2] (two e2m1 codes a byte)"),
+                      ("uint8", h // 16, "uint8 [T, H / 16] (e4m3 bytes, linear)"))
+            }.get(cfg.format)
 
 
 def _wait_interruptibly(stream) -> None:

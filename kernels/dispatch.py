@@ -13,8 +13,9 @@ has SEND_WARPS sender warps and RECV_WARPS[format] receiver warps, and runs thre
    each token's message (the bf16 row of `x`; FP8 codes and their scales from their own rows,
    the caller's or `ep_encode`'s; NVFP4 codes and scales from the caller's rows, or the whole
    message `ep_encode` wrote into `send_buf`), token b by warp b % SEND_WARPS, tiles of
-   SEND_VECTORS[format] 16-byte vectors per lane with every load in flight. A sender does nothing per destination per token: it waits, once per batch,
-   until every destination has returned credit for the batch the slot held, and the warp that
+   SEND_VECTORS[format] 16-byte vectors per lane with every load in flight. A sender does
+   nothing per destination per token: it waits, once per batch, until every destination has
+   returned credit for the batch the slot held, and the warp that
    finishes a batch last (one shared-memory atomic a warp) fences once at system scope and
    publishes the batch in every destination's `tails`.
 3. Receive (the receiver warps): they wait for every (channel, source)'s counts, from which each
@@ -72,7 +73,7 @@ MAX_SEGMENTS = 272  # local experts + a shared expert, with slack
 MAX_EXPERTS = 2176  # MAX_RANKS x 272
 SEND_WARPS = 4
 # Receiver warps per CTA, by format. BF16 receivers move messages by bulk copies through shared
-# memory (225 KB of it); FP8 and NVFP4 ones through registers, so more warps keep more messages
+# memory (218 KB of it); FP8 and NVFP4 ones through registers, so more warps keep more messages
 # in flight: 20 warps of a CTA fit 96 registers a thread (the block size caps them).
 RECV_WARPS = {"bf16": 8, "fp8": 16, "nvfp4": 16}
 BATCH = STAGE_BATCH_TOKENS  # tokens staged together: a header, tails and credit per batch
@@ -391,9 +392,8 @@ class EpDispatch:
                                      byte_alignment=16)
         s_rows = smem.allocate_tensor(Int32, cute.make_layout(self.recv_warps * SCRATCH),
                                       byte_alignment=16)
-        s_wts = smem.allocate_tensor(Float32, cute.make_layout(
-            self.recv_warps * MAX_CHUNK * MAX_TOPK),
-                                     byte_alignment=16)
+        s_wts = smem.allocate_tensor(
+            Float32, cute.make_layout(self.recv_warps * MAX_CHUNK * MAX_TOPK), byte_alignment=16)
         # Per sender warp: the staging credit it has seen per destination, its times; per batch
         # slot, the sender warps done with the batch it holds (`_send`).
         s_arrive = smem.allocate_tensor(Int32, cute.make_layout(MAX_STAGE_BATCHES),
@@ -547,7 +547,7 @@ class EpDispatch:
         alive = Int32(1)
         cute.arch.sync_warp()
         # The message bytes a sender moves (payload and scales) as rows of 16-byte vectors, in
-        # tiles of SEND_VECTORS vectors per lane.
+        # tiles of SEND_VECTORS[format] vectors per lane.
         load_vectors = load_bytes // 16
         layout = cute.make_layout((load_vectors, 16), stride=(16, 1))
         tiler = (WARP * self.send_vectors, 16)
@@ -799,10 +799,10 @@ class EpDispatch:
         # Padding: the receiver warps of every channel take a segment each in turn.
         if cutlass.const_expr(self.row_align > 1):
             if segment_rows == 0:  # slabs leave the rows past a segment's count undefined
-                self._zero_row_padding(channel * self.recv_warps + rwarp, active * self.recv_warps,
-                                       lane,
-                                       tokens, scale_rows, src_info, s_off, s_raw, segments,
-                                       payload_bytes, blocks, row_capacity)
+                self._zero_row_padding(channel * self.recv_warps + rwarp,
+                                       active * self.recv_warps, lane, tokens, scale_rows,
+                                       src_info, s_off, s_raw, segments, payload_bytes, blocks,
+                                       row_capacity)
 
         # 3b. The messages of source s (warps rwarp = s, s + ranks, ... share them: each copies
         # its share of every payload, the first of them does the rest).
@@ -1061,8 +1061,9 @@ class EpDispatch:
                payload_vectors, issued, drained):
         """A chunk's `cnt` messages (messages first .. first + cnt - 1 of source s here): their
         rows, message by message (the experts of one message differ, so its lanes never share a
-        counter; a warp barrier between messages); what combine needs of them (the first warp of s); then this warp's messages
-        m = sub, sub + per_source, ... pulled from the source's staging into their rows.
+        counter; a warp barrier between messages); what combine needs of them (the first warp of
+        s); then this warp's messages m = sub, sub + per_source, ... pulled from the source's
+        staging into their rows.
         Returns the warp's (issued, drained) pieces of the bulk path."""
         vec = self.vector_bytes
         for m in cutlass.range(cnt):

@@ -6,10 +6,10 @@ expansion, reduction), not the link.
 
 Each emulated rank runs its dispatch on its own CUDA stream; time = median over --reps of all
 ranks' dispatches started together (events on a joining stream; the launches queued behind a
-device sleep first, so the time is the GPU's and not the serial host launches'). One more traced dispatch
-(`Buffer.trace_dispatch`) then gives where a channel's time goes: the latest channel's
-%globaltimer stamps from the kernel's start, and every measured wait or step (`_ns` fields of
-`layouts.channels.TRACE_FIELDS`, the longest channel's).
+device sleep first, so the time is the GPU's and not the serial host launches'). One more
+traced dispatch (`Buffer.trace_dispatch`) then gives where a channel's time goes: the latest
+channel's %globaltimer stamps from the kernel's start, and every measured wait or step (`_ns`
+fields of `layouts.channels.TRACE_FIELDS`, the longest channel's).
 """
 
 import argparse
@@ -85,6 +85,7 @@ def _dispatch_all(bufs, call):
 
 def main():
     from cute_ep.ep import Buffer
+    from cute_ep.tools.bench import quantized_input
     from layouts import EPConfig
 
     parser = argparse.ArgumentParser()
@@ -124,15 +125,7 @@ def main():
                     w = torch.rand(args.tokens, 8, device="cuda", generator=gen)
                     quant = {"global_scale": torch.tensor([100.0], device="cuda")} \
                         if fmt == "nvfp4" else {}
-                    if name == "fp8-input":
-                        from cute_ep.reference.ep import quantize_fp8_blockwise
-
-                        x = tuple(quantize_fp8_blockwise(x))
-                    elif name == "nvfp4-input":
-                        from cute_ep.quant import quantize_nvfp4
-
-                        x = quantize_nvfp4(x, quant.pop("global_scale"), scales="linear")
-                    call.append(((x, ids, w), quant))
+                    call.append(((quantized_input(x, name, quant), ids, w), quant))
                 us = _time_all(bufs, call, args.reps)
                 # Combine of one dispatch, repeated; random expert outputs (one tensor all
                 # ranks read, to keep memory to one row_capacity x H).

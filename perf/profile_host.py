@@ -30,23 +30,17 @@ from rich.console import Console
 from rich.table import Table
 
 
-def _inputs(cfg, tokens, gen, quantized):
-    """One rank's call; `quantized`: x as the (codes, scales) tuple of its format."""
+def _inputs(cfg, tokens, gen, fmt):
+    """One rank's call in bench format `fmt` (`cute_ep.tools.bench.quantized_input`)."""
+    from cute_ep.tools.bench import quantized_input
+
     x = torch.randn(tokens, cfg.hidden, device="cuda", generator=gen).to(torch.bfloat16)
     ids = torch.rand(tokens, cfg.experts, device="cuda", generator=gen).argsort(1)[
         :, :cfg.topk].int()
     w = torch.rand(tokens, cfg.topk, device="cuda", generator=gen)
     quant = {"global_scale": torch.tensor([100.0], device="cuda")} \
         if cfg.format == "nvfp4" else {}
-    if quantized and cfg.format == "fp8":
-        from cute_ep.reference.ep import quantize_fp8_blockwise
-
-        x = tuple(quantize_fp8_blockwise(x))
-    elif quantized:
-        from cute_ep.quant import quantize_nvfp4
-
-        x = quantize_nvfp4(x, quant.pop("global_scale"), scales="linear")
-    return (x, ids, w), quant
+    return (quantized_input(x, fmt, quant), ids, w), quant
 
 
 def _round(bufs, streams, calls, y, times):
@@ -127,14 +121,16 @@ def main():
     if args.calls < 10:
         raise SystemExit("--calls: at least 10")
 
-    if args.format.endswith("-input") and args.format[:-6] not in ("fp8", "nvfp4"):
-        raise SystemExit("--format: bf16, fp8, fp8-input, nvfp4 or nvfp4-input")
+    from cute_ep.tools.bench import FORMATS
+
+    if args.format not in FORMATS:
+        raise SystemExit(f"--format: one of {', '.join(FORMATS)}")
     cfg = EPConfig(args.hidden, 8, 256, args.ranks, args.tokens,
                    args.format.removesuffix("-input"))
     bufs = Buffer.emulated(cfg, sms=args.sms, timeout_s=60.0)
     streams = [torch.cuda.Stream() for _ in bufs]
     gen = torch.Generator(device="cuda").manual_seed(0)
-    calls = [_inputs(cfg, args.tokens, gen, args.format.endswith("-input")) for _ in bufs]
+    calls = [_inputs(cfg, args.tokens, gen, args.format) for _ in bufs]
     y = torch.randn(cfg.row_capacity, cfg.hidden, device="cuda", generator=gen).to(
         torch.bfloat16)
     times = {"dispatch": [], "combine": []}

@@ -137,6 +137,21 @@ def _layer_format(fmt: str) -> str:
     return fmt.removesuffix("-input")
 
 
+def quantized_input(x: torch.Tensor, fmt: str, quant: dict):
+    """x as bench format `fmt` passes it to dispatch: bf16 tokens as they are; for "fp8-input"
+    and "nvfp4-input" the (codes, scales) tuple of the layer's format, as a caller quantizes
+    upstream (NVFP4 under `quant`'s global scale, which the call then no longer takes)."""
+    if fmt == "fp8-input":
+        from cute_ep.reference.ep import quantize_fp8_blockwise
+
+        return tuple(quantize_fp8_blockwise(x))
+    if fmt == "nvfp4-input":
+        from cute_ep.quant import quantize_nvfp4
+
+        return quantize_nvfp4(x, quant.pop("global_scale"), scales="linear")
+    return x
+
+
 def _inputs(cfg, tokens, seed, fmt=None):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(tokens, cfg.hidden, device="cuda", generator=gen).to(torch.bfloat16)
@@ -145,15 +160,7 @@ def _inputs(cfg, tokens, seed, fmt=None):
     y = torch.randn(cfg.row_capacity, cfg.hidden, device="cuda", generator=gen).to(torch.bfloat16)
     quant = {"global_scale": torch.tensor([448.0 * 6 / 4], device="cuda")} \
         if cfg.format == "nvfp4" else {}
-    if fmt == "fp8-input":
-        from cute_ep.reference.ep import quantize_fp8_blockwise
-
-        x = tuple(quantize_fp8_blockwise(x))
-    elif fmt == "nvfp4-input":
-        from cute_ep.quant import quantize_nvfp4
-
-        x = quantize_nvfp4(x, quant.pop("global_scale"), scales="linear")
-    return x, ids.to(torch.int32), w, y, quant
+    return quantized_input(x, fmt, quant), ids.to(torch.int32), w, y, quant
 
 
 def _timed_steps(steps, iters, flush, group=None) -> list[list[float]]:
