@@ -1146,6 +1146,7 @@ class EpDispatch:
             cute.arch.mbarrier_arrive_and_expect_tx(full + at, nbytes)
             bulk_load(ring + at * PIECE, msg + offset, nbytes, full + at)
         s_piece[held + at] = m * 64 + p  # (message of the chunk, piece): every lane writes it
+        cute.arch.sync_warp()  # ... before any lane reads it back in `_store_piece`
         issued = issued + 1
         if issued - drained > LAG:
             drained = self._store_piece(lane, drained, payload_bytes, ring, full, s_piece, held,

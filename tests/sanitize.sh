@@ -2,14 +2,16 @@
 # compute-sanitizer over the GPU tests, on a machine with the GPUs and the built library:
 #   bash tests/sanitize.sh [all|single|multi|<one run's name>]   (logs under $OUT or ./sanitize-logs)
 # single: every single-GPU kernel test under memcheck and under racecheck (shared memory races),
-#         the one-rank EP layer under memcheck (under racecheck: ep-one-rank-racecheck, by name);
+#         the one-rank EP layer under memcheck (under racecheck: ep-racecheck-<format>, by name);
 # multi:  the 2-GPU dispatch/combine tests once under memcheck (every spawned rank followed).
 # A run passes when the sanitizer reports 0 errors and the tests pass.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
-export CUTE_EP_TIMEOUT_S=300  # sanitized ranks are slow; a peer wait must not time out
+# Sanitized ranks are slow: a peer wait must not time out, nor a test's limit per rank fire.
+export CUTE_EP_TIMEOUT_S=${CUTE_EP_TIMEOUT_S:-300}
+export CUTE_EP_TEST_LIMIT_S=900
 logs=${OUT:-sanitize-logs}
 mkdir -p "$logs"
 what=${1:-all}
@@ -51,9 +53,11 @@ want single single-racecheck && run single-racecheck racecheck "${single[@]}"
 want single ep-one-rank-memcheck && run ep-one-rank-memcheck memcheck tests/gpu/test_ep_inputs.py \
     tests/gpu/test_deepep_face.py
 # Dispatch and combine's shared memory (counts, row counters, scratch, rings, scale tiles) under
-# racecheck, one rank, every format: only when named, since it still reports warp-level RAW
-# warnings in ep_dispatch (0 errors), and a sanitized rank can pass the test's 120 s limit.
-[ "$what" = ep-one-rank-racecheck ] && run ep-one-rank-racecheck racecheck \
-    "tests/gpu/test_ep_inputs.py::test_one_rank_layer_matches_the_reference"
+# racecheck, one rank, one run per format (ep-racecheck-bf16 / -fp8 / -nvfp4): only when named,
+# since a sanitized layer takes minutes.
+for fmt in bf16 fp8 nvfp4; do
+    [ "$what" = "ep-racecheck-$fmt" ] && run "ep-racecheck-$fmt" racecheck \
+        "tests/gpu/test_ep_inputs.py::test_one_rank_layer_matches_the_reference[$fmt]"
+done
 want multi multi-memcheck && run multi-memcheck memcheck tests/multigpu/test_ep.py -k "world2 and H4096-K8-E128"
 exit $status
