@@ -14,7 +14,8 @@ from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64
 from kernels.copy import row_predicate, row_tiled_copy
 from kernels.fp8 import FP8_BLOCK, scale_fp8_block
 from kernels.memory import gmem_ptr, load_f32, store_u8
-from kernels.nvfp4 import E4M3_CODES, fill_scale_table, quantize_nvfp4_block
+from kernels.nvfp4 import (SCALE_TABLE_BYTES, fill_scale_table, quantize_nvfp4_block,
+                           scale_table_layout)
 from layouts.abi import ARCHES, GridRule, KernelSpec, Param
 
 WARP = 32
@@ -63,7 +64,7 @@ class EpEncode:
 
     @property
     def smem_bytes(self) -> int:
-        return 2 * E4M3_CODES * 4 + 16 if self.fmt == "nvfp4" else 0
+        return SCALE_TABLE_BYTES + 16 if self.fmt == "nvfp4" else 0
 
     @cute.jit
     def __call__(self, send_buf: cute.Pointer, x: cute.Pointer, global_scale: cute.Pointer,
@@ -89,9 +90,7 @@ class EpEncode:
                                fp8_copy)
         else:
             smem = cutlass.memory.SmemAllocator()
-            table = smem.allocate_tensor(Float32, cute.make_layout((2, E4M3_CODES),
-                                                                   stride=(1, 2)),
-                                         byte_alignment=16)
+            table = smem.allocate_tensor(Float32, scale_table_layout(), byte_alignment=16)
             fill_scale_table(table, tidx, self.threads)
             cute.arch.sync_threads()
             gs = load_f32(global_scale.toint())

@@ -16,9 +16,11 @@ own.
 The e2m1 encoder is software on sm_90a (`e2m1_pairs_word`: three fmas into the integer-spaced
 fp32 range and two mins, signs from the bf16 bits) and the hardware
 `cvt.rn.satfinite.e2m1x2.f32` on sm_100a; two configurations. Each block divides by its scale
-with one reciprocal and fmas (`kernels.division.divide_once`), the quotient bit for bit the
-correctly rounded one.
+with a reciprocal split in two and a product and an fma per element
+(`kernels.division.divide_split`), the quotient bit for bit the correctly rounded one.
 """
+
+import struct
 
 import cutlass
 import cutlass.cute as cute
@@ -27,7 +29,8 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from kernels.bulk_copy import bulk_load
-from kernels.division import FAST_LIMIT, divide_once, with_sign_of
+from kernels.division import (FAST_LIMIT, divide_split, reciprocal_low,
+                              split_reciprocal, with_sign_of)
 from kernels.memory import scale_offset, store_u8
 from kernels.scan import WARP, warp_exclusive_scan
 from layouts.abi import GridRule, KernelSpec, Param
@@ -37,7 +40,19 @@ BLOCK_BYTES = 2 * BLOCK  # bf16
 CHUNK_BYTES = WARP * BLOCK_BYTES  # a warp's chunk: a block per lane
 ATOM_ROWS = 128
 MAX_SEGMENTS = 272
-E4M3_CODES = 128  # the non-negative e4m3 codes: the (scale, 1 / scale) table's entries
+E4M3_CODES = 128  # the non-negative e4m3 codes: the scale table's entries
+# The scale table (`fill_scale_table`): per code (r_hi, r_lo, sf, 0), 16 bytes.
+SCALE_TABLE_BYTES = 4 * 4 * E4M3_CODES
+
+
+def scale_table_layout():
+    """Layout of the scale table: field f of code c at 4 c + f (Float32)."""
+    return cute.make_layout((4, E4M3_CODES), stride=(1, 4))
+
+
+def _fp32(value: float) -> float:
+    """`value` rounded to the nearest fp32."""
+    return struct.unpack("f", struct.pack("f", value))[0]
 
 
 def _ptr(dtype, addr, align):
@@ -152,15 +167,17 @@ def e2m1_word(values: list, signs: list, *, loc=None, ip=None) -> Int32:
 @cute.jit
 def e2m1_words(vals: cute.Tensor, gs: Float32, sf: Float32, amax: Float32, usable,
                words: cute.Tensor, e2m1: cutlass.Constexpr, divide: cutlass.Constexpr = True,
-               r: Float32 = Float32(0.0), given_r: cutlass.Constexpr = False):
+               r: Float32 = Float32(0.0), given_r: cutlass.Constexpr = False,
+               r_lo: Float32 = Float32(0.0)):
     """words[w] = the 8 e2m1 codes of `(vals[8w + i] * gs) / sf` (correctly rounded fp32
     multiply and divide), element 2i in the low nibble of byte i; all zero unless `usable`
     (then gs > 0 and sf > 0). `amax`: the largest |vals|. `divide=False` (MXFP4, whose scale is a
     power of two folded into gs): `vals * gs` alone. `e2m1`: "software" | "hardware".
-    `given_r`: `r` is RN(1 / sf) already (else it is computed here).
+    `given_r`: `(r, r_lo)` is sf's `split_reciprocal` already (else it is computed here).
 
-    The division is `kernels.division.divide_once` with one reciprocal per block (sf is an e4m3
-    value) unless `gs * amax` exceeds FAST_LIMIT (or is not a number), where `/` runs instead."""
+    The division is `kernels.division.divide_split` with one split reciprocal per block (sf is
+    an e4m3 value) unless `gs * amax` exceeds FAST_LIMIT (or is not a number), where `/` runs
+    instead."""
     for w in cutlass.range_constexpr(cute.size(words)):
         words[w] = Int32(0)
     if usable:
@@ -168,8 +185,8 @@ def e2m1_words(vals: cute.Tensor, gs: Float32, sf: Float32, amax: Float32, usabl
             _encode_words(vals, gs, sf, Float32(0.0), words, e2m1, "none")
         elif gs * amax <= Float32(FAST_LIMIT):
             if cutlass.const_expr(not given_r):
-                r = Float32(1.0) / sf
-            _encode_words(vals, gs, sf, r, words, e2m1, "reciprocal")
+                r, r_lo = split_reciprocal(sf)
+            _encode_words(vals, gs, r_lo, r, words, e2m1, "reciprocal")
         else:
             _encode_words(vals, gs, sf, Float32(0.0), words, e2m1, "true")
 
@@ -177,8 +194,9 @@ def e2m1_words(vals: cute.Tensor, gs: Float32, sf: Float32, amax: Float32, usabl
 @cute.jit
 def _encode_words(vals: cute.Tensor, gs: Float32, sf: Float32, r: Float32, words: cute.Tensor,
                   e2m1: cutlass.Constexpr, division: cutlass.Constexpr):
-    """The codes of e2m1_words; `division`: "none" (y = v * gs), "reciprocal" (divide_once by
-    sf with r = RN(1/sf), the sign from v * gs) or "true" (`/`; any y, a NaN encoded as +0)."""
+    """The codes of e2m1_words; `division`: "none" (y = v * gs), "reciprocal" (`divide_split`
+    with `(r, sf)` = sf's split reciprocal (r_hi, r_lo), the sign from v * gs) or "true" (`/` by
+    sf; any y, a NaN encoded as +0)."""
     for w in cutlass.range_constexpr(cute.size(words)):
         ys = []
         signs = []
@@ -187,7 +205,7 @@ def _encode_words(vals: cute.Tensor, gs: Float32, sf: Float32, r: Float32, words
             y = v * gs
             sign = y
             if cutlass.const_expr(division == "reciprocal"):
-                y = divide_once(y, sf, r)  # its magnitude; the sign is v * gs's
+                y = divide_split(y, r, sf)  # its magnitude; the sign is v * gs's
                 if cutlass.const_expr(e2m1 == "hardware"):
                     y = with_sign_of(y, v)
             elif cutlass.const_expr(division == "true"):
@@ -292,7 +310,10 @@ def e2m1_pairs_word(values: list, pairs: list, saturate: bool = True, *, loc=Non
                       "=r," + ",".join(["f"] * 8 + ["r"] * 4), loc, ip))
 
 
-SIXTH = 1.0 / 6.0  # RN(1/6) in fp32: 6 has two significant bits, so divide_once(m, 6) is exact
+# RN(1/6) in fp32 and the low half of its split reciprocal, RN((1 - 6 * SIXTH) * SIXTH): 6 is
+# 3 * 2, an e4m3 value, so divide_split(m, SIXTH, SIXTH_LO) is RN(m / 6).
+SIXTH = _fp32(1.0 / 6.0)
+SIXTH_LO = _fp32((1.0 - 6.0 * SIXTH) * SIXTH)  # both products exact in fp64
 # A block whose s = gs * amax / 6 lies in [2^-6, 464) gets an e4m3 scale within 2^-4 of s
 # (normal, unsaturated), so every quotient |x * gs / sf| <= 6 / (1 - 2^-4) (plus ulps) < 7.
 BOUNDED_LOW = 2.0 ** -6
@@ -302,14 +323,14 @@ BOUNDED_HIGH = 464.0
 @cute.jit
 def nvfp4_scale_byte(gs: Float32, amax: Float32):
     """`(e4m3(gs * amax / 6) byte, fast, bounded)`: the quotient s correctly rounded, by one
-    reciprocal and two fmas (`divide_once`; 6 has two significant bits) where
+    product and an fma (`divide_split`; 6 is an e4m3 value) where
     `0 < gs * amax <= FAST_LIMIT` (`fast`), else by `/` (zero, negative, huge, infinite or
     NaN); `bounded`: s in [BOUNDED_LOW, BOUNDED_HIGH), every quotient by the scale below 7."""
     m = gs * amax
     fast = (m > Float32(0.0)) & (m <= Float32(FAST_LIMIT))
     q = Float32(0.0)
     if fast:
-        q = divide_once(m, Float32(6.0), Float32(SIXTH))
+        q = divide_split(m, Float32(SIXTH), Float32(SIXTH_LO))
     else:
         q = m / Float32(6.0)
     bounded = (q >= Float32(BOUNDED_LOW)) & (q < Float32(BOUNDED_HIGH))
@@ -318,12 +339,16 @@ def nvfp4_scale_byte(gs: Float32, amax: Float32):
 
 @cute.jit
 def fill_scale_table(table: cute.Tensor, tidx, threads: cutlass.Constexpr):
-    """`table[0, c], table[1, c]` = (the e4m3 value of code c, RN(1 / it)) for the 128
-    non-negative codes (shared memory; the caller synchronises before reading)."""
+    """`table[:, c]` = (r_hi, r_lo, sf, 0): the e4m3 value sf of code c and its
+    `split_reciprocal`, for the 128 non-negative codes (shared memory, `scale_table_layout`;
+    the caller synchronises before reading)."""
     for c in cutlass.range(tidx, E4M3_CODES, threads):
         sf = e4m3_byte_to_f32(c)
-        table[0, c] = sf
-        table[1, c] = Float32(1.0) / sf
+        r_hi = Float32(1.0) / sf
+        table[0, c] = r_hi
+        table[1, c] = reciprocal_low(sf, r_hi)
+        table[2, c] = sf
+        table[3, c] = Float32(0.0)
 
 
 @cute.jit
@@ -332,10 +357,10 @@ def quantize_nvfp4_pairs(pairs: cute.Tensor, codes: cute.Tensor, gs: Float32,
     """One 16-element block held as 8 bf16 pairs (register words, element 2k the low half of
     pair k): its 8 code bytes into the 2 register words `codes`, its e4m3 scale byte returned.
     `sf = e4m3(gs * amax / 6)`, `q = e2m1((x * gs) / sf)`, correctly rounded fp32 operations,
-    codes 0 where sf is not positive. `table`: `fill_scale_table`'s (sf, 1 / sf) per code.
+    codes 0 where sf is not positive. `table`: `fill_scale_table`'s.
 
     The block's amax is taken on the bf16 pairs (max of magnitudes is exact in bf16); a block
-    with `0 < gs * amax <= FAST_LIMIT` divides with one reciprocal and takes the codes' signs
+    with `0 < gs * amax <= FAST_LIMIT` divides by a split reciprocal and takes the codes' signs
     from the bf16 sign bits (v * gs has v's sign for 0 < gs < inf, underflow included), and
     one whose scale is normal and unsaturated skips the saturation of the codes."""
     words = [pairs[k] for k in range(BLOCK // 2)]
@@ -345,8 +370,8 @@ def quantize_nvfp4_pairs(pairs: cute.Tensor, codes: cute.Tensor, gs: Float32,
     codes[1] = Int32(0)
     # Codes 1..126: a positive finite scale (0 is zero, 0x7F NaN, 0x80 and up negative).
     if (byte > 0) & (byte < 0x7F):
-        sf = table[0, byte]
-        r = table[1, byte]
+        r = table[0, byte]
+        r_lo = table[1, byte]
         vals = cute.make_rmem_tensor(cute.make_layout(BLOCK), Float32)
         for k in cutlass.range_constexpr(BLOCK // 2):
             vals[2 * k] = low_bf16(words[k])
@@ -354,22 +379,24 @@ def quantize_nvfp4_pairs(pairs: cute.Tensor, codes: cute.Tensor, gs: Float32,
         if cutlass.const_expr(e2m1 == "software"):
             if fast:
                 if bounded:
-                    _divide_encode(vals, words, gs, sf, r, codes, False)
+                    _divide_encode(vals, words, gs, r, r_lo, codes, False)
                 else:
-                    _divide_encode(vals, words, gs, sf, r, codes, True)
+                    _divide_encode(vals, words, gs, r, r_lo, codes, True)
             else:
-                _encode_words(vals, gs, sf, Float32(0.0), codes, e2m1, "true")
+                _encode_words(vals, gs, table[2, byte], Float32(0.0), codes, e2m1, "true")
         else:
-            e2m1_words(vals, gs, sf, amax, True, codes, e2m1, r=r, given_r=True)
+            e2m1_words(vals, gs, table[2, byte], amax, True, codes, e2m1, r=r, given_r=True,
+                       r_lo=r_lo)
     return byte
 
 
 @cute.jit
-def _divide_encode(vals: cute.Tensor, words: list, gs: Float32, sf: Float32, r: Float32,
+def _divide_encode(vals: cute.Tensor, words: list, gs: Float32, r: Float32, r_lo: Float32,
                    codes: cute.Tensor, saturate: cutlass.Constexpr):
-    """codes[w] = the e2m1 codes of `divide_once(vals * gs, sf, r)`, signs from the bf16 pairs."""
+    """codes[w] = the e2m1 codes of `divide_split(vals * gs, r, r_lo)` (sf's split
+    reciprocal), signs from the bf16 pairs."""
     for w in cutlass.range_constexpr(2):
-        ys = [divide_once(vals[8 * w + i] * gs, sf, r) for i in range(8)]
+        ys = [divide_split(vals[8 * w + i] * gs, r, r_lo) for i in range(8)]
         codes[w] = e2m1_pairs_word(ys, words[4 * w:4 * w + 4], saturate)
 
 
@@ -429,7 +456,7 @@ class QuantizeNvfp4:
     @property
     def smem_bytes(self) -> int:
         ring = self.warps * self.stages * self.chunk * BLOCK_BYTES
-        tables = 3 * (MAX_SEGMENTS + 4) * 4 + 2 * E4M3_CODES * 4
+        tables = 3 * (MAX_SEGMENTS + 4) * 4 + SCALE_TABLE_BYTES
         return ring + 8 * self.warps * self.stages + tables + 256
 
     def spec(self) -> KernelSpec:
@@ -477,8 +504,7 @@ class QuantizeNvfp4:
         ring = smem.allocate_tensor(Int32, cute.make_layout((BLOCK // 2, self.chunk, stages,
                                                              self.warps)), byte_alignment=128)
         full = smem.allocate_array(Int64, stages * self.warps)
-        table = smem.allocate_tensor(Float32, cute.make_layout((2, E4M3_CODES), stride=(1, 2)),
-                                     byte_alignment=16)
+        table = smem.allocate_tensor(Float32, scale_table_layout(), byte_alignment=16)
         s_off = smem.allocate_tensor(Int32, cute.make_layout(MAX_SEGMENTS + 4), byte_alignment=16)
         s_first = smem.allocate_tensor(Int32, cute.make_layout(MAX_SEGMENTS + 4),
                                        byte_alignment=16)

@@ -41,9 +41,9 @@ from cutlass import BFloat16, Boolean, Float8E4M3FN, Float32, Int32, Int64
 from kernels.fp8 import scale_fp8_block
 from kernels.gate_table import (ENTRIES, TABLE_BYTES, fill_gate_table, lookup_gate, oai_gate,
                                 silu_gate, table_base)
-from kernels.nvfp4 import (E4M3_CODES, bits_f32, e2m1_words, e4m3_byte_to_f32, f32_bits,
-                           fill_scale_table, high_bf16, load_segment_blocks, low_bf16,
-                           nvfp4_scale_byte, segment_of)
+from kernels.nvfp4 import (SCALE_TABLE_BYTES, bits_f32, e2m1_words, e4m3_byte_to_f32,
+                           f32_bits, fill_scale_table, high_bf16, load_segment_blocks, low_bf16,
+                           nvfp4_scale_byte, scale_table_layout, segment_of)
 from kernels.memory import scale_offset, store_u8
 from kernels.scan import WARP
 from layouts.abi import GridRule, KernelSpec, Param
@@ -172,7 +172,7 @@ class FusedSilu:
     def smem_bytes(self) -> int:
         size = 2 * SMEM_ENTRIES * 4 + 64 if self.fp4 else 0
         if self.table:
-            size += TABLE_BYTES + (E4M3_CODES * 8 if self.out == "nvfp4" else 0) + 16
+            size += TABLE_BYTES + (SCALE_TABLE_BYTES if self.out == "nvfp4" else 0) + 16
         return size
 
     @cute.jit
@@ -206,8 +206,8 @@ class FusedSilu:
             table = smem.allocate_tensor(Float32, cute.make_layout(2 * ENTRIES),
                                          byte_alignment=16)
             if cutlass.const_expr(self.out == "nvfp4"):
-                recips = smem.allocate_tensor(
-                    Float32, cute.make_layout((2, E4M3_CODES), stride=(1, 2)), byte_alignment=16)
+                recips = smem.allocate_tensor(Float32, scale_table_layout(),
+                                              byte_alignment=16)
                 fill_scale_table(recips, tidx, self.threads)
             fill_gate_table(table, self.activation, limit, alpha, tidx, self.threads)
             gates = table_base(table)
@@ -499,14 +499,16 @@ class FusedSilu:
             sf = Float32(0.0)
             usable = Boolean(False)
             r = Float32(0.0)
+            r_lo = Float32(0.0)
             if cutlass.const_expr(self.out == "nvfp4"):
                 byte, _, _ = nvfp4_scale_byte(gs, amax)
                 if cutlass.const_expr(self.table):
                     # Codes 1..126 are the positive finite scales; the table holds codes 0..127
                     # (a negative global scale gives codes from 0x80 up: no table entry).
                     if (byte > 0) & (byte < 0x7F):
-                        sf = recips[0, byte]
-                        r = recips[1, byte]
+                        r = recips[0, byte]
+                        r_lo = recips[1, byte]
+                        sf = recips[2, byte]
                 else:
                     sf = e4m3_byte_to_f32(byte)
                 usable = sf > 0.0
@@ -520,7 +522,7 @@ class FusedSilu:
                     gs = e8m0_value(254 - byte)
             words = cute.make_rmem_tensor(cute.make_layout(n // 8), Int32)
             e2m1_words(z, gs, sf, amax, usable, words, self.e2m1,
-                       divide=self.out == "nvfp4", r=r, given_r=self.table)
+                       divide=self.out == "nvfp4", r=r, given_r=self.table, r_lo=r_lo)
             if valid:
                 dst = cute.make_tensor(
                     _ptr(Int32, out.toint() + Int64(row) * Int64(intermediate // 2)

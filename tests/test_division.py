@@ -151,6 +151,21 @@ def divide_twice(a, b, r):
     return _as_f32(run_ptx(DIVIDE_TWICE_PTX, a, b, r))
 
 
+def reciprocal_low(b, r_hi):
+    from kernels.division import RECIPROCAL_LOW_PTX
+
+    return _as_f32(run_ptx(RECIPROCAL_LOW_PTX, b, r_hi))
+
+
+def divide_split(a, b):
+    """The kernels' two-operation quotient a / b, from b's split reciprocal computed as they
+    compute it."""
+    from kernels.division import DIVIDE_SPLIT_PTX
+
+    r_hi = torch.ones_like(b) / b
+    return _as_f32(run_ptx(DIVIDE_SPLIT_PTX, a, r_hi, reciprocal_low(b, r_hi)))
+
+
 def e2m1_words(values: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     """[n, 8] fp32 values and sign sources -> the kernel's [n] packed words (uint32 in int64)."""
     from kernels.nvfp4 import E2M1_WORD_PTX
@@ -240,6 +255,45 @@ def test_divide_once_below_the_normal_range_stays_code_zero():
     q = divide_once(a, b, torch.ones_like(b) / b)
     assert (e2m1_magnitude(q) == 0).all()
     assert (q.abs() < 2.0 ** -60).all()
+
+
+@pytest.mark.parametrize("significand", E4M3_SIGNIFICANDS)
+def test_divide_split_is_the_correctly_rounded_quotient_for_every_dividend(significand):
+    """Every fp32 significand against each e4m3 significand: exact model of the product and
+    the fma (scaling by powers of two changes no step while nothing leaves the normal range)."""
+    a = _significands(0)
+    b = torch.full_like(a, significand)
+    assert _same_bits(divide_split(a, b), a / b)
+    assert _same_bits(divide_split(-a, b), -a / b)
+
+
+def test_divide_split_at_every_e4m3_scale_and_dividend_exponent():
+    gen = torch.Generator().manual_seed(4)
+    scales = _e4m3_positive()  # subnormal scales (K 1..7 times 2^-9) included
+    n = 4096
+    exponents = torch.randint(-79, 100, (n,), generator=gen)
+    significands = torch.randint(0, 1 << 23, (n,), generator=gen)
+    a = _f32(((exponents + 127) << 23) + significands)
+    a = torch.where(torch.rand(n, generator=gen) < 0.5, -a, a)
+    a, b = torch.broadcast_tensors(a[:, None], scales[None, :])
+    assert torch.equal(divide_split(a, b).abs(), (a / b).abs())
+    # Below 2^-79 the steps may go subnormal; the quotient stays far below e2m1's 0.25.
+    tiny = _f32(torch.arange(1, 1 << 13) * 4099 % (48 << 23))
+    a, b = torch.broadcast_tensors(tiny[:, None], scales[None, :])
+    q = divide_split(a, b)
+    assert (e2m1_magnitude(q) == 0).all() and (q.abs() < 2.0 ** -60).all()
+
+
+def test_divide_split_of_six_is_the_scale_quotient():
+    """The NVFP4 scale's gs * amax / 6 by the split reciprocal of 6 (3 * 2: an e4m3 value), whose
+    two halves are constants of the kernels."""
+    from kernels.nvfp4 import SIXTH, SIXTH_LO
+
+    six = torch.tensor([6.0])
+    assert torch.tensor([SIXTH], dtype=F32).item() == (torch.ones(1) / six).item()
+    assert reciprocal_low(six, torch.ones(1) / six).item() == SIXTH_LO
+    a = _significands(3)
+    assert _same_bits(divide_split(a, torch.full_like(a, 6.0)), a / 6.0)
 
 
 def test_divide_twice_is_the_correctly_rounded_quotient():
