@@ -371,9 +371,10 @@ class FusedSilu:
 
     @cute.jit
     def _activation(self, x: cute.Pointer, row, v, intermediate, limit, alpha, z: cute.Tensor,
-                    gates, words=None):
+                    gates, words=None, formula: cutlass.Constexpr = False):
         """z[i] = activation of output element v * VECTOR + i of `row`; `gates`: the gate
-        table's lookup base (`table` kernels); `words`: those inputs already loaded
+        table's lookup base (`table` kernels, unless `formula`); `words`: those inputs already
+        loaded
         (`_load_inputs`)."""
         n = self.vector
         width = Int64(2 * intermediate)
@@ -414,12 +415,14 @@ class FusedSilu:
             cute.autovec_copy(up, u_regs)
             g.store(g_regs.load().to(Float32))
             u.store(u_regs.load().to(Float32))
-        if cutlass.const_expr(self.table):
+        if cutlass.const_expr(self.table and not formula):
             s = cute.make_rmem_tensor(cute.make_layout(n), Float32)
             for i in cutlass.range_constexpr(n):
                 s[i] = lookup_gate(g[i], gates)
-            if cutlass.const_expr(self.activation == "swiglu_oai"):
-                # Gates the table leaves to the formula come out NaN (so does a NaN gate).
+            if cutlass.const_expr(self.activation == "swiglu_oai" and not self.fp4):
+                # Gates the table leaves to the formula come out NaN (so does a NaN gate). FP4
+                # outputs check once per vector instead: such a z is NaN, and so is the amax
+                # (`_row_vector`).
                 missing = Boolean(False)
                 for i in cutlass.range_constexpr(n):
                     missing = missing or s[i] != s[i]
@@ -444,11 +447,9 @@ class FusedSilu:
         if cutlass.const_expr(self.activation == "silu"):
             z = s * u
         else:
-            ui = u
-            if ui > limit:
-                ui = limit
-            if ui < -limit:
-                ui = -limit
+            # u > L ? L : (u < -L ? -L : u) for L > 0 (the caller checks): a NaN u stays NaN in
+            # both NaN-propagating clamps, and a zero's sign is lost only in u' + 1.
+            ui = cute.arch.fmax(cute.arch.fmin(u, limit, nan=True), -limit, nan=True)
             z = (ui + Float32(1.0)) * s
         return z
 
@@ -491,6 +492,17 @@ class FusedSilu:
             amax = Float32(0.0)
             for i in cutlass.range_constexpr(n):
                 amax = cute.arch.fmax(amax, cute.arch.fmax(z[i], -z[i], nan=True), nan=True)
+            if cutlass.const_expr(self.table and self.activation == "swiglu_oai"):
+                # A NaN z comes from a NaN input or from a gate the table leaves to the formula
+                # (`kernels.gate_table`): then this vector again by the formula, whose values
+                # are the table's bit for bit wherever the table has them.
+                if amax != amax and valid:
+                    self._activation(x, row, v, intermediate, limit, alpha, z, gates, words,
+                                     formula=True)
+                    amax = Float32(0.0)
+                    for i in cutlass.range_constexpr(n):
+                        amax = cute.arch.fmax(amax, cute.arch.fmax(z[i], -z[i], nan=True),
+                                              nan=True)
             if cutlass.const_expr(self.rows_per_warp and self.lanes == 2):
                 # This lane holds half of a scale block; the pair's amax is the block's (an
                 # invalid lane holds zeros, and its pair lane is invalid too).

@@ -158,6 +158,33 @@ def test_fused_silu_mxfp4(m, i, interleaved, limit, fp4_layout):
     assert torch.equal(scales[:used], want_scales[:used])
 
 
+@pytest.mark.parametrize("interleaved", [False, True], ids=["halves", "interleaved"])
+def test_fused_silu_mxfp4_swiglu_oai_special_values(interleaved, fp4_layout):
+    """NaN and infinite gates and ups, ups past +-limit, gates at and past the table's bounds
+    (zeros, subnormals, +-128 and beyond) scattered over the blocks: codes and scales equal the
+    reference's, a NaN block included."""
+    from cute_ep.silu import fused_silu_mxfp4
+
+    m, i = 256, 2048
+    x, offsets = _x(m, i, 21, interleaved), _offsets(m)
+    gen = torch.Generator(device="cuda").manual_seed(22)
+    specials = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-40, -3e-39,
+                             128.0, -128.0, 300.0, -1e4, 7.0, -7.0, 7.5, -9.0, 2.0 ** -30],
+                            device="cuda").to(torch.bfloat16)
+    flat = x.view(-1)
+    where = torch.randint(0, flat.numel(), (4000,), device="cuda", generator=gen)
+    flat[where] = specials[torch.randint(0, len(specials), (4000,), device="cuda",
+                                         generator=gen)]
+    codes, scales = fused_silu_mxfp4(x, _device(offsets), interleaved=interleaved,
+                                     swiglu_limit=7.0, swiglu_alpha=1.702)
+    want_codes, want_scales = ref.fused_silu_mxfp4(x, offsets, m + 3 + 5 * 128, interleaved,
+                                                   7.0, 1.702)
+    used = _used_scale_bytes(offsets, i, 32)
+    assert (want_scales[:used] == 0xFF).any()  # some blocks hold a NaN
+    assert torch.equal(codes[:m], want_codes)
+    assert torch.equal(scales[:used], want_scales[:used])
+
+
 @pytest.mark.parametrize("out_format", ["bf16", "fp8", "nvfp4", "mxfp4"])
 def test_rows_past_row_offsets_are_not_written(out_format, fp4_layout):
     """Outputs pre-filled with a sentinel keep it past the valid rows (and FP4 scale padding
