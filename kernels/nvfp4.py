@@ -105,14 +105,31 @@ def bits_f32(value: Int32, *, loc=None, ip=None) -> Float32:
 
 
 @cute.jit
+def read_segment_offset(row_offsets: cute.Pointer, num_segments, tidx):
+    """`row_offsets[tidx]` for tidx <= S, else 0: a CTA of at least S + 1 threads reads every
+    offset in one round trip (`load_segment_blocks(..., offset=)` stores them)."""
+    offsets = cute.make_tensor(row_offsets, cute.make_layout(num_segments + 1))
+    value = Int32(0)
+    if tidx <= num_segments:
+        value = offsets[tidx]
+    return value
+
+
+@cute.jit
 def load_segment_blocks(row_offsets: cute.Pointer, num_segments, s_off: cute.Tensor,
-                        s_first: cute.Tensor, tidx, threads: cutlass.Constexpr):
+                        s_first: cute.Tensor, tidx, threads: cutlass.Constexpr,
+                        offset=None):
     """The whole CTA: `s_off[g] = row_offsets[g]` for g <= S, and `s_first[g]` = the first
     128-row scale block of segment g (each segment starts a fresh block), `s_first[S]` the
-    blocks in all. Shared-memory tensors; ends with a barrier."""
-    offsets = cute.make_tensor(row_offsets, cute.make_layout(num_segments + 1))
-    for g in cutlass.range(tidx, num_segments + 1, threads):
-        s_off[g] = offsets[g]
+    blocks in all. Shared-memory tensors; ends with a barrier. `offset`: this thread's
+    `read_segment_offset`, already read (the CTA then has more than MAX_SEGMENTS threads)."""
+    if cutlass.const_expr(offset is None):
+        offsets = cute.make_tensor(row_offsets, cute.make_layout(num_segments + 1))
+        for g in cutlass.range(tidx, num_segments + 1, threads):
+            s_off[g] = offsets[g]
+    else:
+        if tidx <= num_segments:
+            s_off[tidx] = offset
     cute.arch.sync_threads()
     for g in cutlass.range(tidx, num_segments, threads):
         s_first[g] = (s_off[g + 1] - s_off[g] + ATOM_ROWS - 1) // ATOM_ROWS
@@ -451,6 +468,8 @@ class QuantizeNvfp4:
         self.steps = steps
         self.chunk = WARP * steps  # blocks
         self.threads = WARP * warps
+        if self.threads < MAX_SEGMENTS:  # a thread per row offset (`read_segment_offset`)
+            raise ValueError(f"quantize_nvfp4 needs at least {MAX_SEGMENTS} threads")
         self.arches = ("sm_100a",) if e2m1 == "hardware" else ("sm_90a",)
 
     @property
@@ -511,19 +530,18 @@ class QuantizeNvfp4:
         s_gs = smem.allocate_tensor(Float32, cute.make_layout(MAX_SEGMENTS + 4),
                                     byte_alignment=16)
         mine = full + warp * stages
-        if lane == 0:
-            for s in cutlass.range_constexpr(stages):
-                cute.arch.mbarrier_init(mine + s, 1)
-            cute.arch.mbarrier_init_fence()
-        fill_scale_table(table, tidx, self.threads)
-        gs_all = cute.make_tensor(global_scales, cute.make_layout(num_segments))
-        for g in cutlass.range(tidx, num_segments, self.threads):
-            s_gs[g] = gs_all[g]
-        load_segment_blocks(row_offsets, num_segments, s_off, s_first, tidx, self.threads)
-
+        # This warp's run of chunks needs only the row count: its first loads are issued before
+        # the tables are built, so their latency hides under that work. Every small read goes
+        # first, in one round trip, so that none queues behind the stream's loads.
+        offset = read_segment_offset(row_offsets, num_segments, tidx)
+        gs_mine = Float32(0.0)
+        if tidx < num_segments:
+            gs_mine = cute.make_tensor(global_scales, cute.make_layout(num_segments))[tidx]
+        total_rows = cute.make_tensor(row_offsets, cute.make_layout(num_segments + 1))[
+            num_segments]
         blocks = hidden // BLOCK
         pieces = (blocks + self.chunk - 1) // self.chunk  # chunks per row
-        chunks = s_off[num_segments] * pieces
+        chunks = total_rows * pieces
         me = bidx * self.warps + warp
         warps = grid_ctas * self.warps
         begin = Int32(Int64(me) * Int64(chunks) // Int64(warps))
@@ -535,11 +553,21 @@ class QuantizeNvfp4:
         block = Int64(row) * Int64(blocks) + Int64(kb)
         load_kb = kb
         load_at = x.toint() + block * BLOCK_BYTES
+        if lane == 0:
+            for s in cutlass.range_constexpr(stages):
+                cute.arch.mbarrier_init(mine + s, 1)
+            cute.arch.mbarrier_init_fence()
         for s in cutlass.range_constexpr(stages):
             if s < n:
                 if lane == 0:
                     self._fill(ring, mine, warp, s, load_at, load_kb, blocks)
                 load_at, load_kb = self._next_chunk(load_at, load_kb, blocks, BLOCK_BYTES)
+        fill_scale_table(table, tidx, self.threads)
+        if tidx < num_segments:
+            s_gs[tidx] = gs_mine
+        load_segment_blocks(row_offsets, num_segments, s_off, s_first, tidx, self.threads,
+                            offset)
+
         if cutlass.const_expr(self.scales == "128x4"):
             self._zero_padding(scales, s_off, s_first, num_segments, blocks, me, warps, lane)
         # Per row: its segment's global scale and the row's bytes in the scale layout.
