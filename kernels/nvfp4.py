@@ -92,6 +92,20 @@ def cvt_e2m1x2(even: Float32, odd: Float32, *, loc=None, ip=None) -> Int32:
                       "=r,f,f", loc, ip))
 
 
+# The 64-bit rotation of rotate_left64, one word per snippet: `$1` lo, `$2` hi, `$3` bits in
+# [0, 64); after swapping the words for 32 bits or more, a funnel shift by the rest (0 included).
+ROTATE_PTX = ("{{ .reg .pred p; .reg .b32 a, b, c; setp.ge.u32 p, $3, 32; selp.b32 a, $2, $1, p; "
+              "selp.b32 b, $1, $2, p; and.b32 c, $3, 31; shf.l.wrap.b32 $0, {}, c; }}")
+
+
+@dsl_user_op
+def rotate_left64(lo: Int32, hi: Int32, bits: Int32, *, loc=None, ip=None):
+    """(lo, hi) of the 64-bit value `hi:lo` rotated left by `bits` (in [0, 64))."""
+    args = [Int32(lo), Int32(hi), Int32(bits)]
+    return (Int32(_asm(T.i32(), args, ROTATE_PTX.format("b, a"), "=r,r,r,r", loc, ip)),
+            Int32(_asm(T.i32(), args, ROTATE_PTX.format("a, b"), "=r,r,r,r", loc, ip)))
+
+
 @dsl_user_op
 def f32_bits(value: Float32, *, loc=None, ip=None) -> Int32:
     """The bits of an fp32 value as an int32."""
@@ -447,6 +461,24 @@ def segment_of(s_start: cute.Tensor, num_segments, position) -> Int32:
     return seg
 
 
+@cute.jit
+def zero_scale_padding(scales: cute.Pointer, s_off: cute.Tensor, s_first: cute.Tensor,
+                       num_segments, blocks, me, warps, lane):
+    """Zero the 128x4 scale bytes no block writes, `blocks` scales a row: whole rows past each
+    segment's rows up to its 128-row block, and the columns past `blocks` of the others. Warp
+    `me` of `warps` takes every `warps`-th scale row (`s_off`, `s_first`: `load_segment_blocks`'s
+    tables)."""
+    scale_cols = (blocks + 3) // 4 * 4
+    for srow in cutlass.range(me, s_first[num_segments] * ATOM_ROWS, warps):
+        seg = segment_of(s_first, num_segments, srow // ATOM_ROWS)
+        local = srow - s_first[seg] * ATOM_ROWS
+        begin = blocks
+        if local >= s_off[seg + 1] - s_off[seg]:
+            begin = 0
+        for kb in cutlass.range(begin + lane, scale_cols, WARP):
+            store_u8(scales.toint() + scale_offset(srow, kb, scale_cols // 4), Int32(0))
+
+
 class QuantizeNvfp4:
     """Each row is cut into chunks of `32 * steps` blocks (the last one shorter), and each warp
     takes an equal run of consecutive chunks. A warp owns a ring of `stages` shared-memory
@@ -569,7 +601,7 @@ class QuantizeNvfp4:
                             offset)
 
         if cutlass.const_expr(self.scales == "128x4"):
-            self._zero_padding(scales, s_off, s_first, num_segments, blocks, me, warps, lane)
+            zero_scale_padding(scales, s_off, s_first, num_segments, blocks, me, warps, lane)
         # Per row: its segment's global scale and the row's bytes in the scale layout.
         seg = segment_of(s_off, num_segments, row)
         scale_row = Int64(0)
@@ -643,19 +675,3 @@ class QuantizeNvfp4:
         nbytes = cutlass.min(blocks - kb, self.chunk) * BLOCK_BYTES
         cute.arch.mbarrier_arrive_and_expect_tx(mine + s, nbytes)
         bulk_load(ring[None, None, s, warp].iterator, at, nbytes, mine + s)
-
-    @cute.jit
-    def _zero_padding(self, scales: cute.Pointer, s_off: cute.Tensor, s_first: cute.Tensor,
-                      num_segments, blocks, me, warps, lane):
-        """Zero the 128x4 scale bytes no block writes: whole rows past each segment's rows up to
-        its 128-row block, and columns past K / 16 of the others. A warp per scale row."""
-        scale_cols = (blocks + 3) // 4 * 4
-        for srow in cutlass.range(me, s_first[num_segments] * ATOM_ROWS, warps):
-            seg = segment_of(s_first, num_segments, srow // ATOM_ROWS)
-            local = srow - s_first[seg] * ATOM_ROWS
-            begin = blocks
-            if local >= s_off[seg + 1] - s_off[seg]:
-                begin = 0
-            for kb in cutlass.range(begin + lane, scale_cols, WARP):
-                store_u8(scales.toint() + scale_offset(srow, kb, scale_cols // 4), Int32(0))
-
