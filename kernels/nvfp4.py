@@ -589,6 +589,7 @@ class QuantizeNvfp4:
             for s in cutlass.range_constexpr(stages):
                 cute.arch.mbarrier_init(mine + s, 1)
             cute.arch.mbarrier_init_fence()
+        cute.arch.sync_warp()  # the barriers are initialised before any lane uses them
         for s in cutlass.range_constexpr(stages):
             if s < n:
                 if lane == 0:
