@@ -29,9 +29,11 @@ Outputs (one kernel family each, config `interleaved`, plus the e2m1 encoder for
 Quantized outputs and fp32 come with `table`: the gate's activation from a shared-memory table
 of every bf16 gate the CTA fills once (`kernels.gate_table`), one CTA of `TABLE_THREADS` per SM.
 
-For the FP4 outputs each segment starts on a fresh 128-row scale block and the grid walks *scale
-rows* x padded scale columns, writing zero scale bytes for padding in the same pass. Codes are
-0 for a block whose scale is not a positive number (all-zero, underflowed or NaN blocks).
+For the FP4 outputs each segment starts on a fresh 128-row scale block. The thread and warp
+layouts walk *scale rows* x padded scale columns, writing zero scale bytes for padding in the
+same pass; the table kernels stream the live rows in chunks through shared memory
+(`FusedSilu._fp4_stream`) and zero the padding in a pass of their own. Codes are 0 for a block
+whose scale is not a positive number (all-zero, underflowed or NaN blocks).
 """
 
 import cutlass
