@@ -92,6 +92,20 @@ def cvt_e2m1x2(even: Float32, odd: Float32, *, loc=None, ip=None) -> Int32:
                       "=r,f,f", loc, ip))
 
 
+# The 64-bit rotation of rotate_left64, one word per snippet: `$1` lo, `$2` hi, `$3` bits in
+# [0, 64); after swapping the words for 32 bits or more, a funnel shift by the rest (0 included).
+ROTATE_PTX = ("{{ .reg .pred p; .reg .b32 a, b, c; setp.ge.u32 p, $3, 32; selp.b32 a, $2, $1, p; "
+              "selp.b32 b, $1, $2, p; and.b32 c, $3, 31; shf.l.wrap.b32 $0, {}, c; }}")
+
+
+@dsl_user_op
+def rotate_left64(lo: Int32, hi: Int32, bits: Int32, *, loc=None, ip=None):
+    """(lo, hi) of the 64-bit value `hi:lo` rotated left by `bits` (in [0, 64))."""
+    args = [Int32(lo), Int32(hi), Int32(bits)]
+    return (Int32(_asm(T.i32(), args, ROTATE_PTX.format("b, a"), "=r,r,r,r", loc, ip)),
+            Int32(_asm(T.i32(), args, ROTATE_PTX.format("a, b"), "=r,r,r,r", loc, ip)))
+
+
 @dsl_user_op
 def f32_bits(value: Float32, *, loc=None, ip=None) -> Int32:
     """The bits of an fp32 value as an int32."""
@@ -105,14 +119,31 @@ def bits_f32(value: Int32, *, loc=None, ip=None) -> Float32:
 
 
 @cute.jit
+def read_segment_offset(row_offsets: cute.Pointer, num_segments, tidx):
+    """`row_offsets[tidx]` for tidx <= S, else 0: a CTA of at least S + 1 threads reads every
+    offset in one round trip (`load_segment_blocks(..., offset=)` stores them)."""
+    offsets = cute.make_tensor(row_offsets, cute.make_layout(num_segments + 1))
+    value = Int32(0)
+    if tidx <= num_segments:
+        value = offsets[tidx]
+    return value
+
+
+@cute.jit
 def load_segment_blocks(row_offsets: cute.Pointer, num_segments, s_off: cute.Tensor,
-                        s_first: cute.Tensor, tidx, threads: cutlass.Constexpr):
+                        s_first: cute.Tensor, tidx, threads: cutlass.Constexpr,
+                        offset=None):
     """The whole CTA: `s_off[g] = row_offsets[g]` for g <= S, and `s_first[g]` = the first
     128-row scale block of segment g (each segment starts a fresh block), `s_first[S]` the
-    blocks in all. Shared-memory tensors; ends with a barrier."""
-    offsets = cute.make_tensor(row_offsets, cute.make_layout(num_segments + 1))
-    for g in cutlass.range(tidx, num_segments + 1, threads):
-        s_off[g] = offsets[g]
+    blocks in all. Shared-memory tensors; ends with a barrier. `offset`: this thread's
+    `read_segment_offset`, already read (the CTA then has more than MAX_SEGMENTS threads)."""
+    if cutlass.const_expr(offset is None):
+        offsets = cute.make_tensor(row_offsets, cute.make_layout(num_segments + 1))
+        for g in cutlass.range(tidx, num_segments + 1, threads):
+            s_off[g] = offsets[g]
+    else:
+        if tidx <= num_segments:
+            s_off[tidx] = offset
     cute.arch.sync_threads()
     for g in cutlass.range(tidx, num_segments, threads):
         s_first[g] = (s_off[g + 1] - s_off[g] + ATOM_ROWS - 1) // ATOM_ROWS
@@ -430,6 +461,24 @@ def segment_of(s_start: cute.Tensor, num_segments, position) -> Int32:
     return seg
 
 
+@cute.jit
+def zero_scale_padding(scales: cute.Pointer, s_off: cute.Tensor, s_first: cute.Tensor,
+                       num_segments, blocks, me, warps, lane):
+    """Zero the 128x4 scale bytes no block writes, `blocks` scales a row: whole rows past each
+    segment's rows up to its 128-row block, and the columns past `blocks` of the others. Warp
+    `me` of `warps` takes every `warps`-th scale row (`s_off`, `s_first`: `load_segment_blocks`'s
+    tables)."""
+    scale_cols = (blocks + 3) // 4 * 4
+    for srow in cutlass.range(me, s_first[num_segments] * ATOM_ROWS, warps):
+        seg = segment_of(s_first, num_segments, srow // ATOM_ROWS)
+        local = srow - s_first[seg] * ATOM_ROWS
+        begin = blocks
+        if local >= s_off[seg + 1] - s_off[seg]:
+            begin = 0
+        for kb in cutlass.range(begin + lane, scale_cols, WARP):
+            store_u8(scales.toint() + scale_offset(srow, kb, scale_cols // 4), Int32(0))
+
+
 class QuantizeNvfp4:
     """Each row is cut into chunks of `32 * steps` blocks (the last one shorter), and each warp
     takes an equal run of consecutive chunks. A warp owns a ring of `stages` shared-memory
@@ -451,6 +500,8 @@ class QuantizeNvfp4:
         self.steps = steps
         self.chunk = WARP * steps  # blocks
         self.threads = WARP * warps
+        if self.threads < MAX_SEGMENTS:  # a thread per row offset (`read_segment_offset`)
+            raise ValueError(f"quantize_nvfp4 needs at least {MAX_SEGMENTS} threads")
         self.arches = ("sm_100a",) if e2m1 == "hardware" else ("sm_90a",)
 
     @property
@@ -511,19 +562,18 @@ class QuantizeNvfp4:
         s_gs = smem.allocate_tensor(Float32, cute.make_layout(MAX_SEGMENTS + 4),
                                     byte_alignment=16)
         mine = full + warp * stages
-        if lane == 0:
-            for s in cutlass.range_constexpr(stages):
-                cute.arch.mbarrier_init(mine + s, 1)
-            cute.arch.mbarrier_init_fence()
-        fill_scale_table(table, tidx, self.threads)
-        gs_all = cute.make_tensor(global_scales, cute.make_layout(num_segments))
-        for g in cutlass.range(tidx, num_segments, self.threads):
-            s_gs[g] = gs_all[g]
-        load_segment_blocks(row_offsets, num_segments, s_off, s_first, tidx, self.threads)
-
+        # This warp's run of chunks needs only the row count: its first loads are issued before
+        # the tables are built, so their latency hides under that work. Every small read goes
+        # first, in one round trip, so that none queues behind the stream's loads.
+        offset = read_segment_offset(row_offsets, num_segments, tidx)
+        gs_mine = Float32(0.0)
+        if tidx < num_segments:
+            gs_mine = cute.make_tensor(global_scales, cute.make_layout(num_segments))[tidx]
+        total_rows = cute.make_tensor(row_offsets, cute.make_layout(num_segments + 1))[
+            num_segments]
         blocks = hidden // BLOCK
         pieces = (blocks + self.chunk - 1) // self.chunk  # chunks per row
-        chunks = s_off[num_segments] * pieces
+        chunks = total_rows * pieces
         me = bidx * self.warps + warp
         warps = grid_ctas * self.warps
         begin = Int32(Int64(me) * Int64(chunks) // Int64(warps))
@@ -535,13 +585,24 @@ class QuantizeNvfp4:
         block = Int64(row) * Int64(blocks) + Int64(kb)
         load_kb = kb
         load_at = x.toint() + block * BLOCK_BYTES
+        if lane == 0:
+            for s in cutlass.range_constexpr(stages):
+                cute.arch.mbarrier_init(mine + s, 1)
+            cute.arch.mbarrier_init_fence()
+        cute.arch.sync_warp()  # the barriers are initialised before any lane uses them
         for s in cutlass.range_constexpr(stages):
             if s < n:
                 if lane == 0:
                     self._fill(ring, mine, warp, s, load_at, load_kb, blocks)
                 load_at, load_kb = self._next_chunk(load_at, load_kb, blocks, BLOCK_BYTES)
+        fill_scale_table(table, tidx, self.threads)
+        if tidx < num_segments:
+            s_gs[tidx] = gs_mine
+        load_segment_blocks(row_offsets, num_segments, s_off, s_first, tidx, self.threads,
+                            offset)
+
         if cutlass.const_expr(self.scales == "128x4"):
-            self._zero_padding(scales, s_off, s_first, num_segments, blocks, me, warps, lane)
+            zero_scale_padding(scales, s_off, s_first, num_segments, blocks, me, warps, lane)
         # Per row: its segment's global scale and the row's bytes in the scale layout.
         seg = segment_of(s_off, num_segments, row)
         scale_row = Int64(0)
@@ -615,19 +676,3 @@ class QuantizeNvfp4:
         nbytes = cutlass.min(blocks - kb, self.chunk) * BLOCK_BYTES
         cute.arch.mbarrier_arrive_and_expect_tx(mine + s, nbytes)
         bulk_load(ring[None, None, s, warp].iterator, at, nbytes, mine + s)
-
-    @cute.jit
-    def _zero_padding(self, scales: cute.Pointer, s_off: cute.Tensor, s_first: cute.Tensor,
-                      num_segments, blocks, me, warps, lane):
-        """Zero the 128x4 scale bytes no block writes: whole rows past each segment's rows up to
-        its 128-row block, and columns past K / 16 of the others. A warp per scale row."""
-        scale_cols = (blocks + 3) // 4 * 4
-        for srow in cutlass.range(me, s_first[num_segments] * ATOM_ROWS, warps):
-            seg = segment_of(s_first, num_segments, srow // ATOM_ROWS)
-            local = srow - s_first[seg] * ATOM_ROWS
-            begin = blocks
-            if local >= s_off[seg + 1] - s_off[seg]:
-                begin = 0
-            for kb in cutlass.range(begin + lane, scale_cols, WARP):
-                store_u8(scales.toint() + scale_offset(srow, kb, scale_cols // 4), Int32(0))
-

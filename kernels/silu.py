@@ -29,9 +29,11 @@ Outputs (one kernel family each, config `interleaved`, plus the e2m1 encoder for
 Quantized outputs and fp32 come with `table`: the gate's activation from a shared-memory table
 of every bf16 gate the CTA fills once (`kernels.gate_table`), one CTA of `TABLE_THREADS` per SM.
 
-For the FP4 outputs each segment starts on a fresh 128-row scale block and the grid walks *scale
-rows* x padded scale columns, writing zero scale bytes for padding in the same pass. Codes are
-0 for a block whose scale is not a positive number (all-zero, underflowed or NaN blocks).
+For the FP4 outputs each segment starts on a fresh 128-row scale block. The thread and warp
+layouts walk *scale rows* x padded scale columns, writing zero scale bytes for padding in the
+same pass; the table kernels stream the live rows in chunks through shared memory
+(`FusedSilu._fp4_stream`) and zero the padding in a pass of their own. Codes are 0 for a block
+whose scale is not a positive number (all-zero, underflowed or NaN blocks).
 """
 
 import cutlass
@@ -41,9 +43,12 @@ from cutlass import BFloat16, Boolean, Float8E4M3FN, Float32, Int32, Int64
 from kernels.fp8 import scale_fp8_block
 from kernels.gate_table import (ENTRIES, TABLE_BYTES, fill_gate_table, lookup_gate, oai_gate,
                                 silu_gate, table_base)
+from kernels.bulk_copy import bulk_load
 from kernels.nvfp4 import (SCALE_TABLE_BYTES, bits_f32, e2m1_words, e4m3_byte_to_f32,
                            f32_bits, fill_scale_table, high_bf16, load_segment_blocks, low_bf16,
-                           nvfp4_scale_byte, scale_table_layout, segment_of)
+                           nvfp4_scale_byte, read_segment_offset, rotate_left64,
+                           scale_table_layout,
+                           segment_of, zero_scale_padding)
 from kernels.memory import scale_offset, store_u8
 from kernels.scan import WARP
 from layouts.abi import GridRule, KernelSpec, Param
@@ -59,6 +64,10 @@ BLOCK = {"bf16": 1, "fp8": 128, "nvfp4": 16, "mxfp4": 32, "fp32": 1}
 ATOM_ROWS = 128
 MAX_SEGMENTS = 272
 SMEM_ENTRIES = 544  # a probe at pos + 256 stays inside
+# The FP4 table kernels' stream (`FusedSilu._fp4_stream`): a chunk is a warp's 32 lane vectors of
+# one row (16 outputs a lane: 32 gate and 32 up bytes), each warp a ring of STREAM_STAGES.
+STREAM_STAGES = 2
+STREAM_CHUNK_WORDS = WARP * 16  # bf16 pairs: gate then up halves, or the interleaved pairs
 TABLE_THREADS = 1024  # the gate-table kernels' CTA: one per SM fills the table once
 
 
@@ -170,6 +179,11 @@ class FusedSilu:
 
     @property
     def smem_bytes(self) -> int:
+        if self.fp4 and self.table:
+            warps = self.threads // WARP
+            ring = warps * STREAM_STAGES * STREAM_CHUNK_WORDS * 4 + 8 * warps * STREAM_STAGES
+            return (ring + TABLE_BYTES + (SCALE_TABLE_BYTES if self.out == "nvfp4" else 0)
+                    + 3 * SMEM_ENTRIES * 4 + 512)
         size = 2 * SMEM_ENTRIES * 4 + 64 if self.fp4 else 0
         if self.table:
             size += TABLE_BYTES + (SCALE_TABLE_BYTES if self.out == "nvfp4" else 0) + 16
@@ -202,13 +216,12 @@ class FusedSilu:
         smem = cutlass.memory.SmemAllocator()
         gates = Int32(0)
         recips = None
-        if cutlass.const_expr(self.table):
+        if cutlass.const_expr(self.fp4 and self.table):
+            self._fp4_stream(smem, x, row_offsets, input_scales, out, scales, num_segments,
+                             intermediate, limit, alpha, tidx, bidx, grid_ctas)
+        elif cutlass.const_expr(self.table):  # FP8
             table = smem.allocate_tensor(Float32, cute.make_layout(2 * ENTRIES),
                                          byte_alignment=16)
-            if cutlass.const_expr(self.out == "nvfp4"):
-                recips = smem.allocate_tensor(Float32, scale_table_layout(),
-                                              byte_alignment=16)
-                fill_scale_table(recips, tidx, self.threads)
             fill_gate_table(table, self.activation, limit, alpha, tidx, self.threads)
             gates = table_base(table)
         if cutlass.const_expr(not self.fp4):
@@ -226,9 +239,166 @@ class FusedSilu:
                     self._row_vector(x, out, scales, Int32(0), Int32(0), intermediate,
                                      scale_stride, limit, alpha, Float32(1.0), Boolean(False),
                                      gates, recips)
-        else:
+        elif cutlass.const_expr(not self.table):
             self._fp4(smem, x, row_offsets, input_scales, out, scales, num_segments,
                       intermediate, limit, alpha, tidx, bidx, stride, gates, recips)
+
+    @cute.jit
+    def _fp4_stream(self, smem, x, row_offsets, input_scales, out, scales, num_segments,
+                    intermediate, limit, alpha, tidx, bidx, grid_ctas):
+        """The FP4 table kernels: the live rows cut into chunks of 32 lane vectors (the last
+        of a row shorter), each warp an equal run of consecutive chunks (balanced to a chunk,
+        whatever the rows per segment), streamed through a ring of shared-memory stages per
+        warp that its lane 0 fills with bulk copies, `stages - 1` chunks ahead of the one its
+        lanes compute (a stage is refilled once every lane has used its words); the first loads
+        are issued before the tables are built (every small read first, in one round trip), so
+        their latency hides under that work. Padding scale rows and columns are zeroed by a pass
+        of their own (`zero_scale_padding`)."""
+        warp = tidx // WARP
+        lane = tidx % WARP
+        per_cta = self.threads // WARP
+        stages = STREAM_STAGES
+        # ring[(i, lane, half), stage, warp] (halves: word i of the lane's gate or up vector) or
+        # ring[(i, lane), stage, warp] (interleaved: its i-th (gate, up) pair).
+        vector = ((self.vector, WARP) if self.interleaved else (self.vector // 2, WARP, 2))
+        ring = smem.allocate_tensor(Int32, cute.make_layout((vector, stages, per_cta)),
+                                    byte_alignment=128)
+        full = smem.allocate_array(Int64, stages * per_cta)
+        table = smem.allocate_tensor(Float32, cute.make_layout(2 * ENTRIES), byte_alignment=16)
+        recips = (smem.allocate_tensor(Float32, scale_table_layout(), byte_alignment=16)
+                  if self.out == "nvfp4" else None)
+        s_off = smem.allocate_tensor(Int32, cute.make_layout(SMEM_ENTRIES), byte_alignment=16)
+        s_start = smem.allocate_tensor(Int32, cute.make_layout(SMEM_ENTRIES), byte_alignment=16)
+        s_gs = smem.allocate_tensor(Float32, cute.make_layout(SMEM_ENTRIES), byte_alignment=16)
+        mine = full + warp * stages
+
+        offset = read_segment_offset(row_offsets, num_segments, tidx)
+        gs_mine = Float32(1.0)
+        if cutlass.const_expr(self.out == "nvfp4"):
+            if tidx < num_segments:
+                gs_mine = cute.make_tensor(input_scales, cute.make_layout(num_segments))[tidx]
+        total_rows = cute.make_tensor(row_offsets, cute.make_layout(num_segments + 1))[
+            num_segments]
+        vecs = intermediate // self.vector  # lane vectors a row
+        pieces = (vecs + WARP - 1) // WARP  # chunks a row
+        chunks = total_rows * pieces
+        me = bidx * per_cta + warp
+        warps = grid_ctas * per_cta
+        begin = Int32(Int64(me) * Int64(chunks) // Int64(warps))
+        n = Int32(Int64(me + 1) * Int64(chunks) // Int64(warps)) - begin
+        # The chunk to compute next (row, first lane vector kv) and the one to load next.
+        row = begin // pieces
+        kv = (begin - row * pieces) * WARP
+        load_row = row
+        load_kv = kv
+        if lane == 0:
+            for s in cutlass.range_constexpr(stages):
+                cute.arch.mbarrier_init(mine + s, 1)
+            cute.arch.mbarrier_init_fence()
+        cute.arch.sync_warp()  # the barriers are initialised before any lane uses them
+        for s in cutlass.range_constexpr(stages):
+            if s < n:
+                if lane == 0:
+                    self._stream_fill(ring, mine, warp, s, x, load_row, load_kv, vecs,
+                                      intermediate)
+                load_row, load_kv = self._stream_next(load_row, load_kv, vecs)
+
+        if cutlass.const_expr(self.out == "nvfp4"):
+            fill_scale_table(recips, tidx, self.threads)
+        fill_gate_table(table, self.activation, limit, alpha, tidx, self.threads)
+        gates = table_base(table)
+        if tidx < num_segments:
+            s_gs[tidx] = gs_mine
+        load_segment_blocks(row_offsets, num_segments, s_off, s_start, tidx, self.threads,
+                            offset)
+        blocks = intermediate // BLOCK[self.out]
+        cols = (blocks + 3) // 4 * 4
+        rk = cols // 4
+        zero_scale_padding(scales, s_off, s_start, num_segments, blocks, me, warps, lane)
+
+        seg = segment_of(s_off, num_segments, row)
+        gs = Float32(1.0)
+        unit = Int32(0)
+        row_of_unit = Int32(-1)
+        words = cute.make_rmem_tensor(cute.make_layout(2 * self.vector // 2), Int32)
+        for i in cutlass.range(n):
+            s = i % stages
+            if row != row_of_unit:
+                while row >= s_off[seg + 1]:
+                    seg += 1
+                gs = s_gs[seg]
+                unit = s_start[seg] * ATOM_ROWS + row - s_off[seg]
+                row_of_unit = row
+            cute.arch.mbarrier_wait(mine + s, (i // stages) % 2)
+            rotation = self._stream_words(ring, s, warp, lane, words)
+            self._lane_item(x, out, scales, unit, row, kv + lane, Boolean(True), blocks, cols,
+                            rk, intermediate, limit, alpha, gs, gates, recips, words, rotation)
+            # Every lane has used (so read) its words of stage s before it is refilled: a load
+            # still in flight at the barrier could otherwise read the bulk copy's bytes.
+            cute.arch.sync_warp()
+            if i + stages < n:
+                if lane == 0:
+                    self._stream_fill(ring, mine, warp, s, x, load_row, load_kv, vecs,
+                                      intermediate)
+                load_row, load_kv = self._stream_next(load_row, load_kv, vecs)
+            row, kv = self._stream_next(row, kv, vecs)
+
+    @cute.jit
+    def _stream_next(self, row, kv, vecs):
+        """The chunk after the one at (row, first lane vector kv)."""
+        kv = kv + WARP
+        if kv >= vecs:
+            kv = 0
+            row = row + 1
+        return row, kv
+
+    @cute.jit
+    def _stream_fill(self, ring: cute.Tensor, mine: cute.Pointer, warp, s, x: cute.Pointer, row,
+                     kv, vecs, intermediate):
+        """Lane 0: bulk-copy the inputs of the chunk at (row, kv) into stage s: the gate
+        vectors into the stage's first half and the up vectors into its second, or the
+        interleaved pairs in order."""
+        lanes = cutlass.min(vecs - kv, WARP)
+        half = lanes * (2 * self.vector)  # bytes of one half's vectors
+        src = x.toint() + Int64(row) * Int64(4 * intermediate)
+        cute.arch.mbarrier_arrive_and_expect_tx(mine + s, 2 * half)
+        if cutlass.const_expr(self.interleaved):
+            bulk_load(ring[None, s, warp].iterator, src + Int64(kv) * (4 * self.vector),
+                      2 * half, mine + s)
+        else:
+            gate = src + Int64(kv) * (2 * self.vector)
+            bulk_load(ring[(None, None, 0), s, warp].iterator, gate, half, mine + s)
+            bulk_load(ring[(None, None, 1), s, warp].iterator, gate + Int64(2 * intermediate),
+                      half, mine + s)
+
+    @cute.jit
+    def _stream_words(self, ring: cute.Tensor, s, warp, lane, words: cute.Tensor):
+        """`words` = this lane's inputs in stage s, in `_load_inputs`' order but rotated: a
+        lane reads its 16-byte pieces starting at piece r (interleaved: r = lane / 2 mod 4 of
+        4 pieces; halves: r = lane / 4 mod 2 of 2 per half), so the 8 lanes of each 128-bit
+        shared load hit 8 different bank groups (in order, lanes 64 or 32 bytes apart would
+        share them 4 or 2 ways). Returns the code rotation for `_row_vector`: the elements sit
+        4r places (interleaved) or 8r (halves) on, their codes 16r or 32r bits."""
+        rotation = Int32(0)
+        if cutlass.const_expr(self.interleaved):
+            r = (lane >> 1) & 3
+            pieces = cute.make_tensor(ring[(None, lane), s, warp].iterator,
+                                      cute.make_layout((4, 4)))
+            for j in cutlass.range_constexpr(4):
+                cute.autovec_copy(pieces[None, (j + r) & 3], cute.make_tensor(
+                    words.iterator + 4 * j, cute.make_layout(4)))
+            rotation = r * 16
+        else:
+            half = self.vector // 2
+            r = (lane >> 2) & 1
+            for h in cutlass.range_constexpr(2):
+                pieces = cute.make_tensor(ring[(None, lane, h), s, warp].iterator,
+                                          cute.make_layout((4, 2)))
+                for j in cutlass.range_constexpr(2):
+                    cute.autovec_copy(pieces[None, (j + r) & 1], cute.make_tensor(
+                        words.iterator + h * half + 4 * j, cute.make_layout(4)))
+            rotation = r * 32
+        return rotation
 
     @cute.jit
     def _fp4(self, smem, x, row_offsets, input_scales, out, scales, num_segments, intermediate,
@@ -324,14 +494,14 @@ class FusedSilu:
 
     @cute.jit
     def _lane_item(self, x, out, scales, unit, row, h, live, blocks, cols, rk, intermediate,
-                   limit, alpha, gs, gates, recips, words=None):
+                   limit, alpha, gs, gates, recips, words=None, rotation=None):
         """Lane vector h of scale row `unit` (row `row` of x; `live`: not padding): its codes,
         and its block's scale byte from the block's first lane (zero for padding rows and
-        columns). `words`: its inputs already loaded."""
+        columns). `words`: its inputs already loaded (`rotation`: `_row_vector`'s)."""
         kb = h // self.lanes
         valid = live and kb < blocks
         byte = self._row_vector(x, out, scales, row, h, intermediate, Int32(0), limit, alpha, gs,
-                                valid, gates, recips, words)
+                                valid, gates, recips, words, rotation)
         if not valid:
             byte = Int32(0)
         if h % self.lanes == 0 and kb < cols:
@@ -455,9 +625,11 @@ class FusedSilu:
 
     @cute.jit
     def _row_vector(self, x, out, scales, row, v, intermediate, scale_stride, limit, alpha, gs,
-                    valid, gates, recips, words=None):
+                    valid, gates, recips, words=None, rotation=None):
         """Activate and store output vector v of `row`; FP4: return its scale byte. `recips`:
-        NVFP4's (scale, 1 / scale) per e4m3 code (`table` kernels)."""
+        NVFP4's (scale, 1 / scale) per e4m3 code (`table` kernels). `rotation` (FP4, 16
+        elements): `words` hold the elements rotated by `rotation / 4` places (`_stream_words`),
+        so the 64 code bits are rotated left by `rotation` bits before they are stored."""
         n = self.vector
         z = cute.make_rmem_tensor(cute.make_layout(n), Float32)
         z.fill(0.0)
@@ -535,6 +707,8 @@ class FusedSilu:
             words = cute.make_rmem_tensor(cute.make_layout(n // 8), Int32)
             e2m1_words(z, gs, sf, amax, usable, words, self.e2m1,
                        divide=self.out == "nvfp4", r=r, given_r=self.table, r_lo=r_lo)
+            if cutlass.const_expr(rotation is not None):
+                words[0], words[1] = rotate_left64(words[0], words[1], rotation)
             if valid:
                 dst = cute.make_tensor(
                     _ptr(Int32, out.toint() + Int64(row) * Int64(intermediate // 2)

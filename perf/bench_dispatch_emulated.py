@@ -20,18 +20,7 @@ import time
 import torch
 from rich.console import Console
 from rich.table import Table
-
-
-def _sleep_cycles(us: float) -> int:
-    """Clock cycles of `torch.cuda._sleep` that last about `us` microseconds on this GPU."""
-    probe = 1 << 20
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    torch.cuda._sleep(probe)
-    end.record()
-    end.synchronize()
-    return int(probe * us / (start.elapsed_time(end) * 1e3))
+from timing import sleep_cycles
 
 
 def _time_all(bufs, args_of, reps, call=lambda buf, args: buf.dispatch(*args[0], **args[1])):
@@ -44,7 +33,7 @@ def _time_all(bufs, args_of, reps, call=lambda buf, args: buf.dispatch(*args[0],
     streams = [torch.cuda.Stream() for _ in bufs]
     main = torch.cuda.current_stream()
     gate_us = 500.0 * len(bufs)
-    cycles = _sleep_cycles(gate_us)
+    cycles = sleep_cycles(gate_us)
     times = []
     while len(times) < reps + 3:
         torch.cuda.synchronize()
@@ -63,7 +52,7 @@ def _time_all(bufs, args_of, reps, call=lambda buf, args: buf.dispatch(*args[0],
         end.synchronize()
         if host > 0.8 * gate_us:  # the time may have started before the last launch
             gate_us *= 2
-            cycles = _sleep_cycles(gate_us)
+            cycles = sleep_cycles(gate_us)
             continue
         times.append(start.elapsed_time(end) * 1e3)
     for buf in bufs:

@@ -8,9 +8,10 @@ number of bytes, in the same run, on one GPU.
 For each kernel: bytes = what it must read (the bf16 input rows, row_offsets) + what it writes
 (codes or values, scales including the zero padding); GB/s = bytes / median time. The baseline
 copies bytes / 2 with `torch.Tensor.copy_` (so it too reads + writes `bytes`), timed the same way
-(CUDA events, L2 flushed before every repetition). `--layout` forces the SwiGLU kernels' layout
-(`cute_ep.silu._layout`; by default it is chosen by size as in use), to compare layouts in one
-run.
+(CUDA events, L2 flushed before every repetition, the launches queued behind a device sleep so
+the time is the GPU's, not the host's Python path: `timing.median_ms`). `--layout` forces the
+SwiGLU kernels' layout (`cute_ep.silu._layout`; by default it is chosen by size as in use), to
+compare layouts in one run.
 """
 
 from __future__ import annotations

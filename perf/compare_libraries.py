@@ -1,14 +1,13 @@
-"""Two kernel libraries side by side in Nsight Compute, one launch of each quantization kernel
-at locked base clocks:
+"""Two kernel libraries side by side in Nsight Compute, one launch of each quantization kernel,
+clocks as the card sets them:
 
     python perf/compare_libraries.py BEFORE_LIBRARY AFTER_LIBRARY [--intermediate 2048 7168]
         [--json FILE]
 
-These kernels are issue-bound, and at boost clocks their times move 10-20% between runs and
-leases (clocks drop under sustained load) while a copy's do not, so a change to them is judged
-here: per size, both libraries in turn (`CUTE_EP_LIBRARY`), `perf/ncu_kernels.py --silu-only`
-under `ncu --clock-control base`, time, warp instructions and issue activity per kernel. How far
-each kernel is from copy speed is `perf/bench_quant.py`'s question.
+Per size, both libraries in turn (`CUTE_EP_LIBRARY`), `perf/ncu_kernels.py --silu-only` under
+`ncu --clock-control none` (the card's clocks are never locked or changed): time, warp
+instructions (which no clock moves), issue activity, long-scoreboard stalls and registers per
+kernel. How far each kernel is from copy speed is `perf/bench_quant.py`'s question.
 """
 
 from __future__ import annotations
@@ -62,7 +61,7 @@ def parse(text: str) -> list[dict]:
 def profile(library: str, intermediate: int) -> list[dict]:
     """The kernels of ncu_kernels.py's SwiGLU family and quantize_nvfp4 from `library`."""
     names = [*SILU_LAUNCHES, QUANTIZE_LAUNCH]
-    cmd = ["ncu", "--clock-control", "base", "--metrics", ",".join(METRICS), "--csv", "-k",
+    cmd = ["ncu", "--clock-control", "none", "--metrics", ",".join(METRICS), "--csv", "-k",
            KERNELS, sys.executable, str(Path(__file__).parent / "ncu_kernels.py"),
            "--silu-only", "--intermediate", str(intermediate)]
     env = dict(os.environ, CUTE_EP_LIBRARY=str(Path(library).resolve()))
@@ -86,7 +85,7 @@ def main() -> None:
     for i in args.intermediate:
         for side in ("before", "after"):
             runs[side] += profile(getattr(args, side), i)
-    table = Table(title=f"Nsight Compute at base clocks, one launch each: {args.before} -> "
+    table = Table(title=f"Nsight Compute, one launch each: {args.before} -> "
                         f"{args.after}")
     for col in ("kernel", "I", "us", "change", "warp instr (M)", "issue %", "long sb / issue",
                 "registers"):

@@ -1,21 +1,47 @@
 """Timing shared by the single-GPU benchmarks."""
 
 import statistics
+import time
 
 import torch
 
 
-def median_ms(fn, reps: int, flush: torch.Tensor) -> float:
+def sleep_cycles(us: float) -> int:
+    """Clock cycles of `torch.cuda._sleep` that last about `us` microseconds on this GPU."""
+    probe = 1 << 20
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    torch.cuda._sleep(probe)
+    end.record()
+    end.synchronize()
+    return max(1, int(probe * us / (start.elapsed_time(end) * 1e3)))
+
+
+def median_ms(fn, reps: int, flush: torch.Tensor, gate_us: float = 200.0) -> float:
     """Median CUDA-event time of `fn` in ms over `reps` runs (3 warm-up runs first), with
-    `flush` zeroed before each run to evict L2."""
+    `flush` zeroed before each run to evict L2.
+
+    The time is the GPU's: each run's start event and `fn`'s launches are queued behind a device
+    sleep of `gate_us`, so the GPU never waits for the host's Python path inside the timed
+    region (a slow host would otherwise add its launch time to the kernel's). A run whose host
+    path outlasts the sleep is repeated with a sleep twice as long."""
+    cycles = sleep_cycles(gate_us)
     times = []
-    for _ in range(reps + 3):
+    while len(times) < reps + 3:
         flush.zero_()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(cycles)
+        host = time.perf_counter()
         start.record()
         fn()
         end.record()
+        host = (time.perf_counter() - host) * 1e6
         end.synchronize()
+        if host > 0.8 * gate_us:  # the GPU may have reached `start` before the last launch
+            gate_us *= 2
+            cycles = sleep_cycles(gate_us)
+            continue
         times.append(start.elapsed_time(end))
     return statistics.median(times[3:])
 
