@@ -45,6 +45,17 @@ def bulk_load(dst: cute.Pointer, src_addr: Int64, nbytes: Int32, mbar: cute.Poin
                     asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
 
+@cute.jit
+def init_stage_barriers(bars: cute.Pointer, stages: cutlass.Constexpr, leader):
+    """`leader` initialises the `stages` mbarriers at `bars`, each completed by one arrival (the
+    filler's expect_tx) and its bulk copy's bytes, and fences them for the async proxy; the
+    caller's barrier then makes them visible to the threads that wait on them."""
+    if leader:
+        for s in cutlass.range_constexpr(stages):
+            cute.arch.mbarrier_init(bars + s, 1)
+        cute.arch.mbarrier_init_fence()
+
+
 @dsl_user_op
 def bulk_store(dst_addr: Int64, src: cute.Pointer, nbytes: Int32, *, loc=None, ip=None) -> None:
     """`cp.async.bulk` of `nbytes` (a multiple of 16, any runtime value) from shared memory at
@@ -113,10 +124,7 @@ class BulkSend:
         full = smem.allocate_array(Int64, stages)
         load = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), Uint8)
         store = cute.make_copy_atom(cpasync.CopyBulkS2GOp(), Uint8)
-        if tidx == 0:
-            for s in cutlass.range_constexpr(stages):
-                cute.arch.mbarrier_init(full + s, 1)
-            cute.arch.mbarrier_init_fence()
+        init_stage_barriers(full, stages, tidx == 0)
         cute.arch.sync_threads()
         peers = cute.make_tensor(peer_bases, cute.make_layout(ranks))
         layout = bulk_chunks(chunk, chunks, ranks).to_cute()

@@ -28,7 +28,7 @@ from cutlass import Float32, Int32, Int64
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from kernels.bulk_copy import bulk_load
+from kernels.bulk_copy import bulk_load, init_stage_barriers
 from kernels.division import (FAST_LIMIT, divide_split, reciprocal_low,
                               split_reciprocal, with_sign_of)
 from kernels.memory import scale_offset, store_u8
@@ -119,14 +119,30 @@ def bits_f32(value: Int32, *, loc=None, ip=None) -> Float32:
 
 
 @cute.jit
-def read_segment_offset(row_offsets: cute.Pointer, num_segments, tidx):
-    """`row_offsets[tidx]` for tidx <= S, else 0: a CTA of at least S + 1 threads reads every
-    offset in one round trip (`load_segment_blocks(..., offset=)` stores them)."""
+def read_segment_inputs(row_offsets: cute.Pointer, scales, num_segments, tidx):
+    """A stream kernel's small reads, all in one round trip before its bulk loads (queued behind
+    them they would wait for megabytes): (`row_offsets[tidx]` for tidx <= S, else 0, which
+    `load_segment_blocks(..., offset=)` stores; `scales[tidx]` for tidx < S, else 0, or 1 where
+    `scales` is None; the row count `row_offsets[S]`). The CTA has more than MAX_SEGMENTS
+    threads."""
     offsets = cute.make_tensor(row_offsets, cute.make_layout(num_segments + 1))
-    value = Int32(0)
+    offset = Int32(0)
     if tidx <= num_segments:
-        value = offsets[tidx]
-    return value
+        offset = offsets[tidx]
+    scale = Float32(1.0)
+    if cutlass.const_expr(scales is not None):
+        scale = Float32(0.0)
+        if tidx < num_segments:
+            scale = cute.make_tensor(scales, cute.make_layout(num_segments))[tidx]
+    return offset, scale, offsets[num_segments]
+
+
+@cute.jit
+def warp_run(me, warps, count):
+    """(first, number) of warp `me`'s equal share of `count` consecutive items among `warps`
+    (shares differ by at most one)."""
+    begin = Int32(Int64(me) * Int64(count) // Int64(warps))
+    return begin, Int32(Int64(me + 1) * Int64(count) // Int64(warps)) - begin
 
 
 @cute.jit
@@ -136,7 +152,8 @@ def load_segment_blocks(row_offsets: cute.Pointer, num_segments, s_off: cute.Ten
     """The whole CTA: `s_off[g] = row_offsets[g]` for g <= S, and `s_first[g]` = the first
     128-row scale block of segment g (each segment starts a fresh block), `s_first[S]` the
     blocks in all. Shared-memory tensors; ends with a barrier. `offset`: this thread's
-    `read_segment_offset`, already read (the CTA then has more than MAX_SEGMENTS threads)."""
+    `read_segment_inputs`' offset, already read (the CTA then has more than MAX_SEGMENTS
+    threads)."""
     if cutlass.const_expr(offset is None):
         offsets = cute.make_tensor(row_offsets, cute.make_layout(num_segments + 1))
         for g in cutlass.range(tidx, num_segments + 1, threads):
@@ -500,7 +517,7 @@ class QuantizeNvfp4:
         self.steps = steps
         self.chunk = WARP * steps  # blocks
         self.threads = WARP * warps
-        if self.threads < MAX_SEGMENTS:  # a thread per row offset (`read_segment_offset`)
+        if self.threads < MAX_SEGMENTS:  # a thread per row offset (`read_segment_inputs`)
             raise ValueError(f"quantize_nvfp4 needs at least {MAX_SEGMENTS} threads")
         self.arches = ("sm_100a",) if e2m1 == "hardware" else ("sm_90a",)
 
@@ -563,21 +580,14 @@ class QuantizeNvfp4:
                                     byte_alignment=16)
         mine = full + warp * stages
         # This warp's run of chunks needs only the row count: its first loads are issued before
-        # the tables are built, so their latency hides under that work. Every small read goes
-        # first, in one round trip, so that none queues behind the stream's loads.
-        offset = read_segment_offset(row_offsets, num_segments, tidx)
-        gs_mine = Float32(0.0)
-        if tidx < num_segments:
-            gs_mine = cute.make_tensor(global_scales, cute.make_layout(num_segments))[tidx]
-        total_rows = cute.make_tensor(row_offsets, cute.make_layout(num_segments + 1))[
-            num_segments]
+        # the tables are built, so their latency hides under that work.
+        offset, gs_mine, total_rows = read_segment_inputs(row_offsets, global_scales,
+                                                          num_segments, tidx)
         blocks = hidden // BLOCK
         pieces = (blocks + self.chunk - 1) // self.chunk  # chunks per row
-        chunks = total_rows * pieces
         me = bidx * self.warps + warp
         warps = grid_ctas * self.warps
-        begin = Int32(Int64(me) * Int64(chunks) // Int64(warps))
-        n = Int32(Int64(me + 1) * Int64(chunks) // Int64(warps)) - begin
+        begin, n = warp_run(me, warps, total_rows * pieces)
         # The chunk to quantize next (row, first column kb, first block of the stream) and the
         # one to load next (column, global address): each advances by the chunk just done.
         row = begin // pieces
@@ -585,10 +595,7 @@ class QuantizeNvfp4:
         block = Int64(row) * Int64(blocks) + Int64(kb)
         load_kb = kb
         load_at = x.toint() + block * BLOCK_BYTES
-        if lane == 0:
-            for s in cutlass.range_constexpr(stages):
-                cute.arch.mbarrier_init(mine + s, 1)
-            cute.arch.mbarrier_init_fence()
+        init_stage_barriers(mine, stages, lane == 0)
         cute.arch.sync_warp()  # the barriers are initialised before any lane uses them
         for s in cutlass.range_constexpr(stages):
             if s < n:

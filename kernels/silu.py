@@ -43,12 +43,11 @@ from cutlass import BFloat16, Boolean, Float8E4M3FN, Float32, Int32, Int64
 from kernels.fp8 import scale_fp8_block
 from kernels.gate_table import (ENTRIES, TABLE_BYTES, fill_gate_table, lookup_gate, oai_gate,
                                 silu_gate, table_base)
-from kernels.bulk_copy import bulk_load
+from kernels.bulk_copy import bulk_load, init_stage_barriers
 from kernels.nvfp4 import (SCALE_TABLE_BYTES, bits_f32, e2m1_words, e4m3_byte_to_f32,
                            f32_bits, fill_scale_table, high_bf16, load_segment_blocks, low_bf16,
-                           nvfp4_scale_byte, read_segment_offset, rotate_left64,
-                           scale_table_layout,
-                           segment_of, zero_scale_padding)
+                           nvfp4_scale_byte, read_segment_inputs, rotate_left64,
+                           scale_table_layout, segment_of, warp_run, zero_scale_padding)
 from kernels.memory import scale_offset, store_u8
 from kernels.scan import WARP
 from layouts.abi import GridRule, KernelSpec, Param
@@ -272,29 +271,19 @@ class FusedSilu:
         s_gs = smem.allocate_tensor(Float32, cute.make_layout(SMEM_ENTRIES), byte_alignment=16)
         mine = full + warp * stages
 
-        offset = read_segment_offset(row_offsets, num_segments, tidx)
-        gs_mine = Float32(1.0)
-        if cutlass.const_expr(self.out == "nvfp4"):
-            if tidx < num_segments:
-                gs_mine = cute.make_tensor(input_scales, cute.make_layout(num_segments))[tidx]
-        total_rows = cute.make_tensor(row_offsets, cute.make_layout(num_segments + 1))[
-            num_segments]
+        offset, gs_mine, total_rows = read_segment_inputs(
+            row_offsets, input_scales if self.out == "nvfp4" else None, num_segments, tidx)
         vecs = intermediate // self.vector  # lane vectors a row
         pieces = (vecs + WARP - 1) // WARP  # chunks a row
-        chunks = total_rows * pieces
         me = bidx * per_cta + warp
         warps = grid_ctas * per_cta
-        begin = Int32(Int64(me) * Int64(chunks) // Int64(warps))
-        n = Int32(Int64(me + 1) * Int64(chunks) // Int64(warps)) - begin
+        begin, n = warp_run(me, warps, total_rows * pieces)
         # The chunk to compute next (row, first lane vector kv) and the one to load next.
         row = begin // pieces
         kv = (begin - row * pieces) * WARP
         load_row = row
         load_kv = kv
-        if lane == 0:
-            for s in cutlass.range_constexpr(stages):
-                cute.arch.mbarrier_init(mine + s, 1)
-            cute.arch.mbarrier_init_fence()
+        init_stage_barriers(mine, stages, lane == 0)
         cute.arch.sync_warp()  # the barriers are initialised before any lane uses them
         for s in cutlass.range_constexpr(stages):
             if s < n:
@@ -320,7 +309,7 @@ class FusedSilu:
         gs = Float32(1.0)
         unit = Int32(0)
         row_of_unit = Int32(-1)
-        words = cute.make_rmem_tensor(cute.make_layout(2 * self.vector // 2), Int32)
+        words = cute.make_rmem_tensor(cute.make_layout(self.vector), Int32)  # bf16 pairs
         for i in cutlass.range(n):
             s = i % stages
             if row != row_of_unit:

@@ -228,17 +228,19 @@ def test_divide_once_is_the_correctly_rounded_quotient_for_every_dividend(signif
     assert _same_bits(divide_once(a, b, r), a / b)
 
 
-def test_divide_once_at_every_e4m3_scale_and_dividend_exponent():
-    gen = torch.Generator().manual_seed(1)
-    scales = _e4m3_positive()
-    # Dividends from 2^-79 (below it the quotient rounds to code 0 whatever the steps do) up to
-    # the kernels' FAST_LIMIT 2^100, both signs.
-    n = 4096
+def _normal_dividends(seed: int, n: int = 4096) -> torch.Tensor:
+    """n random fp32 dividends of either sign with exponents from -79 (below it the quotient
+    rounds to code 0 whatever the steps do) up to the kernels' FAST_LIMIT 2^100."""
+    gen = torch.Generator().manual_seed(seed)
     exponents = torch.randint(-79, 100, (n,), generator=gen)
     significands = torch.randint(0, 1 << 23, (n,), generator=gen)
     a = _f32(((exponents + 127) << 23) + significands)
-    a = torch.where(torch.rand(n, generator=gen) < 0.5, -a, a)
-    a, b = torch.broadcast_tensors(a[:, None], scales[None, :])
+    return torch.where(torch.rand(n, generator=gen) < 0.5, -a, a)
+
+
+def test_divide_once_at_every_e4m3_scale_and_dividend_exponent():
+    scales = _e4m3_positive()
+    a, b = torch.broadcast_tensors(_normal_dividends(1)[:, None], scales[None, :])
     r = torch.ones_like(b) / b
     q = divide_once(a, b, r)
     want = a / b
@@ -268,14 +270,8 @@ def test_divide_split_is_the_correctly_rounded_quotient_for_every_dividend(signi
 
 
 def test_divide_split_at_every_e4m3_scale_and_dividend_exponent():
-    gen = torch.Generator().manual_seed(4)
     scales = _e4m3_positive()  # subnormal scales (K 1..7 times 2^-9) included
-    n = 4096
-    exponents = torch.randint(-79, 100, (n,), generator=gen)
-    significands = torch.randint(0, 1 << 23, (n,), generator=gen)
-    a = _f32(((exponents + 127) << 23) + significands)
-    a = torch.where(torch.rand(n, generator=gen) < 0.5, -a, a)
-    a, b = torch.broadcast_tensors(a[:, None], scales[None, :])
+    a, b = torch.broadcast_tensors(_normal_dividends(4)[:, None], scales[None, :])
     assert torch.equal(divide_split(a, b).abs(), (a / b).abs())
     # Below 2^-79 the steps may go subnormal; the quotient stays far below e2m1's 0.25.
     tiny = _f32(torch.arange(1, 1 << 13) * 4099 % (48 << 23))
