@@ -96,14 +96,12 @@ def fused_silu_mxfp4(x: torch.Tensor, row_offsets: torch.Tensor | None = None, *
             None if swiglu_limit is None else float(swiglu_limit), float(swiglu_alpha),
             scale_rows)
     row_offsets, _ = _prepare("mxfp4", x, row_offsets)
-    params = None
+    oai = None
     if swiglu_limit is not None:
         if not swiglu_limit > 0:
             raise ValueError(f"swiglu_limit must be positive, got {swiglu_limit}")
-        # Filled on the device (no host-to-device copy, so the call can be graph-captured).
-        params = torch.full((2,), float(swiglu_limit), dtype=torch.float32, device=x.device)
-        params[1:].fill_(float(swiglu_alpha))
-    return _fp4("mxfp4", x, row_offsets, interleaved, scale_rows, activation_params=params)
+        oai = (float(swiglu_limit), float(swiglu_alpha))
+    return _fp4("mxfp4", x, row_offsets, interleaved, scale_rows, swiglu_oai=oai)
 
 
 def _fp4(out_format, x, row_offsets, interleaved, scale_rows, **extra):
@@ -132,7 +130,7 @@ def _prepare(out_format, x, row_offsets) -> tuple[torch.Tensor, int]:
 
 def _layout(rows: int, sms: int) -> str:
     """The quantized kernels' layout for `rows` (scale rows for FP4): "table" once every warp of
-    a CTA-per-SM grid has a row (a gate table per CTA, filled once, in place of an `expf` and a
+    a CTA-per-SM grid has a row (a gate table per CTA, copied in once, in place of an `expf` and a
     division per element; FP4 with a warp per scale row, a lane or a lane pair per block), else
     "thread" (a thread per block, the activation by the formula): a warp walking a whole row
     leaves the GPU idle on small inputs (measured at base clocks, H200, I = 7168: 256 rows
@@ -141,14 +139,68 @@ def _layout(rows: int, sms: int) -> str:
     return "table" if rows >= sms * _TABLE_THREADS // 32 else "thread"
 
 
+def _placeholder(device: torch.device) -> torch.Tensor:
+    """A tensor for the pointer parameters a kernel configuration never reads."""
+    got = _PLACEHOLDERS.get(device.index)
+    if got is None:
+        got = torch.empty(4, dtype=torch.float32, device=device)
+        if not torch.cuda.is_current_stream_capturing():  # kept only outside a graph's pool
+            _PLACEHOLDERS[device.index] = got
+    return got
+
+
+_PLACEHOLDERS: dict = {}
+# (device index, swiglu_oai's (limit, alpha) or None for silu) -> (activation_params,
+# gate_table): built once and kept; past _MAX_GATES distinct ones, each call builds its own.
+_GATES: dict = {}
+_MAX_GATES = 64
+_BUILD_STREAMS: dict = {}
+
+
+def _gate_inputs(device: torch.device, swiglu_oai) -> tuple[torch.Tensor, torch.Tensor]:
+    """(activation_params, gate_table) of the activation: fp32 (limit, alpha) (the placeholder
+    for silu) and the gate table of `kernels.gate_table` (64 KB, built by the `gate_table`
+    kernel). The first call of a device and activation builds them on a stream of their own and
+    waits for that one small kernel, so every stream may read them from then on; under CUDA
+    graph capture a miss builds them on the capturing stream instead, part of the graph."""
+    key = (device.index, swiglu_oai)
+    got = _GATES.get(key)
+    if got is not None:
+        return got
+    if torch.cuda.is_current_stream_capturing() or len(_GATES) >= _MAX_GATES:
+        return _build_gate(device, swiglu_oai)
+    stream = _BUILD_STREAMS.get(device.index)
+    if stream is None:
+        stream = _BUILD_STREAMS[device.index] = torch.cuda.Stream(device)
+    with torch.cuda.stream(stream):
+        got = _build_gate(device, swiglu_oai)
+    stream.synchronize()
+    _GATES[key] = got
+    return got
+
+
+def _build_gate(device, swiglu_oai) -> tuple[torch.Tensor, torch.Tensor]:
+    kernel = runtime().select("gate_table", device,
+                              activation="silu" if swiglu_oai is None else "swiglu_oai")
+    params = _placeholder(device)
+    if swiglu_oai is not None:
+        # Filled on the device (no host-to-device copy, so the build can be graph-captured).
+        params = torch.full((2,), swiglu_oai[0], dtype=torch.float32, device=device)
+        params[1:].fill_(swiglu_oai[1])
+    table = torch.empty(kernel.spec.sizes["floats"], dtype=torch.float32, device=device)
+    kernel.launch(params, table)
+    return params, table
+
+
 def _launch(out_format, x, row_offsets, interleaved, out, scales=None, *, input_scales=None,
-            activation_params=None, scale_stride=0, work_rows=None):
-    """Launch on arguments `_prepare` checked and the caller allocated."""
+            swiglu_oai=None, scale_stride=0, work_rows=None):
+    """Launch on arguments `_prepare` checked and the caller allocated; `swiglu_oai`: the
+    clamped activation's (limit, alpha), None for silu."""
     device = x.device
     m, i = x.shape[0], x.shape[1] // 2
     segments = row_offsets.numel() - 1
     fields = {"interleaved": bool(interleaved),
-              "activation": "silu" if activation_params is None else "swiglu_oai"}
+              "activation": "silu" if swiglu_oai is None else "swiglu_oai"}
     sms = sm_count(device)
     layout = "thread"
     if out_format != "bf16":
@@ -160,11 +212,14 @@ def _launch(out_format, x, row_offsets, interleaved, out, scales=None, *, input_
     kernel = runtime().select(_FAMILY[out_format], device, **fields)
     if segments > kernel.spec.sizes["max_segments"]:
         raise ValueError(f"at most {kernel.spec.sizes['max_segments']} segments, got {segments}")
-    placeholder = torch.empty(4, dtype=torch.float32, device=device)  # never read
+    placeholder = _placeholder(device)
+    params, table = placeholder, placeholder
+    if swiglu_oai is not None or layout == "table":
+        params, table = _gate_inputs(device, swiglu_oai)
     items = -(-((work_rows or m) * i) // kernel.spec.sizes["vector"])
     per_sm = 1 if layout == "table" else _GRID_PER_SM
     grid = max(1, min(-(-items // kernel.spec.block[0]), per_sm * sms))
     kernel.launch(x, row_offsets, placeholder if input_scales is None else input_scales,
-                  placeholder if activation_params is None else activation_params, out,
+                  params, table, out,
                   placeholder.view(torch.uint8) if scales is None else scales, segments, i,
                   scale_stride, grid)

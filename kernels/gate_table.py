@@ -2,7 +2,7 @@
 
 The gate part of the activation, `s(g) = g / (1 + exp(-g))` (silu) or
 `s(g) = g' * (1 / (1 + exp(-(a * g'))))` with `g' = min(g, L)` (swiglu_oai), depends on `g`
-alone, and `g` is a bf16 value. A CTA fills a table with `s` of every bf16 magnitude in
+alone, and `g` is a bf16 value. A table holds `s` of every bf16 magnitude in
 `[2^-25, 2^7)` of either sign, computed by the very expressions the formula path runs (`expf`,
 correctly rounded divisions), so a looked-up value is the computed one bit for bit; each element
 then costs a clamp, an address, one shared-memory load and one fma instead of an `expf` and a
@@ -23,6 +23,11 @@ and the entry at each bound stands for every gate clamped onto it:
   the sign of `g * 0`), hold `(NaN, 0)`: `s` comes out NaN and the caller computes those elements
   by the formula (its limit and alpha are runtime values, so no class holds for every input).
 
+The table is built once per device and activation (limit, alpha) by the `gate_table` kernel
+into global memory (`cute_ep.silu` keeps it), and a table kernel copies it into shared memory
+with one bulk copy at its start (`init_gate_load`, `start_gate_load`): 64 KB from L2 in place
+of 8196 `expf`s and divisions per CTA, about 1.5 us of a whole SM's issue slots.
+
 `tests/gpu/test_gate_table.py` checks every one of the 65536 bf16 gates against the formula.
 Layout: entry `2 j + sign` for `j = bits(|g|) >> 16 - (LOW_T16)`, 8 bytes each, 16-byte aligned.
 """
@@ -33,7 +38,11 @@ from cutlass import Float32, Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from kernels.bulk_copy import bulk_load
 from kernels.nvfp4 import bits_f32
+from layouts.abi import GridRule, KernelSpec, Param
+
+FAMILY = "gate_table"
 
 LOW_T16 = 0x32FF  # bf16 bits of LOW = the largest bf16 below 2^-25
 HIGH_T16 = 0x4300  # bf16 bits of HIGH = 2^7
@@ -91,30 +100,97 @@ def oai_gate(g: Float32, limit: Float32, alpha: Float32) -> Float32:
 
 
 @cute.jit
-def fill_gate_table(table: cute.Tensor, activation: cutlass.Constexpr, limit: Float32,
-                    alpha: Float32, tidx, threads: cutlass.Constexpr):
-    """The whole CTA fills `table` (Float32, 2 * ENTRIES, shared memory); ends with a
-    barrier."""
-    for e in cutlass.range(tidx, ENTRIES, threads):
-        j = e >> 1
-        g = bits_f32(((j + LOW_T16) << 16) | ((e & 1) << 31))
-        m = Float32(0.0)
-        t = Float32(0.0)
-        if cutlass.const_expr(activation == "silu"):
-            t = silu_gate(g)
-            if j == 0:
-                m = Float32(0.5)
-                t = Float32(-0.0)
-            elif j == PER_SIGN - 1:
-                m = Float32(1.0)
-                if e & 1:
-                    m = Float32(0.0)
-                t = Float32(-0.0)
-        else:
-            t = oai_gate(g, limit, alpha)
-            if j == 0 or j == PER_SIGN - 1 or t == Float32(0.0):
-                m = Float32(FALLBACK_M)
-                t = Float32(0.0)
-        table[2 * e] = m
-        table[2 * e + 1] = t
-    cute.arch.sync_threads()
+def activation_constants(activation: cutlass.Constexpr, activation_params: cute.Pointer):
+    """(limit, alpha): swiglu_oai's, read from the 2 floats at `activation_params`; zeros for
+    silu (nothing read)."""
+    limit = Float32(0.0)
+    alpha = Float32(0.0)
+    if cutlass.const_expr(activation == "swiglu_oai"):
+        act = cute.make_tensor(activation_params, cute.make_layout(2))
+        limit = act[0]
+        alpha = act[1]
+    return limit, alpha
+
+
+@cute.jit
+def gate_entry(e, activation: cutlass.Constexpr, limit: Float32, alpha: Float32):
+    """(M, T) of table entry e."""
+    j = e >> 1
+    g = bits_f32(((j + LOW_T16) << 16) | ((e & 1) << 31))
+    m = Float32(0.0)
+    t = Float32(0.0)
+    if cutlass.const_expr(activation == "silu"):
+        t = silu_gate(g)
+        if j == 0:
+            m = Float32(0.5)
+            t = Float32(-0.0)
+        elif j == PER_SIGN - 1:
+            m = Float32(1.0)
+            if e & 1:
+                m = Float32(0.0)
+            t = Float32(-0.0)
+    else:
+        t = oai_gate(g, limit, alpha)
+        if j == 0 or j == PER_SIGN - 1 or t == Float32(0.0):
+            m = Float32(FALLBACK_M)
+            t = Float32(0.0)
+    return m, t
+
+
+@cute.jit
+def init_gate_load(bar: cute.Pointer, leader):
+    """`leader` initialises the one-arrival mbarrier `bar` on which `start_gate_load` completes
+    and fences it for the async proxy. Other threads may wait on `bar` once a CTA barrier has
+    followed this."""
+    if leader:
+        cute.arch.mbarrier_init(bar, 1)
+        cute.arch.mbarrier_init_fence()
+
+
+@cute.jit
+def start_gate_load(table: cute.Tensor, src: cute.Pointer, bar: cute.Pointer, leader):
+    """`leader` (the thread that initialised `bar`, or any once a barrier has followed that)
+    bulk-copies the global table at `src` into `table` (shared memory, `TABLE_BYTES`), its
+    completion on `bar` (phase 0)."""
+    if leader:
+        cute.arch.mbarrier_arrive_and_expect_tx(bar, TABLE_BYTES)
+        bulk_load(table.iterator, src.toint(), TABLE_BYTES, bar)
+
+
+class GateTable:
+    """`gate_table`: the table of one activation into global memory (`activation_params`: the
+    swiglu_oai (limit, alpha), unread for silu; `table`: `sizes["floats"]` fp32), a thread per
+    entry."""
+
+    def __init__(self, activation: str, threads: int = 256):
+        if activation not in ("silu", "swiglu_oai"):
+            raise ValueError(f"activation silu|swiglu_oai, got {activation!r}")
+        self.activation = activation
+        self.threads = threads
+
+    def spec(self) -> KernelSpec:
+        return KernelSpec(
+            family=FAMILY, config={"activation": self.activation, "threads": self.threads},
+            params=(Param("activation_params", "ptr", "float32", align=4),
+                    Param("table", "ptr", "float32", align=16, writes=True)),
+            block=(self.threads, 1, 1),
+            grid=(GridRule(constant=-(-ENTRIES // self.threads)), GridRule(constant=1),
+                  GridRule(constant=1)),
+            sizes={"floats": 2 * ENTRIES})
+
+    @cute.jit
+    def __call__(self, activation_params: cute.Pointer, table: cute.Pointer, stream):
+        self.kernel(activation_params, table).launch(
+            grid=(-(-ENTRIES // self.threads), 1, 1), block=(self.threads, 1, 1), stream=stream)
+
+    @cute.kernel
+    def kernel(self, activation_params: cute.Pointer, table: cute.Pointer):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        limit, alpha = activation_constants(self.activation, activation_params)
+        e = bidx * self.threads + tidx
+        if e < ENTRIES:
+            m, t = gate_entry(e, self.activation, limit, alpha)
+            out = cute.make_tensor(table, cute.make_layout(2 * ENTRIES))
+            out[2 * e] = m
+            out[2 * e + 1] = t

@@ -11,6 +11,7 @@ from kernels.bulk_copy import BulkSend
 from kernels.dispatch import dispatch_kernels
 from kernels.combine import combine_kernels
 from kernels.encode import encode_kernels
+from kernels.gate_table import GateTable
 from kernels.nvfp4 import QuantizeNvfp4
 from kernels.peer_exchange import PeerExchange
 from kernels.row_expand import row_expand_kernels
@@ -32,6 +33,7 @@ def full_matrix() -> list:
         *combine_kernels(),
         *(QuantizeNvfp4(scales, e2m1) for scales in ("linear", "128x4")
           for e2m1 in ("software", "hardware")),
+        *(GateTable(activation) for activation in ("silu", "swiglu_oai")),
         *silu_kernels(),
     ]
 

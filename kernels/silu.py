@@ -27,7 +27,8 @@ Outputs (one kernel family each, config `interleaved`, plus the e2m1 encoder for
   table with).
 
 Quantized outputs and fp32 come with `table`: the gate's activation from a shared-memory table
-of every bf16 gate the CTA fills once (`kernels.gate_table`), one CTA of `TABLE_THREADS` per SM.
+of every bf16 gate (`kernels.gate_table`), built once per device by the `gate_table` kernel and
+bulk-copied in by each CTA (`gate_table`, unread otherwise), one CTA of `TABLE_THREADS` per SM.
 
 For the FP4 outputs each segment starts on a fresh 128-row scale block. The thread and warp
 layouts walk *scale rows* x padded scale columns, writing zero scale bytes for padding in the
@@ -41,8 +42,8 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Boolean, Float8E4M3FN, Float32, Int32, Int64
 
 from kernels.fp8 import scale_fp8_block
-from kernels.gate_table import (ENTRIES, TABLE_BYTES, fill_gate_table, lookup_gate, oai_gate,
-                                silu_gate, table_base)
+from kernels.gate_table import (ENTRIES, TABLE_BYTES, activation_constants, init_gate_load,
+                                lookup_gate, oai_gate, silu_gate, start_gate_load, table_base)
 from kernels.bulk_copy import bulk_load, init_stage_barriers
 from kernels.nvfp4 import (SCALE_TABLE_BYTES, bits_f32, e2m1_words, e4m3_byte_to_f32,
                            f32_bits, fill_scale_table, high_bf16, load_segment_blocks, low_bf16,
@@ -67,7 +68,7 @@ SMEM_ENTRIES = 544  # a probe at pos + 256 stays inside
 # one row (16 outputs a lane: 32 gate and 32 up bytes), each warp a ring of STREAM_STAGES.
 STREAM_STAGES = 2
 STREAM_CHUNK_WORDS = WARP * 16  # bf16 pairs: gate then up halves, or the interleaved pairs
-TABLE_THREADS = 1024  # the gate-table kernels' CTA: one per SM fills the table once
+TABLE_THREADS = 1024  # the gate-table kernels' CTA: one per SM loads the table once
 
 
 def _ptr(dtype, addr, align):
@@ -114,7 +115,7 @@ class FusedSilu:
         """`rows_per_warp` (FP4 only): a warp per scale row, a lane per NVFP4 block and a lane
         pair per MXFP4 block (`ROW_VECTOR`), for inputs of at least as many scale rows as the
         grid has warps; otherwise a thread per scale block. `table` (quantized outputs): the
-        gate's activation from a shared-memory table each CTA fills once
+        gate's activation from a shared-memory table each CTA copies in once
         (`kernels.gate_table`), for inputs large enough to repay it."""
         if out not in FAMILIES:
             raise ValueError(f"out must be one of {sorted(FAMILIES)}, got {out!r}")
@@ -161,6 +162,7 @@ class FusedSilu:
             Param("row_offsets", "ptr", "int32", align=4, min_elements=("num_segments", 1)),
             Param("input_scales", "ptr", "float32", align=4),
             Param("activation_params", "ptr", "float32", align=4),
+            Param("gate_table", "ptr", "float32", align=16),
             Param("out", "ptr", "uint8", align=16, writes=True),
             Param("scales", "ptr", "uint8", align=4, writes=True),
             Param("num_segments", "i32"),
@@ -182,46 +184,49 @@ class FusedSilu:
             warps = self.threads // WARP
             ring = warps * STREAM_STAGES * STREAM_CHUNK_WORDS * 4 + 8 * warps * STREAM_STAGES
             return (ring + TABLE_BYTES + (SCALE_TABLE_BYTES if self.out == "nvfp4" else 0)
-                    + 3 * SMEM_ENTRIES * 4 + 512)
+                    + 3 * SMEM_ENTRIES * 4 + 528)
         size = 2 * SMEM_ENTRIES * 4 + 64 if self.fp4 else 0
         if self.table:
-            size += TABLE_BYTES + (SCALE_TABLE_BYTES if self.out == "nvfp4" else 0) + 16
+            size += TABLE_BYTES + (SCALE_TABLE_BYTES if self.out == "nvfp4" else 0) + 32
         return size
 
     @cute.jit
     def __call__(self, x: cute.Pointer, row_offsets: cute.Pointer, input_scales: cute.Pointer,
-                 activation_params: cute.Pointer, out: cute.Pointer, scales: cute.Pointer,
-                 num_segments: Int32, intermediate: Int32, scale_stride: Int32, grid_ctas: Int32,
-                 stream):
-        self.kernel(x, row_offsets, input_scales, activation_params, out, scales, num_segments,
-                    intermediate, scale_stride, grid_ctas).launch(
+                 activation_params: cute.Pointer, gate_table: cute.Pointer, out: cute.Pointer,
+                 scales: cute.Pointer, num_segments: Int32, intermediate: Int32,
+                 scale_stride: Int32, grid_ctas: Int32, stream):
+        self.kernel(x, row_offsets, input_scales, activation_params, gate_table, out, scales,
+                    num_segments, intermediate, scale_stride, grid_ctas).launch(
             grid=(grid_ctas, 1, 1), block=(self.threads, 1, 1), smem=self.smem_bytes,
             stream=stream)
 
     @cute.kernel
     def kernel(self, x: cute.Pointer, row_offsets: cute.Pointer, input_scales: cute.Pointer,
-               activation_params: cute.Pointer, out: cute.Pointer, scales: cute.Pointer,
-               num_segments: Int32, intermediate: Int32, scale_stride: Int32, grid_ctas: Int32):
+               activation_params: cute.Pointer, gate_table: cute.Pointer, out: cute.Pointer,
+               scales: cute.Pointer, num_segments: Int32, intermediate: Int32,
+               scale_stride: Int32, grid_ctas: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
-        limit = Float32(0.0)
-        alpha = Float32(0.0)
-        if cutlass.const_expr(self.activation == "swiglu_oai"):
-            act = cute.make_tensor(activation_params, cute.make_layout(2))
-            limit = act[0]
-            alpha = act[1]
+        limit, alpha = activation_constants(self.activation, activation_params)
         vecs = intermediate // self.vector
         stride = grid_ctas * self.threads
         smem = cutlass.memory.SmemAllocator()
         gates = Int32(0)
         recips = None
         if cutlass.const_expr(self.fp4 and self.table):
-            self._fp4_stream(smem, x, row_offsets, input_scales, out, scales, num_segments,
-                             intermediate, limit, alpha, tidx, bidx, grid_ctas)
+            self._fp4_stream(smem, x, row_offsets, input_scales, gate_table, out, scales,
+                             num_segments, intermediate, limit, alpha, tidx, bidx, grid_ctas)
         elif cutlass.const_expr(self.table):  # FP8
             table = smem.allocate_tensor(Float32, cute.make_layout(2 * ENTRIES),
                                          byte_alignment=16)
-            fill_gate_table(table, self.activation, limit, alpha, tidx, self.threads)
+            loaded = smem.allocate_array(Int64, 1)
+            init_gate_load(loaded, tidx == 0)
+            # Every thread past the initialisation before the copy's arrival: the compiler
+            # issues the leader's operations as warp-wide uniform ones, which the race checker
+            # would otherwise pair across the warp.
+            cute.arch.sync_threads()
+            start_gate_load(table, gate_table, loaded, tidx == 0)
+            cute.arch.mbarrier_wait(loaded, 0)
             gates = table_base(table)
         if cutlass.const_expr(not self.fp4):
             rows = cute.make_tensor(row_offsets, cute.make_layout(num_segments + 1))[num_segments]
@@ -243,16 +248,17 @@ class FusedSilu:
                       intermediate, limit, alpha, tidx, bidx, stride, gates, recips)
 
     @cute.jit
-    def _fp4_stream(self, smem, x, row_offsets, input_scales, out, scales, num_segments,
-                    intermediate, limit, alpha, tidx, bidx, grid_ctas):
+    def _fp4_stream(self, smem, x, row_offsets, input_scales, gate_table, out, scales,
+                    num_segments, intermediate, limit, alpha, tidx, bidx, grid_ctas):
         """The FP4 table kernels: the live rows cut into chunks of 32 lane vectors (the last
         of a row shorter), each warp an equal run of consecutive chunks (balanced to a chunk,
         whatever the rows per segment), streamed through a ring of shared-memory stages per
         warp that its lane 0 fills with bulk copies, `stages - 1` chunks ahead of the one its
         lanes compute (a stage is refilled once every lane has used its words); the first loads
         are issued before the tables are built (every small read first, in one round trip), so
-        their latency hides under that work. Padding scale rows and columns are zeroed by a pass
-        of their own (`zero_scale_padding`)."""
+        their latency hides under that work; the gate table's bulk copy goes first of all.
+        Padding scale rows and columns are zeroed by a pass of their own
+        (`zero_scale_padding`)."""
         warp = tidx // WARP
         lane = tidx % WARP
         per_cta = self.threads // WARP
@@ -264,6 +270,7 @@ class FusedSilu:
                                     byte_alignment=128)
         full = smem.allocate_array(Int64, stages * per_cta)
         table = smem.allocate_tensor(Float32, cute.make_layout(2 * ENTRIES), byte_alignment=16)
+        loaded = smem.allocate_array(Int64, 1)
         recips = (smem.allocate_tensor(Float32, scale_table_layout(), byte_alignment=16)
                   if self.out == "nvfp4" else None)
         s_off = smem.allocate_tensor(Int32, cute.make_layout(SMEM_ENTRIES), byte_alignment=16)
@@ -271,6 +278,10 @@ class FusedSilu:
         s_gs = smem.allocate_tensor(Float32, cute.make_layout(SMEM_ENTRIES), byte_alignment=16)
         mine = full + warp * stages
 
+        # The leader starts the table's copy right after initialising its barrier (program
+        # order); the other threads wait only after load_segment_blocks' barriers.
+        init_gate_load(loaded, tidx == 0)
+        start_gate_load(table, gate_table, loaded, tidx == 0)
         offset, gs_mine, total_rows = read_segment_inputs(
             row_offsets, input_scales if self.out == "nvfp4" else None, num_segments, tidx)
         vecs = intermediate // self.vector  # lane vectors a row
@@ -294,7 +305,6 @@ class FusedSilu:
 
         if cutlass.const_expr(self.out == "nvfp4"):
             fill_scale_table(recips, tidx, self.threads)
-        fill_gate_table(table, self.activation, limit, alpha, tidx, self.threads)
         gates = table_base(table)
         if tidx < num_segments:
             s_gs[tidx] = gs_mine
@@ -304,6 +314,7 @@ class FusedSilu:
         cols = (blocks + 3) // 4 * 4
         rk = cols // 4
         zero_scale_padding(scales, s_off, s_start, num_segments, blocks, me, warps, lane)
+        cute.arch.mbarrier_wait(loaded, 0)
 
         seg = segment_of(s_off, num_segments, row)
         gs = Float32(1.0)

@@ -2,6 +2,8 @@
 gates, bit for bit: the fp32 activation kernel (`fused_silu_fp32`) in its table layout beside
 the plain-torch reference of `cute_ep.reference.silu` on the same GPU, and beside the kernel's
 own formula layout. Ups are 1 (so `z` is the gate's activation itself) and a spread of values.
+Also how the tables are kept: built once per device and activation, readable from any stream,
+built inside a CUDA graph that misses them.
 """
 
 import pytest
@@ -33,10 +35,8 @@ def _activation(x, layout, monkeypatch, limit=None, alpha=1.702):
     monkeypatch.setattr(cute_ep.silu, "_layout", lambda rows, sms: layout)
     row_offsets, _ = _prepare("fp32", x, None)
     out = torch.empty(x.shape[0], I, dtype=torch.float32, device="cuda")
-    params = None
-    if limit is not None:
-        params = torch.tensor([limit, alpha], dtype=torch.float32, device="cuda")
-    _launch("fp32", x, row_offsets, False, out.view(torch.uint8), activation_params=params)
+    oai = None if limit is None else (limit, alpha)
+    _launch("fp32", x, row_offsets, False, out.view(torch.uint8), swiglu_oai=oai)
     return out
 
 
@@ -71,3 +71,61 @@ def test_swiglu_oai_of_every_bf16_gate(layout, limit, alpha, monkeypatch):
     x = _every_gate(UPS)
     got = _activation(x, layout, monkeypatch, limit, alpha)
     _same_bits(got, ref.swiglu_oai(x, False, limit, alpha))
+
+
+def test_tables_are_built_once_and_read_from_any_stream(monkeypatch):
+    """A second call finds the same tensors (no rebuild); a call on another stream, right after
+    the first build of a new activation, is exact."""
+    import cute_ep.silu
+    from cute_ep.silu import _gate_inputs, fused_silu_mxfp4
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    first = _gate_inputs(device, (5.5, 1.25))
+    again = _gate_inputs(device, (5.5, 1.25))
+    assert first[0] is again[0] and first[1] is again[1]
+    assert torch.equal(first[0].cpu(), torch.tensor([5.5, 1.25]))
+    assert _gate_inputs(device, (5.5, 1.5))[1] is not first[1]
+
+    monkeypatch.setattr(cute_ep.silu, "_layout", lambda rows, sms: "table")
+    x = _every_gate(UPS[:2])
+    offsets = torch.tensor([0, x.shape[0]], dtype=torch.int32, device="cuda")
+    want = fused_silu_mxfp4(x, offsets, swiglu_limit=6.5, swiglu_alpha=1.125)
+    side = torch.cuda.Stream()
+    cute_ep.silu._GATES.pop((device.index, (3.25, 0.75)), None)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        got = fused_silu_mxfp4(x, offsets, swiglu_limit=3.25, swiglu_alpha=0.75)
+        same = fused_silu_mxfp4(x, offsets, swiglu_limit=6.5, swiglu_alpha=1.125)
+    torch.cuda.current_stream().wait_stream(side)
+    codes, scales = ref.fused_silu_mxfp4(x, [0, x.shape[0]], x.shape[0] + 128, False, 3.25, 0.75)
+    used = 128 * (I // 32)  # one 128-row block of e8m0 scales holds the 32 rows
+    assert torch.equal(got[0], codes) and torch.equal(got[1][:used], scales[:used])
+    assert torch.equal(same[0], want[0]) and torch.equal(same[1], want[1])
+
+
+def test_a_graph_that_misses_the_table_builds_its_own(monkeypatch):
+    """Captured with an activation no call has used yet: the graph builds the table itself (the
+    cache keeps nothing made inside the capture) and its replays are exact."""
+    import cute_ep.silu
+    from cute_ep.silu import fused_silu_mxfp4
+
+    monkeypatch.setattr(cute_ep.silu, "_layout", lambda rows, sms: "table")
+    x = _every_gate(UPS[:2])
+    offsets = torch.tensor([0, x.shape[0]], dtype=torch.int32, device="cuda")
+    key = (x.device.index, (2.75, 3.5))
+    cute_ep.silu._GATES.pop(key, None)
+    fused_silu_mxfp4(x, offsets, swiglu_limit=1.0)  # modules loaded outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        codes, scales = fused_silu_mxfp4(x, offsets, swiglu_limit=2.75, swiglu_alpha=3.5)
+    assert key not in cute_ep.silu._GATES
+    want_codes, want_scales = ref.fused_silu_mxfp4(x, [0, x.shape[0]], x.shape[0] + 128, False,
+                                                   2.75, 3.5)
+    used = 128 * (I // 32)  # one 128-row block of e8m0 scales holds the 32 rows
+    for _ in range(2):
+        codes.zero_()
+        scales.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(codes, want_codes)
+        assert torch.equal(scales[:used], want_scales[:used])
