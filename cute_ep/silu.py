@@ -139,6 +139,14 @@ def _layout(rows: int, sms: int) -> str:
     return "table" if rows >= sms * _TABLE_THREADS // 32 else "thread"
 
 
+_PLACEHOLDERS: dict = {}
+# (device index, swiglu_oai's (limit, alpha) or None for silu) -> (activation_params,
+# gate_table): built once and kept; past _MAX_GATES distinct ones, each call builds its own.
+_GATES: dict = {}
+_MAX_GATES = 64
+_BUILD_STREAMS: dict = {}
+
+
 def _placeholder(device: torch.device) -> torch.Tensor:
     """A tensor for the pointer parameters a kernel configuration never reads."""
     got = _PLACEHOLDERS.get(device.index)
@@ -147,14 +155,6 @@ def _placeholder(device: torch.device) -> torch.Tensor:
         if not torch.cuda.is_current_stream_capturing():  # kept only outside a graph's pool
             _PLACEHOLDERS[device.index] = got
     return got
-
-
-_PLACEHOLDERS: dict = {}
-# (device index, swiglu_oai's (limit, alpha) or None for silu) -> (activation_params,
-# gate_table): built once and kept; past _MAX_GATES distinct ones, each call builds its own.
-_GATES: dict = {}
-_MAX_GATES = 64
-_BUILD_STREAMS: dict = {}
 
 
 def _gate_inputs(device: torch.device, swiglu_oai) -> tuple[torch.Tensor, torch.Tensor]:

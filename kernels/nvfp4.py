@@ -479,6 +479,16 @@ def segment_of(s_start: cute.Tensor, num_segments, position) -> Int32:
 
 
 @cute.jit
+def next_row_segment(s_off: cute.Tensor, s_first: cute.Tensor, s_gs: cute.Tensor, seg, row):
+    """A stream's move to `row` (at or past segment `seg`'s first row; `load_segment_blocks`'
+    tables and each segment's global scale `s_gs`): (its segment, that segment's global scale,
+    its scale row in the 128x4 layout)."""
+    while row >= s_off[seg + 1]:
+        seg += 1
+    return seg, s_gs[seg], s_first[seg] * ATOM_ROWS + row - s_off[seg]
+
+
+@cute.jit
 def zero_scale_padding(scales: cute.Pointer, s_off: cute.Tensor, s_first: cute.Tensor,
                        num_segments, blocks, me, warps, lane):
     """Zero the 128x4 scale bytes no block writes, `blocks` scales a row: whole rows past each
@@ -619,12 +629,10 @@ class QuantizeNvfp4:
         for i in cutlass.range(n):
             s = i % stages
             if row != row_of_scale:
-                while row >= s_off[seg + 1]:
-                    seg += 1
-                gs = s_gs[seg]
+                seg, gs, unit = next_row_segment(s_off, s_first, s_gs, seg, row)
                 scale_row = Int64(row) * Int64(blocks)
                 if cutlass.const_expr(self.scales == "128x4"):
-                    scale_row = scale_offset(s_first[seg] * ATOM_ROWS + row - s_off[seg], 0, rk)
+                    scale_row = scale_offset(unit, 0, rk)
                 row_of_scale = row
             cute.arch.mbarrier_wait(mine + s, (i // stages) % 2)
             self._quantize_chunk(ring, s, warp, lane, codes.toint() + block * 8,

@@ -47,7 +47,7 @@ from kernels.gate_table import (ENTRIES, TABLE_BYTES, activation_constants, init
 from kernels.bulk_copy import bulk_load, init_stage_barriers
 from kernels.nvfp4 import (SCALE_TABLE_BYTES, bits_f32, e2m1_words, e4m3_byte_to_f32,
                            f32_bits, fill_scale_table, high_bf16, load_segment_blocks, low_bf16,
-                           nvfp4_scale_byte, read_segment_inputs, rotate_left64,
+                           next_row_segment, nvfp4_scale_byte, read_segment_inputs, rotate_left64,
                            scale_table_layout, segment_of, warp_run, zero_scale_padding)
 from kernels.memory import scale_offset, store_u8
 from kernels.scan import WARP
@@ -255,8 +255,9 @@ class FusedSilu:
         whatever the rows per segment), streamed through a ring of shared-memory stages per
         warp that its lane 0 fills with bulk copies, `stages - 1` chunks ahead of the one its
         lanes compute (a stage is refilled once every lane has used its words); the first loads
-        are issued before the tables are built (every small read first, in one round trip), so
-        their latency hides under that work; the gate table's bulk copy goes first of all.
+        are issued before the scale and segment tables are built (every small read first, in
+        one round trip), so their latency hides under that work; the gate table's bulk copy
+        goes first of all.
         Padding scale rows and columns are zeroed by a pass of their own
         (`zero_scale_padding`)."""
         warp = tidx // WARP
@@ -324,10 +325,7 @@ class FusedSilu:
         for i in cutlass.range(n):
             s = i % stages
             if row != row_of_unit:
-                while row >= s_off[seg + 1]:
-                    seg += 1
-                gs = s_gs[seg]
-                unit = s_start[seg] * ATOM_ROWS + row - s_off[seg]
+                seg, gs, unit = next_row_segment(s_off, s_start, s_gs, seg, row)
                 row_of_unit = row
             cute.arch.mbarrier_wait(mine + s, (i // stages) % 2)
             rotation = self._stream_words(ring, s, warp, lane, words)
@@ -544,8 +542,7 @@ class FusedSilu:
                     gates, words=None, formula: cutlass.Constexpr = False):
         """z[i] = activation of output element v * VECTOR + i of `row`; `gates`: the gate
         table's lookup base (`table` kernels, unless `formula`); `words`: those inputs already
-        loaded
-        (`_load_inputs`)."""
+        loaded (`_load_inputs`)."""
         n = self.vector
         width = Int64(2 * intermediate)
         g = cute.make_rmem_tensor(cute.make_layout(n), Float32)
@@ -627,7 +624,8 @@ class FusedSilu:
     def _row_vector(self, x, out, scales, row, v, intermediate, scale_stride, limit, alpha, gs,
                     valid, gates, recips, words=None, rotation=None):
         """Activate and store output vector v of `row`; FP4: return its scale byte. `recips`:
-        NVFP4's (scale, 1 / scale) per e4m3 code (`table` kernels). `rotation` (FP4, 16
+        NVFP4's scale table (`fill_scale_table`: r_hi, r_lo, sf per e4m3 code; `table`
+        kernels). `rotation` (FP4, 16
         elements): `words` hold the elements rotated by `rotation / 4` places (`_stream_words`),
         so the 64 code bits are rotated left by `rotation` bits before they are stored."""
         n = self.vector
