@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from cute_ep.quant import (E2M1_OF_ARCH, check_scale_rows, fp4_scale_bytes, fp4_scale_rows,
-                           per_segment_scales, segment_offsets, sm_count)
+from cute_ep.quant import (E2M1_OF_ARCH, check_scale_rows, check_work_items, fp4_scale_bytes,
+                           fp4_scale_rows, per_segment_scales, segment_offsets, sm_count)
 from cute_ep.runtime.launch import check_tensor, device_arch, runtime
 
 __all__ = ["fused_silu", "fused_silu_fp8", "fused_silu_nvfp4", "fused_silu_mxfp4"]
@@ -125,6 +125,7 @@ def _prepare(out_format, x, row_offsets) -> tuple[torch.Tensor, int]:
     if x.dim() != 2 or x.shape[1] % (2 * vector):
         raise ValueError(f"x must be bf16 [M, 2I] with I a multiple of {vector} for "
                          f"{_FAMILY[out_format]}, got {tuple(x.shape)}")
+    check_work_items(x.shape[0], x.shape[1] // (2 * vector), _FAMILY[out_format])
     return segment_offsets(row_offsets, x.shape[0], x.device)
 
 

@@ -31,7 +31,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from kernels.bulk_copy import bulk_load, init_stage_barriers
 from kernels.division import (FAST_LIMIT, divide_split, reciprocal_low,
                               split_reciprocal, with_sign_of)
-from kernels.memory import scale_offset, store_u8
+from kernels.memory import scale_offset, store_i32, store_u8
 from kernels.scan import WARP, warp_exclusive_scan
 from layouts.abi import GridRule, KernelSpec, Param
 
@@ -143,6 +143,18 @@ def warp_run(me, warps, count):
     (shares differ by at most one)."""
     begin = Int32(Int64(me) * Int64(count) // Int64(warps))
     return begin, Int32(Int64(me + 1) * Int64(count) // Int64(warps)) - begin
+
+
+@cute.jit
+def warp_run_32(me, warps, count):
+    """`warp_run` in 32 bits (a 64-bit division is a long subroutine), as
+    `w share + floor(w extra / warps)` with count = share warps + extra: the callers keep
+    `count` below 2^31 (checked on the host), and `warps` below 46341 (at most 64 warps per SM
+    on a GPU of fewer than 724 SMs) keeps `w extra` below 2^31."""
+    share = count // warps
+    extra = count - share * warps
+    begin = me * share + me * extra // warps
+    return begin, share + (me + 1) * extra // warps - me * extra // warps
 
 
 @cute.jit
@@ -506,6 +518,37 @@ def zero_scale_padding(scales: cute.Pointer, s_off: cute.Tensor, s_first: cute.T
             store_u8(scales.toint() + scale_offset(srow, kb, scale_cols // 4), Int32(0))
 
 
+@cute.jit
+def padding_segment(s_off: cute.Tensor, s_first: cute.Tensor, num_segments, j) -> Int32:
+    """The segment of padding row `j` when every segment's padding rows are counted in order:
+    the last g < num_segments with `P[g] <= j`, P[g] = 128 s_first[g] - s_off[g] the padding rows
+    before segment g (non-decreasing; by binary search, as `segment_of`)."""
+    seg = Int32(0)
+    for step in cutlass.range_constexpr(len(SEARCH_STEPS)):
+        probe = seg + SEARCH_STEPS[step]
+        if probe < num_segments:
+            if s_first[probe] * ATOM_ROWS - s_off[probe] <= j:
+                seg = probe
+    return seg
+
+
+@cute.jit
+def zero_padding_rows(scales: cute.Pointer, s_off: cute.Tensor, s_first: cute.Tensor,
+                      num_segments, blocks, me, warps, lane):
+    """`zero_scale_padding` when `blocks` is a multiple of 4 (no padding columns): only the
+    padding rows are visited. Segment g's padding rows are the rows `P[g] <= j < P[g + 1]` of
+    all segments' padding counted in order (`padding_segment`), and row j is scale row
+    `s_off[g + 1] + j` (segment g's padding starts at `128 s_first[g] + n_g`, and
+    P[g] = 128 s_first[g] - s_off[g]); warp `me` of `warps` takes every `warps`-th, a 4-column
+    word a lane."""
+    rk = blocks // 4
+    pads = s_first[num_segments] * ATOM_ROWS - s_off[num_segments]
+    for j in cutlass.range(me, pads, warps):
+        srow = s_off[padding_segment(s_off, s_first, num_segments, j) + 1] + j
+        for word in cutlass.range(lane, rk, WARP):
+            store_i32(scales.toint() + scale_offset(srow, word * 4, rk), Int32(0))
+
+
 class QuantizeNvfp4:
     """Each row is cut into chunks of `32 * steps` blocks (the last one shorter), and each warp
     takes an equal run of consecutive chunks. A warp owns a ring of `stages` shared-memory
@@ -597,7 +640,7 @@ class QuantizeNvfp4:
         pieces = (blocks + self.chunk - 1) // self.chunk  # chunks per row
         me = bidx * self.warps + warp
         warps = grid_ctas * self.warps
-        begin, n = warp_run(me, warps, total_rows * pieces)
+        begin, n = warp_run_32(me, warps, total_rows * pieces)
         # The chunk to quantize next (row, first column kb, first block of the stream) and the
         # one to load next (column, global address): each advances by the chunk just done.
         row = begin // pieces
@@ -619,7 +662,10 @@ class QuantizeNvfp4:
                             offset)
 
         if cutlass.const_expr(self.scales == "128x4"):
-            zero_scale_padding(scales, s_off, s_first, num_segments, blocks, me, warps, lane)
+            if blocks % 4 == 0:
+                zero_padding_rows(scales, s_off, s_first, num_segments, blocks, me, warps, lane)
+            else:
+                zero_scale_padding(scales, s_off, s_first, num_segments, blocks, me, warps, lane)
         # Per row: its segment's global scale and the row's bytes in the scale layout.
         seg = segment_of(s_off, num_segments, row)
         scale_row = Int64(0)

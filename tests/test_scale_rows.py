@@ -49,3 +49,36 @@ def test_one_segment_of_every_row():
     check_scale_rows(256, 256, offsets)
     with pytest.raises(ValueError, match="below the 256"):
         check_scale_rows(255, 256, offsets)
+
+
+def test_inputs_of_2_to_the_31_work_items_are_refused():
+    from cute_ep.quant import check_work_items
+
+    check_work_items(2 ** 21, 2 ** 10 - 1, "quantize_nvfp4")
+    with pytest.raises(ValueError, match="quantize_nvfp4: 2097152 rows .* 2\\^31"):
+        check_work_items(2 ** 21, 2 ** 10, "quantize_nvfp4")
+
+
+def _padding_rows(offsets: list[int]) -> list[int]:
+    """The scale rows of the kernels' padding-row pass (`kernels.nvfp4.zero_scale_padding`):
+    padding row j of all segments, in order, is in segment g for P[g] <= j < P[g + 1],
+    P[g] = 128 first[g] - offsets[g], and sits at scale row offsets[g + 1] + j."""
+    from cute_ep.reference.fp4 import segment_scale_blocks
+
+    first = segment_scale_blocks(offsets)
+    pads = [128 * f - o for f, o in zip(first, offsets)]
+    rows = []
+    for j in range(pads[-1]):
+        g = max(g for g in range(len(offsets) - 1) if pads[g] <= j)
+        rows.append(offsets[g + 1] + j)
+    return rows
+
+
+@pytest.mark.parametrize("offsets", [OFFSETS, [0, 0, 0, 128, 128, 129, 400], [0, 256], [0]])
+def test_the_padding_row_pass_covers_exactly_the_rows_past_each_segment(offsets):
+    from cute_ep.reference.fp4 import segment_scale_blocks
+
+    first = segment_scale_blocks(offsets)
+    want = [128 * first[g] + r for g in range(len(offsets) - 1)
+            for r in range(offsets[g + 1] - offsets[g], 128 * (first[g + 1] - first[g]))]
+    assert _padding_rows(offsets) == want

@@ -8,6 +8,16 @@ from cute_ep.reference import fp4
 pytestmark = pytest.mark.gpu
 
 
+@pytest.fixture(params=[1, 2], ids=["steps1", "steps2"])
+def steps(request, monkeypatch):
+    """Both chunk sizes of the kernel whatever the input size (`cute_ep.quant._steps` picks one
+    by size in use)."""
+    import cute_ep.quant
+
+    monkeypatch.setattr(cute_ep.quant, "_steps", lambda *args: request.param)
+    return request.param
+
+
 def _rows(m, k, seed):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(m + 3, k, device="cuda", generator=gen)
@@ -25,9 +35,9 @@ def _offsets(m):
 
 
 @pytest.mark.parametrize("scales", ["linear", "128x4"])
-@pytest.mark.parametrize("k", [1536, 2048, 2880, 7168])
+@pytest.mark.parametrize("k", [1040, 1536, 2048, 2880, 7168])
 @pytest.mark.parametrize("m", [0, 1, 127, 128, 129, 4096])
-def test_quantize_nvfp4_matches_the_reference(m, k, scales):
+def test_quantize_nvfp4_matches_the_reference(m, k, scales, steps):
     from cute_ep.quant import quantize_nvfp4
 
     x = _rows(m, k, m * 31 + k)
@@ -48,8 +58,32 @@ def test_quantize_nvfp4_matches_the_reference(m, k, scales):
     assert torch.equal(codes[:m], want_codes)
 
 
+@pytest.mark.parametrize("k", [1040, 2048])  # 65 blocks (3 padding columns) and 128
+def test_scale_padding_is_written_and_nothing_past_the_used_blocks(k, steps):
+    """Into outputs pre-filled with a sentinel: the 128x4 padding (rows past each segment up to
+    its 128-row block, columns past K / 16) is written as zeros, and no byte past the used
+    blocks or past the valid rows' codes is touched."""
+    from cute_ep.quant import _quantizer, fp4_scale_bytes
+    from cute_ep.runtime.launch import runtime
+
+    m, sentinel = 300, 0xA5
+    x, offsets = _rows(m, k, 7), [0, 1, 1, 129, 200, 290]
+    rows = m + 5 * 128
+    gs = torch.tensor([1.0, 0.5, 3.0, 2.0 ** 10, 1e-3], device="cuda")
+    codes = torch.full((m, k // 2), sentinel, dtype=torch.uint8, device="cuda")
+    sc = torch.full((fp4_scale_bytes(rows, k, 16),), sentinel, dtype=torch.uint8, device="cuda")
+    kernel, grid = _quantizer(runtime(), torch.cuda.current_device(), "128x4", steps)
+    kernel.launch_checked_by_caller(x, torch.tensor(offsets, dtype=torch.int32, device="cuda"),
+                                    gs, codes, sc, 5, k, grid)
+    want_codes, want = fp4.quantize_nvfp4_segments(x, offsets, gs, rows)
+    used = fp4.segment_scale_blocks(offsets)[-1] * fp4.scale_block_bytes(k, 16)
+    assert torch.equal(sc[:used], want[:used])
+    assert (sc[used:] == sentinel).all()
+    assert torch.equal(codes[:290], want_codes[:290]) and (codes[290:] == sentinel).all()
+
+
 @pytest.mark.parametrize("scales", ["linear", "128x4"])
-def test_quantize_nvfp4_with_zero_and_negative_global_scales(scales):
+def test_quantize_nvfp4_with_zero_and_negative_global_scales(scales, steps):
     """Segments whose global scale is zero or negative get codes 0 and the reference's scale
     bytes (a negative scale's e4m3 code has its sign bit)."""
     from cute_ep.quant import quantize_nvfp4
@@ -117,7 +151,7 @@ def test_bad_arguments_are_refused():
                        torch.tensor([0, 4], dtype=torch.int32, device="cuda"))
 
 
-def test_every_bf16_value_up_to_6_encodes_as_the_reference():
+def test_every_bf16_value_up_to_6_encodes_as_the_reference(steps):
     """Exhaustive over bf16 magnitudes <= 6 (both signs, subnormals, zeros): each block holds
     6.0 first so its scale is exactly 1 and every code is e2m1 of the value itself."""
     from cute_ep.quant import quantize_nvfp4
@@ -134,7 +168,7 @@ def test_every_bf16_value_up_to_6_encodes_as_the_reference():
     assert torch.equal(codes, fp4.pack_nibbles(want))
 
 
-def test_blocks_on_either_side_of_the_fast_division_limit():
+def test_blocks_on_either_side_of_the_fast_division_limit(steps):
     """A block divides by its scale with one reciprocal and fmas while gs * amax <= 2^100, with `/`
     above it (and for an infinite gs * amax): rows straddling the limit, every e4m3 scale
     significand (amax's significand varies per block), both signs, and tiny elements beside

@@ -185,13 +185,16 @@ def test_fused_silu_mxfp4_swiglu_oai_special_values(interleaved, fp4_layout):
     assert torch.equal(scales[:used], want_scales[:used])
 
 
+@pytest.mark.parametrize("i", [256, 288])  # 288: NVFP4 and MXFP4 rows with padding columns
 @pytest.mark.parametrize("out_format", ["bf16", "fp8", "nvfp4", "mxfp4"])
-def test_rows_past_row_offsets_are_not_written(out_format, fp4_layout):
+def test_rows_past_row_offsets_are_not_written(out_format, i, fp4_layout):
     """Outputs pre-filled with a sentinel keep it past the valid rows (and FP4 scale padding
     past the used blocks); the rows in range are all written."""
     from cute_ep.silu import _launch, _prepare
 
-    m, i = 200, 256
+    if out_format == "fp8" and i % 128:
+        pytest.skip("FP8 needs I a multiple of 128")
+    m = 200
     x, offsets = _x(m, i, 9), [0, 70, 70, 150]
     width = {"bf16": 2 * i, "fp8": i, "nvfp4": i // 2, "mxfp4": i // 2}[out_format]
     out = torch.full((m, width), SENTINEL, dtype=torch.uint8, device="cuda")
