@@ -70,6 +70,8 @@ FORMATS = ("bf16", "fp8", "nvfp4")
 # The NVFP4 encoder's e2m1 conversion by architecture (the hardware one is sm_100a only).
 E2M1_OF_ARCH = {"sm_90a": "software", "sm_100a": "hardware"}
 PHASES = {1: "dispatch", 2: "combine"}
+# The handle's tensors the combine kernel reads, in COMBINE_VARYING's order.
+_COMBINE_READS = ("rows", "weights", "channels")
 # The kernel arguments that change from call to call, in the order the Buffer passes them (the
 # rest are fixed for a Buffer's life and written once: `Kernel.bind`).
 DISPATCH_VARYING = ("source", "source_stride", "load_bytes", "scale_source", "scale_stride",
@@ -143,6 +145,16 @@ class _Carved:
         if name in fields:
             return fields[name].data_ptr()
         return fields["_carve"].address(fields["_flat"].data_ptr(), name)
+
+    def _addresses(self, names: tuple[str, ...]) -> list[int]:
+        """`_address` of each of `names`, the allocation's address read once."""
+        fields = self.__dict__
+        carve = fields.get("_carve")
+        if carve is None:
+            return [fields[name].data_ptr() for name in names]
+        base, parts = fields["_flat"].data_ptr(), carve.parts
+        return [fields[name].data_ptr() if name in fields else base + parts[name][0]
+                for name in names]
 
     @classmethod
     def _of(cls, flat: torch.Tensor | None, carve: _Carve | None, **fields):
@@ -266,6 +278,8 @@ class Buffer:
         self.rank = rank
         self.cfg = cfg
         self.device = dev
+        self._device_index = dev.index  # what the input checks compare get_device() with
+        self._takes_global_scale = cfg.format == "nvfp4"  # from a bf16 input, then required
         self.timeout_s = float(timeout_s)
         self._timeout_ns = int(self.timeout_s * 1e9)
         device_sms = torch.cuda.get_device_properties(dev).multi_processor_count
@@ -316,9 +330,22 @@ class Buffer:
         self._routes = [*combine_routes(cfg), channel_messages(cfg, self._sms)]
         self._plan_outputs()
         self._active: dict[int | None, int] = {}  # active_channels by num_input_tokens
+        # Placeholders for the pointer arguments a call leaves unused, and their addresses.
         self._no_f32 = torch.zeros(4, dtype=torch.float32, device=dev)
         self._no_i32 = torch.zeros(4, dtype=torch.int32, device=dev)
         self._no_i64 = torch.zeros(4, dtype=torch.int64, device=dev)
+        self._no_f32_at = self._no_f32.data_ptr()
+        self._no_i32_at = self._no_i32.data_ptr()
+        self._no_i64_at = self._no_i64.data_ptr()
+        # Where the dispatch kernel reads a bf16 input that encode quantized into send_buf:
+        # (source, its row stride, the scales' source, their stride, bytes loaded a token).
+        if cfg.format == "fp8":  # the codes, then the scales from the message's own rows
+            send = self.send_buf.data_ptr()
+            self._encoded = (send, self.msg.size, send + self.scales_at, self.msg.size,
+                             cfg.hidden)
+        elif cfg.format == "nvfp4":  # the whole message
+            self._encoded = (self.send_buf.data_ptr(), self.msg.size, self._no_f32_at, 0,
+                             self.msg.staged_bytes)
         # Set by `trace_dispatch(True)`: each dispatch then records its channels' timeline.
         self.trace: torch.Tensor | None = None
         self.combine_trace: torch.Tensor | None = None  # the same for combine
@@ -395,7 +422,8 @@ class Buffer:
     def _checked_dispatch(self, x, topk_ids, topk_weights, skip_a2a, num_input_tokens,
                           global_scale, separate=False) -> DispatchOutput:
         num_tokens = self._check_dispatch_inputs(x, topk_ids, topk_weights)
-        self._check_global_scale(global_scale, type(x) is tuple)
+        if global_scale is not None or self._takes_global_scale:  # else nothing to check
+            self._check_global_scale(global_scale, type(x) is tuple)
         if num_input_tokens is not None and not 0 <= num_tokens <= int(num_input_tokens):
             raise ValueError(f"num_input_tokens={num_input_tokens} is below this rank's "
                              f"{num_tokens} tokens")
@@ -419,7 +447,7 @@ class Buffer:
         """Allocate the outputs and launch (inputs checked). The outputs' small tensors share
         one allocation unless `separate` (the custom operator's outputs may not alias)."""
         cfg = self.cfg
-        ids = topk_ids if topk_ids.dtype == torch.int32 and topk_ids.is_contiguous() \
+        ids = topk_ids if topk_ids.dtype is torch.int32 and topk_ids.is_contiguous() \
             else topk_ids.to(torch.int32).contiguous()
         weighted = topk_weights is not None
         if cfg.fused_shared_expert and not weighted:
@@ -429,11 +457,10 @@ class Buffer:
         active = self._active.get(num_input_tokens)
         if active is None:
             active = self._active[num_input_tokens] = self.active_channels(num_input_tokens)
-        weights = topk_weights if weighted else self._no_f32
 
         # The rows the senders read (bytes a token, loaded by 16-byte vectors), and the rows of
         # the scales where those come from rows of their own (scale_stride 0: none).
-        scale_source, scale_stride = self._no_f32.data_ptr(), 0
+        scale_source, scale_stride = self._no_f32_at, 0
         if cfg.format == "bf16":
             source, source_stride = x.data_ptr(), 2 * cfg.hidden
             load_bytes = source_stride
@@ -445,14 +472,8 @@ class Buffer:
             load_bytes = source_stride
         else:
             self._encode_launch(x.data_ptr(), global_scale.data_ptr()
-                                if global_scale is not None else self._no_f32.data_ptr(),
-                                num_tokens)
-            source, source_stride = self.send_buf.data_ptr(), self.msg.size
-            if cfg.format == "fp8":  # the codes, then the scales from the message's own rows
-                scale_source, scale_stride = source + self.scales_at, self.msg.size
-                load_bytes = cfg.hidden
-            else:  # NVFP4: the whole message
-                load_bytes = self.msg.staged_bytes
+                                if global_scale is not None else self._no_f32_at, num_tokens)
+            source, source_stride, scale_source, scale_stride, load_bytes = self._encoded
 
         out = self._dispatch_outputs(Routing(active, num_tokens, weighted, skip_a2a,
                                              shared_begin, shared_end, ids), separate)
@@ -467,23 +488,35 @@ class Buffer:
         trace = self.trace
         self._dispatch_launch(
             source, source_stride, load_bytes, scale_source, scale_stride, ids.data_ptr(),
-            weights.data_ptr(), out.tokens.data_ptr(),
-            out._address("scales") if cfg.format != "bf16" else self._no_f32.data_ptr(),
-            out._address("scales_offsets") if cfg.format == "nvfp4"
-            else self._no_i32.data_ptr(), *carved, num_tokens, int(skip_a2a), shared_begin,
-            shared_end, int(weighted), active,
-            (trace if trace is not None else self._no_i64).data_ptr(), int(trace is not None))
+            topk_weights.data_ptr() if weighted else self._no_f32_at,
+            out.tokens.data_ptr(),
+            out._address("scales") if cfg.format != "bf16" else self._no_f32_at,
+            out._address("scales_offsets") if cfg.format == "nvfp4" else self._no_i32_at,
+            *carved, num_tokens, int(skip_a2a), shared_begin, shared_end, int(weighted), active,
+            self._no_i64_at if trace is None else trace.data_ptr(), int(trace is not None))
         return out
 
     def _plan_outputs(self) -> None:
         """The layout of a dispatch's small outputs and its handle in one allocation (their
         shapes depend on the config only)."""
         cfg = self.cfg
-        cap, segs = cfg.row_capacity, cfg.segments
+        cap, segs, h = cfg.row_capacity, cfg.segments, cfg.hidden
+        self._row_capacity = cap  # a property that works it out on every read
+        self._tokens_shape, self._tokens_dtype = {
+            "bf16": ((cap, h), torch.bfloat16), "fp8": ((cap, h), torch.float8_e4m3fn),
+            "nvfp4": ((cap, h // 2), torch.uint8)}[cfg.format]
+        # Zero-element tensors whose new_empty allocates a call's outputs: dtype and device come
+        # with them (torch.empty's keywords cost a few tenths of a microsecond to parse).
+        self._tokens_like = torch.empty(0, dtype=self._tokens_dtype, device=self.device)
+        self._bytes_like = torch.empty(0, dtype=torch.uint8, device=self.device)
+        self._bf16_like = torch.empty(0, dtype=torch.bfloat16, device=self.device)
+        # The DispatchOutput fields this format leaves None.
+        self._absent = {"bf16": {"scales": None, "scales_offsets": None},
+                        "fp8": {"scales_offsets": None}, "nvfp4": {}}[cfg.format]
         outputs = [("row_offsets", (segs + 1,), torch.int32), ("expert_ids", (segs,), torch.int32),
                    ("counts", (segs,), torch.int32), ("src_info", (cap, 2), torch.int32)]
         if cfg.format == "fp8":
-            outputs.append(("scales", (cfg.hidden // 128, cap), torch.float32))
+            outputs.append(("scales", (h // 128, cap), torch.float32))
         if cfg.format == "nvfp4":
             outputs += [("scales", (self.nvfp4_scale_bytes,), torch.uint8),
                         ("scales_offsets", (segs,), torch.int32)]
@@ -499,27 +532,19 @@ class Buffer:
             [self._handle_carve.parts[n][0] for n in self._carved_names[4:]]
 
     def _dispatch_outputs(self, route: Routing, separate: bool = False) -> DispatchOutput:
-        cfg, dev = self.cfg, self.device
-        cap, h = cfg.row_capacity, cfg.hidden
-        if cfg.format == "fp8":
-            tokens = torch.empty(cap, h, dtype=torch.float8_e4m3fn, device=dev)
-        elif cfg.format == "nvfp4":
-            tokens = torch.empty(cap, h // 2, dtype=torch.uint8, device=dev)
-        else:
-            tokens = torch.empty(cap, h, dtype=torch.bfloat16, device=dev)
-        absent = {"scales": None, "scales_offsets": None} if cfg.format == "bf16" else \
-            {"scales_offsets": None} if cfg.format == "fp8" else {}
+        dev = self.device
+        tokens = self._tokens_like.new_empty(*self._tokens_shape)
         if separate:
             return DispatchOutput._of(
-                None, None, tokens=tokens, **absent, **self._output_carve.separate(dev),
+                None, None, tokens=tokens, **self._absent, **self._output_carve.separate(dev),
                 handle=DispatchHandle._of(None, None, routing=route,
                                           **self._handle_carve.separate(dev)))
         # The rows on their own (a caller may free them after its GEMM while it keeps the
         # handle for combine); scales, metadata and handle in one allocation.
-        flat = torch.empty(self._handle_carve.end, dtype=torch.uint8, device=dev)
+        flat = self._bytes_like.new_empty(self._handle_carve.end)
         handle = DispatchHandle._of(flat, self._handle_carve, routing=route)
         return DispatchOutput._of(flat, self._output_carve, tokens=tokens, handle=handle,
-                                  **absent)
+                                  **self._absent)
 
     def dispatch(self, x, topk_ids, topk_weights=None, *, skip_a2a=False,
                  num_input_tokens=None, global_scale=None) -> DispatchOutput:
@@ -531,9 +556,9 @@ class Buffer:
                                           "only; under torch.compile pass bf16 x")
             return self._dispatch_via_op(x, topk_ids, topk_weights, skip_a2a, num_input_tokens,
                                          global_scale)
-        return self.dispatch_wait(self.dispatch_async(
-            x, topk_ids, topk_weights, skip_a2a=skip_a2a, num_input_tokens=num_input_tokens,
-            global_scale=global_scale))
+        # dispatch_wait(dispatch_async(...)) without the pending object between them.
+        return self._checked_dispatch(x, topk_ids, topk_weights, skip_a2a, num_input_tokens,
+                                      global_scale)
 
     # Combine ------------------------------------------------------------------------------
 
@@ -546,51 +571,54 @@ class Buffer:
         topk_weights: float32 [T, K], only for a dispatch without weights: each (token, k) row
         then comes home as it is and is weighed here, out[t] = sum_k w[t, k] * y[t, k] in fp32
         (DeepEP's low-latency combine, whose weights are the home side's)."""
+        return _PendingCombine(self._checked_combine(y, handle, topk_weights))
+
+    def _checked_combine(self, y, handle: DispatchHandle, topk_weights) -> torch.Tensor:
+        """`combine_async`'s checks and launch; returns the output."""
         cfg, r = self.cfg, handle.routing
         if not (type(y) is torch.Tensor and y.dtype is torch.bfloat16 and y.dim() == 2
-                and y.shape[1] == cfg.hidden and y.shape[0] >= cfg.row_capacity
-                and y.get_device() == self.device.index and y.is_contiguous()
+                and y.shape[1] == cfg.hidden and y.shape[0] >= self._row_capacity
+                and y.get_device() == self._device_index and y.is_contiguous()
                 and not y.data_ptr() % 16):  # else say what is wrong
             check_tensor(y, name="y", dtype="bfloat16", align=16,
-                         device_index=self.device.index)
+                         device_index=self._device_index)
             if y.dim() != 2 or y.shape[1] != cfg.hidden:
                 raise ValueError(f"y must be bf16 [rows, {cfg.hidden}], got {tuple(y.shape)}")
-            if y.shape[0] < cfg.row_capacity:
+            if y.shape[0] < self._row_capacity:
                 raise ValueError(f"y has {y.shape[0]} rows; dispatch's outputs have "
-                                 f"row_capacity={cfg.row_capacity} rows (pass the full expert "
+                                 f"row_capacity={self._row_capacity} rows (pass the full expert "
                                  f"output buffer)")
+        if topk_weights is None:
+            return self._launch_combine(y, handle, AT_EXPERTS if r.weighted else UNREDUCED,
+                                        self._no_f32)
+        if r.weighted:
+            raise ValueError("this dispatch carried topk_weights, so its combine is already "
+                             "weighted: pass topk_weights to dispatch or to combine, not both")
         t, k = r.num_tokens, cfg.topk
-        mode = AT_EXPERTS if r.weighted else UNREDUCED
-        home = self._no_f32
-        if topk_weights is not None:
-            if r.weighted:
-                raise ValueError("this dispatch carried topk_weights, so its combine is already "
-                                 "weighted: pass topk_weights to dispatch or to combine, not both")
-            check_tensor(topk_weights, name="topk_weights", dtype="float32", align=4,
-                         device_index=self.device.index)
-            if tuple(topk_weights.shape) != (t, k):
-                raise ValueError(f"topk_weights must be float32 [{t}, {k}] (the dispatch's "
-                                 f"tokens), got {tuple(topk_weights.shape)}")
-            mode, home = AT_HOME, topk_weights
-        return _PendingCombine(self._launch_combine(y, handle, mode, home))
+        check_tensor(topk_weights, name="topk_weights", dtype="float32", align=4,
+                     device_index=self._device_index)
+        if tuple(topk_weights.shape) != (t, k):
+            raise ValueError(f"topk_weights must be float32 [{t}, {k}] (the dispatch's "
+                             f"tokens), got {tuple(topk_weights.shape)}")
+        return self._launch_combine(y, handle, AT_HOME, topk_weights)
 
     def _combine_rows(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Combine, weighted at the experts, of a handle whose rows all lie below y's row count
         (`cute_ep.deepep`'s one-row messages into its own [N, H] rows): y bf16, contiguous."""
-        check_tensor(y, name="x", dtype="bfloat16", align=16, device_index=self.device.index)
+        check_tensor(y, name="x", dtype="bfloat16", align=16, device_index=self._device_index)
         return self._launch_combine(y, handle, AT_EXPERTS, self._no_f32)
 
     def _launch_combine(self, y, handle, mode: int, home: torch.Tensor) -> torch.Tensor:
         r, k, hidden = handle.routing, self.cfg.topk, self.cfg.hidden
         t = r.num_tokens
-        out = torch.empty((t, k, hidden) if mode == UNREDUCED else (t, hidden),
-                          dtype=torch.bfloat16, device=self.device)
+        out = self._bf16_like.new_empty(t, k, hidden) if mode == UNREDUCED else \
+            self._bf16_like.new_empty(t, hidden)
+        rows, weights, channels = handle._addresses(_COMBINE_READS)
         trace = self.combine_trace
         self._combine_launch(
-            y.data_ptr(), handle._address("rows"), handle._address("weights"),
-            handle._address("channels"), r.topk_ids.data_ptr(), out.data_ptr(),
+            y.data_ptr(), rows, weights, channels, r.topk_ids.data_ptr(), out.data_ptr(),
             home.data_ptr(), t, mode, int(r.skip_a2a), r.shared_begin, r.shared_end,
-            r.channels, (trace if trace is not None else self._no_i64).data_ptr(),
+            r.channels, self._no_i64_at if trace is None else trace.data_ptr(),
             int(trace is not None))
         return out
 
@@ -603,17 +631,16 @@ class Buffer:
                 topk_weights: torch.Tensor | None = None) -> torch.Tensor:
         """`combine_async` then `combine_wait` (see both). Under `torch.compile` this is the
         `cute_ep::combine` operator."""
-        if topk_weights is not None:
-            if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():
+            if topk_weights is not None:
                 raise NotImplementedError("combine's topk_weights (weights at home) are eager "
                                           "only; under torch.compile pass them to dispatch")
-            return self.combine_wait(self.combine_async(y, handle, topk_weights))
-        if torch.compiler.is_compiling():
             r = handle.routing
             return torch.ops.cute_ep.combine(self.op_id, y, r.topk_ids, handle.rows,
                                              handle.weights, handle.channels, r.weighted,
                                              r.skip_a2a, r.channels)
-        return self.combine_wait(self.combine_async(y, handle))
+        # combine_wait(combine_async(...)) without the pending object between them.
+        return self._checked_combine(y, handle, topk_weights)
 
     # Errors -------------------------------------------------------------------------------
 
@@ -670,9 +697,8 @@ class Buffer:
         scales_offsets; absent ones empty) then the handle's (rows, weights, source tokens,
         messages). They depend on the config only, never on the routing."""
         cfg = self.cfg
-        cap, h, segs = cfg.row_capacity, cfg.hidden, cfg.segments
-        tokens = {"bf16": ((cap, h), torch.bfloat16), "fp8": ((cap, h), torch.float8_e4m3fn),
-                  "nvfp4": ((cap, h // 2), torch.uint8)}[cfg.format]
+        cap, h, segs = self._row_capacity, cfg.hidden, cfg.segments
+        tokens = (self._tokens_shape, self._tokens_dtype)
         scales = {"bf16": ((0,), torch.float32), "fp8": ((h // 128, cap), torch.float32),
                   "nvfp4": ((self.nvfp4_scale_bytes,), torch.uint8)}[cfg.format]
         scales_offsets = ((segs,) if cfg.format == "nvfp4" else (0,), torch.int32)
@@ -742,7 +768,7 @@ class Buffer:
         return self._sms
 
     def _check_dispatch_inputs(self, x, topk_ids, topk_weights) -> int:
-        cfg, dev = self.cfg, self.device.index
+        cfg, dev = self.cfg, self._device_index
         if type(x) is tuple:
             num_tokens = self._check_quantized_input(x)
             self._check_routing(topk_ids, topk_weights, num_tokens)
@@ -772,7 +798,7 @@ class Buffer:
 
     def _check_routing(self, topk_ids, topk_weights, num_tokens: int) -> None:
         """The token count against the capacity, then the ids and weights of that many."""
-        cfg, dev = self.cfg, self.device.index
+        cfg, dev = self.cfg, self._device_index
         if num_tokens > cfg.max_tokens_per_rank:
             raise ValueError(f"{num_tokens} tokens exceeds max_tokens_per_rank="
                              f"{cfg.max_tokens_per_rank}")
@@ -804,7 +830,7 @@ class Buffer:
         (code_dtype, code_cols, code_what), (scale_dtype, scale_cols, scale_what) = \
             self._quantized_rows
         codes, scales = x
-        dev = self.device.index
+        dev = self._device_index
         check_tensor(codes, name="x codes", dtype=code_dtype, align=16, device_index=dev)
         check_tensor(scales, name="x scales", dtype=scale_dtype, align=4, device_index=dev)
         if codes.dim() != 2 or codes.shape[1] != code_cols:
@@ -831,11 +857,11 @@ class Buffer:
                              "element (the same on every rank)")
         # The common case in cheap reads; anything else takes the checks that say what is wrong.
         if (type(global_scale) is torch.Tensor and global_scale.dtype is torch.float32
-                and global_scale.numel() == 1 and global_scale.get_device() == self.device.index
+                and global_scale.numel() == 1 and global_scale.get_device() == self._device_index
                 and not global_scale.data_ptr() % 4):
             return
         check_tensor(global_scale, name="global_scale", dtype="float32", align=4,
-                     device_index=self.device.index)
+                     device_index=self._device_index)
         if global_scale.numel() != 1:
             raise ValueError(f"global_scale must hold one element, got shape "
                              f"{tuple(global_scale.shape)}")

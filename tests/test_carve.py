@@ -67,3 +67,24 @@ def test_carved_fields_are_views_made_on_first_read():
     assert tuple(out.src_info.shape) == (4, 2) and handle.channels.shape == (1, 2)
     with pytest.raises(AttributeError, match="not_a_field"):
         out.not_a_field
+
+
+def test_addresses_follow_a_replaced_field_and_an_uncarved_handle():
+    """`_addresses` reads the allocation once and gives each field's address: carved, made
+    into a view, or replaced in a copy (autograd's `_handle_with` swaps the weights)."""
+    carve = _Carve([("rows", (2, 4), torch.int32), ("weights", (2, 4), torch.float32),
+                    ("channels", (1, 2), torch.int32)])
+    flat = torch.zeros(carve.end, dtype=torch.uint8)
+    route = Routing(1, 4, True, False, 0, 4, torch.zeros(4, 1, dtype=torch.int32))
+    handle = DispatchHandle._of(flat, carve, routing=route)
+    names = ("rows", "weights", "channels")
+    assert handle._addresses(names) == [handle._address(n) for n in names]
+    handle.rows  # a view made on first read: the same address
+    assert handle._addresses(names) == [flat.data_ptr() + carve.parts[n][0] for n in names]
+    ones = torch.ones(2, 4)
+    copy = DispatchHandle.__new__(DispatchHandle)
+    copy.__dict__.update(handle.__dict__, weights=ones)
+    assert copy._addresses(names)[1] == ones.data_ptr()
+    plain = DispatchHandle(route, *(torch.zeros(2, 4) for _ in range(4)), torch.zeros(1, 2))
+    assert plain._addresses(names) == [plain.rows.data_ptr(), plain.weights.data_ptr(),
+                                       plain.channels.data_ptr()]

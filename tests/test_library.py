@@ -87,6 +87,60 @@ def test_a_bind_names_every_parameter_once_and_a_launch_passes_each_varying_one(
         launcher(0, 17)
 
 
+def _recorded_launches(monkeypatch) -> list[tuple]:
+    """Every cuLaunchKernel call from now on, as its arguments (no driver: a recorder stands in
+    for it, and torch's current stream is handle 77)."""
+    from cute_ep.runtime import launch
+
+    calls = []
+    monkeypatch.setattr(launch, "_LAUNCH", lambda *args: calls.append(args) or 0)
+    monkeypatch.setattr(launch, "_current_raw_stream", lambda device_index: 77)
+    return calls
+
+
+def test_a_bound_launch_looks_up_the_grid_of_the_scalars_it_reads(monkeypatch):
+    """The grid is remembered by the varying scalar its rule reads: a new value of that scalar
+    gets its own grid, another scalar's value does not matter, a zero grid launches nothing; the
+    handles go to the driver as pointers, the sizes as ints."""
+    import ctypes
+    import struct
+
+    calls = _recorded_launches(monkeypatch)
+    spec = KernelSpec(
+        family="f", config={},
+        params=(Param("out", "ptr", "int32", align=16), Param("n", "i32"), Param("big", "i64")),
+        block=(128, 1, 1), grid=(GridRule(ceil_div=("n", 8), max=4), GridRule(constant=1),
+                                 GridRule(constant=1)),
+        smem_bytes=256, sizes={})
+    entry = Entry(spec=spec, arch="sm_90a", symbol="k", cubin=Path("k.cubin"), sha256="")
+    launcher = Kernel(entry, function=0x1234, device_index=0).bind(("out", "n", "big"))
+    for n, big, grid in [(17, 1, (3, 1, 1)), (17, 2, (3, 1, 1)), (1000, 3, (4, 1, 1)),
+                         (9, 4, (2, 1, 1)), (17, 5, (3, 1, 1))]:
+        launcher(0x5000, n, big)
+        function, *sizes, stream, argv, extra = calls.pop()
+        assert tuple(sizes) == (*grid, 128, 1, 1, 256) and all(type(v) is int for v in sizes)
+        assert (function.value, stream.value, extra) == (0x1234, 77, None)
+        assert isinstance(argv, ctypes.c_void_p)
+        out, n_packed, big_packed = struct.unpack_from("=qi4xq", launcher._packed)
+        assert (out, n_packed, big_packed) == (0x5000, n, big)
+    launcher(0x5000, 0, 6)  # no tokens: nothing to launch
+    assert calls == []
+
+
+def test_a_grid_past_32_bits_is_refused_not_truncated(monkeypatch):
+    calls = _recorded_launches(monkeypatch)
+    spec = KernelSpec(
+        family="f", config={}, params=(Param("n", "i64"),), block=(32, 1, 1),
+        grid=(GridRule(ceil_div=("n", 1)), GridRule(constant=1), GridRule(constant=1)),
+        smem_bytes=0, sizes={})
+    entry = Entry(spec=spec, arch="sm_90a", symbol="k", cubin=Path("k.cubin"), sha256="")
+    launcher = Kernel(entry, function=1, device_index=0).bind(("n",))
+    with pytest.raises(ValueError, match="does not fit 32-bit"):
+        launcher(1 << 32)
+    launcher((1 << 32) - 1)
+    assert calls.pop()[1] == (1 << 32) - 1
+
+
 def test_spec_round_trips_through_json():
     spec = KernelSpec(
         family="f", config={"x": 2},

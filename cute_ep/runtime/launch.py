@@ -8,6 +8,7 @@ launch, and launches go to torch's current stream (so they are captured by `torc
 from __future__ import annotations
 
 import ctypes
+import operator
 import struct
 import threading
 
@@ -24,6 +25,9 @@ except ImportError:  # pragma: no cover - older cuda-python layout
 ARCH_OF_CAPABILITY = {(9, 0): "sm_90a", (10, 0): "sm_100a"}
 _DEFAULT_DYNAMIC_SMEM_LIMIT = 48 * 1024
 _INT_RANGES = {"i32": (-(1 << 31), (1 << 31) - 1), "i64": (-(1 << 63), (1 << 63) - 1)}
+# Grids a bound launcher remembers by the values of the scalars they depend on, at most (a token
+# count takes up to max_tokens values; past this many the memory is dropped and refilled).
+_GRIDS_REMEMBERED = 4096
 _CTYPES = {"ptr": ctypes.c_uint64, "i32": ctypes.c_int32, "i64": ctypes.c_int64}
 
 
@@ -36,26 +40,36 @@ _LAUNCH = None
 
 def _launcher():
     """`cuLaunchKernel` of the driver library torch and cuda-python already loaded, called
-    through ctypes, bound on first use (a machine without a GPU never needs it): the arguments
-    are plain integers (a kernel's `CUfunction` and a stream as their handles), which spares
-    each launch cuda-python's wrapping of every argument (a few microseconds of a dispatch's
-    host time)."""
+    through ctypes, bound on first use (a machine without a GPU never needs it). Its arguments
+    are plain values (a kernel's `CUfunction` and a stream as their handles), which spares each
+    launch cuda-python's wrapping of every argument (a few microseconds of a dispatch's host
+    time); and it is declared without `argtypes`, whose conversion of all eleven costs about a
+    microsecond more: `_launch_kernel` passes the handles as `ctypes.c_void_p` and the sizes as
+    ints below 2**32, which ctypes passes as the C ints `unsigned int` parameters take."""
     global _LAUNCH
     if _LAUNCH is None:
         launch = ctypes.CDLL("libcuda.so.1").cuLaunchKernel
-        launch.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
         launch.restype = ctypes.c_int
         _LAUNCH = launch
     return _LAUNCH
 
 
-def _launch_kernel(function: int, grid, tail: tuple, stream: int, argv: int) -> None:
-    """Launch `function` (a CUfunction handle as an int) on `grid`, `tail` = (block x, y, z,
-    dynamic shared memory bytes), with the kernel parameter array at address `argv` on `stream`
-    (a raw handle); raise CudaError with the driver's words."""
-    err = (_LAUNCH or _launcher())(function, *grid, *tail, stream, argv, None)
+def _launch_kernel(function: ctypes.c_void_p, grid, tail: tuple, stream: int,
+                   argv: ctypes.c_void_p) -> None:
+    """Launch `function` (a CUfunction handle) on `grid` (from `_launch_grid`), `tail` = (block
+    x, y, z, dynamic shared memory bytes), with the kernel parameter array at `argv` on `stream`
+    (a raw handle as an int); raise CudaError with the driver's words."""
+    err = (_LAUNCH or _launcher())(function, *grid, *tail, ctypes.c_void_p(stream), argv, None)
     if err:
         check(driver.CUresult(err))
+
+
+def _launch_grid(key: str, grid) -> tuple[int, int, int]:
+    """`grid` as the tuple `_launch_kernel` takes, refused if a dimension does not fit the
+    driver's unsigned int (ctypes would pass its low 32 bits, not raise)."""
+    if any(dim >> 32 for dim in grid):
+        raise ValueError(f"{key}: launch grid {tuple(grid)} does not fit 32-bit dimensions")
+    return tuple(grid)
 
 
 def check(result):
@@ -88,8 +102,8 @@ class Kernel:
         self.entry = entry
         self.spec: KernelSpec = entry.spec
         self.function = function
-        # The CUfunction as an int, for _launch_kernel (None: a kernel that is never launched).
-        self._handle = int(function) if function is not None else None
+        # The CUfunction for _launch_kernel (None: a kernel that is never launched).
+        self._handle = ctypes.c_void_p(int(function)) if function is not None else None
         self._tail = (*self.spec.block, self.spec.smem_bytes)  # block and shared memory
         self.device_index = device_index
         self._is_ptr = tuple(p.kind == "ptr" for p in self.spec.params)
@@ -98,6 +112,7 @@ class Kernel:
         self._slots = [_CTYPES[p.kind]() for p in self.spec.params]
         self._argv = (ctypes.c_void_p * len(self._slots))(
             *[ctypes.addressof(s) for s in self._slots])
+        self._argv_address = ctypes.c_void_p(ctypes.addressof(self._argv))
         self._lock = threading.Lock()
         self._resident: int | None = None
         # Per pointer parameter, what check_args checks: (index, error name, dtype, alignment,
@@ -148,7 +163,7 @@ class Kernel:
             {p.name: a for p, a in zip(self.spec.params, args) if p.kind != "ptr"}))
 
     def _grid(self, scalars: dict) -> tuple:
-        return tuple(rule.evaluate(scalars) for rule in self.spec.grid)
+        return _launch_grid(self.spec.key, [rule.evaluate(scalars) for rule in self.spec.grid])
 
     def bind(self, varying: tuple[str, ...], **constants) -> "Launcher":
         """A caller's own argument block for this kernel: `constants` (every parameter not
@@ -162,7 +177,7 @@ class Kernel:
         with self._lock:
             for slot, is_ptr, a in zip(self._slots, self._is_ptr, args):
                 slot.value = a.data_ptr() if is_ptr else a
-            _launch_kernel(self._handle, grid, self._tail, stream, ctypes.addressof(self._argv))
+            _launch_kernel(self._handle, grid, self._tail, stream, self._argv_address)
 
 
 class Launcher:
@@ -216,19 +231,30 @@ class Launcher:
                 self._grid.append(rule.evaluate({rule.ceil_div[0]: constants[rule.ceil_div[0]]}))
             else:
                 self._grid.append((varying.index(rule.ceil_div[0]), rule.ceil_div[1], rule.max))
+        # A launch looks its grid up by the varying scalars the rules read (dispatch and combine:
+        # the active channels, encode: the token count) instead of evaluating the rules.
+        inputs = sorted({dim[0] for dim in self._grid if dim.__class__ is not int})
+        self._grid_key = operator.itemgetter(*inputs) if inputs else _no_grid_key
+        self._grids: dict = {}
         self._lock = threading.Lock()
         self._tail = kernel._tail
         self._function = kernel._handle
-        self._argv_address = ctypes.addressof(self._argv)
+        self._device_index = kernel.device_index
+        self._argv_address = ctypes.c_void_p(ctypes.addressof(self._argv))
 
     def __call__(self, *values: int) -> None:
         if len(values) != self._count:
             raise TypeError(f"{self.kernel.spec.key}: a bound launch takes {self._count} "
                             f"varying arguments, got {len(values)}")
-        grid = self.grid_of(values)
+        key = self._grid_key(values)
+        grid = self._grids.get(key)
+        if grid is None:
+            if len(self._grids) >= _GRIDS_REMEMBERED:
+                self._grids.clear()
+            grid = self._grids[key] = _launch_grid(self.kernel.spec.key, self.grid_of(values))
         if 0 in grid:
             return
-        stream = _current_raw_stream(self.kernel.device_index)
+        stream = _current_raw_stream(self._device_index)
         with self._lock:
             self._pack(self._packed, 0, *values)
             _launch_kernel(self._function, grid, self._tail, stream, self._argv_address)
@@ -260,15 +286,20 @@ def _check_scalar(spec: KernelSpec, p, value) -> None:
                          f"{p.name}={spec.config[p.name]}")
 
 
-_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+def _no_grid_key(values) -> None:
+    """The key of a grid that reads no varying scalar (it is the same for every launch)."""
+    return None
 
 
-def _current_raw_stream(device_index: int) -> int:
-    """The handle of torch's current stream on the device: torch's raw accessor where it has one
-    (a fraction of a microsecond), else the public one (several microseconds of Python)."""
-    if _RAW_STREAM is not None:
-        return _RAW_STREAM(device_index)
+def _public_raw_stream(device_index: int) -> int:
+    """The handle of torch's current stream on the device through the public API (several
+    microseconds of Python: the device index resolved, a Stream object made)."""
     return torch.cuda.current_stream(device_index).cuda_stream
+
+
+# The handle of torch's current stream on a device: torch's raw accessor (one C call, a fraction
+# of a microsecond) where the build has one, called directly rather than through a wrapper.
+_current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or _public_raw_stream
 
 
 def _torch_dtype(dtype: "str | torch.dtype | None"):

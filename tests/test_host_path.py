@@ -1,0 +1,176 @@
+"""The Buffer's host path without a GPU: a Buffer of CPU tensors whose launches are recorded, not
+run, so what dispatch and combine pass to their kernels, and what they refuse, is checked on the
+CPU (tests/gpu run the same calls on the real kernels). Inputs wrapped as `_OnDevice` pass for
+the Buffer's device in the detailed checks, so a bad one gets the message a GPU run gives."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import cute_ep.ep as ep
+from layouts import EPConfig
+
+H, K, E, R, T = 256, 2, 8, 2, 16
+
+
+class _OnDevice(torch.Tensor):
+    """A CPU tensor the checks take for one on the Buffer's device (`_device_index` -1)."""
+
+    is_cuda = True
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+
+class _Recorder:
+    """A bound launch that records its varying arguments by name."""
+
+    def __init__(self, varying):
+        self.varying, self.calls = varying, []
+
+    def __call__(self, *values):
+        assert len(values) == len(self.varying)
+        self.calls.append(dict(zip(self.varying, values)))
+
+
+class _Kernel:
+    def __init__(self, family, fields):
+        vector_bytes = 8 if fields.get("format") == "nvfp4" else 16
+        self.spec = SimpleNamespace(sizes={"max_stage_batches": 1 << 20, "max_chunk": 1 << 20,
+                                           "vector_bytes": vector_bytes})
+
+    def bind(self, varying, **constants):
+        return _Recorder(varying)
+
+
+@pytest.fixture
+def cpu_buffer(monkeypatch):
+    def make(fmt="bf16", **cfg):
+        monkeypatch.setattr(ep, "runtime", lambda: SimpleNamespace(
+            select=lambda family, dev, **fields: _Kernel(family, fields)))
+        monkeypatch.setattr(ep, "device_arch", lambda dev: "sm_90a")
+        monkeypatch.setattr(torch.cuda, "get_device_properties",
+                            lambda dev: SimpleNamespace(multi_processor_count=132))
+        buf = ep.Buffer.__new__(ep.Buffer)
+        buf.group = None
+        buf._setup(EPConfig(H, K, E, R, T, fmt, **cfg), 0, torch.device("cpu"), 60.0, 4)
+        buf._attach(torch.zeros(16, dtype=torch.uint8), [0] * R)
+        buf._device_index = -1  # what get_device() says of a CPU tensor
+        return buf
+    return make
+
+
+def _inputs(t=T):
+    gen = torch.Generator().manual_seed(t)
+    x = torch.randn(t, H, generator=gen).to(torch.bfloat16)
+    ids = torch.rand(t, E, generator=gen).argsort(1)[:, :K].int()
+    return x, ids, torch.rand(t, K, generator=gen)
+
+
+def test_dispatch_and_combine_pass_their_tensors_addresses(cpu_buffer):
+    buf = cpu_buffer()
+    for t in (T, 5, 0, T):  # a new token count: new outputs, new arguments
+        x, ids, w = _inputs(t)
+        out = buf.dispatch(x, ids, w)
+        d = buf._dispatch_launch.calls[-1]
+        h = out.handle
+        assert (d["source"], d["topk_ids"], d["topk_weights"]) == (
+            x.data_ptr(), ids.data_ptr(), w.data_ptr())
+        assert (d["num_tokens"], d["has_weights"], d["source_stride"]) == (t, 1, 2 * H)
+        for name, tensor in [("tokens", out.tokens), ("row_offsets", out.row_offsets),
+                             ("expert_ids", out.expert_ids), ("seg_counts", out.counts),
+                             ("src_info", out.src_info), ("comb_rows", h.rows),
+                             ("comb_weights", h.weights), ("comb_tokens", h.tokens),
+                             ("comb_counts", h.messages), ("chan_msgs", h.channels),
+                             ("scales", buf._no_f32), ("scales_offsets", buf._no_i32),
+                             ("trace", buf._no_i64)]:
+            assert d[name] == tensor.data_ptr(), name
+        assert out.scales is None and out.scales_offsets is None
+        y = torch.zeros(buf.cfg.row_capacity, H, dtype=torch.bfloat16)
+        combined = buf.combine(y, h)
+        c = buf._combine_launch.calls[-1]
+        assert combined.shape == (t, H) and combined.dtype == torch.bfloat16
+        assert (c["y"], c["out"], c["comb_rows"], c["comb_weights"], c["chan_msgs"]) == (
+            y.data_ptr(), combined.data_ptr(), h.rows.data_ptr(), h.weights.data_ptr(),
+            h.channels.data_ptr())
+        assert (c["num_tokens"], c["weighted"], c["active"]) == (t, ep.AT_EXPERTS, d["active"])
+
+
+def test_an_unweighted_dispatch_combines_unreduced_or_weighted_at_home(cpu_buffer):
+    buf = cpu_buffer()
+    x, ids, w = _inputs()
+    ids = ids.long().as_subclass(_OnDevice)  # the detailed checks; converted, the copy passed
+    out = buf.dispatch(x.as_subclass(_OnDevice), ids)
+    d = buf._dispatch_launch.calls[-1]
+    assert d["topk_weights"] == buf._no_f32.data_ptr() and d["has_weights"] == 0
+    assert d["topk_ids"] == out.handle.routing.topk_ids.data_ptr() != ids.data_ptr()
+    y = torch.zeros(buf.cfg.row_capacity, H, dtype=torch.bfloat16)
+    assert buf.combine(y, out.handle).shape == (T, K, H)
+    assert buf._combine_launch.calls[-1]["weighted"] == ep.UNREDUCED
+    home = buf.combine(y, out.handle, topk_weights=w.as_subclass(_OnDevice))
+    c = buf._combine_launch.calls[-1]
+    assert home.shape == (T, H) and (c["weighted"], c["home_weights"]) == (ep.AT_HOME,
+                                                                           w.data_ptr())
+
+
+def test_bad_input_is_refused_after_good_input(cpu_buffer):
+    """The same errors as on a GPU (tests/gpu/test_ep_inputs.py), before and after good calls:
+    nothing of a good call lets a bad one through, and a refused call launches nothing."""
+    buf = cpu_buffer()
+    x, ids, w = _inputs()
+    on = lambda t: t.as_subclass(_OnDevice)  # noqa: E731
+    bad = {
+        "must be torch.bfloat16": lambda: buf.dispatch(on(x.float()), ids, w),
+        f"must be bf16 [T, {H}]": lambda: buf.dispatch(on(x[:, :H // 2].contiguous()), ids, w),
+        f"exceeds max_tokens_per_rank={T}": lambda: buf.dispatch(
+            on(torch.cat([x, x])), torch.cat([ids, ids]), w),
+        f"topk_ids must be int32/int64 [{T}, {K}]": lambda: buf.dispatch(
+            on(x), on(ids[:, :1].contiguous()), w),
+        "topk_ids must be int32/int64": lambda: buf.dispatch(on(x), on(ids.float()), w),
+        "must be torch.float32": lambda: buf.dispatch(on(x), on(ids), on(w.half())),
+        "must be a CUDA tensor": lambda: buf.dispatch(x.float(), ids, w),
+        "must be contiguous": lambda: buf.dispatch(on(x.t().contiguous().t()), ids, w),
+        "16-byte aligned": lambda: buf.dispatch(
+            on(x.flatten()[1:1 + (T - 1) * H].view(T - 1, H)), ids[1:].contiguous(), w[1:]),
+        "global_scale is for nvfp4": lambda: buf.dispatch(x, ids, w,
+                                                          global_scale=torch.ones(1)),
+        "is below this rank's": lambda: buf.dispatch(x, ids, w, num_input_tokens=T - 1),
+    }
+    for _ in range(2):
+        out = buf.dispatch(x, ids, w)
+        launched = len(buf._dispatch_launch.calls)
+        for words, call in bad.items():
+            with pytest.raises((TypeError, ValueError), match=words.replace("[", r"\[")):
+                call()
+        assert len(buf._dispatch_launch.calls) == launched
+    y = torch.zeros(buf.cfg.row_capacity, H, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="row_capacity"):
+        buf.combine(on(y[:4]), out.handle)
+    with pytest.raises(ValueError, match="already weighted"):
+        buf.combine(y, out.handle, topk_weights=w)
+    assert buf.combine(y, out.handle).shape == (T, H)
+    with pytest.raises(ValueError, match="row_capacity"):
+        buf.combine(on(y[:4]), out.handle)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_a_quantized_layer_encodes_bf16_input_then_dispatches_its_messages(cpu_buffer, fmt):
+    buf = cpu_buffer(fmt)
+    x, ids, w = _inputs()
+    gs = torch.full((1,), 100.0) if fmt == "nvfp4" else None
+    if fmt == "nvfp4":
+        with pytest.raises(ValueError, match="needs global_scale"):
+            buf.dispatch(x, ids, w)
+    out = buf.dispatch(x, ids, w, global_scale=gs)
+    e, d = buf._encode_launch.calls[-1], buf._dispatch_launch.calls[-1]
+    assert (e["x"], e["num_tokens"]) == (x.data_ptr(), T)
+    assert e["global_scale"] == (gs if gs is not None else buf._no_f32).data_ptr()
+    send, msg = buf.send_buf.data_ptr(), buf.msg
+    assert (d["source"], d["source_stride"]) == (send, msg.size)
+    assert d["scales"] == out.scales.data_ptr()
+    if fmt == "fp8":
+        assert (d["scale_source"], d["load_bytes"]) == (send + buf.scales_at, H)
+        assert d["scales_offsets"] == buf._no_i32.data_ptr() and out.scales_offsets is None
+    else:
+        assert (d["scale_source"], d["scale_stride"]) == (buf._no_f32.data_ptr(), 0)
+        assert d["load_bytes"] == msg.staged_bytes
+        assert d["scales_offsets"] == out.scales_offsets.data_ptr()
