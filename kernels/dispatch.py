@@ -417,6 +417,9 @@ class EpDispatch:
             _stamp(trace, tracing, channel, "send_done", 0)
             _stamp(trace, tracing, channel, "recv_wait_ns", 0)
             _stamp(trace, tracing, channel, "first_batch", 0)
+            _stamp(trace, tracing, channel, "chunk_read", 0)
+            _stamp(trace, tracing, channel, "chunk_placed", 0)
+            _stamp(trace, tracing, channel, "chunk_stored", 0)
             _stamp(trace, tracing, channel, "recv_done", 0)
             _stamp(trace, tracing, channel, "rows_written", 0)
             for f in cutlass.range_constexpr(len(SEND_TIMES)):
@@ -1009,6 +1012,9 @@ class EpDispatch:
                         s_scratch[scratch + TOKS_AT + m_of] = tok
                         s_scratch[scratch + STAGE_AT + m_of] = slot * BATCH + h + lane
                     cute.arch.sync_warp()
+                    if lane == 0 and i == 0 and h == 0:
+                        _stamp_max(trace, tracing, channel, "chunk_read",
+                                   cute.arch.globaltimer())
                     issued, drained = self._place(
                         lane, sub, per_source, s, cnt, first_msg + placed, topk, max_tokens,
                         my_rank, shared, shared_begin, shared_end, staging, stage, channel,
@@ -1017,7 +1023,8 @@ class EpDispatch:
                         s_first, s_scratch, s_wts, scratch, wts,
                         next_at, pieces_at, full, s_piece, held, pieces, payload_bytes, blocks,
                         scale_cols, rk, layout, tiler, g_crd, thr, tiles, warp_copy,
-                        payload_vectors, issued, drained)
+                        payload_vectors, issued, drained, trace, tracing,
+                        Int32(i == 0 and h == 0))
                     if cutlass.const_expr(self.bulk):
                         # All of the chunk's pieces have landed (and their row stores are
                         # issued) before the batch is credited.
@@ -1025,6 +1032,9 @@ class EpDispatch:
                             drained = self._store_piece(lane, drained, payload_bytes, pieces_at,
                                                         full, s_piece, held, tokens, topk,
                                                         s_scratch, scratch)
+                    if lane == 0 and i == 0 and h == 0:
+                        _stamp_max(trace, tracing, channel, "chunk_stored",
+                                   cute.arch.globaltimer())
                     placed = placed + cnt
             if per_source > 1:
                 # The warps of s agree on going on: a warp whose wait failed says so before the
@@ -1074,7 +1084,7 @@ class EpDispatch:
                s_wts: cute.Tensor, scratch, wts, next_at, pieces_at: cute.Pointer,
                full: cute.Pointer, s_piece: cute.Tensor, held, pieces, payload_bytes, blocks,
                scale_cols, rk, layout, tiler, g_crd, thr, tiles, warp_copy: cute.TiledCopy,
-               payload_vectors, issued, drained):
+               payload_vectors, issued, drained, trace: cute.Pointer, tracing, first_chunk):
         """A chunk's `cnt` messages (messages first .. first + cnt - 1 of source s here): their
         rows, message by message (the experts of one message differ, so its lanes never share a
         counter; a warp barrier between messages); what combine needs of them (the first warp of
@@ -1107,6 +1117,8 @@ class EpDispatch:
         if sub == 0:
             self._record(lane, s, first, cnt, topk, max_tokens, src_info, comb_rows,
                          comb_weights, comb_tokens, s_scratch, s_wts, scratch, wts)
+        if lane == 0 and first_chunk != 0:
+            _stamp_max(trace, tracing, channel, "chunk_placed", cute.arch.globaltimer())
         if cutlass.const_expr(self.bulk):
             # Every piece of this warp's messages of the chunk through the warp's ring.
             for m in cutlass.range(sub, cnt, per_source):

@@ -160,6 +160,12 @@ def test_a_traced_dispatch_records_each_channels_timeline():
         assert ((first == 0) | ((t[:, field["layout_ready"]] <= first)
                                 & (first <= t[:, field["recv_done"]]))).all()
         assert (first > 0).any()
+        # The first chunk's header read, rows placed and row stores issued, in that order.
+        read, placed, stored = (t[:, field[f]] for f in ("chunk_read", "chunk_placed",
+                                                           "chunk_stored"))
+        seen = first > 0
+        assert ((first <= read) & (read <= placed) & (placed <= stored)
+                & (stored <= t[:, field["recv_done"]]))[seen].all()
         assert (t[:, field["start"]] > 0).all()
         # Each sender time is one warp's total of a part of its run (the most any warp spent
         # there); every channel routed and copied tokens. The receivers' longest wait lies
