@@ -64,7 +64,7 @@ from layouts.channels import (COUNT_MESSAGES, COUNT_SEGMENTS, COUNT_TOKENS, DISP
                               staging_layout)
 from layouts.config import FP8_ROW_ALIGN
 from layouts.formats import METADATA_FIELDS
-from layouts.scales import ATOM_ROWS
+from layouts.scales import ATOM_BYTES, ATOM_ROWS
 
 WARP = 32
 MAX_RANKS = 8
@@ -254,7 +254,9 @@ class EpDispatch:
                 Param("done", "ptr", "int32", align=4, writes=True),
                 Param("error", "ptr", "int32", align=4, writes=True),
                 Param("tokens", "ptr", "uint8", align=16, writes=True),
-                Param("scales", "ptr", "uint8" if self.fmt == "nvfp4" else "float32", align=4,
+                # NVFP4: 16-byte stores of a lane's four rows of a 128x4 atom.
+                Param("scales", "ptr", "uint8" if self.fmt == "nvfp4" else "float32",
+                      align=16 if self.fmt == "nvfp4" else 4,
                       writes=True),
                 Param("scale_rows", "ptr", "int32", align=4, writes=True),
                 Param("scales_offsets", "ptr", "int32", align=4, writes=True),
@@ -414,6 +416,12 @@ class EpDispatch:
             # Maxima over warps, zeroed before any warp adds to them.
             _stamp(trace, tracing, channel, "send_done", 0)
             _stamp(trace, tracing, channel, "recv_wait_ns", 0)
+            _stamp(trace, tracing, channel, "first_batch", 0)
+            _stamp(trace, tracing, channel, "chunk_read", 0)
+            _stamp(trace, tracing, channel, "chunk_placed", 0)
+            _stamp(trace, tracing, channel, "chunk_stored", 0)
+            _stamp(trace, tracing, channel, "recv_done", 0)
+            _stamp(trace, tracing, channel, "rows_written", 0)
             for f in cutlass.range_constexpr(len(SEND_TIMES)):
                 _stamp(trace, tracing, channel, SEND_TIMES[f], 0)
         if tidx < MAX_STAGE_BATCHES:
@@ -451,6 +459,8 @@ class EpDispatch:
             if shared != 0 and t >= shared_begin and t < shared_end:
                 cute.arch.atomic_add(s_cnt.iterator + shared_at, Int32(1))
         cute.arch.sync_threads()
+        if tidx == 0:
+            _stamp(trace, tracing, channel, "routed", cute.arch.globaltimer())
         for i in cutlass.range(tidx, ranks * entries, self.threads):
             d = i // entries
             entry = i - d * entries
@@ -505,6 +515,7 @@ class EpDispatch:
             if old == active - 1:
                 cute.arch.store(done, Int32(0))
                 cute.arch.store(rounds, epoch, sem="release", scope="gpu")
+            _stamp(trace, tracing, channel, "round_done", cute.arch.globaltimer())
         if cutlass.const_expr(self.fmt != "bf16"):
             if segment_rows == 0:
                 # Every CTA's received scales are in scale_rows once the round has advanced:
@@ -760,6 +771,8 @@ class EpDispatch:
             s_next[s * MAX_SEGMENTS + g] = part
             s_totals[s * MAX_SEGMENTS + g] = total
         cute.arch.barrier(barrier_id=1, number_of_threads=threads)
+        if rt == 0:
+            _stamp(trace, tracing, channel, "counts_summed", cute.arch.globaltimer())
         for g in cutlass.range(rt, segments, threads):
             run = Int32(0)
             for s in cutlass.range(ranks):
@@ -930,6 +943,8 @@ class EpDispatch:
                     if tracing != 0:
                         waited = waited + cute.arch.globaltimer() - start
             alive = cute.arch.shuffle_sync(alive, 0)
+            if lane == 0 and i == 0:
+                _stamp_max(trace, tracing, channel, "first_batch", cute.arch.globaltimer())
             if alive != 0:
                 slot = Int32(at % Int64(stage_batches))
                 head = cute.make_tensor(gmem_ptr(Int32, peers[s] + headers_offset + Int64(
@@ -997,6 +1012,9 @@ class EpDispatch:
                         s_scratch[scratch + TOKS_AT + m_of] = tok
                         s_scratch[scratch + STAGE_AT + m_of] = slot * BATCH + h + lane
                     cute.arch.sync_warp()
+                    if lane == 0 and i == 0 and h == 0:
+                        _stamp_max(trace, tracing, channel, "chunk_read",
+                                   cute.arch.globaltimer())
                     issued, drained = self._place(
                         lane, sub, per_source, s, cnt, first_msg + placed, topk, max_tokens,
                         my_rank, shared, shared_begin, shared_end, staging, stage, channel,
@@ -1005,7 +1023,8 @@ class EpDispatch:
                         s_first, s_scratch, s_wts, scratch, wts,
                         next_at, pieces_at, full, s_piece, held, pieces, payload_bytes, blocks,
                         scale_cols, rk, layout, tiler, g_crd, thr, tiles, warp_copy,
-                        payload_vectors, issued, drained)
+                        payload_vectors, issued, drained, trace, tracing,
+                        Int32(i == 0 and h == 0))
                     if cutlass.const_expr(self.bulk):
                         # All of the chunk's pieces have landed (and their row stores are
                         # issued) before the batch is credited.
@@ -1013,6 +1032,9 @@ class EpDispatch:
                             drained = self._store_piece(lane, drained, payload_bytes, pieces_at,
                                                         full, s_piece, held, tokens, topk,
                                                         s_scratch, scratch)
+                    if lane == 0 and i == 0 and h == 0:
+                        _stamp_max(trace, tracing, channel, "chunk_stored",
+                                   cute.arch.globaltimer())
                     placed = placed + cnt
             if per_source > 1:
                 # The warps of s agree on going on: a warp whose wait failed says so before the
@@ -1042,9 +1064,13 @@ class EpDispatch:
                             sem="relaxed", scope="sys")
             cute.arch.store(gmem_ptr(Int64, streams.toint() + Int64(
                 counters((channel, s, HEADS, DISPATCH))) * 8, 8), consumed + Int64(batches))
+        if lane == 0:
+            _stamp_max(trace, tracing, channel, "recv_done", cute.arch.globaltimer())
         if cutlass.const_expr(self.bulk):
             if lane == 0:
                 cute.arch.cp_async_bulk_wait_group(0)  # the rows are written before the CTA ends
+        if lane == 0:
+            _stamp_max(trace, tracing, channel, "rows_written", cute.arch.globaltimer())
         if sub == 0 and lane == 0:
             _stamp_max(trace, tracing, channel, "recv_wait_ns", waited)
 
@@ -1058,7 +1084,7 @@ class EpDispatch:
                s_wts: cute.Tensor, scratch, wts, next_at, pieces_at: cute.Pointer,
                full: cute.Pointer, s_piece: cute.Tensor, held, pieces, payload_bytes, blocks,
                scale_cols, rk, layout, tiler, g_crd, thr, tiles, warp_copy: cute.TiledCopy,
-               payload_vectors, issued, drained):
+               payload_vectors, issued, drained, trace: cute.Pointer, tracing, first_chunk):
         """A chunk's `cnt` messages (messages first .. first + cnt - 1 of source s here): their
         rows, message by message (the experts of one message differ, so its lanes never share a
         counter; a warp barrier between messages); what combine needs of them (the first warp of
@@ -1091,6 +1117,8 @@ class EpDispatch:
         if sub == 0:
             self._record(lane, s, first, cnt, topk, max_tokens, src_info, comb_rows,
                          comb_weights, comb_tokens, s_scratch, s_wts, scratch, wts)
+        if lane == 0 and first_chunk != 0:
+            _stamp_max(trace, tracing, channel, "chunk_placed", cute.arch.globaltimer())
         if cutlass.const_expr(self.bulk):
             # Every piece of this warp's messages of the chunk through the warp's ring.
             for m in cutlass.range(sub, cnt, per_source):
@@ -1330,35 +1358,61 @@ class EpDispatch:
         if cutlass.const_expr(self.fmt == "nvfp4"):
             rk = (payload_vectors * self.vector_bytes * 2 // NVFP4_BLOCK + 3) // 4
             tiles_c = (rk + TILE_COLS - 1) // TILE_COLS
+            staged = scale_rows_layout(rk, row_capacity)
+            four = cute.make_rmem_tensor(cute.make_layout(ATOM_ROWS // WARP), Int32)
+            vals = cute.make_rmem_tensor(cute.make_layout(ATOM_ROWS * TILE_COLS // WARP), Int32)
+            words = cute.make_rmem_tensor(cute.make_layout(TILE_COLS), Int32)
             for u in cutlass.range(gw, s_first[segments] * tiles_c, nw):
                 q = u // tiles_c  # the 128-row scale block
-                c = u % tiles_c * TILE_COLS + col
+                c0 = u % tiles_c * TILE_COLS
                 g = segment_of(s_first, segments, q)
                 first = (q - s_first[g]) * ATOM_ROWS  # its first row within segment g
                 valid = s_raw[g] - first
-                staged = scale_rows_layout(rk, row_capacity)
-                # Every load of the tile in flight before the first shared-memory store.
-                vals = cute.make_rmem_tensor(cute.make_layout(ATOM_ROWS * TILE_COLS // WARP),
-                                             Int32)
-                for i in cutlass.range_constexpr(ATOM_ROWS * TILE_COLS // WARP):
-                    rr = lane // TILE_COLS + i * (WARP // TILE_COLS)
-                    v = Int32(0)
-                    if rr < valid and c < rk:
-                        v = load_i32(scale_rows.toint() + Int64(staged(
-                            (Int64(c), Int64(s_off[g] + first + rr)))) * 4)
-                    vals[i] = v
-                for i in cutlass.range_constexpr(ATOM_ROWS * TILE_COLS // WARP):
-                    s_tile[base + (lane // TILE_COLS + i * (WARP // TILE_COLS)) * TILE_STRIDE
-                           + col] = vals[i]
-                cute.arch.sync_warp()
-                for j in cutlass.range_constexpr(TILE_COLS):
-                    atom = u % tiles_c * TILE_COLS + j
-                    if atom < rk:
-                        at = scales.toint() + scale_offset(q * ATOM_ROWS + lane, atom * 4, rk)
-                        for part in cutlass.range_constexpr(ATOM_ROWS // WARP):
-                            store_i32(at + part * 4,
-                                      s_tile[base + (lane + part * WARP) * TILE_STRIDE + j])
-                cute.arch.sync_warp()
+                # Lane l writes the 16 bytes of rows l, l + 32, l + 64, l + 96 of each atom.
+                out_at = scales.toint() + scale_offset(q * ATOM_ROWS + lane, 0, rk)
+                if valid > WARP:
+                    # Every load of the tile in flight before the first shared-memory store.
+                    c = c0 + col
+                    for i in cutlass.range_constexpr(ATOM_ROWS * TILE_COLS // WARP):
+                        rr = lane // TILE_COLS + i * (WARP // TILE_COLS)
+                        v = Int32(0)
+                        if rr < valid and c < rk:
+                            v = load_i32(scale_rows.toint() + Int64(staged(
+                                (Int64(c), Int64(s_off[g] + first + rr)))) * 4)
+                        vals[i] = v
+                    for i in cutlass.range_constexpr(ATOM_ROWS * TILE_COLS // WARP):
+                        s_tile[base + (lane // TILE_COLS + i * (WARP // TILE_COLS)) * TILE_STRIDE
+                               + col] = vals[i]
+                    cute.arch.sync_warp()
+                    for j in cutlass.range_constexpr(TILE_COLS):
+                        if c0 + j < rk:
+                            for part in cutlass.range_constexpr(ATOM_ROWS // WARP):
+                                four[part] = s_tile[base + (lane + part * WARP) * TILE_STRIDE + j]
+                            self._store_atom_rows(out_at, c0 + j, four)
+                    cute.arch.sync_warp()
+                else:
+                    # A block of at most 32 rows (a decode's experts): lane l's row, if any, read
+                    # straight from its staged row, and the three rows past it zero.
+                    for part in cutlass.range_constexpr(ATOM_ROWS // WARP):
+                        four[part] = Int32(0)
+                    for j in cutlass.range_constexpr(TILE_COLS):
+                        words[j] = Int32(0)
+                        if lane < valid and c0 + j < rk:
+                            words[j] = load_i32(scale_rows.toint() + Int64(staged(
+                                (Int64(c0 + j), Int64(s_off[g] + first + lane)))) * 4)
+                    for j in cutlass.range_constexpr(TILE_COLS):
+                        if c0 + j < rk:
+                            four[0] = words[j]
+                            self._store_atom_rows(out_at, c0 + j, four)
+
+    @cute.jit
+    def _store_atom_rows(self, row_at, atom, four: cute.Tensor):
+        """The 16 bytes at `row_at` (a lane's row of a 128-row block, column 0, in the 128x4
+        layout) plus atom `atom`'s 512: that row and the rows 32, 64 and 96 past it, their four
+        scale bytes each (`four`)."""
+        cute.autovec_copy(four, cute.make_tensor(
+            gmem_ptr(Int32, row_at + Int64(atom) * ATOM_BYTES, 16),
+            cute.make_layout(ATOM_ROWS // WARP)))
 
 
 def dispatch_kernels() -> list:

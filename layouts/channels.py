@@ -121,14 +121,20 @@ def channel_messages_layout(ranks, channels) -> Layout:
 
 
 # What a traced dispatch records per channel (int64 each, `trace_layout`): %globaltimer at the
-# kernel's start, once its counts are sent, once every channel's counts arrived, once the row
-# layout is known, when its last sender warp finished, at the kernel's end; then, for the sender
+# kernel's start, once its tokens are routed (counted per destination), once its counts are
+# sent, once every channel's counts arrived, once they are summed, once the row layout is known,
+# when its receivers first saw a batch, read its first chunk's header, placed that chunk's rows
+# and issued its pieces' row stores, when its last sender warp finished, when its last
+# receiver warp had issued its rows' stores and when those were written, once the CTA counted
+# itself done with the round, at the kernel's end; then, for the sender
 # warp that spent the most on each, the nanoseconds it waited for staging credit, wrote batch
 # headers, copied tokens, and fenced and published tails; last, the longest any source's batches
 # kept this channel's receivers waiting.
 SEND_TIMES = ("credit_wait_ns", "batch_ns", "copy_ns", "fence_ns")
-TRACE_FIELDS = ("start", "counts_sent", "counts_arrived", "layout_ready", "send_done", "end",
-                *SEND_TIMES, "recv_wait_ns")
+TRACE_FIELDS = ("start", "routed", "counts_sent", "counts_arrived", "counts_summed",
+                "layout_ready", "first_batch", "chunk_read", "chunk_placed", "chunk_stored",
+                "send_done", "recv_done", "rows_written",
+                "round_done", "end", *SEND_TIMES, "recv_wait_ns")
 
 
 # What a traced combine records per channel (int64 each): %globaltimer at the kernel's start,

@@ -148,10 +148,24 @@ def test_a_traced_dispatch_records_each_channels_timeline():
     for buf in bufs:
         t = buf.trace.cpu()
         assert t.shape == (6, len(TRACE_FIELDS))
-        for a, b in [("start", "counts_sent"), ("counts_sent", "end"),
-                     ("counts_arrived", "layout_ready"), ("layout_ready", "end"),
+        for a, b in [("start", "routed"), ("routed", "counts_sent"), ("counts_sent", "end"),
+                     ("counts_arrived", "counts_summed"), ("counts_summed", "layout_ready"),
+                     ("layout_ready", "recv_done"), ("recv_done", "rows_written"),
+                     ("rows_written", "round_done"), ("round_done", "end"),
                      ("start", "send_done"), ("send_done", "end")]:
             assert (t[:, field[a]] <= t[:, field[b]]).all(), (a, b)
+        # A channel's receivers saw their first batch after the layout and before they were
+        # done (a channel that received nothing keeps 0).
+        first = t[:, field["first_batch"]]
+        assert ((first == 0) | ((t[:, field["layout_ready"]] <= first)
+                                & (first <= t[:, field["recv_done"]]))).all()
+        assert (first > 0).any()
+        # The first chunk's header read, rows placed and row stores issued, in that order.
+        read, placed, stored = (t[:, field[f]] for f in ("chunk_read", "chunk_placed",
+                                                           "chunk_stored"))
+        seen = first > 0
+        assert ((first <= read) & (read <= placed) & (placed <= stored)
+                & (stored <= t[:, field["recv_done"]]))[seen].all()
         assert (t[:, field["start"]] > 0).all()
         # Each sender time is one warp's total of a part of its run (the most any warp spent
         # there); every channel routed and copied tokens. The receivers' longest wait lies
