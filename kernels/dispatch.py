@@ -449,7 +449,8 @@ class EpDispatch:
         cute.arch.sync_threads()
         for t in cutlass.range(t0 + tidx, t1, self.threads):
             mask, bad = route_token(topk_ids, t, topk, experts, local_experts, my_rank,
-                                    skip_a2a, shared, shared_begin, shared_end, s_cnt, True)
+                                    skip_a2a, shared, shared_begin, shared_end, s_cnt, True,
+                                    MAX_TOPK)
             if bad != 0:
                 cute.arch.atomic_or(error_field(error, "bad_ids"), bad, sem="relaxed",
                                     scope="gpu")
