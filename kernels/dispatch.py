@@ -85,6 +85,7 @@ MAX_STAGE_BATCHES = 16  # a channel's staging ring, in batches
 SEND_VECTORS = {"bf16": 32, "fp8": 16, "nvfp4": 16}
 TILE_VECTORS = {"bf16": 16, "fp8": 8, "nvfp4": 16}
 MAX_CHUNK = 8  # tokens of a batch a receiver warp takes at once (BATCH in two chunks)
+COUNT_UNROLL = 8  # channels' count words a receiver thread loads at once (`_sum_counts`)
 SCALE_REGS = 4  # FP8 / NVFP4 scale words per lane a receiver loads with a message's payload
 # FP8 / NVFP4 scales go out through a tile per warp: up to TILE_ROWS rows of TILE_COLS words, a
 # row TILE_STRIDE words apart (one more than its words: no bank conflicts reading a column).
@@ -449,7 +450,8 @@ class EpDispatch:
         cute.arch.sync_threads()
         for t in cutlass.range(t0 + tidx, t1, self.threads):
             mask, bad = route_token(topk_ids, t, topk, experts, local_experts, my_rank,
-                                    skip_a2a, shared, shared_begin, shared_end, s_cnt, True)
+                                    skip_a2a, shared, shared_begin, shared_end, s_cnt, True,
+                                    MAX_TOPK)
             if bad != 0:
                 cute.arch.atomic_or(error_field(error, "bad_ids"), bad, sem="relaxed",
                                     scope="gpu")
@@ -728,17 +730,18 @@ class EpDispatch:
         # Per source: messages of this channel, messages of the channels before it, in total;
         # the tokens of its channel (so its batches).
         if rt < ranks:
-            n = Int32(0)
-            before = Int32(0)
-            total = Int32(0)
-            ntok = Int32(0)
-            if not failed:
-                before, total = self._sum_counts(here, counts_offset, counts_at, COUNT_MESSAGES,
-                                                 rt, parity, channel, active, max_tokens, error)
-                n = self._count(here, counts_offset, counts_at, COUNT_MESSAGES, channel, rt,
-                                parity)
-                ntok = self._count(here, counts_offset, counts_at, COUNT_TOKENS, channel, rt,
-                                   parity)
+            # Loaded whether or not the layer failed (they are this rank's own words), so the
+            # loads need not wait for the error words; a failed layer discards them unreported.
+            n = self._count(here, counts_offset, counts_at, COUNT_MESSAGES, channel, rt, parity)
+            ntok = self._count(here, counts_offset, counts_at, COUNT_TOKENS, channel, rt, parity)
+            before, total = self._sum_counts(here, counts_offset, counts_at, COUNT_MESSAGES, rt,
+                                             parity, channel, active, max_tokens, error, failed)
+            if failed:
+                n = Int32(0)
+                ntok = Int32(0)
+                before = Int32(0)
+                total = Int32(0)
+            else:
                 if n < 0 or n > max_tokens or ntok < n or ntok > max_tokens:
                     cute.arch.atomic_or(error_field(error, "bad_counts"), Int32(ERROR_COUNTS),
                                         sem="relaxed", scope="gpu")
@@ -762,12 +765,11 @@ class EpDispatch:
         for i in cutlass.range(rt, ranks * segments, threads):
             s = i // segments
             g = i - s * segments
-            part = Int32(0)
-            total = Int32(0)
-            if not failed:
-                part, total = self._sum_counts(here, counts_offset, counts_at,
-                                               COUNT_SEGMENTS + g, s, parity, channel, active,
-                                               max_tokens, error)
+            part, total = self._sum_counts(here, counts_offset, counts_at, COUNT_SEGMENTS + g,
+                                           s, parity, channel, active, max_tokens, error, failed)
+            if failed:
+                part = Int32(0)
+                total = Int32(0)
             s_next[s * MAX_SEGMENTS + g] = part
             s_totals[s * MAX_SEGMENTS + g] = total
         cute.arch.barrier(barrier_id=1, number_of_threads=threads)
@@ -848,20 +850,21 @@ class EpDispatch:
 
     @cute.jit
     def _count(self, here, counts_offset, counts_at, entry, c, s, parity):
-        """Entry `entry` of (channel c, source s)'s counts, read past the L1 (peers wrote it)."""
-        return cute.arch.load(gmem_ptr(Int32, here + counts_offset
-                                       + Int64(counts_at((entry, c, s, parity))) * 4, 4),
-                              Int32, sem="relaxed", scope="sys")
+        """Entry `entry` of (channel c, source s)'s counts. A plain load: the receivers read the
+        counts only after their flags' system-scope acquires (which also invalidate the SM's L1)
+        and a barrier of the receiver threads, so the peers' words are visible to them."""
+        return load_i32(here + counts_offset + Int64(counts_at((entry, c, s, parity))) * 4)
 
     @cute.jit
     def _sum_counts(self, here, counts_offset, counts_at, entry, s, parity, channel, active,
-                    max_tokens, error: cute.Pointer):
+                    max_tokens, error: cute.Pointer, failed):
         """(sum over the channels before `channel`, sum over the `active` channels) of entry
-        `entry` of source s's counts. A value outside [0, max_tokens] is reported, counted 0."""
+        `entry` of source s's counts. A value outside [0, max_tokens] is counted 0 and reported
+        unless the layer already `failed`. Unrolled by COUNT_UNROLL (32 measured slower)."""
         part = Int32(0)
         total = Int32(0)
         bad = Int32(0)
-        for c in cutlass.range(active, unroll=8):
+        for c in cutlass.range(active, unroll=COUNT_UNROLL):
             v = self._count(here, counts_offset, counts_at, entry, c, s, parity)
             if v < 0 or v > max_tokens:
                 bad = Int32(1)
@@ -869,9 +872,9 @@ class EpDispatch:
             if c < channel:
                 part = part + v
             total = total + v
-        if bad != 0:
+        if bad != 0 and not failed:
             cute.arch.atomic_or(error_field(error, "bad_counts"), Int32(ERROR_COUNTS),
-                                    sem="relaxed", scope="gpu")
+                                sem="relaxed", scope="gpu")
         return part, total
 
     @cute.jit

@@ -71,8 +71,38 @@ def route_ids(ids: cute.Tensor, row, stride, t, topk, experts, local_experts, my
 
 @cute.jit
 def route_token(topk_ids: cute.Pointer, t, topk, experts, local_experts, my_rank, skip_a2a,
-                shared, shared_begin, shared_end, s_cnt: cute.Tensor, count: cutlass.Constexpr):
-    """`route_ids` of token t, its ids read from the [T, K] `topk_ids`."""
+                shared, shared_begin, shared_end, s_cnt: cute.Tensor, count: cutlass.Constexpr,
+                max_topk: cutlass.Constexpr):
+    """`route_ids` of token t, its ids read from the [T, K] `topk_ids` (K <= max_topk): all K
+    loaded into registers first (one round trip), then checked there, where reading them from
+    global memory in the checks' loops waited a round trip for the first and an L1 hit for each
+    of the K^2 / 2 others."""
     ids = cute.make_tensor(topk_ids, cute.make_layout((t + 1) * topk))
-    return route_ids(ids, t, topk, t, topk, experts, local_experts, my_rank, skip_a2a, shared,
-                     shared_begin, shared_end, s_cnt, count)
+    regs = cute.make_rmem_tensor(cute.make_layout(max_topk), Int32)
+    for k in cutlass.range_constexpr(max_topk):
+        regs[k] = Int32(-1)
+        if k < topk:
+            regs[k] = ids[t * topk + k]
+    mask = Int32(0)
+    bad = Int32(0)
+    for k in cutlass.range_constexpr(max_topk):
+        e = regs[k]
+        if k < topk and e != -1:  # -1: an empty slot, routed nowhere, not reported
+            if e < 0 or e >= experts:
+                bad = bad | ERROR_ID_RANGE
+            else:
+                twice = Int32(0)
+                for k2 in cutlass.range_constexpr(k):
+                    if regs[k2] == e:
+                        twice = Int32(1)
+                if twice != 0:
+                    bad = bad | ERROR_ID_TWICE
+                else:
+                    d = e // local_experts
+                    if skip_a2a == 0 or d == my_rank:
+                        mask = mask | (Int32(1) << d)
+                        if cutlass.const_expr(count):
+                            cute.arch.atomic_add(s_cnt.iterator + e, Int32(1))
+    if shared != 0 and t >= shared_begin and t < shared_end:
+        mask = mask | (Int32(1) << my_rank)
+    return mask, bad
