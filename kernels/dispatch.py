@@ -18,8 +18,9 @@ has SEND_WARPS sender warps and RECV_WARPS[format] receiver warps, and runs thre
    returned credit for the batch the slot held, and the warp that
    finishes a batch last (one shared-memory atomic a warp) fences once at system scope and
    publishes the batch in every destination's `tails`.
-3. Receive (the receiver warps): they wait for every (channel, source)'s counts, from which each
-   CTA derives the whole row layout (segments padded to the format's row alignment, NVFP4
+3. Receive (the receiver warps): they wait for every (channel, source)'s counts (a count
+   flag's system-scope acquire, then the counts themselves by plain loads, ordered after the
+   acquires by the receivers' barrier), from which each CTA derives the whole row layout (segments padded to the format's row alignment, NVFP4
    segments on fresh 128-row scale blocks) and the first row of every (segment, source) that
    its channel fills. The warps of source s then take s's batches of this channel in order as
    its tail advances: they read the batch's header from the source (over NVLink), keep the
@@ -37,7 +38,9 @@ has SEND_WARPS sender warps and RECV_WARPS[format] receiver warps, and runs thre
 4. FP8 and NVFP4 (packed rows): once every CTA has finished (the round's advance below, which
    each CTA waits for), all warps write `scale_rows` into the output's scale layout, a tile of
    whole lines at a time (a scale word stored straight into FP8's transposed or NVFP4's 128x4
-   layout is a 32-byte sector of its own: what FP8 and NVFP4 receivers spent most on).
+   layout is a 32-byte sector of its own: what FP8 and NVFP4 receivers spent most on); NVFP4 by
+   a 16-byte store per lane and atom, and a 128-row block of at most 32 rows (a decode's
+   experts) straight from its staged rows, the rest of the block zero.
 
 Every wait is bounded by `timeout_ns` of `%globaltimer`: the missing rank and the phase go to the
 error record and the CTA stops waiting (its outputs are then partial, never out of bounds). The
