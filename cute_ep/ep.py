@@ -501,7 +501,6 @@ class Buffer:
         shapes depend on the config only)."""
         cfg = self.cfg
         cap, segs, h = cfg.row_capacity, cfg.segments, cfg.hidden
-        self._row_capacity = cap  # a property that works it out on every read
         self._tokens_shape, self._tokens_dtype = {
             "bf16": ((cap, h), torch.bfloat16), "fp8": ((cap, h), torch.float8_e4m3fn),
             "nvfp4": ((cap, h // 2), torch.uint8)}[cfg.format]
@@ -577,16 +576,16 @@ class Buffer:
         """`combine_async`'s checks and launch; returns the output."""
         cfg, r = self.cfg, handle.routing
         if not (type(y) is torch.Tensor and y.dtype is torch.bfloat16 and y.dim() == 2
-                and y.shape[1] == cfg.hidden and y.shape[0] >= self._row_capacity
+                and y.shape[1] == cfg.hidden and y.shape[0] >= cfg.row_capacity
                 and y.get_device() == self._device_index and y.is_contiguous()
                 and not y.data_ptr() % 16):  # else say what is wrong
             check_tensor(y, name="y", dtype="bfloat16", align=16,
                          device_index=self._device_index)
             if y.dim() != 2 or y.shape[1] != cfg.hidden:
                 raise ValueError(f"y must be bf16 [rows, {cfg.hidden}], got {tuple(y.shape)}")
-            if y.shape[0] < self._row_capacity:
+            if y.shape[0] < cfg.row_capacity:
                 raise ValueError(f"y has {y.shape[0]} rows; dispatch's outputs have "
-                                 f"row_capacity={self._row_capacity} rows (pass the full expert "
+                                 f"row_capacity={cfg.row_capacity} rows (pass the full expert "
                                  f"output buffer)")
         if topk_weights is None:
             return self._launch_combine(y, handle, AT_EXPERTS if r.weighted else UNREDUCED,
@@ -697,7 +696,7 @@ class Buffer:
         scales_offsets; absent ones empty) then the handle's (rows, weights, source tokens,
         messages). They depend on the config only, never on the routing."""
         cfg = self.cfg
-        cap, h, segs = self._row_capacity, cfg.hidden, cfg.segments
+        cap, h, segs = cfg.row_capacity, cfg.hidden, cfg.segments
         tokens = (self._tokens_shape, self._tokens_dtype)
         scales = {"bf16": ((0,), torch.float32), "fp8": ((h // 128, cap), torch.float32),
                   "nvfp4": ((self.nvfp4_scale_bytes,), torch.uint8)}[cfg.format]

@@ -18,22 +18,21 @@ has SEND_WARPS sender warps and RECV_WARPS[format] receiver warps, and runs thre
    returned credit for the batch the slot held, and the warp that
    finishes a batch last (one shared-memory atomic a warp) fences once at system scope and
    publishes the batch in every destination's `tails`.
-3. Receive (the receiver warps): they wait for every (channel, source)'s counts (a count
-   flag's system-scope acquire, then the counts themselves by plain loads, ordered after the
-   acquires by the receivers' barrier), from which each CTA derives the whole row layout (segments padded to the format's row alignment, NVFP4
-   segments on fresh 128-row scale blocks) and the first row of every (segment, source) that
-   its channel fills. The warps of source s then take s's batches of this channel in order as
-   its tail advances: they read the batch's header from the source (over NVLink), keep the
-   tokens with an expert here (or this rank's shared-expert tokens), MAX_CHUNK at a time, and
-   place each such message in the next free row of each of its local experts, so rows follow
-   source-token order without any plan on the sender. The payload is loaded once from the
-   source's staging (over NVLink) and stored to every row: BF16 by bulk copies
-   (`cp.async.bulk`) through PIECES pieces of shared memory per warp, each piece bulk-stored to
-   every row as it lands; FP8 and NVFP4 through registers, a row's scales contiguously into
-   `scale_rows` (row-major, `layouts.buffers.scale_rows_layout`); the rows, weights and source
-   token are recorded for combine. Credit returns to the source after every batch, and for all
-   the rest of the round's batches once the last message from the source has landed (their
-   slots are not read).
+3. Receive (the receiver warps): they wait for every (channel, source)'s counts (a count flag's
+   system-scope acquire, then the counts themselves by plain loads, ordered after the acquires by
+   the receivers' barrier), from which each CTA derives the whole row layout (segments padded to
+   the format's row alignment, NVFP4 segments on fresh 128-row scale blocks) and the first row of
+   every (segment, source) that its channel fills. The warps of source s then take s's batches of
+   this channel in order as its tail advances: they read the batch's header from the source (over
+   NVLink), keep the tokens with an expert here (or this rank's shared-expert tokens), MAX_CHUNK at
+   a time, and place each such message in the next free row of each of its local experts, so rows
+   follow source-token order without any plan on the sender. The payload is loaded once from the
+   source's staging (over NVLink) and stored to every row: BF16 by bulk copies (`cp.async.bulk`)
+   through PIECES pieces of shared memory per warp, each piece bulk-stored to every row as it
+   lands; FP8 and NVFP4 through registers, a row's scales contiguously into `scale_rows`
+   (row-major, `layouts.buffers.scale_rows_layout`); the rows, weights and source token are
+   recorded for combine. Credit returns to the source after every batch, and for all the rest of
+   the round's batches once the last message from the source has landed (their slots are not read).
 
 4. FP8 and NVFP4 (packed rows): once every CTA has finished (the round's advance below, which
    each CTA waits for), all warps write `scale_rows` into the output's scale layout, a tile of

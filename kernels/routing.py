@@ -59,14 +59,29 @@ def route_ids(ids: cute.Tensor, row, stride, t, topk, experts, local_experts, my
             if valid_expert(ids, row, k, stride, experts) == 0:
                 bad = bad | ERROR_ID_TWICE
             else:
-                d = e // local_experts
-                if skip_a2a == 0 or d == my_rank:
-                    mask = mask | (Int32(1) << d)
-                    if cutlass.const_expr(count):
-                        cute.arch.atomic_add(s_cnt.iterator + e, Int32(1))
+                mask = _route_pair(mask, e, local_experts, my_rank, skip_a2a, s_cnt, count)
+    return _with_shared(mask, t, my_rank, shared, shared_begin, shared_end), bad
+
+
+@cute.jit
+def _route_pair(mask, e, local_experts, my_rank, skip_a2a, s_cnt: cute.Tensor,
+                count: cutlass.Constexpr):
+    """`mask` with the rank of valid pair (token, expert e) (with skip_a2a, only if it is this
+    rank), and with `count` one more in s_cnt[e] for it (`route_ids`, `route_token`)."""
+    d = e // local_experts
+    if skip_a2a == 0 or d == my_rank:
+        mask = mask | (Int32(1) << d)
+        if cutlass.const_expr(count):
+            cute.arch.atomic_add(s_cnt.iterator + e, Int32(1))
+    return mask
+
+
+@cute.jit
+def _with_shared(mask, t, my_rank, shared, shared_begin, shared_end):
+    """`mask` with this rank for token t when a fused shared expert takes it."""
     if shared != 0 and t >= shared_begin and t < shared_end:
         mask = mask | (Int32(1) << my_rank)
-    return mask, bad
+    return mask
 
 
 @cute.jit
@@ -98,11 +113,5 @@ def route_token(topk_ids: cute.Pointer, t, topk, experts, local_experts, my_rank
                 if twice != 0:
                     bad = bad | ERROR_ID_TWICE
                 else:
-                    d = e // local_experts
-                    if skip_a2a == 0 or d == my_rank:
-                        mask = mask | (Int32(1) << d)
-                        if cutlass.const_expr(count):
-                            cute.arch.atomic_add(s_cnt.iterator + e, Int32(1))
-    if shared != 0 and t >= shared_begin and t < shared_end:
-        mask = mask | (Int32(1) << my_rank)
-    return mask, bad
+                    mask = _route_pair(mask, e, local_experts, my_rank, skip_a2a, s_cnt, count)
+    return _with_shared(mask, t, my_rank, shared, shared_begin, shared_end), bad

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from layouts.formats import MessageLayout, message_layout, token_format
 
@@ -73,7 +74,7 @@ class EPConfig:
         packed."""
         return self.ranks * self.max_tokens_per_rank if self.layout == "slabs" else 0
 
-    @property
+    @cached_property  # read on every dispatch and combine call; the config is frozen
     def row_capacity(self) -> int:
         """Output rows including each segment's alignment padding (or its whole slab)."""
         if self.layout == "slabs":
