@@ -130,7 +130,7 @@ def quantize_nvfp4(x: torch.Tensor, global_scales: torch.Tensor | float,
                          f"segments")
     if scales not in ("linear", "128x4"):
         raise ValueError(f"scales must be 'linear' or '128x4', got {scales!r}")
-    kernel, grid = _quantizer(runtime(), device.index, scales, _steps(m, k, device.index, scales))
+    kernel, grid = _quantizer(runtime(), device.index, scales, QUANTIZE_STAGES, QUANTIZE_STEPS)
     if segments > kernel.spec.sizes["max_segments"]:
         raise ValueError(f"at most {kernel.spec.sizes['max_segments']} segments, got {segments}")
     codes = torch.empty(m, k // 2, dtype=torch.uint8, device=device)
@@ -143,30 +143,21 @@ def quantize_nvfp4(x: torch.Tensor, global_scales: torch.Tensor | float,
                                  device=device)
     # Every tensor is checked above or allocated here.
     kernel.launch_checked_by_caller(x, row_offsets, global_scales, codes, out_scales, segments,
-                                    k, grid)
+                                    m, k, grid)
     return codes, out_scales
 
 
-# Chunks per warp from which the longer chunks pay (`_steps`).
-_LONG_CHUNKS_FROM = 8
-
-
-def _steps(rows: int, k: int, index: int, scales: str) -> int:
-    """Blocks per lane per chunk of quantize_nvfp4 (chunks of 32 * steps blocks): 2 once every
-    warp of the grid has at least _LONG_CHUNKS_FROM of them, else 1, whose finer chunks spread
-    few rows better (one H200, M = 8192, 8 segments, both kernels beside copy_: K = 2048, 3.9
-    long chunks a warp, 78% of copy at steps 1 against 72-73% at 2; K = 7168, 13.6 a warp,
-    75% against 77%)."""
-    kernel, grid = _quantizer(runtime(), index, scales, 2)
-    chunks = rows * ceil_div(k // NVFP4_BLOCK, 2 * 32)
-    return 2 if chunks >= _LONG_CHUNKS_FROM * grid * kernel.spec.sizes["warps"] else 1
+# Shared-memory stages per warp of quantize_nvfp4: chunks of 32 blocks loaded ahead of the one
+# computed, plus one.
+QUANTIZE_STAGES = 3
+QUANTIZE_STEPS = 1
 
 
 @functools.lru_cache(maxsize=64)
-def _quantizer(rt, index: int, scales: str, steps: int = 2):
+def _quantizer(rt, index: int, scales: str, stages: int, steps: int = 1):
     """The quantize_nvfp4 kernel of this device and its grid: persistent, every SM full (its
-    warps take runs of the rows' chunks); `steps` blocks per lane per chunk."""
+    warps take runs of the stream's 32-block chunks); `stages` per warp."""
     device = torch.device("cuda", index)
-    kernel = rt.select("quantize_nvfp4", device, scales=scales, steps=steps,
+    kernel = rt.select("quantize_nvfp4", device, scales=scales, stages=stages, steps=steps,
                        e2m1=E2M1_OF_ARCH[device_arch(device)])
     return kernel, kernel.resident_ctas() * sm_count(device)
