@@ -6,8 +6,8 @@ Rows `[row_offsets[g], row_offsets[g + 1])` form segment g (an expert) with glob
 (correctly rounded fp32 operations), codes 0 where sf is not positive (a zero block; a NaN block
 keeps its NaN scale 0x7F), element 2i in the low nibble.
 
-The kernel streams the rows through shared memory, a ring of bulk-copy stages per warp
-(`QuantizeNvfp4`); a lane quantizes a block from registers (`quantize_nvfp4_pairs`, which the
+The kernel streams the rows through shared memory, a ring of stages per warp that its lanes
+fill with `cp.async` (`QuantizeNvfp4`); a lane quantizes a block from registers (`quantize_nvfp4_pairs`, which the
 dispatch encoder `kernels.encode` shares through `quantize_nvfp4_block`). Scales are linear
 `[rows, K / 16]`, or in the 128x4 layout (`layouts.scales`) where each segment starts on a fresh
 128-row block, its padding rows (and padding scale columns) written as zeros by a pass of their
@@ -566,7 +566,7 @@ class QuantizeNvfp4:
     up to its 128-row block, and scale columns past K / 16) is written as zeros by a separate
     strided pass over the scale rows."""
 
-    def __init__(self, scales: str, e2m1: str, warps: int = 16, stages: int = 3, steps: int = 1):
+    def __init__(self, scales: str, e2m1: str, warps: int = 16, stages: int = 2, steps: int = 2):
         if scales not in ("linear", "128x4") or e2m1 not in ("software", "hardware"):
             raise ValueError(f"scales linear|128x4, e2m1 software|hardware; got {scales}, {e2m1}")
         self.scales = scales

@@ -8,14 +8,13 @@ from cute_ep.reference import fp4
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(params=[(3, 1), (4, 1), (2, 2), (3, 2)], ids=lambda p: f"stages{p[0]}x{p[1]}")
-def stages(request, monkeypatch):
-    """Every built configuration of the kernel's ring (`cute_ep.quant.QUANTIZE_STAGES` and
-    `QUANTIZE_STEPS` are the ones in use)."""
+@pytest.fixture(params=[1, 2], ids=["steps1", "steps2"])
+def steps(request, monkeypatch):
+    """Both chunk sizes of the kernel whatever the input size (`cute_ep.quant._steps` picks one
+    by size in use)."""
     import cute_ep.quant
 
-    monkeypatch.setattr(cute_ep.quant, "QUANTIZE_STAGES", request.param[0])
-    monkeypatch.setattr(cute_ep.quant, "QUANTIZE_STEPS", request.param[1])
+    monkeypatch.setattr(cute_ep.quant, "_steps", lambda *args: request.param)
     return request.param
 
 
@@ -39,7 +38,7 @@ def _offsets(m):
 @pytest.mark.parametrize("k", [32, 400, 1040, 1536, 2048, 2880, 7168])
 @pytest.mark.parametrize("m", [0, 1, 127, 128, 129, 4096])
 @pytest.mark.parametrize("spare", [3, 0], ids=["capacity", "all_rows"])
-def test_quantize_nvfp4_matches_the_reference(m, k, scales, stages, spare):
+def test_quantize_nvfp4_matches_the_reference(m, k, scales, steps, spare):
     """Rows past the offsets' end (`spare` of them: the input a capacity, so the kernel splits
     its work again once it has read the offsets) or none."""
     from cute_ep.quant import quantize_nvfp4
@@ -63,7 +62,7 @@ def test_quantize_nvfp4_matches_the_reference(m, k, scales, stages, spare):
 
 
 @pytest.mark.parametrize("k", [1040, 2048])  # 65 blocks (3 padding columns) and 128
-def test_scale_padding_is_written_and_nothing_past_the_used_blocks(k, stages):
+def test_scale_padding_is_written_and_nothing_past_the_used_blocks(k, steps):
     """Into outputs pre-filled with a sentinel: the 128x4 padding (rows past each segment up to
     its 128-row block, columns past K / 16) is written as zeros, and no byte past the used
     blocks or past the valid rows' codes is touched."""
@@ -76,7 +75,7 @@ def test_scale_padding_is_written_and_nothing_past_the_used_blocks(k, stages):
     gs = torch.tensor([1.0, 0.5, 3.0, 2.0 ** 10, 1e-3], device="cuda")
     codes = torch.full((m, k // 2), sentinel, dtype=torch.uint8, device="cuda")
     sc = torch.full((fp4_scale_bytes(rows, k, 16),), sentinel, dtype=torch.uint8, device="cuda")
-    kernel, grid = _quantizer(runtime(), torch.cuda.current_device(), "128x4", *stages)
+    kernel, grid = _quantizer(runtime(), torch.cuda.current_device(), "128x4", steps)
     kernel.launch_checked_by_caller(x, torch.tensor(offsets, dtype=torch.int32, device="cuda"),
                                     gs, codes, sc, 5, m, k, grid)
     want_codes, want = fp4.quantize_nvfp4_segments(x, offsets, gs, rows)
@@ -86,8 +85,28 @@ def test_scale_padding_is_written_and_nothing_past_the_used_blocks(k, stages):
     assert torch.equal(codes[:290], want_codes[:290]) and (codes[290:] == sentinel).all()
 
 
+def test_offsets_past_the_input_touch_no_row_beyond_it(steps):
+    """Offsets that end past the input's M rows (a caller's error the host cannot see): the
+    kernel quantizes the M rows it was given and writes no code past them."""
+    from cute_ep.quant import _quantizer
+    from cute_ep.runtime.launch import runtime
+
+    m, k, sentinel = 200, 2048, 0xA5
+    x, offsets = _rows(m, k, 11)[:m], [0, 100, 260]
+    gs = torch.tensor([1.0, 0.5], device="cuda")
+    codes = torch.full((m + 64, k // 2), sentinel, dtype=torch.uint8, device="cuda")
+    sc = torch.zeros(m + 64, k // 16, dtype=torch.uint8, device="cuda")
+    kernel, grid = _quantizer(runtime(), torch.cuda.current_device(), "linear", steps)
+    kernel.launch_checked_by_caller(x, torch.tensor(offsets, dtype=torch.int32, device="cuda"),
+                                    gs, codes, sc, 2, m, k, grid)
+    per_row = torch.tensor([1.0] * 100 + [0.5] * 100, device="cuda")
+    want_codes, want_scales = fp4.quantize_nvfp4(x, per_row)
+    assert torch.equal(codes[:m], want_codes) and torch.equal(sc[:m], want_scales)
+    assert (codes[m:] == sentinel).all() and not sc[m:].any()
+
+
 @pytest.mark.parametrize("scales", ["linear", "128x4"])
-def test_quantize_nvfp4_with_zero_and_negative_global_scales(scales, stages):
+def test_quantize_nvfp4_with_zero_and_negative_global_scales(scales, steps):
     """Segments whose global scale is zero or negative get codes 0 and the reference's scale
     bytes (a negative scale's e4m3 code has its sign bit)."""
     from cute_ep.quant import quantize_nvfp4
@@ -155,7 +174,7 @@ def test_bad_arguments_are_refused():
                        torch.tensor([0, 4], dtype=torch.int32, device="cuda"))
 
 
-def test_every_bf16_value_up_to_6_encodes_as_the_reference(stages):
+def test_every_bf16_value_up_to_6_encodes_as_the_reference(steps):
     """Exhaustive over bf16 magnitudes <= 6 (both signs, subnormals, zeros): each block holds
     6.0 first so its scale is exactly 1 and every code is e2m1 of the value itself."""
     from cute_ep.quant import quantize_nvfp4
@@ -172,7 +191,7 @@ def test_every_bf16_value_up_to_6_encodes_as_the_reference(stages):
     assert torch.equal(codes, fp4.pack_nibbles(want))
 
 
-def test_blocks_on_either_side_of_the_fast_division_limit(stages):
+def test_blocks_on_either_side_of_the_fast_division_limit(steps):
     """A block divides by its scale with one reciprocal and fmas while gs * amax <= 2^100, with `/`
     above it (and for an infinite gs * amax): rows straddling the limit, every e4m3 scale
     significand (amax's significand varies per block), both signs, and tiny elements beside
