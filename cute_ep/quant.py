@@ -41,10 +41,11 @@ def segment_offsets(row_offsets: torch.Tensor | None, rows: int,
     return row_offsets, row_offsets.numel() - 1
 
 
-def check_work_items(rows: int, per_row: int, what: str) -> None:
+def check_work_items(rows: int, per_row: int, what: str, margin: int = 0) -> None:
     """Refuse an input whose `rows * per_row` work items (blocks or lane vectors, which the
-    kernels count in 32 bits) reach 2^31."""
-    if rows * per_row >= 2 ** 31:
+    kernels count in 32 bits) reach 2^31, or 2^31 - `margin` for a kernel that counts up to
+    `margin` items past the last."""
+    if rows * per_row >= 2 ** 31 - margin:
         raise ValueError(f"{what}: {rows} rows of {per_row} items each is 2^31 or more; split "
                          f"the rows over several calls")
 
@@ -120,7 +121,7 @@ def quantize_nvfp4(x: torch.Tensor, global_scales: torch.Tensor | float,
         raise ValueError(f"x must be bf16 [M, K] with K a multiple of {NVFP4_BLOCK}, got "
                          f"{tuple(x.shape)}")
     m, k = x.shape
-    check_work_items(m, k // NVFP4_BLOCK, "quantize_nvfp4")
+    check_work_items(m, k // NVFP4_BLOCK, "quantize_nvfp4", margin=64)  # a chunk's lanes
     row_offsets, segments = segment_offsets(row_offsets, m, device)
     global_scales = per_segment_scales(global_scales, row_offsets, device)
     check_tensor(global_scales, name="global_scales", dtype="float32", align=4,

@@ -7,11 +7,11 @@ Rows `[row_offsets[g], row_offsets[g + 1])` form segment g (an expert) with glob
 keeps its NaN scale 0x7F), element 2i in the low nibble.
 
 The kernel streams the rows through shared memory, a ring of stages per warp that its lanes
-fill with `cp.async` (`QuantizeNvfp4`); a lane quantizes a block from registers (`quantize_nvfp4_pairs`, which the
-dispatch encoder `kernels.encode` shares through `quantize_nvfp4_block`). Scales are linear
-`[rows, K / 16]`, or in the 128x4 layout (`layouts.scales`) where each segment starts on a fresh
-128-row block, its padding rows (and padding scale columns) written as zeros by a pass of their
-own.
+fill with `cp.async` (`QuantizeNvfp4`); a lane quantizes a block from registers
+(`quantize_nvfp4_pairs`, which the dispatch encoder `kernels.encode` shares through
+`quantize_nvfp4_block`). Scales are linear `[rows, K / 16]`, or in the 128x4 layout
+(`layouts.scales`) where each segment starts on a fresh 128-row block, its padding rows (and
+padding scale columns) written as zeros by a pass of their own.
 
 The e2m1 encoder is software on sm_90a (`e2m1_pairs_word`: three fmas into the integer-spaced
 fp32 range and two mins, signs from the bf16 bits) and the hardware
@@ -637,9 +637,11 @@ class QuantizeNvfp4:
                                        byte_alignment=16)
         s_gs = smem.allocate_tensor(Float32, cute.make_layout(MAX_SEGMENTS + 4),
                                     byte_alignment=16)
-        # The small reads first (queued behind the chunk loads they would wait for them).
+        # The small reads first: queued behind the chunk loads, they would wait for them.
         offset, gs_mine, valid_rows = read_segment_inputs(row_offsets, global_scales,
                                                           num_segments, tidx)
+        # Offsets past the input are taken as its end: no row, code or scale row past them.
+        offset = cutlass.min(offset, rows)
         blocks = hidden // BLOCK
         me = bidx * self.warps + warp
         warps = grid_ctas * self.warps
@@ -651,7 +653,7 @@ class QuantizeNvfp4:
             s_gs[tidx] = gs_mine
         load_segment_blocks(row_offsets, num_segments, s_off, s_first, tidx, self.threads,
                             offset)
-        total_rows = cutlass.min(valid_rows, rows)  # offsets past the input are not read
+        total_rows = cutlass.min(valid_rows, rows)
         total = total_rows * blocks
         if total_rows < rows:  # a capacity: drain the first loads, split the valid rows
             cute.arch.cp_async_wait_group(0)

@@ -85,24 +85,36 @@ def test_scale_padding_is_written_and_nothing_past_the_used_blocks(k, steps):
     assert torch.equal(codes[:290], want_codes[:290]) and (codes[290:] == sentinel).all()
 
 
-def test_offsets_past_the_input_touch_no_row_beyond_it(steps):
+@pytest.mark.parametrize("scales", ["linear", "128x4"])
+def test_offsets_past_the_input_are_taken_as_its_end(scales, steps):
     """Offsets that end past the input's M rows (a caller's error the host cannot see): the
-    kernel quantizes the M rows it was given and writes no code past them."""
-    from cute_ep.quant import _quantizer
+    kernel quantizes the M rows it was given as if the offsets stopped at M, and writes no code
+    past them nor any scale byte past the layout's M + 128 S rows."""
+    from cute_ep.quant import _quantizer, fp4_scale_bytes
     from cute_ep.runtime.launch import runtime
 
     m, k, sentinel = 200, 2048, 0xA5
-    x, offsets = _rows(m, k, 11)[:m], [0, 100, 260]
-    gs = torch.tensor([1.0, 0.5], device="cuda")
+    x, offsets, clamped = _rows(m, k, 11)[:m], [0, 100, 260, 300], [0, 100, 200, 200]
+    gs = torch.tensor([1.0, 0.5, 2.0], device="cuda")
+    rows = m + 3 * 128
     codes = torch.full((m + 64, k // 2), sentinel, dtype=torch.uint8, device="cuda")
-    sc = torch.zeros(m + 64, k // 16, dtype=torch.uint8, device="cuda")
-    kernel, grid = _quantizer(runtime(), torch.cuda.current_device(), "linear", steps)
+    if scales == "linear":
+        sc = torch.full((m + 64, k // 16), sentinel, dtype=torch.uint8, device="cuda")
+    else:
+        sc = torch.full((fp4_scale_bytes(rows, k, 16) + 4096,), sentinel, dtype=torch.uint8,
+                        device="cuda")
+    kernel, grid = _quantizer(runtime(), torch.cuda.current_device(), scales, steps)
     kernel.launch_checked_by_caller(x, torch.tensor(offsets, dtype=torch.int32, device="cuda"),
-                                    gs, codes, sc, 2, m, k, grid)
-    per_row = torch.tensor([1.0] * 100 + [0.5] * 100, device="cuda")
-    want_codes, want_scales = fp4.quantize_nvfp4(x, per_row)
-    assert torch.equal(codes[:m], want_codes) and torch.equal(sc[:m], want_scales)
-    assert (codes[m:] == sentinel).all() and not sc[m:].any()
+                                    gs, codes, sc, 3, m, k, grid)
+    want_codes, want = fp4.quantize_nvfp4_segments(x, clamped, gs, rows)
+    assert torch.equal(codes[:m], want_codes[:m]) and (codes[m:] == sentinel).all()
+    if scales == "linear":
+        per_row = torch.tensor([1.0] * 100 + [0.5] * 100, device="cuda")
+        assert torch.equal(sc[:m], fp4.quantize_nvfp4(x, per_row)[1])
+        assert (sc[m:] == sentinel).all()
+    else:
+        used = fp4.segment_scale_blocks(clamped)[-1] * fp4.scale_block_bytes(k, 16)
+        assert torch.equal(sc[:used], want[:used]) and (sc[used:] == sentinel).all()
 
 
 @pytest.mark.parametrize("scales", ["linear", "128x4"])
