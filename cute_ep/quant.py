@@ -45,9 +45,10 @@ def check_work_items(rows: int, per_row: int, what: str, margin: int = 0) -> Non
     """Refuse an input whose `rows * per_row` work items (blocks or lane vectors, which the
     kernels count in 32 bits) reach 2^31, or 2^31 - `margin` for a kernel that counts up to
     `margin` items past the last."""
+    limit = "2^31" if not margin else f"2^31 - {margin}"
     if rows * per_row >= 2 ** 31 - margin:
-        raise ValueError(f"{what}: {rows} rows of {per_row} items each is 2^31 or more; split "
-                         f"the rows over several calls")
+        raise ValueError(f"{what}: {rows} rows of {per_row} items each is {limit} or more; "
+                         f"split the rows over several calls")
 
 
 def segment_count(row_offsets: torch.Tensor | None) -> int:
