@@ -41,12 +41,14 @@ def segment_offsets(row_offsets: torch.Tensor | None, rows: int,
     return row_offsets, row_offsets.numel() - 1
 
 
-def check_work_items(rows: int, per_row: int, what: str) -> None:
+def check_work_items(rows: int, per_row: int, what: str, margin: int = 0) -> None:
     """Refuse an input whose `rows * per_row` work items (blocks or lane vectors, which the
-    kernels count in 32 bits) reach 2^31."""
-    if rows * per_row >= 2 ** 31:
-        raise ValueError(f"{what}: {rows} rows of {per_row} items each is 2^31 or more; split "
-                         f"the rows over several calls")
+    kernels count in 32 bits) reach 2^31, or 2^31 - `margin` for a kernel that counts up to
+    `margin` items past the last."""
+    limit = "2^31" if not margin else f"2^31 - {margin}"
+    if rows * per_row >= 2 ** 31 - margin:
+        raise ValueError(f"{what}: {rows} rows of {per_row} items each is {limit} or more; "
+                         f"split the rows over several calls")
 
 
 def segment_count(row_offsets: torch.Tensor | None) -> int:
@@ -120,7 +122,7 @@ def quantize_nvfp4(x: torch.Tensor, global_scales: torch.Tensor | float,
         raise ValueError(f"x must be bf16 [M, K] with K a multiple of {NVFP4_BLOCK}, got "
                          f"{tuple(x.shape)}")
     m, k = x.shape
-    check_work_items(m, k // NVFP4_BLOCK, "quantize_nvfp4")
+    check_work_items(m, k // NVFP4_BLOCK, "quantize_nvfp4", margin=64)  # a chunk's lanes
     row_offsets, segments = segment_offsets(row_offsets, m, device)
     global_scales = per_segment_scales(global_scales, row_offsets, device)
     check_tensor(global_scales, name="global_scales", dtype="float32", align=4,
@@ -143,7 +145,7 @@ def quantize_nvfp4(x: torch.Tensor, global_scales: torch.Tensor | float,
                                  device=device)
     # Every tensor is checked above or allocated here.
     kernel.launch_checked_by_caller(x, row_offsets, global_scales, codes, out_scales, segments,
-                                    k, grid)
+                                    m, k, grid)
     return codes, out_scales
 
 
@@ -152,20 +154,20 @@ _LONG_CHUNKS_FROM = 8
 
 
 def _steps(rows: int, k: int, index: int, scales: str) -> int:
-    """Blocks per lane per chunk of quantize_nvfp4 (chunks of 32 * steps blocks): 2 once every
-    warp of the grid has at least _LONG_CHUNKS_FROM of them, else 1, whose finer chunks spread
-    few rows better (one H200, M = 8192, 8 segments, both kernels beside copy_: K = 2048, 3.9
-    long chunks a warp, 78% of copy at steps 1 against 72-73% at 2; K = 7168, 13.6 a warp,
-    75% against 77%)."""
+    """Blocks per lane per chunk of quantize_nvfp4 (chunks of 32 * steps blocks of the rows'
+    stream): 2 once every warp of the grid has at least _LONG_CHUNKS_FROM of them, else 1, whose
+    pipeline fills sooner and whose last chunks are shorter (one H200, M = 8192, 8 segments,
+    both beside copy_ in one run: K = 2048, 3.9 long chunks a warp, 80% of copy at steps 1
+    against 76% at 2; K = 7168, 13.6 a warp, 77.5% against 79%)."""
     kernel, grid = _quantizer(runtime(), index, scales, 2)
-    chunks = rows * ceil_div(k // NVFP4_BLOCK, 2 * 32)
+    chunks = ceil_div(rows * (k // NVFP4_BLOCK), 2 * 32)
     return 2 if chunks >= _LONG_CHUNKS_FROM * grid * kernel.spec.sizes["warps"] else 1
 
 
 @functools.lru_cache(maxsize=64)
 def _quantizer(rt, index: int, scales: str, steps: int = 2):
     """The quantize_nvfp4 kernel of this device and its grid: persistent, every SM full (its
-    warps take runs of the rows' chunks); `steps` blocks per lane per chunk."""
+    warps take runs of the stream's chunks); `steps` blocks per lane per chunk."""
     device = torch.device("cuda", index)
     kernel = rt.select("quantize_nvfp4", device, scales=scales, steps=steps,
                        e2m1=E2M1_OF_ARCH[device_arch(device)])

@@ -45,6 +45,16 @@ def bulk_load(dst: cute.Pointer, src_addr: Int64, nbytes: Int32, mbar: cute.Poin
                     asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
 
+@dsl_user_op
+def cp_async_16(dst: cute.Pointer, src_addr: Int64, *, loc=None, ip=None) -> None:
+    """`cp.async` of 16 bytes from global address `src_addr` into shared memory at `dst` (both
+    16-byte aligned, through L2 only), in the thread's current group: complete for this thread
+    after `cp_async_wait_group`, for the others after a barrier that follows it."""
+    llvm.inline_asm(None, [_shared_address(dst, loc, ip), Int64(src_addr).ir_value(loc=loc, ip=ip)],
+                    "cp.async.cg.shared.global [$0], [$1], 16;", "r,l", has_side_effects=True,
+                    is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
 @cute.jit
 def init_stage_barriers(bars: cute.Pointer, stages: cutlass.Constexpr, leader):
     """`leader` initialises the `stages` mbarriers at `bars`, each completed by one arrival (the

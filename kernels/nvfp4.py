@@ -6,12 +6,12 @@ Rows `[row_offsets[g], row_offsets[g + 1])` form segment g (an expert) with glob
 (correctly rounded fp32 operations), codes 0 where sf is not positive (a zero block; a NaN block
 keeps its NaN scale 0x7F), element 2i in the low nibble.
 
-The kernel streams the rows through shared memory, a ring of bulk-copy stages per warp
-(`QuantizeNvfp4`); a lane quantizes a block from registers (`quantize_nvfp4_pairs`, which the
-dispatch encoder `kernels.encode` shares through `quantize_nvfp4_block`). Scales are linear
-`[rows, K / 16]`, or in the 128x4 layout (`layouts.scales`) where each segment starts on a fresh
-128-row block, its padding rows (and padding scale columns) written as zeros by a pass of their
-own.
+The kernel streams the rows through shared memory, a ring of stages per warp that its lanes
+fill with `cp.async` (`QuantizeNvfp4`); a lane quantizes a block from registers
+(`quantize_nvfp4_pairs`, which the dispatch encoder `kernels.encode` shares through
+`quantize_nvfp4_block`). Scales are linear `[rows, K / 16]`, or in the 128x4 layout
+(`layouts.scales`) where each segment starts on a fresh 128-row block, its padding rows (and
+padding scale columns) written as zeros by a pass of their own.
 
 The e2m1 encoder is software on sm_90a (`e2m1_pairs_word`: three fmas into the integer-spaced
 fp32 range and two mins, signs from the bf16 bits) and the hardware
@@ -28,7 +28,7 @@ from cutlass import Float32, Int32, Int64
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from kernels.bulk_copy import bulk_load, init_stage_barriers
+from kernels.bulk_copy import cp_async_16
 from kernels.division import (FAST_LIMIT, divide_split, reciprocal_low,
                               split_reciprocal, with_sign_of)
 from kernels.memory import scale_offset, store_i32, store_u8
@@ -146,15 +146,15 @@ def warp_run(me, warps, count):
 
 
 @cute.jit
-def warp_run_32(me, warps, count):
-    """`warp_run` in 32 bits (a 64-bit division is a long subroutine), as
-    `w share + floor(w extra / warps)` with count = share warps + extra: the callers keep
-    `count` below 2^31 (checked on the host), and `warps` below 46341 (at most 64 warps per SM
-    on a GPU of fewer than 724 SMs) keeps `w extra` below 2^31."""
+def warp_share(me, warps, count):
+    """(first, number) of warp `me`'s share of `count` consecutive items among `warps`: the
+    first `count % warps` warps take one more (one division, 32 bits: `count` < 2^31)."""
     share = count // warps
     extra = count - share * warps
-    begin = me * share + me * extra // warps
-    return begin, share + (me + 1) * extra // warps - me * extra // warps
+    n = share
+    if me < extra:
+        n = share + 1
+    return me * share + cutlass.min(me, extra), n
 
 
 @cute.jit
@@ -550,13 +550,19 @@ def zero_padding_rows(scales: cute.Pointer, s_off: cute.Tensor, s_first: cute.Te
 
 
 class QuantizeNvfp4:
-    """Each row is cut into chunks of `32 * steps` blocks (the last one shorter), and each warp
-    takes an equal run of consecutive chunks. A warp owns a ring of `stages` shared-memory
-    stages that its lane 0 fills with bulk copies (`cp.async.bulk`, completion on the stage's
-    mbarrier) `stages - 1` chunks ahead of the one its lanes quantize, a block per lane per
-    step: the loads of every warp stay in flight while it computes, without a producer warp or
-    barriers across warps, and a chunk's row, segment, global scale and scale row are carried
-    from the chunk before. The 128x4 layout's padding (the rows past each segment's last row
+    """The rows are one stream of blocks (block b: row b // (K / 16), column b % (K / 16), at
+    byte 32 b of the input and 8 b of the codes), cut into chunks of `32 * steps` consecutive
+    blocks, and each warp takes an equal run of consecutive chunks (`warp_share`); lane l
+    quantizes blocks l, l + 32, ... of each chunk, its row, segment, global scale and scale
+    address carried from its block before. The chunks come in through a ring of `stages`
+    shared-memory stages per warp, each lane copying `2 * steps` 16-byte pieces of every chunk
+    (`cp.async`, one group per chunk, `stages - 1` chunks ahead of the one computed): every
+    piece load is one coalesced 512-byte warp access, and no lane issues a copy for the warp.
+
+    The first chunks are requested before the row count is known (the round trip for
+    `row_offsets` would otherwise come before any load), for the split of all `rows` rows of
+    the input; when the offsets end below `rows` (a capacity) those loads are drained and the
+    valid rows split again. The 128x4 layout's padding (the rows past each segment's last row
     up to its 128-row block, and scale columns past K / 16) is written as zeros by a separate
     strided pass over the scale rows."""
 
@@ -578,7 +584,7 @@ class QuantizeNvfp4:
     def smem_bytes(self) -> int:
         ring = self.warps * self.stages * self.chunk * BLOCK_BYTES
         tables = 3 * (MAX_SEGMENTS + 4) * 4 + SCALE_TABLE_BYTES
-        return ring + 8 * self.warps * self.stages + tables + 256
+        return ring + tables + 256
 
     def spec(self) -> KernelSpec:
         return KernelSpec(
@@ -594,6 +600,7 @@ class QuantizeNvfp4:
                 Param("codes", "ptr", "uint8", align=8, writes=True),
                 Param("scales", "ptr", "uint8", align=4, writes=True),
                 Param("num_segments", "i32"),
+                Param("rows", "i32"),
                 Param("hidden", "i32"),
                 Param("grid_ctas", "i32"),
             ),
@@ -605,16 +612,16 @@ class QuantizeNvfp4:
 
     @cute.jit
     def __call__(self, x: cute.Pointer, row_offsets: cute.Pointer, global_scales: cute.Pointer,
-                 codes: cute.Pointer, scales: cute.Pointer, num_segments: Int32, hidden: Int32,
-                 grid_ctas: Int32, stream):
-        self.kernel(x, row_offsets, global_scales, codes, scales, num_segments, hidden,
+                 codes: cute.Pointer, scales: cute.Pointer, num_segments: Int32, rows: Int32,
+                 hidden: Int32, grid_ctas: Int32, stream):
+        self.kernel(x, row_offsets, global_scales, codes, scales, num_segments, rows, hidden,
                     grid_ctas).launch(grid=(grid_ctas, 1, 1), block=(self.threads, 1, 1),
                                       smem=self.smem_bytes, stream=stream)
 
     @cute.kernel
     def kernel(self, x: cute.Pointer, row_offsets: cute.Pointer, global_scales: cute.Pointer,
-               codes: cute.Pointer, scales: cute.Pointer, num_segments: Int32, hidden: Int32,
-               grid_ctas: Int32):
+               codes: cute.Pointer, scales: cute.Pointer, num_segments: Int32, rows: Int32,
+               hidden: Int32, grid_ctas: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         warp = tidx // WARP
@@ -624,116 +631,126 @@ class QuantizeNvfp4:
         # ring[:, b, stage, warp]: the 8 bf16 pairs of block b of a chunk.
         ring = smem.allocate_tensor(Int32, cute.make_layout((BLOCK // 2, self.chunk, stages,
                                                              self.warps)), byte_alignment=128)
-        full = smem.allocate_array(Int64, stages * self.warps)
         table = smem.allocate_tensor(Float32, scale_table_layout(), byte_alignment=16)
         s_off = smem.allocate_tensor(Int32, cute.make_layout(MAX_SEGMENTS + 4), byte_alignment=16)
         s_first = smem.allocate_tensor(Int32, cute.make_layout(MAX_SEGMENTS + 4),
                                        byte_alignment=16)
         s_gs = smem.allocate_tensor(Float32, cute.make_layout(MAX_SEGMENTS + 4),
                                     byte_alignment=16)
-        mine = full + warp * stages
-        # This warp's run of chunks needs only the row count: its first loads are issued before
-        # the tables are built, so their latency hides under that work.
-        offset, gs_mine, total_rows = read_segment_inputs(row_offsets, global_scales,
+        # The small reads first: queued behind the chunk loads, they would wait for them.
+        offset, gs_mine, valid_rows = read_segment_inputs(row_offsets, global_scales,
                                                           num_segments, tidx)
+        # Offsets past the input are taken as its end: no row, code or scale row past them.
+        offset = cutlass.min(offset, rows)
         blocks = hidden // BLOCK
-        pieces = (blocks + self.chunk - 1) // self.chunk  # chunks per row
         me = bidx * self.warps + warp
         warps = grid_ctas * self.warps
-        begin, n = warp_run_32(me, warps, total_rows * pieces)
-        # The chunk to quantize next (row, first column kb, first block of the stream) and the
-        # one to load next (column, global address): each advances by the chunk just done.
-        row = begin // pieces
-        kb = (begin - row * pieces) * self.chunk
-        block = Int64(row) * Int64(blocks) + Int64(kb)
-        load_kb = kb
-        load_at = x.toint() + block * BLOCK_BYTES
-        init_stage_barriers(mine, stages, lane == 0)
-        cute.arch.sync_warp()  # the barriers are initialised before any lane uses them
-        for s in cutlass.range_constexpr(stages):
-            if s < n:
-                if lane == 0:
-                    self._fill(ring, mine, warp, s, load_at, load_kb, blocks)
-                load_at, load_kb = self._next_chunk(load_at, load_kb, blocks, BLOCK_BYTES)
+        # This warp's run if every row is valid, its first chunks requested at once.
+        begin, n = warp_share(me, warps, (rows * blocks + self.chunk - 1) // self.chunk)
+        self._first_loads(ring, warp, lane, x.toint(), begin, n, rows * blocks)
         fill_scale_table(table, tidx, self.threads)
         if tidx < num_segments:
             s_gs[tidx] = gs_mine
         load_segment_blocks(row_offsets, num_segments, s_off, s_first, tidx, self.threads,
                             offset)
+        total_rows = cutlass.min(valid_rows, rows)
+        total = total_rows * blocks
+        if total_rows < rows:  # a capacity: drain the first loads, split the valid rows
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.sync_warp()
+            begin, n = warp_share(me, warps, (total + self.chunk - 1) // self.chunk)
+            self._first_loads(ring, warp, lane, x.toint(), begin, n, total)
 
         if cutlass.const_expr(self.scales == "128x4"):
             if blocks % 4 == 0:
                 zero_padding_rows(scales, s_off, s_first, num_segments, blocks, me, warps, lane)
             else:
                 zero_scale_padding(scales, s_off, s_first, num_segments, blocks, me, warps, lane)
-        # Per row: its segment's global scale and the row's bytes in the scale layout.
-        seg = segment_of(s_off, num_segments, row)
-        scale_row = Int64(0)
-        gs = Float32(0.0)
-        row_of_scale = Int32(-1)
+        # This lane's first block, its row and column, and where its codes and scale byte go.
+        block = begin * self.chunk + lane
+        row = block // blocks
+        col = block - row * blocks
+        codes_at = codes.toint() + Int64(block) * 8
         rk = (blocks + 3) // 4
+        seg = Int32(0)
+        gs = Float32(0.0)
+        scales_at = Int64(0)
+        if row < total_rows:
+            seg = segment_of(s_off, num_segments, row)
+            seg, gs, scales_at = self._row_start(s_off, s_first, s_gs, seg, row, col, blocks,
+                                                 rk, scales.toint())
+        # The next chunk to load, its first piece's global address for this lane.
+        load = begin + stages - 1
+        src = x.toint() + Int64(load) * (self.chunk * BLOCK_BYTES) + Int64(lane * 16)
+        full = total // self.chunk  # chunks wholly inside the stream
         for i in cutlass.range(n):
-            s = i % stages
-            if row != row_of_scale:
-                seg, gs, unit = next_row_segment(s_off, s_first, s_gs, seg, row)
-                scale_row = Int64(row) * Int64(blocks)
-                if cutlass.const_expr(self.scales == "128x4"):
-                    scale_row = scale_offset(unit, 0, rk)
-                row_of_scale = row
-            cute.arch.mbarrier_wait(mine + s, (i // stages) % 2)
-            self._quantize_chunk(ring, s, warp, lane, codes.toint() + block * 8,
-                                 scales.toint() + scale_row, table, gs, kb, blocks)
-            cute.arch.sync_warp()  # every lane has read stage s
-            if i + stages < n:
-                if lane == 0:
-                    self._fill(ring, mine, warp, s, load_at, load_kb, blocks)
-                load_at, load_kb = self._next_chunk(load_at, load_kb, blocks, BLOCK_BYTES)
-            block, next_kb = self._next_chunk(block, kb, blocks, 1)
-            if next_kb == 0:
-                row += 1
-            kb = next_kb
+            cute.arch.sync_warp()  # every lane has read the stage loaded next
+            if i + stages - 1 < n:
+                self._load(ring, (i + stages - 1) % stages, warp, lane, src, load, full, total)
+            cute.arch.cp_async_commit_group()
+            load += 1
+            src = src + self.chunk * BLOCK_BYTES
+            cute.arch.cp_async_wait_group(stages - 1)  # this lane's pieces of chunk i are in
+            cute.arch.sync_warp()  # and every other lane's
+            for t in cutlass.range_constexpr(self.steps):
+                if row < total_rows:
+                    pairs = cute.make_rmem_tensor(cute.make_layout(BLOCK // 2), Int32)
+                    cute.autovec_copy(ring[None, lane + t * WARP, i % stages, warp], pairs)
+                    words = cute.make_rmem_tensor(cute.make_layout(2), Int32)
+                    byte = quantize_nvfp4_pairs(pairs, words, gs, self.e2m1, table)
+                    cute.autovec_copy(words, cute.make_tensor(_ptr(Int32, codes_at, 8),
+                                                              cute.make_layout(2)))
+                    store_u8(scales_at, byte)
+                codes_at = codes_at + WARP * 8
+                col = col + WARP
+                if col < blocks:
+                    if cutlass.const_expr(self.scales == "128x4"):
+                        scales_at = scales_at + scale_offset(0, WARP, 0)
+                    else:
+                        scales_at = scales_at + WARP
+                else:
+                    while col >= blocks:
+                        col = col - blocks
+                        row = row + 1
+                    if row < total_rows:
+                        seg, gs, scales_at = self._row_start(s_off, s_first, s_gs, seg, row,
+                                                             col, blocks, rk, scales.toint())
 
     @cute.jit
-    def _next_chunk(self, at, kb, blocks, unit: cutlass.Constexpr):
-        """(`at` advanced past the chunk at column kb, in `unit`s per block; the next chunk's
-        column, 0 on a new row)."""
-        at = at + Int64(cutlass.min(blocks - kb, self.chunk) * unit)
-        kb = kb + self.chunk
-        if kb >= blocks:
-            kb = 0
-        return at, kb
-
-    @cute.jit
-    def _quantize_chunk(self, ring: cute.Tensor, s, warp, lane, codes_at, scales_row, table,
-                        gs, kb0, blocks):
-        """Quantize the chunk in stage s, columns kb0, kb0 + 1, ... of a row, a block per lane
-        per step: codes from `codes_at` on, scale bytes in the row at `scales_row` (its column
-        0; 128x4 or linear)."""
-        # Each step is a constant further on (a chunk starts on a multiple of 32 * steps
-        # columns, so of 4 scale columns: the layout's column offsets add up).
-        codes_at = codes_at + Int64(lane) * 8
-        col = kb0 + lane
-        scales_at = scales_row + Int64(col)
+    def _row_start(self, s_off: cute.Tensor, s_first: cute.Tensor, s_gs: cute.Tensor, seg, row,
+                   col, blocks, rk, scales_base):
+        """(segment, global scale, scale byte address) of column `col` of `row` (at or past
+        segment `seg`'s first row)."""
+        seg, gs, unit = next_row_segment(s_off, s_first, s_gs, seg, row)
+        at = scales_base + Int64(row) * Int64(blocks) + Int64(col)
         if cutlass.const_expr(self.scales == "128x4"):
-            scales_at = scales_row + scale_offset(0, col, 0)
-        for t in cutlass.range_constexpr(self.steps):
-            b = t * WARP + lane
-            if kb0 + b < blocks:
-                pairs = cute.make_rmem_tensor(cute.make_layout(BLOCK // 2), Int32)
-                cute.autovec_copy(ring[None, b, s, warp], pairs)
-                words = cute.make_rmem_tensor(cute.make_layout(2), Int32)
-                byte = quantize_nvfp4_pairs(pairs, words, gs, self.e2m1, table)
-                cute.autovec_copy(words, cute.make_tensor(
-                    _ptr(Int32, codes_at + t * WARP * 8, 8), cute.make_layout(2)))
-                step = t * WARP
-                if cutlass.const_expr(self.scales == "128x4"):
-                    step = scale_offset(0, t * WARP, 0)
-                store_u8(scales_at + step, byte)
+            at = scales_base + scale_offset(unit, col, rk)
+        return seg, gs, at
 
     @cute.jit
-    def _fill(self, ring: cute.Tensor, mine: cute.Pointer, warp, s, at, kb, blocks):
-        """Lane 0: bulk-copy the chunk at global address `at` (column kb of its row) into
-        stage s."""
-        nbytes = cutlass.min(blocks - kb, self.chunk) * BLOCK_BYTES
-        cute.arch.mbarrier_arrive_and_expect_tx(mine + s, nbytes)
-        bulk_load(ring[None, None, s, warp].iterator, at, nbytes, mine + s)
+    def _first_loads(self, ring: cute.Tensor, warp, lane, x_base, begin, n, total):
+        """The `stages - 1` chunks from `begin` of a run of `n`, one group each (empty past the
+        run), `total` blocks in the stream."""
+        src = x_base + Int64(begin) * (self.chunk * BLOCK_BYTES) + Int64(lane * 16)
+        full = total // self.chunk
+        for s in cutlass.range_constexpr(self.stages - 1):
+            if s < n:
+                self._load(ring, s, warp, lane, src, begin + s, full, total)
+            cute.arch.cp_async_commit_group()
+            src = src + self.chunk * BLOCK_BYTES
+
+    @cute.jit
+    def _load(self, ring: cute.Tensor, s, warp, lane, src, chunk, full, total):
+        """This lane's pieces of chunk `chunk` into stage s: bytes 16 lane + 512 j of it from
+        global address `src` on, at the same offsets in the stage; in the stream's last chunk
+        (from `full` on) only pieces of its `total` blocks."""
+        stage = ring[None, None, s, warp].iterator
+        if chunk < full:
+            for j in cutlass.range_constexpr(2 * self.steps):
+                cp_async_16(stage + (lane * 4 + j * (CHUNK_BYTES // 8)),
+                            src + j * (CHUNK_BYTES // 2))
+        else:
+            for j in cutlass.range_constexpr(2 * self.steps):
+                if Int64(chunk) * self.chunk + (lane + j * WARP) // 2 < Int64(total):
+                    cp_async_16(stage + (lane * 4 + j * (CHUNK_BYTES // 8)),
+                                src + j * (CHUNK_BYTES // 2))

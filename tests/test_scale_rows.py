@@ -57,6 +57,10 @@ def test_inputs_of_2_to_the_31_work_items_are_refused():
     check_work_items(2 ** 21, 2 ** 10 - 1, "quantize_nvfp4")
     with pytest.raises(ValueError, match="quantize_nvfp4: 2097152 rows .* 2\\^31"):
         check_work_items(2 ** 21, 2 ** 10, "quantize_nvfp4")
+    # A margin for a kernel that counts a chunk past the last item.
+    check_work_items(2 ** 21 - 2, 2 ** 10, "quantize_nvfp4", margin=2 ** 10)
+    with pytest.raises(ValueError, match="2\\^31 - 1024 or more"):
+        check_work_items(2 ** 21 - 1, 2 ** 10, "quantize_nvfp4", margin=2 ** 10)
 
 
 def _padding_rows(offsets: list[int]) -> list[int]:

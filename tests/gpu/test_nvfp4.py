@@ -35,12 +35,15 @@ def _offsets(m):
 
 
 @pytest.mark.parametrize("scales", ["linear", "128x4"])
-@pytest.mark.parametrize("k", [1040, 1536, 2048, 2880, 7168])
+@pytest.mark.parametrize("k", [32, 400, 1040, 1536, 2048, 2880, 7168])
 @pytest.mark.parametrize("m", [0, 1, 127, 128, 129, 4096])
-def test_quantize_nvfp4_matches_the_reference(m, k, scales, steps):
+@pytest.mark.parametrize("spare", [3, 0], ids=["capacity", "all_rows"])
+def test_quantize_nvfp4_matches_the_reference(m, k, scales, steps, spare):
+    """Rows past the offsets' end (`spare` of them: the input a capacity, so the kernel splits
+    its work again once it has read the offsets) or none."""
     from cute_ep.quant import quantize_nvfp4
 
-    x = _rows(m, k, m * 31 + k)
+    x = _rows(m, k, m * 31 + k)[:m + spare]
     offsets = _offsets(m)
     gs = torch.tensor([1.0, 0.5, 3.0, 2.0 ** 10, 1e-3], device="cuda")
     codes, sc = quantize_nvfp4(x, gs, torch.tensor(offsets, dtype=torch.int32, device="cuda"),
@@ -74,12 +77,44 @@ def test_scale_padding_is_written_and_nothing_past_the_used_blocks(k, steps):
     sc = torch.full((fp4_scale_bytes(rows, k, 16),), sentinel, dtype=torch.uint8, device="cuda")
     kernel, grid = _quantizer(runtime(), torch.cuda.current_device(), "128x4", steps)
     kernel.launch_checked_by_caller(x, torch.tensor(offsets, dtype=torch.int32, device="cuda"),
-                                    gs, codes, sc, 5, k, grid)
+                                    gs, codes, sc, 5, m, k, grid)
     want_codes, want = fp4.quantize_nvfp4_segments(x, offsets, gs, rows)
     used = fp4.segment_scale_blocks(offsets)[-1] * fp4.scale_block_bytes(k, 16)
     assert torch.equal(sc[:used], want[:used])
     assert (sc[used:] == sentinel).all()
     assert torch.equal(codes[:290], want_codes[:290]) and (codes[290:] == sentinel).all()
+
+
+@pytest.mark.parametrize("scales", ["linear", "128x4"])
+def test_offsets_past_the_input_are_taken_as_its_end(scales, steps):
+    """Offsets that end past the input's M rows (a caller's error the host cannot see): the
+    kernel quantizes the M rows it was given as if the offsets stopped at M, and writes no code
+    past them nor any scale byte past the layout's M + 128 S rows."""
+    from cute_ep.quant import _quantizer, fp4_scale_bytes
+    from cute_ep.runtime.launch import runtime
+
+    m, k, sentinel = 200, 2048, 0xA5
+    x, offsets, clamped = _rows(m, k, 11)[:m], [0, 100, 260, 300], [0, 100, 200, 200]
+    gs = torch.tensor([1.0, 0.5, 2.0], device="cuda")
+    rows = m + 3 * 128
+    codes = torch.full((m + 64, k // 2), sentinel, dtype=torch.uint8, device="cuda")
+    if scales == "linear":
+        sc = torch.full((m + 64, k // 16), sentinel, dtype=torch.uint8, device="cuda")
+    else:
+        sc = torch.full((fp4_scale_bytes(rows, k, 16) + 4096,), sentinel, dtype=torch.uint8,
+                        device="cuda")
+    kernel, grid = _quantizer(runtime(), torch.cuda.current_device(), scales, steps)
+    kernel.launch_checked_by_caller(x, torch.tensor(offsets, dtype=torch.int32, device="cuda"),
+                                    gs, codes, sc, 3, m, k, grid)
+    want_codes, want = fp4.quantize_nvfp4_segments(x, clamped, gs, rows)
+    assert torch.equal(codes[:m], want_codes[:m]) and (codes[m:] == sentinel).all()
+    if scales == "linear":
+        per_row = torch.tensor([1.0] * 100 + [0.5] * 100, device="cuda")
+        assert torch.equal(sc[:m], fp4.quantize_nvfp4(x, per_row)[1])
+        assert (sc[m:] == sentinel).all()
+    else:
+        used = fp4.segment_scale_blocks(clamped)[-1] * fp4.scale_block_bytes(k, 16)
+        assert torch.equal(sc[:used], want[:used]) and (sc[used:] == sentinel).all()
 
 
 @pytest.mark.parametrize("scales", ["linear", "128x4"])
