@@ -647,7 +647,7 @@ class QuantizeNvfp4:
         warps = grid_ctas * self.warps
         # This warp's run if every row is valid, its first chunks requested at once.
         begin, n = warp_share(me, warps, (rows * blocks + self.chunk - 1) // self.chunk)
-        self._first_loads(ring, warp, lane, x.toint(), begin, n, rows * blocks)
+        src = self._first_loads(ring, warp, lane, x.toint(), begin, n, rows * blocks)
         fill_scale_table(table, tidx, self.threads)
         if tidx < num_segments:
             s_gs[tidx] = gs_mine
@@ -659,7 +659,7 @@ class QuantizeNvfp4:
             cute.arch.cp_async_wait_group(0)
             cute.arch.sync_warp()
             begin, n = warp_share(me, warps, (total + self.chunk - 1) // self.chunk)
-            self._first_loads(ring, warp, lane, x.toint(), begin, n, total)
+            src = self._first_loads(ring, warp, lane, x.toint(), begin, n, total)
 
         if cutlass.const_expr(self.scales == "128x4"):
             if blocks % 4 == 0:
@@ -679,9 +679,7 @@ class QuantizeNvfp4:
             seg = segment_of(s_off, num_segments, row)
             seg, gs, scales_at = self._row_start(s_off, s_first, s_gs, seg, row, col, blocks,
                                                  rk, scales.toint())
-        # The next chunk to load, its first piece's global address for this lane.
-        load = begin + stages - 1
-        src = x.toint() + Int64(load) * (self.chunk * BLOCK_BYTES) + Int64(lane * 16)
+        load = begin + stages - 1  # the next chunk to load (this lane's first piece at src)
         full = total // self.chunk  # chunks wholly inside the stream
         for i in cutlass.range(n):
             cute.arch.sync_warp()  # every lane has read the stage loaded next
@@ -730,7 +728,8 @@ class QuantizeNvfp4:
     @cute.jit
     def _first_loads(self, ring: cute.Tensor, warp, lane, x_base, begin, n, total):
         """The `stages - 1` chunks from `begin` of a run of `n`, one group each (empty past the
-        run), `total` blocks in the stream."""
+        run), `total` blocks in the stream; returns this lane's first piece address of the
+        chunk after them."""
         src = x_base + Int64(begin) * (self.chunk * BLOCK_BYTES) + Int64(lane * 16)
         full = total // self.chunk
         for s in cutlass.range_constexpr(self.stages - 1):
@@ -738,6 +737,7 @@ class QuantizeNvfp4:
                 self._load(ring, s, warp, lane, src, begin + s, full, total)
             cute.arch.cp_async_commit_group()
             src = src + self.chunk * BLOCK_BYTES
+        return src
 
     @cute.jit
     def _load(self, ring: cute.Tensor, s, warp, lane, src, chunk, full, total):

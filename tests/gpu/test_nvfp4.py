@@ -28,6 +28,17 @@ def _rows(m, k, seed):
     return x.to(torch.bfloat16)
 
 
+def _launch(scales, steps, x, offsets, gs, codes, sc, m, k):
+    """The quantize_nvfp4 kernel launched directly into the caller's outputs (`m` input rows,
+    `offsets` a list), past the Python wrapper's checks and allocation."""
+    from cute_ep.quant import _quantizer
+    from cute_ep.runtime.launch import runtime
+
+    kernel, grid = _quantizer(runtime(), torch.cuda.current_device(), scales, steps)
+    kernel.launch_checked_by_caller(x, torch.tensor(offsets, dtype=torch.int32, device="cuda"),
+                                    gs, codes, sc, len(offsets) - 1, m, k, grid)
+
+
 def _offsets(m):
     # Five experts, two of them empty, the rest splitting m unevenly.
     a, b = m // 3, (2 * m) // 3 + (m > 0)
@@ -66,8 +77,7 @@ def test_scale_padding_is_written_and_nothing_past_the_used_blocks(k, steps):
     """Into outputs pre-filled with a sentinel: the 128x4 padding (rows past each segment up to
     its 128-row block, columns past K / 16) is written as zeros, and no byte past the used
     blocks or past the valid rows' codes is touched."""
-    from cute_ep.quant import _quantizer, fp4_scale_bytes
-    from cute_ep.runtime.launch import runtime
+    from cute_ep.quant import fp4_scale_bytes
 
     m, sentinel = 300, 0xA5
     x, offsets = _rows(m, k, 7), [0, 1, 1, 129, 200, 290]
@@ -75,9 +85,7 @@ def test_scale_padding_is_written_and_nothing_past_the_used_blocks(k, steps):
     gs = torch.tensor([1.0, 0.5, 3.0, 2.0 ** 10, 1e-3], device="cuda")
     codes = torch.full((m, k // 2), sentinel, dtype=torch.uint8, device="cuda")
     sc = torch.full((fp4_scale_bytes(rows, k, 16),), sentinel, dtype=torch.uint8, device="cuda")
-    kernel, grid = _quantizer(runtime(), torch.cuda.current_device(), "128x4", steps)
-    kernel.launch_checked_by_caller(x, torch.tensor(offsets, dtype=torch.int32, device="cuda"),
-                                    gs, codes, sc, 5, m, k, grid)
+    _launch("128x4", steps, x, offsets, gs, codes, sc, m, k)
     want_codes, want = fp4.quantize_nvfp4_segments(x, offsets, gs, rows)
     used = fp4.segment_scale_blocks(offsets)[-1] * fp4.scale_block_bytes(k, 16)
     assert torch.equal(sc[:used], want[:used])
@@ -90,8 +98,7 @@ def test_offsets_past_the_input_are_taken_as_its_end(scales, steps):
     """Offsets that end past the input's M rows (a caller's error the host cannot see): the
     kernel quantizes the M rows it was given as if the offsets stopped at M, and writes no code
     past them nor any scale byte past the layout's M + 128 S rows."""
-    from cute_ep.quant import _quantizer, fp4_scale_bytes
-    from cute_ep.runtime.launch import runtime
+    from cute_ep.quant import fp4_scale_bytes
 
     m, k, sentinel = 200, 2048, 0xA5
     x, offsets, clamped = _rows(m, k, 11)[:m], [0, 100, 260, 300], [0, 100, 200, 200]
@@ -103,9 +110,7 @@ def test_offsets_past_the_input_are_taken_as_its_end(scales, steps):
     else:
         sc = torch.full((fp4_scale_bytes(rows, k, 16) + 4096,), sentinel, dtype=torch.uint8,
                         device="cuda")
-    kernel, grid = _quantizer(runtime(), torch.cuda.current_device(), scales, steps)
-    kernel.launch_checked_by_caller(x, torch.tensor(offsets, dtype=torch.int32, device="cuda"),
-                                    gs, codes, sc, 3, m, k, grid)
+    _launch(scales, steps, x, offsets, gs, codes, sc, m, k)
     want_codes, want = fp4.quantize_nvfp4_segments(x, clamped, gs, rows)
     assert torch.equal(codes[:m], want_codes[:m]) and (codes[m:] == sentinel).all()
     if scales == "linear":
