@@ -10,8 +10,8 @@ For each kernel: bytes = what it must read (the bf16 input rows, row_offsets) + 
 copies bytes / 2 with `torch.Tensor.copy_` (so it too reads + writes `bytes`), timed the same way
 (CUDA events, L2 flushed before every repetition, the launches queued behind a device sleep so
 the time is the GPU's, not the host's Python path: `timing.median_ms`). A copy's time depends on
-where its buffers lie in memory (the same bytes took 24.1 or 25.1 us on an H200, by the row's
-allocations), so the baseline copies between COPY_PLACEMENTS pairs of buffers allocated side
+where its buffers lie in memory (the same bytes took 24.4 to 25.8 us on an H200, by where the
+pair was allocated), so the baseline copies between COPY_PLACEMENTS pairs of buffers allocated side
 by side and takes the median of their times; the JSON keeps each pair's. `--layout` forces the
 SwiGLU kernels' layout (`cute_ep.silu._layout`; by default it is chosen by size as in use), to
 compare layouts in one run.
