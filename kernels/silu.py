@@ -288,14 +288,6 @@ class FusedSilu:
         vecs = intermediate // self.vector  # lane vectors a row
         pieces = (vecs + WARP - 1) // WARP  # chunks a row
         me = bidx * per_cta + warp
-        if cutlass.const_expr(self.out == "nvfp4"):
-            # NVFP4: the warps numbered across the CTAs first, so each CTA's (each SM's) warps
-            # take runs spread over the whole stream rather than neighbouring ones. Which warp
-            # takes which run is all that changes. One H200, M = 8192, 8 segments, three runs
-            # in one lease: 3-5% faster at I = 2048 and 1-2% at 7168 for both layouts; MXFP4
-            # and SwiGLU-OAI unchanged at 2048 and 1-1.5% slower at 7168, so they keep the
-            # CTA-by-CTA numbering.
-            me = warp * grid_ctas + bidx
         warps = grid_ctas * per_cta
         begin, n = warp_run(me, warps, total_rows * pieces)
         # The chunk to compute next (row, first lane vector kv) and the one to load next.
