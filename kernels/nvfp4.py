@@ -182,14 +182,16 @@ def load_segment_blocks(row_offsets: cute.Pointer, num_segments, s_off: cute.Ten
     cute.arch.sync_threads()
 
 
-def _e2m1_word_ptx() -> str:
-    """PTX of e2m1_word: `$1..$8` the values, `$9..$16` their sign sources, `$0` the word."""
+def _e2m1_word_ptx(saturate: bool) -> str:
+    """PTX of e2m1_word: `$1..$8` the values, `$9..$16` their sign sources, `$0` the word.
+    Without `saturate` the values must be below 7 in magnitude."""
     lines = ["{ .reg .f32 a<8>, c<8>, d<8>; .reg .b32 k<8>, t<4>, ev, od, sv, so;"]
     for i in range(8):
+        cap = f"min.f32 d{i}, d{i}, 0f4B400007; " if saturate else ""
         lines.append(
             f"abs.f32 a{i}, ${i + 1}; fma.rn.f32 c{i}, a{i}, 0f40000000, 0f4B400000; "
             f"add.rn.f32 d{i}, a{i}, 0f4B400002; min.f32 c{i}, c{i}, d{i}; "
-            f"fma.rn.f32 d{i}, a{i}, 0f3F000000, 0f4B400004; min.f32 d{i}, d{i}, 0f4B400007; "
+            f"fma.rn.f32 d{i}, a{i}, 0f3F000000, 0f4B400004; {cap}"
             f"min.f32 c{i}, c{i}, d{i}; mov.b32 k{i}, c{i};")
     # Byte 0 of each k is its code: gather the even elements' codes into the four bytes of
     # `ev`, the odd ones' into `od`; the same selectors with bit 3 set copy each value's sign
@@ -205,11 +207,12 @@ def _e2m1_word_ptx() -> str:
     return " ".join(lines)
 
 
-E2M1_WORD_PTX = _e2m1_word_ptx()
+E2M1_WORD_PTX = _e2m1_word_ptx(saturate=True)
+E2M1_WORD_BELOW_7_PTX = _e2m1_word_ptx(saturate=False)
 
 
 @dsl_user_op
-def e2m1_word(values: list, signs: list, *, loc=None, ip=None) -> Int32:
+def e2m1_word(values: list, signs: list, saturate: bool = True, *, loc=None, ip=None) -> Int32:
     """The 8 e2m1 codes of `values` (fp32, none NaN), element i in nibble i, each with the sign
     bit of `signs[i]`: nearest of {0, .5, 1, 1.5, 2, 3, 4, 6}, ties to the even code, saturating
     at 6.
@@ -219,21 +222,27 @@ def e2m1_word(values: list, signs: list, *, loc=None, ip=None) -> Int32:
     the even code, as e2m1 requires), so it is round(min(2a, a + 2, a/2 + 4, 7)); rounding is
     monotone, so that is the min of the four rounded. Each is one fma into [2^23, 2^24), where
     fp32 values are the integers E2M1_ROUND + code: byte 0 of the bits is the code.
-    `tests/test_division.py` checks every fp32 magnitude against the threshold rule."""
+    `tests/test_division.py` checks every fp32 magnitude against the threshold rule.
+    `saturate=False` (one min less per element): every |value| is below 7, where the code
+    never exceeds 7 unclamped."""
     args = [Float32(v) for v in values] + [Float32(v) for v in signs]
-    return Int32(_asm(T.i32(), args, E2M1_WORD_PTX, "=r," + ",".join(["f"] * 16), loc, ip))
+    return Int32(_asm(T.i32(), args, E2M1_WORD_PTX if saturate else E2M1_WORD_BELOW_7_PTX,
+                      "=r," + ",".join(["f"] * 16), loc, ip))
 
 
 @cute.jit
 def e2m1_words(vals: cute.Tensor, gs: Float32, sf: Float32, amax: Float32, usable,
                words: cute.Tensor, e2m1: cutlass.Constexpr, divide: cutlass.Constexpr = True,
                r: Float32 = Float32(0.0), given_r: cutlass.Constexpr = False,
-               r_lo: Float32 = Float32(0.0)):
+               r_lo: Float32 = Float32(0.0), bounded=None):
     """words[w] = the 8 e2m1 codes of `(vals[8w + i] * gs) / sf` (correctly rounded fp32
     multiply and divide), element 2i in the low nibble of byte i; all zero unless `usable`
     (then gs > 0 and sf > 0). `amax`: the largest |vals|. `divide=False` (MXFP4, whose scale is a
     power of two folded into gs): `vals * gs` alone. `e2m1`: "software" | "hardware".
     `given_r`: `(r, r_lo)` is sf's `split_reciprocal` already (else it is computed here).
+    `bounded` (a runtime flag, software encoder): every quotient is below 7 in magnitude, so
+    the codes need no saturation (MXFP4 with a finite amax; NVFP4 with `nvfp4_scale_byte`'s
+    `bounded`); None: always saturate.
 
     The division is `kernels.division.divide_split` with one split reciprocal per block (sf is
     an e4m3 value) unless `gs * amax` exceeds FAST_LIMIT (or is not a number), where `/` runs
@@ -242,21 +251,38 @@ def e2m1_words(vals: cute.Tensor, gs: Float32, sf: Float32, amax: Float32, usabl
         words[w] = Int32(0)
     if usable:
         if cutlass.const_expr(not divide):
-            _encode_words(vals, gs, sf, Float32(0.0), words, e2m1, "none")
+            _encode_bounded(vals, gs, sf, Float32(0.0), words, e2m1, "none", bounded)
         elif gs * amax <= Float32(FAST_LIMIT):
             if cutlass.const_expr(not given_r):
                 r, r_lo = split_reciprocal(sf)
-            _encode_words(vals, gs, r_lo, r, words, e2m1, "reciprocal")
+            _encode_bounded(vals, gs, r_lo, r, words, e2m1, "reciprocal", bounded)
         else:
             _encode_words(vals, gs, sf, Float32(0.0), words, e2m1, "true")
 
 
 @cute.jit
+def _encode_bounded(vals: cute.Tensor, gs: Float32, sf: Float32, r: Float32,
+                    words: cute.Tensor, e2m1: cutlass.Constexpr, division: cutlass.Constexpr,
+                    bounded):
+    """`_encode_words`, unsaturated where the runtime flag `bounded` says every quotient is
+    below 7 (software encoder; `bounded` None: always saturated)."""
+    if cutlass.const_expr(bounded is None or e2m1 != "software"):
+        _encode_words(vals, gs, sf, r, words, e2m1, division)
+    else:
+        if bounded:
+            _encode_words(vals, gs, sf, r, words, e2m1, division, False)
+        else:
+            _encode_words(vals, gs, sf, r, words, e2m1, division)
+
+
+@cute.jit
 def _encode_words(vals: cute.Tensor, gs: Float32, sf: Float32, r: Float32, words: cute.Tensor,
-                  e2m1: cutlass.Constexpr, division: cutlass.Constexpr):
+                  e2m1: cutlass.Constexpr, division: cutlass.Constexpr,
+                  saturate: cutlass.Constexpr = True):
     """The codes of e2m1_words; `division`: "none" (y = v * gs), "reciprocal" (`divide_split`
     with `(r, sf)` = sf's split reciprocal (r_hi, r_lo), the sign from v * gs) or "true" (`/` by
-    sf; any y, a NaN encoded as +0)."""
+    sf; any y, a NaN encoded as +0). `saturate=False`: every |y| is below 7 (software
+    encoder)."""
     for w in cutlass.range_constexpr(cute.size(words)):
         ys = []
         signs = []
@@ -282,7 +308,7 @@ def _encode_words(vals: cute.Tensor, gs: Float32, sf: Float32, r: Float32, words
                 word = word | (cvt_e2m1x2(ys[2 * p], ys[2 * p + 1]) << (8 * p))
             words[w] = word
         else:
-            words[w] = e2m1_word(ys, signs)
+            words[w] = e2m1_word(ys, signs, saturate)
 
 
 

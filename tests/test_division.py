@@ -458,3 +458,44 @@ def _sixth() -> float:
     from kernels.nvfp4 import SIXTH
 
     return SIXTH
+
+
+@pytest.mark.parametrize("exponent", [-3, -2, -1, 0, 1, 2])
+def test_e2m1_word_below_7_for_every_fp32_from_an_eighth(exponent):
+    """The unsaturated e2m1_word (SwiGLU-OAI's MXFP4 codes) encodes every fp32 magnitude below 7
+    as the reference, each with its sign source's sign."""
+    from kernels.nvfp4 import E2M1_WORD_BELOW_7_PTX
+
+    v = _significands(exponent)
+    v = v[v < 7.0]
+    pad = -v.numel() % 8
+    values = torch.cat([v, torch.zeros(pad)]).reshape(-1, 8)
+    signs = values.clone()
+    signs[1::2] = -signs[1::2]  # every other row negative
+    words = run_ptx(E2M1_WORD_BELOW_7_PTX, *values.unbind(1), *signs.unbind(1))
+    codes = torch.stack([(words >> (4 * i)) & 15 for i in range(8)], dim=1).to(torch.uint8)
+    want = fp4.e2m1_encode(values) | (torch.signbit(signs).to(torch.uint8) << 3)
+    assert torch.equal(codes, want)
+
+
+def _mxfp4_largest_quotient(amax: torch.Tensor) -> torch.Tensor:
+    """amax * 2^-e, exactly (fp64), for 2^e the MXFP4 scale of a block whose amax it is: the
+    reference's e8m0 rounding up of RN(amax / 6), decoded as the kernel does (2^(127 - code))."""
+    codes = fp4.e8m0_round_up(amax / torch.full_like(amax, 6.0)).to(torch.float64)
+    return amax.to(F64) * torch.exp2(127 - codes)
+
+
+def test_mxfp4_quotients_stay_below_7_for_every_finite_amax():
+    """Why SwiGLU-OAI's MXFP4 codes may skip their saturation when the amax is finite: the
+    largest quotient of a block, amax * 2^-e, never reaches 7 (it stays at or below
+    6 (1 + 2^-23)). Every significand of one binade (scaling amax by 2 scales q by 2 and moves
+    the code by one while both are normal), then every binade's extremes, the subnormals and
+    the largest finite fp32; an infinite amax does need the saturation."""
+    worst = _mxfp4_largest_quotient(_significands(0)).max().item()
+    assert 6.0 <= worst <= 6.0 * (1 + 2.0 ** -23)
+    ends = torch.cat([_f32(torch.tensor([(e << 23) + d for e in range(1, 255)
+                                         for d in (0, 1, (1 << 23) - 1)], dtype=torch.int64)),
+                      _f32(torch.arange(1, 1 << 16, dtype=torch.int64) * 97)])  # subnormals
+    assert _mxfp4_largest_quotient(ends).max().item() <= 6.0 * (1 + 2.0 ** -23)
+    inf = torch.tensor([float("inf")])
+    assert _mxfp4_largest_quotient(inf).item() == float("inf")

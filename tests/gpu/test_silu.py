@@ -185,6 +185,30 @@ def test_fused_silu_mxfp4_swiglu_oai_special_values(interleaved, fp4_layout):
     assert torch.equal(scales[:used], want_scales[:used])
 
 
+@pytest.mark.parametrize("interleaved", [False, True], ids=["halves", "interleaved"])
+def test_fused_silu_mxfp4_swiglu_oai_infinite_outputs_saturate(interleaved, fp4_layout):
+    """SwiGLU-OAI's codes skip their saturation only for blocks whose amax is finite: with
+    alpha 0 and a huge limit, large gates and ups overflow some outputs to +-inf, whose blocks
+    take the largest scale (0xFE) and code 7 for the infinite elements, as the reference."""
+    from cute_ep.silu import fused_silu_mxfp4
+
+    m, i = 256, 2048
+    x, offsets = _x(m, i, 23, interleaved), _offsets(m)
+    gen = torch.Generator(device="cuda").manual_seed(24)
+    big = torch.tensor([3e38, -3e38, 1e38, -2e37], device="cuda").to(torch.bfloat16)
+    flat = x.view(-1)
+    where = torch.randint(0, flat.numel(), (3000,), device="cuda", generator=gen)
+    flat[where] = big[torch.randint(0, len(big), (3000,), device="cuda", generator=gen)]
+    codes, scales = fused_silu_mxfp4(x, _device(offsets), interleaved=interleaved,
+                                     swiglu_limit=1e30, swiglu_alpha=0.0)
+    want_codes, want_scales = ref.fused_silu_mxfp4(x, offsets, m + 3 + 5 * 128, interleaved,
+                                                   1e30, 0.0)
+    used = _used_scale_bytes(offsets, i, 32)
+    assert (want_scales[:used] == 0xFE).any()  # some blocks hold an infinite output
+    assert torch.equal(codes[:m], want_codes)
+    assert torch.equal(scales[:used], want_scales[:used])
+
+
 @pytest.mark.parametrize("i", [256, 288])  # 288: NVFP4 and MXFP4 rows with padding columns
 @pytest.mark.parametrize("out_format", ["bf16", "fp8", "nvfp4", "mxfp4"])
 def test_rows_past_row_offsets_are_not_written(out_format, i, fp4_layout):
