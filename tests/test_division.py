@@ -166,11 +166,18 @@ def divide_split(a, b):
     return _as_f32(run_ptx(DIVIDE_SPLIT_PTX, a, r_hi, reciprocal_low(b, r_hi)))
 
 
-def e2m1_words(values: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
-    """[n, 8] fp32 values and sign sources -> the kernel's [n] packed words (uint32 in int64)."""
-    from kernels.nvfp4 import E2M1_WORD_PTX
+def e2m1_words(values: torch.Tensor, signs: torch.Tensor, saturate: bool = True) -> torch.Tensor:
+    """[n, 8] fp32 values and sign sources -> the kernel's [n] packed words (uint32 in int64),
+    by the saturating encoder or the one for values below 7."""
+    from kernels.nvfp4 import E2M1_WORD_BELOW_7_PTX, E2M1_WORD_PTX
 
-    return run_ptx(E2M1_WORD_PTX, *values.unbind(1), *signs.unbind(1))
+    text = E2M1_WORD_PTX if saturate else E2M1_WORD_BELOW_7_PTX
+    return run_ptx(text, *values.unbind(1), *signs.unbind(1))
+
+
+def _nibbles(words: torch.Tensor) -> torch.Tensor:
+    """[n] packed words -> their [n, 8] codes, element i from nibble i."""
+    return torch.stack([(words >> (4 * i)) & 15 for i in range(8)], dim=1).to(torch.uint8)
 
 
 def e2m1_magnitude(v: torch.Tensor) -> torch.Tensor:
@@ -179,8 +186,7 @@ def e2m1_magnitude(v: torch.Tensor) -> torch.Tensor:
     pad = -flat.numel() % 8
     flat = torch.cat([flat, torch.zeros(pad)]).reshape(-1, 8)
     words = e2m1_words(flat, flat)
-    nibbles = torch.stack([(words >> (4 * i)) & 15 for i in range(8)], dim=1).reshape(-1)
-    return nibbles[: v.numel()].reshape(v.shape).to(torch.uint8)
+    return _nibbles(words).reshape(-1)[: v.numel()].reshape(v.shape)
 
 
 def _f32(bits: torch.Tensor) -> torch.Tensor:
@@ -409,8 +415,7 @@ def _pairs_word_codes(values: torch.Tensor, words: torch.Tensor, saturate: bool)
     from kernels.nvfp4 import E2M1_PAIRS_WORD_BELOW_7_PTX, E2M1_PAIRS_WORD_PTX
 
     text = E2M1_PAIRS_WORD_PTX if saturate else E2M1_PAIRS_WORD_BELOW_7_PTX
-    packed = run_ptx(text, *values.unbind(1), *words.unbind(1))
-    return torch.stack([(packed >> (4 * i)) & 15 for i in range(8)], dim=1).to(torch.uint8)
+    return _nibbles(run_ptx(text, *values.unbind(1), *words.unbind(1)))
 
 
 @pytest.mark.parametrize("saturate", [True, False])
@@ -464,18 +469,14 @@ def _sixth() -> float:
 def test_e2m1_word_below_7_for_every_fp32_from_an_eighth(exponent):
     """The unsaturated e2m1_word (SwiGLU-OAI's MXFP4 codes) encodes every fp32 magnitude below 7
     as the reference, each with its sign source's sign."""
-    from kernels.nvfp4 import E2M1_WORD_BELOW_7_PTX
-
     v = _significands(exponent)
     v = v[v < 7.0]
     pad = -v.numel() % 8
     values = torch.cat([v, torch.zeros(pad)]).reshape(-1, 8)
     signs = values.clone()
     signs[1::2] = -signs[1::2]  # every other row negative
-    words = run_ptx(E2M1_WORD_BELOW_7_PTX, *values.unbind(1), *signs.unbind(1))
-    codes = torch.stack([(words >> (4 * i)) & 15 for i in range(8)], dim=1).to(torch.uint8)
     want = fp4.e2m1_encode(values) | (torch.signbit(signs).to(torch.uint8) << 3)
-    assert torch.equal(codes, want)
+    assert torch.equal(_nibbles(e2m1_words(values, signs, saturate=False)), want)
 
 
 def _mxfp4_largest_quotient(amax: torch.Tensor) -> torch.Tensor:
