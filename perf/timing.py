@@ -18,9 +18,10 @@ def sleep_cycles(us: float) -> int:
     return max(1, int(probe * us / (start.elapsed_time(end) * 1e3)))
 
 
-def median_ms(fn, reps: int, flush: torch.Tensor, gate_us: float = 200.0) -> float:
+def median_ms(fn, reps: int, flush: torch.Tensor, gate_us: float = 200.0, prep=None) -> float:
     """Median CUDA-event time of `fn` in ms over `reps` runs (3 warm-up runs first), with
-    `flush` zeroed before each run to evict L2.
+    `flush` zeroed before each run to evict L2 (or `prep()` run instead, outside the timed
+    region).
 
     The time is the GPU's: each run's start event and `fn`'s launches are queued behind a device
     sleep of `gate_us`, so the GPU never waits for the host's Python path inside the timed
@@ -29,7 +30,10 @@ def median_ms(fn, reps: int, flush: torch.Tensor, gate_us: float = 200.0) -> flo
     cycles = sleep_cycles(gate_us)
     times = []
     while len(times) < reps + 3:
-        flush.zero_()
+        if prep is None:
+            flush.zero_()
+        else:
+            prep()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda._sleep(cycles)
         host = time.perf_counter()
