@@ -240,9 +240,9 @@ def e2m1_words(vals: cute.Tensor, gs: Float32, sf: Float32, amax: Float32, usabl
     (then gs > 0 and sf > 0). `amax`: the largest |vals|. `divide=False` (MXFP4, whose scale is a
     power of two folded into gs): `vals * gs` alone. `e2m1`: "software" | "hardware".
     `given_r`: `(r, r_lo)` is sf's `split_reciprocal` already (else it is computed here).
-    `bounded` (a runtime flag, software encoder): every quotient is below 7 in magnitude, so
-    the codes need no saturation (MXFP4 with a finite amax; NVFP4 with `nvfp4_scale_byte`'s
-    `bounded`); None: always saturate.
+    `bounded` (`divide=False`, a runtime flag, software encoder): every product is below 7 in
+    magnitude, so the codes need no saturation (SwiGLU-OAI's MXFP4 with a finite amax); None:
+    always saturate.
 
     The division is `kernels.division.divide_split` with one split reciprocal per block (sf is
     an e4m3 value) unless `gs * amax` exceeds FAST_LIMIT (or is not a number), where `/` runs
@@ -255,7 +255,7 @@ def e2m1_words(vals: cute.Tensor, gs: Float32, sf: Float32, amax: Float32, usabl
         elif gs * amax <= Float32(FAST_LIMIT):
             if cutlass.const_expr(not given_r):
                 r, r_lo = split_reciprocal(sf)
-            _encode_bounded(vals, gs, r_lo, r, words, e2m1, "reciprocal", bounded)
+            _encode_words(vals, gs, r_lo, r, words, e2m1, "reciprocal")
         else:
             _encode_words(vals, gs, sf, Float32(0.0), words, e2m1, "true")
 
