@@ -141,10 +141,16 @@ def activation_constants(activation: cutlass.Constexpr, activation_params: cute.
 
 
 @cute.jit
+def entry_gate(e):
+    """(j, the gate) of entry e of either table: magnitude step j, sign e mod 2."""
+    j = e >> 1
+    return j, bits_f32(((j + LOW_T16) << 16) | ((e & 1) << 31))
+
+
+@cute.jit
 def gate_entry(e, activation: cutlass.Constexpr, limit: Float32, alpha: Float32):
     """(M, T) of table entry e."""
-    j = e >> 1
-    g = bits_f32(((j + LOW_T16) << 16) | ((e & 1) << 31))
+    j, g = entry_gate(e)
     m = Float32(0.0)
     t = Float32(0.0)
     if cutlass.const_expr(activation == "silu"):
@@ -168,8 +174,7 @@ def gate_entry(e, activation: cutlass.Constexpr, limit: Float32, alpha: Float32)
 @cute.jit
 def gate_value(e, activation: cutlass.Constexpr, limit: Float32, alpha: Float32) -> Float32:
     """Value-table entry e: the formula's s(g) of its gate, NaN at either bound."""
-    j = e >> 1
-    g = bits_f32(((j + LOW_T16) << 16) | ((e & 1) << 31))
+    j, g = entry_gate(e)
     value = Float32(0.0)
     if cutlass.const_expr(activation == "silu"):
         value = silu_gate(g)

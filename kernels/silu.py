@@ -73,10 +73,6 @@ STREAM_CHUNK_WORDS = WARP * 16  # bf16 pairs: gate then up halves, or the interl
 TABLE_THREADS = 1024  # the gate-table kernels' CTA: one per SM loads the table once
 
 
-def fp4_out(out: str) -> bool:
-    return out in ("nvfp4", "mxfp4")
-
-
 def _ptr(dtype, addr, align):
     return cute.make_ptr(dtype, addr, cute.AddressSpace.gmem, assumed_align=align)
 
@@ -163,7 +159,7 @@ class FusedSilu:
                   "threads": self.threads}
         if self.out != "bf16":
             config["table"] = self.table
-        if self.table and not fp4_out(self.out):
+        if self.table and not self.fp4:
             config["values"] = self.values
         if self.fp4:
             config["e2m1"] = self.e2m1
