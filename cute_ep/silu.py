@@ -23,10 +23,13 @@ _FAMILY = {"bf16": "fused_silu", "fp8": "fused_silu_fp8", "nvfp4": "fused_silu_n
            "mxfp4": "fused_silu_mxfp4", "fp32": "fused_silu_fp32"}
 _GRID_PER_SM = 8
 _TABLE_THREADS = 1024  # the gate-table kernels' CTA size, one CTA per SM
-# Kernel layouts (`_layout`) as config fields of the quantized outputs.
+# Kernel layouts (`_layout`) as config fields of the quantized outputs. "table" is the pair
+# table for FP4 and the value table for FP8 and fp32; "pairs" (fp32 only, for the tests) the
+# pair table.
 _LAYOUTS = {"thread": {"rows_per_warp": False, "table": False},
             "warp": {"rows_per_warp": True, "table": False},
-            "table": {"rows_per_warp": True, "table": True}}
+            "table": {"rows_per_warp": True, "table": True},
+            "pairs": {"rows_per_warp": True, "table": True}}
 
 
 def fused_silu(x: torch.Tensor, row_offsets: torch.Tensor | None = None, *,
@@ -160,7 +163,7 @@ def _placeholder(device: torch.device) -> torch.Tensor:
 
 def _gate_inputs(device: torch.device, swiglu_oai) -> tuple[torch.Tensor, torch.Tensor]:
     """(activation_params, gate_table) of the activation: fp32 (limit, alpha) (the placeholder
-    for silu) and the gate table of `kernels.gate_table` (64 KB, built by the `gate_table`
+    for silu) and the gate tables of `kernels.gate_table` (96 KB, built by the `gate_table`
     kernel). The first call of a device and activation builds them on a stream of their own and
     waits for that one small kernel, so every stream may read them from then on; under CUDA
     graph capture a miss builds them on the capturing stream instead, part of the graph."""
@@ -207,6 +210,8 @@ def _launch(out_format, x, row_offsets, interleaved, out, scales=None, *, input_
     if out_format != "bf16":
         layout = _layout(work_rows or m, sms)
         fields["table"] = _LAYOUTS[layout]["table"]
+        if fields["table"] and out_format in ("fp8", "fp32"):
+            fields["values"] = layout != "pairs"
     if out_format in ("nvfp4", "mxfp4"):
         fields["e2m1"] = E2M1_OF_ARCH[device_arch(device)]
         fields["rows_per_warp"] = _LAYOUTS[layout]["rows_per_warp"]
@@ -215,10 +220,10 @@ def _launch(out_format, x, row_offsets, interleaved, out, scales=None, *, input_
         raise ValueError(f"at most {kernel.spec.sizes['max_segments']} segments, got {segments}")
     placeholder = _placeholder(device)
     params, table = placeholder, placeholder
-    if swiglu_oai is not None or layout == "table":
+    if swiglu_oai is not None or _LAYOUTS[layout]["table"]:
         params, table = _gate_inputs(device, swiglu_oai)
     items = -(-((work_rows or m) * i) // kernel.spec.sizes["vector"])
-    per_sm = 1 if layout == "table" else _GRID_PER_SM
+    per_sm = 1 if _LAYOUTS[layout]["table"] else _GRID_PER_SM
     grid = max(1, min(-(-items // kernel.spec.block[0]), per_sm * sms))
     kernel.launch(x, row_offsets, placeholder if input_scales is None else input_scales,
                   params, table, out,

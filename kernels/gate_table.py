@@ -23,13 +23,20 @@ and the entry at each bound stands for every gate clamped onto it:
   the sign of `g * 0`), hold `(NaN, 0)`: `s` comes out NaN and the caller computes those elements
   by the formula (its limit and alpha are runtime values, so no class holds for every input).
 
-The table is built once per device and activation (limit, alpha) by the `gate_table` kernel
-into global memory (`cute_ep.silu` keeps it), and a table kernel copies it into shared memory
-with one bulk copy at its start (`init_gate_load`, `start_gate_load`): 64 KB from L2 in place
-of 8196 `expf`s and divisions per CTA, about 1.5 us of a whole SM's issue slots.
+A second form of the same table, for the kernels that check each element anyway (FP8 and the
+fp32 output), holds one value per entry (`VALUES_LAYOUT`): `s(g)` in range, NaN at both bounds
+(the caller computes those elements by the formula), and a lookup is a 4-byte load with no fma
+(`lookup_value`), half the shared-memory bytes of a pair.
+
+The tables are built once per device and activation (limit, alpha) by the `gate_table` kernel
+into global memory, the pairs then the values (`cute_ep.silu` keeps them), and a table kernel
+copies its form into shared memory with one bulk copy at its start (`init_gate_load`,
+`start_gate_load`): 64 or 32 KB from L2 in place of 8196 `expf`s and divisions per CTA, about
+1.5 us of a whole SM's issue slots.
 
 `tests/gpu/test_gate_table.py` checks every one of the 65536 bf16 gates against the formula.
-Layout: entry `2 j + sign` for `j = bits(|g|) >> 16 - (LOW_T16)`, 8 bytes each, 16-byte aligned.
+Layout: entry `2 j + sign` for `j = bits(|g|) >> 16 - (LOW_T16)`, 8 bytes each (pairs) or 4
+(values), 16-byte aligned.
 """
 
 import cutlass
@@ -49,6 +56,9 @@ HIGH_T16 = 0x4300  # bf16 bits of HIGH = 2^7
 PER_SIGN = HIGH_T16 - LOW_T16 + 1
 ENTRIES = 2 * PER_SIGN
 TABLE_BYTES = ENTRIES * 8
+VALUE_TABLE_BYTES = ENTRIES * 4
+TABLE_FLOATS = 3 * ENTRIES  # the gate_table kernel's output: the pairs, then the values
+FALLBACK = float("nan")  # a value table's bound entries: the formula decides
 FALLBACK_M = float("nan")
 # The lookup clamps |g| * 2^-7 to [LOW * 2^-7, 1] (a saturating multiply, exact on bf16 values
 # in range, then one max): LOW_T16 in those units.
@@ -65,6 +75,14 @@ LOOKUP_PTX = (
     "or.b32 o, o, s; add.u32 o, o, $2; ld.shared.v2.f32 {m, t}, [o]; "
     "fma.rn.f32 $0, $1, m, t; }")
 
+# The value table's lookup: the same clamp, `$2` the table's address minus LOW_SCALED_T16 * 8
+# (entries half as wide: bits(clamped |g|) >> 13 is 8 j, the sign bit shifted to 4).
+VALUE_LOOKUP_PTX = (
+    "{ .reg .f32 a; .reg .b32 b, s, o; "
+    f"abs.f32 a, $1; mul.rn.sat.f32 a, a, 0f3C000000; max.f32 a, a, 0f{LOW_SCALED_T16:04X}0000; "
+    "mov.b32 b, a; mov.b32 s, $1; shr.u32 o, b, 13; shr.u32 s, s, 29; and.b32 s, s, 4; "
+    "or.b32 o, o, s; add.u32 o, o, $2; ld.shared.f32 $0, [o]; }")
+
 
 @dsl_user_op
 def lookup_gate(g: Float32, base: Int32, *, loc=None, ip=None) -> Float32:
@@ -76,10 +94,20 @@ def lookup_gate(g: Float32, base: Int32, *, loc=None, ip=None) -> Float32:
 
 
 @dsl_user_op
-def table_base(table: cute.Tensor, *, loc=None, ip=None) -> Int32:
-    """The lookup's base operand for a shared-memory table tensor."""
+def lookup_value(g: Float32, base: Int32, *, loc=None, ip=None) -> Float32:
+    """`s(g)` from the value table (NaN: the formula's): `base` is `table_base(..., True)`."""
+    return Float32(llvm.inline_asm(
+        T.f32(), [Float32(g).ir_value(loc=loc, ip=ip), Int32(base).ir_value(loc=loc, ip=ip)],
+        VALUE_LOOKUP_PTX, "=f,f,r", has_side_effects=False, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def table_base(table: cute.Tensor, values: bool = False, *, loc=None, ip=None) -> Int32:
+    """The lookup's base operand for a shared-memory table tensor (`values`: the value
+    table's, for `lookup_value`)."""
     addr = llvm.ptrtoint(T.i32(), table.iterator.to_llvm_ptr(loc=loc, ip=ip), loc=loc, ip=ip)
-    return Int32(addr) - Int32(LOW_SCALED_T16 * 16)
+    return Int32(addr) - Int32(LOW_SCALED_T16 * (8 if values else 16))
 
 
 @cute.jit
@@ -113,10 +141,16 @@ def activation_constants(activation: cutlass.Constexpr, activation_params: cute.
 
 
 @cute.jit
+def entry_gate(e):
+    """(j, the gate) of entry e of either table: magnitude step j, sign e mod 2."""
+    j = e >> 1
+    return j, bits_f32(((j + LOW_T16) << 16) | ((e & 1) << 31))
+
+
+@cute.jit
 def gate_entry(e, activation: cutlass.Constexpr, limit: Float32, alpha: Float32):
     """(M, T) of table entry e."""
-    j = e >> 1
-    g = bits_f32(((j + LOW_T16) << 16) | ((e & 1) << 31))
+    j, g = entry_gate(e)
     m = Float32(0.0)
     t = Float32(0.0)
     if cutlass.const_expr(activation == "silu"):
@@ -138,6 +172,20 @@ def gate_entry(e, activation: cutlass.Constexpr, limit: Float32, alpha: Float32)
 
 
 @cute.jit
+def gate_value(e, activation: cutlass.Constexpr, limit: Float32, alpha: Float32) -> Float32:
+    """Value-table entry e: the formula's s(g) of its gate, NaN at either bound."""
+    j, g = entry_gate(e)
+    value = Float32(0.0)
+    if cutlass.const_expr(activation == "silu"):
+        value = silu_gate(g)
+    else:
+        value = oai_gate(g, limit, alpha)
+    if j == 0 or j == PER_SIGN - 1:
+        value = Float32(FALLBACK)
+    return value
+
+
+@cute.jit
 def init_gate_load(bar: cute.Pointer, leader):
     """`leader` initialises the one-arrival mbarrier `bar` on which `start_gate_load` completes
     and fences it for the async proxy. Other threads may wait on `bar` once a CTA barrier has
@@ -148,19 +196,25 @@ def init_gate_load(bar: cute.Pointer, leader):
 
 
 @cute.jit
-def start_gate_load(table: cute.Tensor, src: cute.Pointer, bar: cute.Pointer, leader):
+def start_gate_load(table: cute.Tensor, src: cute.Pointer, bar: cute.Pointer, leader,
+                    values: cutlass.Constexpr = False):
     """`leader` (the thread that initialised `bar`, or any once a barrier has followed that)
-    bulk-copies the global table at `src` into `table` (shared memory, `TABLE_BYTES`), its
-    completion on `bar` (phase 0)."""
+    bulk-copies the global table at `src` (the `gate_table` kernel's output: its pairs, or with
+    `values` its value table) into `table` (shared memory, `TABLE_BYTES` or
+    `VALUE_TABLE_BYTES`), its completion on `bar` (phase 0)."""
     if leader:
-        cute.arch.mbarrier_arrive_and_expect_tx(bar, TABLE_BYTES)
-        bulk_load(table.iterator, src.toint(), TABLE_BYTES, bar)
+        if cutlass.const_expr(values):
+            cute.arch.mbarrier_arrive_and_expect_tx(bar, VALUE_TABLE_BYTES)
+            bulk_load(table.iterator, src.toint() + TABLE_BYTES, VALUE_TABLE_BYTES, bar)
+        else:
+            cute.arch.mbarrier_arrive_and_expect_tx(bar, TABLE_BYTES)
+            bulk_load(table.iterator, src.toint(), TABLE_BYTES, bar)
 
 
 class GateTable:
-    """`gate_table`: the table of one activation into global memory (`activation_params`: the
-    swiglu_oai (limit, alpha), unread for silu; `table`: `sizes["floats"]` fp32), a thread per
-    entry."""
+    """`gate_table`: the tables of one activation into global memory (`activation_params`: the
+    swiglu_oai (limit, alpha), unread for silu; `table`: `sizes["floats"]` fp32, the pairs then
+    the values), a thread per entry."""
 
     def __init__(self, activation: str, threads: int = 256):
         if activation not in ("silu", "swiglu_oai"):
@@ -176,7 +230,7 @@ class GateTable:
             block=(self.threads, 1, 1),
             grid=(GridRule(constant=-(-ENTRIES // self.threads)), GridRule(constant=1),
                   GridRule(constant=1)),
-            sizes={"floats": 2 * ENTRIES})
+            sizes={"floats": TABLE_FLOATS})
 
     @cute.jit
     def __call__(self, activation_params: cute.Pointer, table: cute.Pointer, stream):
@@ -191,6 +245,7 @@ class GateTable:
         e = bidx * self.threads + tidx
         if e < ENTRIES:
             m, t = gate_entry(e, self.activation, limit, alpha)
-            out = cute.make_tensor(table, cute.make_layout(2 * ENTRIES))
+            out = cute.make_tensor(table, cute.make_layout(TABLE_FLOATS))
             out[2 * e] = m
             out[2 * e + 1] = t
+            out[2 * ENTRIES + e] = gate_value(e, self.activation, limit, alpha)

@@ -28,7 +28,8 @@ Outputs (one kernel family each, config `interleaved`, plus the e2m1 encoder for
 
 Quantized outputs and fp32 come with `table`: the gate's activation from a shared-memory table
 of every bf16 gate (`kernels.gate_table`), built once per device by the `gate_table` kernel and
-bulk-copied in by each CTA (`gate_table`, unread otherwise), one CTA of `TABLE_THREADS` per SM.
+bulk-copied in by each CTA (`gate_table`, unread otherwise), one CTA of `TABLE_THREADS` per SM:
+its pair form for FP4, its value form (`values`) for FP8 (both for fp32).
 
 For the FP4 outputs each segment starts on a fresh 128-row scale block. The thread and warp
 layouts walk *scale rows* x padded scale columns, writing zero scale bytes for padding in the
@@ -42,8 +43,9 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Boolean, Float8E4M3FN, Float32, Int32, Int64
 
 from kernels.fp8 import scale_fp8_block
-from kernels.gate_table import (ENTRIES, TABLE_BYTES, activation_constants, init_gate_load,
-                                lookup_gate, oai_gate, silu_gate, start_gate_load, table_base)
+from kernels.gate_table import (ENTRIES, TABLE_BYTES, VALUE_TABLE_BYTES, activation_constants,
+                                init_gate_load, lookup_gate, lookup_value, oai_gate, silu_gate,
+                                start_gate_load, table_base)
 from kernels.bulk_copy import bulk_load, init_stage_barriers
 from kernels.nvfp4 import (SCALE_TABLE_BYTES, bits_f32, e2m1_words, e4m3_byte_to_f32,
                            f32_bits, fill_scale_table, high_bf16, load_segment_blocks, low_bf16,
@@ -111,12 +113,14 @@ def e8m0_value(code: Int32) -> Float32:
 class FusedSilu:
     def __init__(self, out: str, interleaved: bool, activation: str = "silu",
                  e2m1: str | None = None, threads: int = 256, rows_per_warp: bool = False,
-                 table: bool = False):
+                 table: bool = False, values: bool = False):
         """`rows_per_warp` (FP4 only): a warp per scale row, a lane per NVFP4 block and a lane
         pair per MXFP4 block (`ROW_VECTOR`), for inputs of at least as many scale rows as the
         grid has warps; otherwise a thread per scale block. `table` (quantized outputs): the
         gate's activation from a shared-memory table each CTA copies in once
-        (`kernels.gate_table`), for inputs large enough to repay it."""
+        (`kernels.gate_table`), for inputs large enough to repay it; `values` (FP8 and fp32,
+        which check every element): its value form, a 4-byte load an element and the formula
+        for the gates it leaves out, in place of the pairs' 8-byte load and fma."""
         if out not in FAMILIES:
             raise ValueError(f"out must be one of {sorted(FAMILIES)}, got {out!r}")
         if activation not in ("silu", "swiglu_oai"):
@@ -136,6 +140,9 @@ class FusedSilu:
             raise ValueError("table is for the quantized outputs")
         self.rows_per_warp = bool(rows_per_warp)
         self.table = bool(table)
+        if values and not (table and out in ("fp8", "fp32")):
+            raise ValueError("values is for the FP8 and fp32 table kernels")
+        self.values = bool(values)
         # A warp per row loads an item ahead for MXFP4's silu, where the loads' latency showed
         # (measured on an H200: 8% faster at I = 7168); NVFP4, a whole block a lane, and
         # swiglu_oai (its formula for gates outside the table) have no registers left for
@@ -152,6 +159,8 @@ class FusedSilu:
                   "threads": self.threads}
         if self.out != "bf16":
             config["table"] = self.table
+        if self.table and not self.fp4:
+            config["values"] = self.values
         if self.fp4:
             config["e2m1"] = self.e2m1
             config["rows_per_warp"] = self.rows_per_warp
@@ -187,7 +196,8 @@ class FusedSilu:
                     + 3 * SMEM_ENTRIES * 4 + 528)
         size = 2 * SMEM_ENTRIES * 4 + 64 if self.fp4 else 0
         if self.table:
-            size += TABLE_BYTES + (SCALE_TABLE_BYTES if self.out == "nvfp4" else 0) + 32
+            size += ((VALUE_TABLE_BYTES if self.values else TABLE_BYTES)
+                     + (SCALE_TABLE_BYTES if self.out == "nvfp4" else 0) + 32)
         return size
 
     @cute.jit
@@ -217,17 +227,18 @@ class FusedSilu:
             self._fp4_stream(smem, x, row_offsets, input_scales, gate_table, out, scales,
                              num_segments, intermediate, limit, alpha, tidx, bidx, grid_ctas)
         elif cutlass.const_expr(self.table):  # FP8
-            table = smem.allocate_tensor(Float32, cute.make_layout(2 * ENTRIES),
-                                         byte_alignment=16)
+            table = smem.allocate_tensor(
+                Float32, cute.make_layout(ENTRIES if self.values else 2 * ENTRIES),
+                byte_alignment=16)
             loaded = smem.allocate_array(Int64, 1)
             init_gate_load(loaded, tidx == 0)
             # Every thread past the initialisation before the copy's arrival: the compiler
             # issues the leader's operations as warp-wide uniform ones, which the race checker
             # would otherwise pair across the warp.
             cute.arch.sync_threads()
-            start_gate_load(table, gate_table, loaded, tidx == 0)
+            start_gate_load(table, gate_table, loaded, tidx == 0, self.values)
             cute.arch.mbarrier_wait(loaded, 0)
-            gates = table_base(table)
+            gates = table_base(table, self.values)
         if cutlass.const_expr(not self.fp4):
             rows = cute.make_tensor(row_offsets, cute.make_layout(num_segments + 1))[num_segments]
             total = rows * vecs
@@ -582,7 +593,19 @@ class FusedSilu:
             cute.autovec_copy(up, u_regs)
             g.store(g_regs.load().to(Float32))
             u.store(u_regs.load().to(Float32))
-        if cutlass.const_expr(self.table and not formula):
+        if cutlass.const_expr(self.values):
+            s = cute.make_rmem_tensor(cute.make_layout(n), Float32)
+            for i in cutlass.range_constexpr(n):
+                s[i] = lookup_value(g[i], gates)
+            # Gates the value table leaves to the formula come out NaN (so does a NaN gate).
+            missing = Boolean(False)
+            for i in cutlass.range_constexpr(n):
+                missing = missing or s[i] != s[i]
+            if missing:
+                self._untabled_gates(s, g, limit, alpha)
+            for i in cutlass.range_constexpr(n):
+                z[i] = self._combine(s[i], u[i], limit)
+        elif cutlass.const_expr(self.table and not formula):
             s = cute.make_rmem_tensor(cute.make_layout(n), Float32)
             for i in cutlass.range_constexpr(n):
                 s[i] = lookup_gate(g[i], gates)
@@ -605,6 +628,23 @@ class FusedSilu:
                     z[i] = self._combine(silu_gate(g[i]), u[i], limit)
                 else:
                     z[i] = self._combine(oai_gate(g[i], limit, alpha), u[i], limit)
+
+    @cute.jit
+    def _untabled_gates(self, s: cute.Tensor, g: cute.Tensor, limit: Float32, alpha: Float32):
+        """s[i] for the gates the value table leaves to the formula (s[i] NaN). Zero gates
+        first: each is its own activation (both formulas give it, sign included: g / 2 and
+        g' * (1 / 2)), a select each; then the formula, a branch each that only the gates
+        really outside the table take (in one pass the compiler computes the formula for every
+        NaN entry and selects, which ran inputs of zero gates twice as slow)."""
+        for i in cutlass.range_constexpr(cute.size(s)):
+            if (s[i] != s[i]) & (g[i] == Float32(0.0)):
+                s[i] = g[i]
+        for i in cutlass.range_constexpr(cute.size(s)):
+            if s[i] != s[i]:
+                if cutlass.const_expr(self.activation == "silu"):
+                    s[i] = silu_gate(g[i])
+                else:
+                    s[i] = oai_gate(g[i], limit, alpha)
 
     @cute.jit
     def _combine(self, s: Float32, u: Float32, limit: Float32) -> Float32:
@@ -729,14 +769,17 @@ def silu_kernels() -> list:
     once per e2m1 encoder (software on sm_90a, hardware on sm_100a); the clamped SwiGLU-OAI
     activation for MXFP4; the quantized outputs also with the gate table (`TABLE_THREADS`
     threads, a CTA per SM; FP4 with a warp per scale row), for large inputs; the fp32
-    activation itself (`z` unrounded, either activation, formula or table), which the tests use
-    to check the table against the formula for every bf16 gate."""
+    activation itself (`z` unrounded, either activation, by the formula, the pair table or the
+    value table), which the tests use to check both tables against the formula for every bf16
+    gate. FP8 uses the value table (`kernels.gate_table`), FP4 the pairs."""
     kernels = [FusedSilu("fp32", False, activation, threads=TABLE_THREADS if table else 256,
-                         table=table)
-               for activation in ("silu", "swiglu_oai") for table in (False, True)]
+                         table=table, values=values)
+               for activation in ("silu", "swiglu_oai")
+               for table, values in ((False, False), (True, False), (True, True))]
     for interleaved in (False, True):
         kernels += [FusedSilu("bf16", interleaved), FusedSilu("fp8", interleaved),
-                    FusedSilu("fp8", interleaved, table=True, threads=TABLE_THREADS)]
+                    FusedSilu("fp8", interleaved, table=True, threads=TABLE_THREADS,
+                              values=True)]
         for e2m1 in ("software", "hardware"):
             for rows_per_warp, table in ((False, False), (True, False), (True, True)):
                 threads = TABLE_THREADS if table else 256

@@ -1,5 +1,6 @@
 """The gate table (`kernels.gate_table`) against the formula, for every one of the 65536 bf16
-gates, bit for bit: the fp32 activation kernel (`fused_silu_fp32`) in its table layout beside
+gates, bit for bit, in both its forms (the value table of the "table" layout, the pairs of
+"pairs"): the fp32 activation kernel (`fused_silu_fp32`) in its table layouts beside
 the plain-torch reference of `cute_ep.reference.silu` on the same GPU, and beside the kernel's
 own formula layout. Ups are 1 (so `z` is the gate's activation itself) and a spread of values.
 Also how the tables are kept: built once per device and activation, readable from any stream,
@@ -52,18 +53,18 @@ def _same_bits(got: torch.Tensor, want: torch.Tensor):
 UPS = torch.tensor([1.0, -3.0, 0.3, 1e-20, 7.5e30, 0.0])
 
 
-@pytest.mark.parametrize("layout", ["thread", "table"])
+@pytest.mark.parametrize("layout", ["thread", "table", "pairs"])
 def test_silu_of_every_bf16_gate(layout, monkeypatch):
     x = _every_gate(UPS)
     got = _activation(x, layout, monkeypatch)
     _same_bits(got, ref.silu_mul(x))
-    if layout == "table":
+    if layout != "thread":
         _same_bits(got, _activation(x, "thread", monkeypatch))
 
 
 @pytest.mark.parametrize("limit, alpha", [(7.0, 1.702), (1e30, 1.0), (0.5, 1e-3), (100.0, 60.0),
                                           (7.0, -2.0), (3e38, 1e30)])
-@pytest.mark.parametrize("layout", ["thread", "table"])
+@pytest.mark.parametrize("layout", ["thread", "table", "pairs"])
 def test_swiglu_oai_of_every_bf16_gate(layout, limit, alpha, monkeypatch):
     """Limits and alphas that move the clamped gates and the sigmoid's saturation across the
     table's range; gates the table leaves to the formula (outside it, or with a zero value)
