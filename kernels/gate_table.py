@@ -58,48 +58,52 @@ ENTRIES = 2 * PER_SIGN
 TABLE_BYTES = ENTRIES * 8
 VALUE_TABLE_BYTES = ENTRIES * 4
 TABLE_FLOATS = 3 * ENTRIES  # the gate_table kernel's output: the pairs, then the values
-FALLBACK = float("nan")  # a value table's bound entries: the formula decides
-FALLBACK_M = float("nan")
+FALLBACK = float("nan")  # an entry's value (or M) that leaves its gates to the formula
 # The lookup clamps |g| * 2^-7 to [LOW * 2^-7, 1] (a saturating multiply, exact on bf16 values
 # in range, then one max): LOW_T16 in those units.
 SCALE_T16 = 7 << 7  # 2^-7 takes 7 off the bf16 exponent field
 LOW_SCALED_T16 = LOW_T16 - SCALE_T16
 assert HIGH_T16 - SCALE_T16 == 0x3F80  # HIGH * 2^-7 == 1.0, the saturation bound
 
-# `$1` the gate g, `$2` the table's shared address minus LOW_SCALED_T16 * 16: `$0` =
-# fma(g, M, T). `mul.sat` maps a NaN to +0, which the max takes to the LOW entry, as before.
-LOOKUP_PTX = (
-    "{ .reg .f32 a, m, t; .reg .b32 b, s, o; "
-    f"abs.f32 a, $1; mul.rn.sat.f32 a, a, 0f3C000000; max.f32 a, a, 0f{LOW_SCALED_T16:04X}0000; "
-    "mov.b32 b, a; mov.b32 s, $1; shr.u32 o, b, 12; shr.u32 s, s, 28; and.b32 s, s, 8; "
-    "or.b32 o, o, s; add.u32 o, o, $2; ld.shared.v2.f32 {m, t}, [o]; "
-    "fma.rn.f32 $0, $1, m, t; }")
 
-# The value table's lookup: the same clamp, `$2` the table's address minus LOW_SCALED_T16 * 8
-# (entries half as wide: bits(clamped |g|) >> 13 is 8 j, the sign bit shifted to 4).
-VALUE_LOOKUP_PTX = (
-    "{ .reg .f32 a; .reg .b32 b, s, o; "
-    f"abs.f32 a, $1; mul.rn.sat.f32 a, a, 0f3C000000; max.f32 a, a, 0f{LOW_SCALED_T16:04X}0000; "
-    "mov.b32 b, a; mov.b32 s, $1; shr.u32 o, b, 13; shr.u32 s, s, 29; and.b32 s, s, 4; "
-    "or.b32 o, o, s; add.u32 o, o, $2; ld.shared.f32 $0, [o]; }")
+def _lookup_ptx(entry_bytes: int) -> str:
+    """PTX of a lookup in a table of `entry_bytes` entries (8: pairs, `$0` = fma(g, M, T); 4:
+    values, `$0` = the value): `$1` the gate g, `$2` the table's shared address minus
+    LOW_SCALED_T16 * 2 * entry_bytes. bits(clamped |g|) >> 16 is j + LOW_SCALED_T16, shifted to
+    2 j entries' bytes; g's sign bit becomes one entry's bytes. `mul.sat` maps a NaN to +0,
+    which the max takes to the LOW entry."""
+    log = entry_bytes.bit_length() - 1
+    pairs = entry_bytes == 8
+    load = ("ld.shared.v2.f32 {m, t}, [o]; fma.rn.f32 $0, $1, m, t; " if pairs
+            else "ld.shared.f32 $0, [o]; ")
+    return (f"{{ .reg .f32 {'a, m, t' if pairs else 'a'}; .reg .b32 b, s, o; "
+            f"abs.f32 a, $1; mul.rn.sat.f32 a, a, 0f3C000000; "
+            f"max.f32 a, a, 0f{LOW_SCALED_T16:04X}0000; mov.b32 b, a; mov.b32 s, $1; "
+            f"shr.u32 o, b, {15 - log}; shr.u32 s, s, {31 - log}; and.b32 s, s, {entry_bytes}; "
+            f"or.b32 o, o, s; add.u32 o, o, $2; {load}}}")
+
+
+LOOKUP_PTX = _lookup_ptx(8)
+VALUE_LOOKUP_PTX = _lookup_ptx(4)
+
+
+def _lookup(ptx: str, g: Float32, base: Int32, loc, ip) -> Float32:
+    return Float32(llvm.inline_asm(
+        T.f32(), [Float32(g).ir_value(loc=loc, ip=ip), Int32(base).ir_value(loc=loc, ip=ip)],
+        ptx, "=f,f,r", has_side_effects=False, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
 
 
 @dsl_user_op
 def lookup_gate(g: Float32, base: Int32, *, loc=None, ip=None) -> Float32:
-    """`s(g)` from the table: `base` is `table_base(...)`."""
-    return Float32(llvm.inline_asm(
-        T.f32(), [Float32(g).ir_value(loc=loc, ip=ip), Int32(base).ir_value(loc=loc, ip=ip)],
-        LOOKUP_PTX, "=f,f,r", has_side_effects=False, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+    """`s(g)` from the pair table: `base` is `table_base(...)`."""
+    return _lookup(LOOKUP_PTX, g, base, loc, ip)
 
 
 @dsl_user_op
 def lookup_value(g: Float32, base: Int32, *, loc=None, ip=None) -> Float32:
     """`s(g)` from the value table (NaN: the formula's): `base` is `table_base(..., True)`."""
-    return Float32(llvm.inline_asm(
-        T.f32(), [Float32(g).ir_value(loc=loc, ip=ip), Int32(base).ir_value(loc=loc, ip=ip)],
-        VALUE_LOOKUP_PTX, "=f,f,r", has_side_effects=False, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+    return _lookup(VALUE_LOOKUP_PTX, g, base, loc, ip)
 
 
 @dsl_user_op
@@ -166,7 +170,7 @@ def gate_entry(e, activation: cutlass.Constexpr, limit: Float32, alpha: Float32)
     else:
         t = oai_gate(g, limit, alpha)
         if j == 0 or j == PER_SIGN - 1 or t == Float32(0.0):
-            m = Float32(FALLBACK_M)
+            m = Float32(FALLBACK)
             t = Float32(0.0)
     return m, t
 
