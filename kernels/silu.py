@@ -670,9 +670,17 @@ class FusedSilu:
         so the 64 code bits are rotated left by `rotation` bits before they are stored."""
         n = self.vector
         z = cute.make_rmem_tensor(cute.make_layout(n), Float32)
-        z.fill(0.0)
-        if valid:
+        if cutlass.const_expr(words is not None and self.activation == "silu"):
+            # Inputs in registers (a stream's shared-memory stage, or loaded ahead): an invalid
+            # lane (padding, or past its row's last vector) activates stale words, and its codes
+            # and scale byte are dropped. Zeros for it would cost a move per element on every
+            # vector (the compiler sets them before the branch). swiglu_oai keeps them: without,
+            # its formula fallback runs out of registers.
             self._activation(x, row, v, intermediate, limit, alpha, z, gates, words)
+        else:
+            z.fill(0.0)
+            if valid:
+                self._activation(x, row, v, intermediate, limit, alpha, z, gates, words)
         byte = Int32(0)
         if cutlass.const_expr(self.out == "fp32"):
             cute.autovec_copy(z, cute.make_tensor(
@@ -715,7 +723,7 @@ class FusedSilu:
                                               nan=True)
             if cutlass.const_expr(self.rows_per_warp and self.lanes == 2):
                 # This lane holds half of a scale block; the pair's amax is the block's (an
-                # invalid lane holds zeros, and its pair lane is invalid too).
+                # invalid lane's pair lane is invalid too).
                 amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=1),
                                       nan=True)
             sf = Float32(0.0)
