@@ -781,10 +781,10 @@ class FusedSilu:
             if cutlass.const_expr(rotation is not None):
                 words[0], words[1] = rotate_left64(words[0], words[1], rotation)
             if valid:
+                at = code_at
                 if cutlass.const_expr(code_at is None):
-                    code_at = out.toint() + Int64(row) * Int64(intermediate // 2) + Int64(v) * (
-                        n // 2)
-                cute.autovec_copy(words, cute.make_tensor(_ptr(Int32, code_at, 4 * (n // 8)),
+                    at = out.toint() + Int64(row) * Int64(intermediate // 2) + Int64(v) * (n // 2)
+                cute.autovec_copy(words, cute.make_tensor(_ptr(Int32, at, 4 * (n // 8)),
                                                           cute.make_layout(n // 8)))
         return byte
 
