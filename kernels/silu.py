@@ -333,7 +333,11 @@ class FusedSilu:
         unit = Int32(0)
         row_of_unit = Int32(-1)
         # This lane's code and scale byte addresses, set at each row's first chunk and moved a
-        # chunk on after each (the 128x4 offset of a column WARP / lanes on is a constant).
+        # chunk on after each (the 128x4 offset of a column WARP / lanes on is a constant):
+        # swiglu_oai's loop only (one H200, beside copy_: 2-3.5 points faster in every L2 state);
+        # the silu kernels compute them per chunk, where carrying them cost up to 6 points
+        # (interleaved NVFP4 at I = 7168, compiled at 64 registers) and gained nowhere.
+        carry = self.activation == "swiglu_oai"
         code_at = Int64(0)
         scale_at = Int64(0)
         words = cute.make_rmem_tensor(cute.make_layout(self.vector), Int32)  # bf16 pairs
@@ -342,15 +346,17 @@ class FusedSilu:
             if row != row_of_unit:
                 seg, gs, unit = next_row_segment(s_off, s_start, s_gs, seg, row)
                 row_of_unit = row
-                h = kv + lane
-                code_at = (out.toint() + Int64(row) * Int64(intermediate // 2)
-                           + Int64(h) * (self.vector // 2))
-                scale_at = scales.toint() + scale_offset(unit, h // self.lanes, rk)
+                if cutlass.const_expr(carry):
+                    h = kv + lane
+                    code_at = (out.toint() + Int64(row) * Int64(intermediate // 2)
+                               + Int64(h) * (self.vector // 2))
+                    scale_at = scales.toint() + scale_offset(unit, h // self.lanes, rk)
             cute.arch.mbarrier_wait(mine + s, (i // stages) % 2)
             rotation = self._stream_words(ring, s, warp, lane, words)
+            carried = (code_at, scale_at) if carry else (None, None)
             self._lane_item(x, out, scales, unit, row, kv + lane, Boolean(True), blocks, cols,
                             rk, intermediate, limit, alpha, gs, gates, recips, words, rotation,
-                            code_at, scale_at)
+                            *carried)
             # Every lane has used (so read) its words of stage s before it is refilled: a load
             # still in flight at the barrier could otherwise read the bulk copy's bytes.
             cute.arch.sync_warp()
@@ -360,8 +366,9 @@ class FusedSilu:
                                       intermediate)
                 load_row, load_kv = self._stream_next(load_row, load_kv, vecs)
             row, kv = self._stream_next(row, kv, vecs)
-            code_at = code_at + WARP * (self.vector // 2)
-            scale_at = scale_at + scale_offset(0, WARP // self.lanes, 0)
+            if cutlass.const_expr(carry):
+                code_at = code_at + WARP * (self.vector // 2)
+                scale_at = scale_at + scale_offset(0, WARP // self.lanes, 0)
 
     @cute.jit
     def _stream_next(self, row, kv, vecs):
