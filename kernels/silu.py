@@ -332,16 +332,31 @@ class FusedSilu:
         gs = Float32(1.0)
         unit = Int32(0)
         row_of_unit = Int32(-1)
+        # This lane's code and scale byte addresses, set at each row's first chunk and moved a
+        # chunk on after each (the 128x4 offset of a column WARP / lanes on is a constant):
+        # swiglu_oai's loop only (one H200, beside copy_: 2-3.5 points faster in every L2 state);
+        # the silu kernels compute them per chunk, where carrying them cost up to 6 points
+        # (interleaved NVFP4 at I = 7168, compiled at 64 registers) and gained nowhere.
+        carry = self.activation == "swiglu_oai"
+        code_at = Int64(0)
+        scale_at = Int64(0)
         words = cute.make_rmem_tensor(cute.make_layout(self.vector), Int32)  # bf16 pairs
         for i in cutlass.range(n):
             s = i % stages
             if row != row_of_unit:
                 seg, gs, unit = next_row_segment(s_off, s_start, s_gs, seg, row)
                 row_of_unit = row
+                if cutlass.const_expr(carry):
+                    h = kv + lane
+                    code_at = (out.toint() + Int64(row) * Int64(intermediate // 2)
+                               + Int64(h) * (self.vector // 2))
+                    scale_at = scales.toint() + scale_offset(unit, h // self.lanes, rk)
             cute.arch.mbarrier_wait(mine + s, (i // stages) % 2)
             rotation = self._stream_words(ring, s, warp, lane, words)
+            carried = (code_at, scale_at) if carry else (None, None)
             self._lane_item(x, out, scales, unit, row, kv + lane, Boolean(True), blocks, cols,
-                            rk, intermediate, limit, alpha, gs, gates, recips, words, rotation)
+                            rk, intermediate, limit, alpha, gs, gates, recips, words, rotation,
+                            *carried)
             # Every lane has used (so read) its words of stage s before it is refilled: a load
             # still in flight at the barrier could otherwise read the bulk copy's bytes.
             cute.arch.sync_warp()
@@ -351,6 +366,9 @@ class FusedSilu:
                                       intermediate)
                 load_row, load_kv = self._stream_next(load_row, load_kv, vecs)
             row, kv = self._stream_next(row, kv, vecs)
+            if cutlass.const_expr(carry):
+                code_at = code_at + WARP * (self.vector // 2)
+                scale_at = scale_at + scale_offset(0, WARP // self.lanes, 0)
 
     @cute.jit
     def _stream_next(self, row, kv, vecs):
@@ -503,18 +521,23 @@ class FusedSilu:
 
     @cute.jit
     def _lane_item(self, x, out, scales, unit, row, h, live, blocks, cols, rk, intermediate,
-                   limit, alpha, gs, gates, recips, words=None, rotation=None):
+                   limit, alpha, gs, gates, recips, words=None, rotation=None, code_at=None,
+                   scale_at=None):
         """Lane vector h of scale row `unit` (row `row` of x; `live`: not padding): its codes,
         and its block's scale byte from the block's first lane (zero for padding rows and
-        columns). `words`: its inputs already loaded (`rotation`: `_row_vector`'s)."""
+        columns). `words`: its inputs already loaded (`rotation`: `_row_vector`'s); `code_at`,
+        `scale_at`: where its codes and scale byte go, already known."""
         kb = h // self.lanes
         valid = live and kb < blocks
         byte = self._row_vector(x, out, scales, row, h, intermediate, Int32(0), limit, alpha, gs,
-                                valid, gates, recips, words, rotation)
+                                valid, gates, recips, words, rotation, code_at)
         if not valid:
             byte = Int32(0)
         if h % self.lanes == 0 and kb < cols:
-            store_u8(scales.toint() + scale_offset(unit, kb, rk), byte)
+            if cutlass.const_expr(scale_at is None):
+                store_u8(scales.toint() + scale_offset(unit, kb, rk), byte)
+            else:
+                store_u8(scale_at, byte)
 
     @cute.jit
     def _unit(self, s_off, s_start, num_segments, unit, units):
@@ -662,17 +685,25 @@ class FusedSilu:
 
     @cute.jit
     def _row_vector(self, x, out, scales, row, v, intermediate, scale_stride, limit, alpha, gs,
-                    valid, gates, recips, words=None, rotation=None):
+                    valid, gates, recips, words=None, rotation=None, code_at=None):
         """Activate and store output vector v of `row`; FP4: return its scale byte. `recips`:
         NVFP4's scale table (`fill_scale_table`: r_hi, r_lo, sf per e4m3 code; `table`
-        kernels). `rotation` (FP4, 16
-        elements): `words` hold the elements rotated by `rotation / 4` places (`_stream_words`),
-        so the 64 code bits are rotated left by `rotation` bits before they are stored."""
+        kernels). `rotation` (FP4, 16 elements): `words` hold the elements rotated by
+        `rotation / 4` places (`_stream_words`), so the 64 code bits are rotated left by
+        `rotation` bits before they are stored. `code_at` (FP4): the codes' address, if known."""
         n = self.vector
         z = cute.make_rmem_tensor(cute.make_layout(n), Float32)
-        z.fill(0.0)
-        if valid:
+        if cutlass.const_expr(words is not None and self.activation == "silu"):
+            # Inputs in registers (a stream's shared-memory stage, or loaded ahead): an invalid
+            # lane (padding, or past its row's last vector) activates stale words, and its codes
+            # and scale byte are dropped. Zeros for it would cost a move per element on every
+            # vector (the compiler sets them before the branch). swiglu_oai keeps them: without,
+            # its formula fallback runs out of registers.
             self._activation(x, row, v, intermediate, limit, alpha, z, gates, words)
+        else:
+            z.fill(0.0)
+            if valid:
+                self._activation(x, row, v, intermediate, limit, alpha, z, gates, words)
         byte = Int32(0)
         if cutlass.const_expr(self.out == "fp32"):
             cute.autovec_copy(z, cute.make_tensor(
@@ -715,7 +746,7 @@ class FusedSilu:
                                               nan=True)
             if cutlass.const_expr(self.rows_per_warp and self.lanes == 2):
                 # This lane holds half of a scale block; the pair's amax is the block's (an
-                # invalid lane holds zeros, and its pair lane is invalid too).
+                # invalid lane's pair lane is invalid too).
                 amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=1),
                                       nan=True)
             sf = Float32(0.0)
@@ -757,10 +788,11 @@ class FusedSilu:
             if cutlass.const_expr(rotation is not None):
                 words[0], words[1] = rotate_left64(words[0], words[1], rotation)
             if valid:
-                dst = cute.make_tensor(
-                    _ptr(Int32, out.toint() + Int64(row) * Int64(intermediate // 2)
-                         + Int64(v) * (n // 2), 4 * (n // 8)), cute.make_layout(n // 8))
-                cute.autovec_copy(words, dst)
+                at = code_at
+                if cutlass.const_expr(code_at is None):
+                    at = out.toint() + Int64(row) * Int64(intermediate // 2) + Int64(v) * (n // 2)
+                cute.autovec_copy(words, cute.make_tensor(_ptr(Int32, at, 4 * (n // 8)),
+                                                          cute.make_layout(n // 8)))
         return byte
 
 
