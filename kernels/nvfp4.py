@@ -140,21 +140,10 @@ def read_segment_inputs(row_offsets: cute.Pointer, scales, num_segments, tidx):
 @cute.jit
 def warp_run(me, warps, count):
     """(first, number) of warp `me`'s equal share of `count` consecutive items among `warps`
-    (shares differ by at most one)."""
+    (shares differ by at most one, the longer ones spread evenly over `me`: a CTA's consecutive
+    warps, and so an SM's, get within one item of their share of the work)."""
     begin = Int32(Int64(me) * Int64(count) // Int64(warps))
     return begin, Int32(Int64(me + 1) * Int64(count) // Int64(warps)) - begin
-
-
-@cute.jit
-def warp_share(me, warps, count):
-    """(first, number) of warp `me`'s share of `count` consecutive items among `warps`: the
-    first `count % warps` warps take one more (one division, 32 bits: `count` < 2^31)."""
-    share = count // warps
-    extra = count - share * warps
-    n = share
-    if me < extra:
-        n = share + 1
-    return me * share + cutlass.min(me, extra), n
 
 
 @cute.jit
@@ -578,7 +567,7 @@ def zero_padding_rows(scales: cute.Pointer, s_off: cute.Tensor, s_first: cute.Te
 class QuantizeNvfp4:
     """The rows are one stream of blocks (block b: row b // (K / 16), column b % (K / 16), at
     byte 32 b of the input and 8 b of the codes), cut into chunks of `32 * steps` consecutive
-    blocks, and each warp takes an equal run of consecutive chunks (`warp_share`); lane l
+    blocks, and each warp takes an equal run of consecutive chunks (`warp_run`); lane l
     quantizes blocks l, l + 32, ... of each chunk, its row, segment, global scale and scale
     address carried from its block before. The chunks come in through a ring of `stages`
     shared-memory stages per warp, each lane copying `2 * steps` 16-byte pieces of every chunk
@@ -672,7 +661,7 @@ class QuantizeNvfp4:
         me = bidx * self.warps + warp
         warps = grid_ctas * self.warps
         # This warp's run if every row is valid, its first chunks requested at once.
-        begin, n = warp_share(me, warps, (rows * blocks + self.chunk - 1) // self.chunk)
+        begin, n = warp_run(me, warps, (rows * blocks + self.chunk - 1) // self.chunk)
         src = self._first_loads(ring, warp, lane, x.toint(), begin, n, rows * blocks)
         fill_scale_table(table, tidx, self.threads)
         if tidx < num_segments:
@@ -684,7 +673,7 @@ class QuantizeNvfp4:
         if total_rows < rows:  # a capacity: drain the first loads, split the valid rows
             cute.arch.cp_async_wait_group(0)
             cute.arch.sync_warp()
-            begin, n = warp_share(me, warps, (total + self.chunk - 1) // self.chunk)
+            begin, n = warp_run(me, warps, (total + self.chunk - 1) // self.chunk)
             src = self._first_loads(ring, warp, lane, x.toint(), begin, n, total)
 
         if cutlass.const_expr(self.scales == "128x4"):

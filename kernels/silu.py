@@ -553,7 +553,7 @@ class FusedSilu:
                      words: cute.Tensor):
         """`words` = the inputs of output vector v of `row` as bf16 pairs (gate pairs then up
         pairs; interleaved: the (gate, up) pairs in order), unless it is padding (not `live`,
-        or past the last block), which computes zeros and loads nothing."""
+        or past the last block), which loads nothing (`_row_vector` drops what it computes)."""
         n = self.vector
         if live and v // self.lanes < blocks:
             base = x.toint() + Int64(row) * Int64(4 * intermediate)
