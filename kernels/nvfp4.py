@@ -258,10 +258,18 @@ def _encode_bounded(vals: cute.Tensor, gs: Float32, sf: Float32, r: Float32,
     if cutlass.const_expr(bounded is None or e2m1 != "software"):
         _encode_words(vals, gs, sf, r, words, e2m1, division)
     else:
-        if bounded:
-            _encode_words(vals, gs, sf, r, words, e2m1, division, False)
-        else:
-            _encode_words(vals, gs, sf, r, words, e2m1, division)
+        unsaturated_if(bounded, lambda saturate: _encode_words(vals, gs, sf, r, words, e2m1,
+                                                                division, saturate))
+
+
+@cute.jit
+def unsaturated_if(bounded, encode: cutlass.Constexpr):
+    """`encode(saturate)`, an encoder traced twice: unsaturated where the runtime flag `bounded`
+    says every value is below 7, saturating otherwise."""
+    if bounded:
+        encode(False)
+    else:
+        encode(True)
 
 
 @cute.jit
@@ -453,10 +461,8 @@ def quantize_nvfp4_pairs(pairs: cute.Tensor, codes: cute.Tensor, gs: Float32,
             vals[2 * k + 1] = high_bf16(words[k])
         if cutlass.const_expr(e2m1 == "software"):
             if fast:
-                if bounded:
-                    _divide_encode(vals, words, gs, r, r_lo, codes, False)
-                else:
-                    _divide_encode(vals, words, gs, r, r_lo, codes, True)
+                unsaturated_if(bounded, lambda saturate: _divide_encode(vals, words, gs, r, r_lo,
+                                                                         codes, saturate))
             else:
                 _encode_words(vals, gs, table[2, byte], Float32(0.0), codes, e2m1, "true")
         else:
