@@ -24,7 +24,7 @@ and the entry at each bound stands for every gate clamped onto it:
   by the formula (its limit and alpha are runtime values, so no class holds for every input).
 
 A second form of the same table, for the kernels that check each element anyway (FP8 and the
-fp32 output), holds one value per entry (`VALUES_LAYOUT`): `s(g)` in range, NaN at both bounds
+fp32 output), holds one value per entry (layout below): `s(g)` in range, NaN at both bounds
 (the caller computes those elements by the formula), and a lookup is a 4-byte load with no fma
 (`lookup_value`), half the shared-memory bytes of a pair.
 

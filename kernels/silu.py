@@ -348,8 +348,7 @@ class FusedSilu:
                 row_of_unit = row
                 if cutlass.const_expr(carry):
                     h = kv + lane
-                    code_at = (out.toint() + Int64(row) * Int64(intermediate // 2)
-                               + Int64(h) * (self.vector // 2))
+                    code_at = self._code_address(out, row, h, intermediate)
                     scale_at = scales.toint() + scale_offset(unit, h // self.lanes, rk)
             cute.arch.mbarrier_wait(mine + s, (i // stages) % 2)
             rotation = self._stream_words(ring, s, warp, lane, words)
@@ -369,6 +368,10 @@ class FusedSilu:
             if cutlass.const_expr(carry):
                 code_at = code_at + WARP * (self.vector // 2)
                 scale_at = scale_at + scale_offset(0, WARP // self.lanes, 0)
+
+    def _code_address(self, out: cute.Pointer, row, v, intermediate):
+        """Global address of the FP4 codes of output vector v of `row` (I / 2 bytes a row)."""
+        return out.toint() + Int64(row) * Int64(intermediate // 2) + Int64(v) * (self.vector // 2)
 
     @cute.jit
     def _stream_next(self, row, kv, vecs):
@@ -616,23 +619,15 @@ class FusedSilu:
             cute.autovec_copy(up, u_regs)
             g.store(g_regs.load().to(Float32))
             u.store(u_regs.load().to(Float32))
-        if cutlass.const_expr(self.values):
+        if cutlass.const_expr(self.table and not formula):
             s = cute.make_rmem_tensor(cute.make_layout(n), Float32)
             for i in cutlass.range_constexpr(n):
-                s[i] = lookup_value(g[i], gates)
-            # Gates the value table leaves to the formula come out NaN (so does a NaN gate).
-            missing = Boolean(False)
-            for i in cutlass.range_constexpr(n):
-                missing = missing or s[i] != s[i]
-            if missing:
-                self._untabled_gates(s, g, limit, alpha)
-            for i in cutlass.range_constexpr(n):
-                z[i] = self._combine(s[i], u[i], limit)
-        elif cutlass.const_expr(self.table and not formula):
-            s = cute.make_rmem_tensor(cute.make_layout(n), Float32)
-            for i in cutlass.range_constexpr(n):
-                s[i] = lookup_gate(g[i], gates)
-            if cutlass.const_expr(self.activation == "swiglu_oai" and not self.fp4):
+                if cutlass.const_expr(self.values):
+                    s[i] = lookup_value(g[i], gates)
+                else:
+                    s[i] = lookup_gate(g[i], gates)
+            if cutlass.const_expr(self.values or
+                                  (self.activation == "swiglu_oai" and not self.fp4)):
                 # Gates the table leaves to the formula come out NaN (so does a NaN gate). FP4
                 # outputs check once per vector instead: such a z is NaN, and so is the amax
                 # (`_row_vector`).
@@ -640,9 +635,7 @@ class FusedSilu:
                 for i in cutlass.range_constexpr(n):
                     missing = missing or s[i] != s[i]
                 if missing:
-                    for i in cutlass.range_constexpr(n):
-                        if s[i] != s[i]:
-                            s[i] = oai_gate(g[i], limit, alpha)
+                    self._untabled_gates(s, g, limit, alpha)
             for i in cutlass.range_constexpr(n):
                 z[i] = self._combine(s[i], u[i], limit)
         else:
@@ -654,7 +647,7 @@ class FusedSilu:
 
     @cute.jit
     def _untabled_gates(self, s: cute.Tensor, g: cute.Tensor, limit: Float32, alpha: Float32):
-        """s[i] for the gates the value table leaves to the formula (s[i] NaN). Zero gates
+        """s[i] for the gates a table leaves to the formula (s[i] NaN). Zero gates
         first: each is its own activation (both formulas give it, sign included: g / 2 and
         g' * (1 / 2)), a select each; then the formula, a branch each that only the gates
         really outside the table take (in one pass the compiler computes the formula for every
@@ -790,7 +783,7 @@ class FusedSilu:
             if valid:
                 at = code_at
                 if cutlass.const_expr(code_at is None):
-                    at = out.toint() + Int64(row) * Int64(intermediate // 2) + Int64(v) * (n // 2)
+                    at = self._code_address(out, row, v, intermediate)
                 cute.autovec_copy(words, cute.make_tensor(_ptr(Int32, at, 4 * (n // 8)),
                                                           cute.make_layout(n // 8)))
         return byte
