@@ -71,6 +71,7 @@ SMEM_ENTRIES = 544  # a probe at pos + 256 stays inside
 STREAM_STAGES = 2
 STREAM_CHUNK_WORDS = WARP * 16  # bf16 pairs: gate then up halves, or the interleaved pairs
 TABLE_THREADS = 1024  # the gate-table kernels' CTA: one per SM loads the table once
+POOL_SHARE = 4  # the FP4 stream's pool: 1 / POOL_SHARE of the chunks, taken one at a time
 
 
 def _ptr(dtype, addr, align):
@@ -174,6 +175,7 @@ class FusedSilu:
             Param("gate_table", "ptr", "float32", align=16),
             Param("out", "ptr", "uint8", align=16, writes=True),
             Param("scales", "ptr", "uint8", align=4, writes=True),
+            Param("counters", "ptr", "int32", align=4, writes=True),
             Param("num_segments", "i32"),
             Param("intermediate", "i32"),
             Param("scale_stride", "i32"),
@@ -191,7 +193,7 @@ class FusedSilu:
     def smem_bytes(self) -> int:
         if self.fp4 and self.table:
             warps = self.threads // WARP
-            ring = warps * STREAM_STAGES * STREAM_CHUNK_WORDS * 4 + 8 * warps * STREAM_STAGES
+            ring = warps * STREAM_STAGES * (STREAM_CHUNK_WORDS * 4 + 16)  # + barrier, chunk
             return (ring + TABLE_BYTES + (SCALE_TABLE_BYTES if self.out == "nvfp4" else 0)
                     + 3 * SMEM_ENTRIES * 4 + 528)
         size = 2 * SMEM_ENTRIES * 4 + 64 if self.fp4 else 0
@@ -203,18 +205,18 @@ class FusedSilu:
     @cute.jit
     def __call__(self, x: cute.Pointer, row_offsets: cute.Pointer, input_scales: cute.Pointer,
                  activation_params: cute.Pointer, gate_table: cute.Pointer, out: cute.Pointer,
-                 scales: cute.Pointer, num_segments: Int32, intermediate: Int32,
-                 scale_stride: Int32, grid_ctas: Int32, stream):
+                 scales: cute.Pointer, counters: cute.Pointer, num_segments: Int32,
+                 intermediate: Int32, scale_stride: Int32, grid_ctas: Int32, stream):
         self.kernel(x, row_offsets, input_scales, activation_params, gate_table, out, scales,
-                    num_segments, intermediate, scale_stride, grid_ctas).launch(
+                    counters, num_segments, intermediate, scale_stride, grid_ctas).launch(
             grid=(grid_ctas, 1, 1), block=(self.threads, 1, 1), smem=self.smem_bytes,
             stream=stream)
 
     @cute.kernel
     def kernel(self, x: cute.Pointer, row_offsets: cute.Pointer, input_scales: cute.Pointer,
                activation_params: cute.Pointer, gate_table: cute.Pointer, out: cute.Pointer,
-               scales: cute.Pointer, num_segments: Int32, intermediate: Int32,
-               scale_stride: Int32, grid_ctas: Int32):
+               scales: cute.Pointer, counters: cute.Pointer, num_segments: Int32,
+               intermediate: Int32, scale_stride: Int32, grid_ctas: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         limit, alpha = activation_constants(self.activation, activation_params)
@@ -225,7 +227,8 @@ class FusedSilu:
         recips = None
         if cutlass.const_expr(self.fp4 and self.table):
             self._fp4_stream(smem, x, row_offsets, input_scales, gate_table, out, scales,
-                             num_segments, intermediate, limit, alpha, tidx, bidx, grid_ctas)
+                             counters, num_segments, intermediate, limit, alpha, tidx, bidx,
+                             grid_ctas)
         elif cutlass.const_expr(self.table):  # FP8
             table = smem.allocate_tensor(
                 Float32, cute.make_layout(ENTRIES if self.values else 2 * ENTRIES),
@@ -260,17 +263,26 @@ class FusedSilu:
 
     @cute.jit
     def _fp4_stream(self, smem, x, row_offsets, input_scales, gate_table, out, scales,
-                    num_segments, intermediate, limit, alpha, tidx, bidx, grid_ctas):
+                    counters, num_segments, intermediate, limit, alpha, tidx, bidx, grid_ctas):
         """The FP4 table kernels: the live rows cut into chunks of 32 lane vectors (the last
-        of a row shorter), each warp an equal run of consecutive chunks (balanced to a chunk,
-        whatever the rows per segment), streamed through a ring of shared-memory stages per
-        warp that its lane 0 fills with bulk copies, `stages - 1` chunks ahead of the one its
-        lanes compute (a stage is refilled once every lane has used its words); the first loads
-        are issued before the scale and segment tables are built (every small read first, in
-        one round trip), so their latency hides under that work; the gate table's bulk copy
-        goes first of all.
-        Padding scale rows and columns are zeroed by a pass of their own
-        (`zero_scale_padding`)."""
+        of a row shorter), streamed through a ring of shared-memory stages per warp that its
+        lane 0 fills with bulk copies, `stages - 1` chunks ahead of the one its lanes compute
+        (a stage is refilled once every lane has used its words). The first chunks, all but
+        a pool of 1 / POOL_SHARE of them, are split into equal runs of consecutive chunks, one
+        a warp; then each warp takes pool chunks one at a time from a counter in global memory
+        (`counters[0]`), so that SMs which stream faster take more of them: the SMs of one
+        grid run at different speeds (on an H100, 26 to 37 us for equal static shares), and a
+        static split waits for the slowest. A warp asks for its next pool chunk one chunk
+        before it loads it, so the atomic's latency hides under a chunk's work. Each stage
+        carries its chunk's (row, first lane vector) beside its bytes, row -1 once the pool is
+        empty. The last CTA to finish (`counters[1]` counts them) sets both counters back to
+        zero for the next launch: launches that share `counters` must not overlap (the host
+        keeps a pair per stream).
+
+        The first loads are issued before the scale and segment tables are built (every small
+        read first, in one round trip), so their latency hides under that work; the gate
+        table's bulk copy goes first of all. Padding scale rows and columns are zeroed by a
+        pass of their own (`zero_scale_padding`)."""
         warp = tidx // WARP
         lane = tidx % WARP
         per_cta = self.threads // WARP
@@ -281,6 +293,9 @@ class FusedSilu:
         ring = smem.allocate_tensor(Int32, cute.make_layout((vector, stages, per_cta)),
                                     byte_alignment=128)
         full = smem.allocate_array(Int64, stages * per_cta)
+        # (row, first lane vector) of the chunk each stage holds.
+        held = smem.allocate_tensor(Int32, cute.make_layout((2, stages, per_cta)),
+                                    byte_alignment=8)
         table = smem.allocate_tensor(Float32, cute.make_layout(2 * ENTRIES), byte_alignment=16)
         loaded = smem.allocate_array(Int64, 1)
         recips = (smem.allocate_tensor(Float32, scale_table_layout(), byte_alignment=16)
@@ -300,20 +315,24 @@ class FusedSilu:
         pieces = (vecs + WARP - 1) // WARP  # chunks a row
         me = bidx * per_cta + warp
         warps = grid_ctas * per_cta
-        begin, n = warp_run(me, warps, total_rows * pieces)
-        # The chunk to compute next (row, first lane vector kv) and the one to load next.
-        row = begin // pieces
-        kv = (begin - row * pieces) * WARP
-        load_row = row
-        load_kv = kv
+        total = total_rows * pieces
+        fixed = total - total // POOL_SHARE  # chunks split in runs; the rest is the pool
+        begin, left = warp_run(me, warps, fixed)
+        # Lane 0's cursor: the next chunk of its run to load (while `left` > 0), then `pending`,
+        # the pool chunk it was given last (>= total: the pool is empty).
+        load_row = begin // pieces
+        load_kv = (begin - load_row * pieces) * WARP
+        pending = Int32(total)
+        if lane == 0 and left == 0:
+            pending = fixed + cute.arch.atomic_add(counters, Int32(1), sem="relaxed",
+                                                   scope="gpu")
         init_stage_barriers(mine, stages, lane == 0)
         cute.arch.sync_warp()  # the barriers are initialised before any lane uses them
-        for s in cutlass.range_constexpr(stages):
-            if s < n:
-                if lane == 0:
-                    self._stream_fill(ring, mine, warp, s, x, load_row, load_kv, vecs,
-                                      intermediate)
-                load_row, load_kv = self._stream_next(load_row, load_kv, vecs)
+        if lane == 0:
+            for s in cutlass.range_constexpr(stages):
+                load_row, load_kv, left, pending = self._stream_fill(
+                    ring, held, mine, warp, s, x, counters, load_row, load_kv, left, pending,
+                    vecs, pieces, fixed, total, intermediate)
 
         if cutlass.const_expr(self.out == "nvfp4"):
             fill_scale_table(recips, tidx, self.threads)
@@ -328,46 +347,68 @@ class FusedSilu:
         zero_scale_padding(scales, s_off, s_start, num_segments, blocks, me, warps, lane)
         cute.arch.mbarrier_wait(loaded, 0)
 
-        seg = segment_of(s_off, num_segments, row)
+        seg = segment_of(s_off, num_segments, begin // pieces)  # no chunk of this warp before
         gs = Float32(1.0)
         unit = Int32(0)
         row_of_unit = Int32(-1)
-        # This lane's code and scale byte addresses, set at each row's first chunk and moved a
-        # chunk on after each (the 128x4 offset of a column WARP / lanes on is a constant):
-        # swiglu_oai's loop only (one H200, beside copy_: 2-3.5 points faster in every L2 state);
-        # the silu kernels compute them per chunk, where carrying them cost up to 6 points
-        # (interleaved NVFP4 at I = 7168, compiled at 64 registers) and gained 2.5 at most.
+        # This lane's code and scale byte addresses, set at each row's first chunk and at each
+        # pool chunk, and moved a chunk on after each (the 128x4 offset of a column WARP / lanes
+        # on is a constant): swiglu_oai's loop only (one H200, beside copy_: 2-3.5 points faster
+        # in every L2 state); the silu kernels compute them per chunk, where carrying them cost
+        # up to 6 points (interleaved NVFP4 at I = 7168, compiled at 64 registers) and gained
+        # 2.5 at most.
         carry = self.activation == "swiglu_oai"
         code_at = Int64(0)
         scale_at = Int64(0)
+        next_row = Int32(-1)  # the chunk after the last one computed (carry)
+        next_kv = Int32(0)
         words = cute.make_rmem_tensor(cute.make_layout(self.vector), Int32)  # bf16 pairs
-        for i in cutlass.range(n):
+        i = Int32(0)
+        going = Boolean(True)
+        while going:
             s = i % stages
-            if row != row_of_unit:
-                seg, gs, unit = next_row_segment(s_off, s_start, s_gs, seg, row)
-                row_of_unit = row
-                if cutlass.const_expr(carry):
-                    h = kv + lane
-                    code_at = self._code_address(out, row, h, intermediate)
-                    scale_at = scales.toint() + scale_offset(unit, h // self.lanes, rk)
             cute.arch.mbarrier_wait(mine + s, (i // stages) % 2)
-            rotation = self._stream_words(ring, s, warp, lane, words)
-            carried = (code_at, scale_at) if carry else (None, None)
-            self._lane_item(x, out, scales, unit, row, kv + lane, Boolean(True), blocks, cols,
-                            rk, intermediate, limit, alpha, gs, gates, recips, words, rotation,
-                            *carried)
-            # Every lane has used (so read) its words of stage s before it is refilled: a load
-            # still in flight at the barrier could otherwise read the bulk copy's bytes.
-            cute.arch.sync_warp()
-            if i + stages < n:
+            row = held[0, s, warp]
+            kv = held[1, s, warp]
+            if row < 0:
+                going = Boolean(False)
+            else:
+                if row != row_of_unit:
+                    seg, gs, unit = next_row_segment(s_off, s_start, s_gs, seg, row)
+                    row_of_unit = row
+                if cutlass.const_expr(carry):
+                    if (row != next_row) | (kv != next_kv):
+                        h = kv + lane
+                        code_at = self._code_address(out, row, h, intermediate)
+                        scale_at = scales.toint() + scale_offset(unit, h // self.lanes, rk)
+                rotation = self._stream_words(ring, s, warp, lane, words)
+                carried = (code_at, scale_at) if carry else (None, None)
+                self._lane_item(x, out, scales, unit, row, kv + lane, Boolean(True), blocks,
+                                cols, rk, intermediate, limit, alpha, gs, gates, recips, words,
+                                rotation, *carried)
+                # Every lane has used (so read) its words and its stage's chunk before the
+                # stage is refilled: a load still in flight at the barrier could otherwise read
+                # the bulk copy's bytes.
+                cute.arch.sync_warp()
                 if lane == 0:
-                    self._stream_fill(ring, mine, warp, s, x, load_row, load_kv, vecs,
-                                      intermediate)
-                load_row, load_kv = self._stream_next(load_row, load_kv, vecs)
-            row, kv = self._stream_next(row, kv, vecs)
-            if cutlass.const_expr(carry):
-                code_at = code_at + WARP * (self.vector // 2)
-                scale_at = scale_at + scale_offset(0, WARP // self.lanes, 0)
+                    load_row, load_kv, left, pending = self._stream_fill(
+                        ring, held, mine, warp, s, x, counters, load_row, load_kv, left,
+                        pending, vecs, pieces, fixed, total, intermediate)
+                if cutlass.const_expr(carry):
+                    next_row, next_kv = self._stream_next(row, kv, vecs)
+                    code_at = code_at + WARP * (self.vector // 2)
+                    scale_at = scale_at + scale_offset(0, WARP // self.lanes, 0)
+                i = i + 1
+
+        # The last CTA to finish sets the pool's counters back to zero. Every pool chunk a
+        # warp was given has been read by then (a warp stops at the stage that says the pool
+        # is empty, after the fill that read its last claim).
+        cute.arch.sync_threads()
+        if tidx == 0:
+            done = cute.arch.atomic_add(counters + 1, Int32(1), sem="acq_rel", scope="gpu")
+            if done == grid_ctas - 1:
+                cute.arch.store(counters, Int32(0))
+                cute.arch.store(counters + 1, Int32(0))
 
     def _code_address(self, out: cute.Pointer, row, v, intermediate):
         """Global address of the FP4 codes of output vector v of `row` (I / 2 bytes a row)."""
@@ -383,7 +424,38 @@ class FusedSilu:
         return row, kv
 
     @cute.jit
-    def _stream_fill(self, ring: cute.Tensor, mine: cute.Pointer, warp, s, x: cute.Pointer, row,
+    def _stream_fill(self, ring: cute.Tensor, held: cute.Tensor, mine: cute.Pointer, warp, s,
+                     x: cute.Pointer, counters: cute.Pointer, load_row, load_kv, left, pending,
+                     vecs, pieces, fixed, total, intermediate):
+        """Lane 0: fill stage s with the warp's next chunk, the next of its run while `left`
+        chunks of it remain, else its pool chunk `pending` (asking for the next one as it takes
+        it; the first at its run's last chunk); with none left, row -1 and a bare arrival.
+        Returns the cursor (load_row, load_kv, left, pending) moved on."""
+        row = Int32(-1)
+        kv = Int32(0)
+        if left > 0:
+            row = load_row
+            kv = load_kv
+            load_row, load_kv = self._stream_next(load_row, load_kv, vecs)
+            left = left - 1
+            if left == 0:
+                pending = fixed + cute.arch.atomic_add(counters, Int32(1), sem="relaxed",
+                                                       scope="gpu")
+        elif pending < total:
+            row = pending // pieces
+            kv = (pending - row * pieces) * WARP
+            pending = fixed + cute.arch.atomic_add(counters, Int32(1), sem="relaxed",
+                                                   scope="gpu")
+        held[0, s, warp] = row
+        held[1, s, warp] = kv
+        if row < 0:
+            cute.arch.mbarrier_arrive(mine + s)
+        else:
+            self._stream_load(ring, mine, warp, s, x, row, kv, vecs, intermediate)
+        return load_row, load_kv, left, pending
+
+    @cute.jit
+    def _stream_load(self, ring: cute.Tensor, mine: cute.Pointer, warp, s, x: cute.Pointer, row,
                      kv, vecs, intermediate):
         """Lane 0: bulk-copy the inputs of the chunk at (row, kv) into stage s: the gate
         vectors into the stage's first half and the up vectors into its second, or the
