@@ -153,20 +153,21 @@ _COUNTERS: dict = {}
 _MAX_COUNTERS = 64
 
 
-def _pool_counters(device: torch.device) -> torch.Tensor:
-    """int32 [2] of the FP4 stream kernels' chunk pool (`FusedSilu._fp4_stream`): zero between
-    launches (each launch's last CTA sets them back), one pair per stream, since launches that
-    share a pair must not overlap. Under CUDA graph capture a fresh pair, zeroed inside the
-    graph, so a replay never shares a pair with another stream's launches."""
-    stream = torch.cuda.current_stream(device)
+def _pool_counters(device: torch.device, ints: int) -> torch.Tensor:
+    """The FP4 stream kernels' pool counters (`ints` int32, the kernel's
+    `sizes["counter_ints"]`; `FusedSilu._fp4_stream`): zero between launches (each launch's
+    last CTA sets them back), one set per stream, since launches that share a set must not
+    overlap. Under CUDA graph capture a fresh set, zeroed inside the graph, so a replay never
+    shares one with another stream's launches; past _MAX_COUNTERS streams, a fresh set per
+    call."""
     if torch.cuda.is_current_stream_capturing():
-        return torch.zeros(2, dtype=torch.int32, device=device)
-    key = (device.index, stream.cuda_stream)
+        return torch.zeros(ints, dtype=torch.int32, device=device)
+    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
     got = _COUNTERS.get(key)
     if got is None:
-        if len(_COUNTERS) >= _MAX_COUNTERS:
-            return torch.zeros(2, dtype=torch.int32, device=device)
-        got = _COUNTERS[key] = torch.zeros(2, dtype=torch.int32, device=device)
+        got = torch.zeros(ints, dtype=torch.int32, device=device)
+        if len(_COUNTERS) < _MAX_COUNTERS:
+            _COUNTERS[key] = got
     return got
 
 
@@ -246,7 +247,7 @@ def _launch(out_format, x, row_offsets, interleaved, out, scales=None, *, input_
     grid = max(1, min(-(-items // kernel.spec.block[0]), per_sm * sms))
     counters = placeholder.view(torch.int32)
     if out_format in ("nvfp4", "mxfp4") and _LAYOUTS[layout]["table"]:
-        counters = _pool_counters(device)
+        counters = _pool_counters(device, kernel.spec.sizes["counter_ints"])
     kernel.launch(x, row_offsets, placeholder if input_scales is None else input_scales,
                   params, table, out,
                   placeholder.view(torch.uint8) if scales is None else scales, counters,

@@ -275,14 +275,15 @@ def test_fp4_stream_pool_counters_return_to_zero_on_every_stream(out_format):
     m, i = 8192, 2048
     x, offsets = _x(m, i, 11), _offsets(m)
     gs = torch.tensor(GS, device="cuda")
+    row_offsets = _device(offsets)  # made before the capture: no copy from the host inside it
     if out_format == "nvfp4":
         def run():
-            return fused_silu_nvfp4(x, gs, _device(offsets))
+            return fused_silu_nvfp4(x, gs, row_offsets)
         want_codes, want_scales = ref.fused_silu_nvfp4(x, offsets, gs, m + 3 + 5 * 128, False)
         block = 16
     else:
         def run():
-            return fused_silu_mxfp4(x, _device(offsets))
+            return fused_silu_mxfp4(x, row_offsets)
         want_codes, want_scales = ref.fused_silu_mxfp4(x, offsets, m + 3 + 5 * 128, False)
         block = 32
     used = _used_scale_bytes(offsets, i, block)
@@ -309,4 +310,4 @@ def test_fp4_stream_pool_counters_return_to_zero_on_every_stream(out_format):
     pairs = list(cute_ep.silu._COUNTERS.values())
     assert len(pairs) >= 2  # this stream's and the side stream's
     for pair in pairs:
-        assert pair.tolist() == [0, 0]
+        assert not pair.any()
