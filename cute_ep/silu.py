@@ -149,6 +149,26 @@ _PLACEHOLDERS: dict = {}
 _GATES: dict = {}
 _MAX_GATES = 64
 _BUILD_STREAMS: dict = {}
+_COUNTERS: dict = {}
+_MAX_COUNTERS = 64
+
+
+def _pool_counters(device: torch.device, ints: int) -> torch.Tensor:
+    """The FP4 stream kernels' pool counters (`ints` int32, the kernel's
+    `sizes["counter_ints"]`; `FusedSilu._fp4_stream`): zero between launches (each launch's
+    last CTA sets them back), one set per stream, since launches that share a set must not
+    overlap. Under CUDA graph capture a fresh set, zeroed inside the graph, so a replay never
+    shares one with another stream's launches; past _MAX_COUNTERS streams, a fresh set per
+    call."""
+    if torch.cuda.is_current_stream_capturing():
+        return torch.zeros(ints, dtype=torch.int32, device=device)
+    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+    got = _COUNTERS.get(key)
+    if got is None:
+        got = torch.zeros(ints, dtype=torch.int32, device=device)
+        if len(_COUNTERS) < _MAX_COUNTERS:
+            _COUNTERS[key] = got
+    return got
 
 
 def _placeholder(device: torch.device) -> torch.Tensor:
@@ -225,7 +245,10 @@ def _launch(out_format, x, row_offsets, interleaved, out, scales=None, *, input_
     items = -(-((work_rows or m) * i) // kernel.spec.sizes["vector"])
     per_sm = 1 if _LAYOUTS[layout]["table"] else _GRID_PER_SM
     grid = max(1, min(-(-items // kernel.spec.block[0]), per_sm * sms))
+    counters = placeholder.view(torch.int32)
+    if out_format in ("nvfp4", "mxfp4") and _LAYOUTS[layout]["table"]:
+        counters = _pool_counters(device, kernel.spec.sizes["counter_ints"])
     kernel.launch(x, row_offsets, placeholder if input_scales is None else input_scales,
                   params, table, out,
-                  placeholder.view(torch.uint8) if scales is None else scales, segments, i,
-                  scale_stride, grid)
+                  placeholder.view(torch.uint8) if scales is None else scales, counters,
+                  segments, i, scale_stride, grid)

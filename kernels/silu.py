@@ -33,8 +33,9 @@ its pair form for FP4, its value form (`values`) for FP8 (both for fp32).
 
 For the FP4 outputs each segment starts on a fresh 128-row scale block. The thread and warp
 layouts walk *scale rows* x padded scale columns, writing zero scale bytes for padding in the
-same pass; the table kernels stream the live rows in chunks through shared memory
-(`FusedSilu._fp4_stream`) and zero the padding in a pass of their own. Codes are 0 for a block
+same pass; the table kernels stream the live rows in chunks through shared memory, a run of
+chunks a warp and then a pool the SMs share through the `counters` parameter
+(`FusedSilu._fp4_stream`), and zero the padding in a pass of their own. Codes are 0 for a block
 whose scale is not a positive number (all-zero, underflowed or NaN blocks).
 """
 
@@ -71,6 +72,13 @@ SMEM_ENTRIES = 544  # a probe at pos + 256 stays inside
 STREAM_STAGES = 2
 STREAM_CHUNK_WORDS = WARP * 16  # bf16 pairs: gate then up halves, or the interleaved pairs
 TABLE_THREADS = 1024  # the gate-table kernels' CTA: one per SM loads the table once
+# The FP4 stream's pool (`FusedSilu._fp4_stream`): 1 / POOL_SHARE of the chunks, taken one at a
+# time, in POOLS parts whose counters lie POOL_STRIDE int32 apart (other L2 lines), then the
+# count of CTAs done: the `counters` parameter's int32 elements, COUNTER_INTS.
+POOL_SHARE = 4
+POOLS = 16
+POOL_STRIDE = 64
+COUNTER_INTS = POOLS * POOL_STRIDE + 1
 
 
 def _ptr(dtype, addr, align):
@@ -174,6 +182,9 @@ class FusedSilu:
             Param("gate_table", "ptr", "float32", align=16),
             Param("out", "ptr", "uint8", align=16, writes=True),
             Param("scales", "ptr", "uint8", align=4, writes=True),
+            # int32 [COUNTER_INTS], zero at launch and again after it (the FP4 table kernels'
+            # pool; the others never read it).
+            Param("counters", "ptr", "int32", align=4, writes=True),
             Param("num_segments", "i32"),
             Param("intermediate", "i32"),
             Param("scale_stride", "i32"),
@@ -185,13 +196,13 @@ class FusedSilu:
             grid=(GridRule(ceil_div=("grid_ctas", 1)), GridRule(constant=1), GridRule(constant=1)),
             smem_bytes=self.smem_bytes,
             sizes={"vector": self.vector, "block": BLOCK[self.out],
-                   "max_segments": MAX_SEGMENTS - 1})
+                   "max_segments": MAX_SEGMENTS - 1, "counter_ints": COUNTER_INTS})
 
     @property
     def smem_bytes(self) -> int:
         if self.fp4 and self.table:
             warps = self.threads // WARP
-            ring = warps * STREAM_STAGES * STREAM_CHUNK_WORDS * 4 + 8 * warps * STREAM_STAGES
+            ring = warps * STREAM_STAGES * (STREAM_CHUNK_WORDS * 4 + 16)  # + barrier, chunk
             return (ring + TABLE_BYTES + (SCALE_TABLE_BYTES if self.out == "nvfp4" else 0)
                     + 3 * SMEM_ENTRIES * 4 + 528)
         size = 2 * SMEM_ENTRIES * 4 + 64 if self.fp4 else 0
@@ -203,18 +214,18 @@ class FusedSilu:
     @cute.jit
     def __call__(self, x: cute.Pointer, row_offsets: cute.Pointer, input_scales: cute.Pointer,
                  activation_params: cute.Pointer, gate_table: cute.Pointer, out: cute.Pointer,
-                 scales: cute.Pointer, num_segments: Int32, intermediate: Int32,
-                 scale_stride: Int32, grid_ctas: Int32, stream):
+                 scales: cute.Pointer, counters: cute.Pointer, num_segments: Int32,
+                 intermediate: Int32, scale_stride: Int32, grid_ctas: Int32, stream):
         self.kernel(x, row_offsets, input_scales, activation_params, gate_table, out, scales,
-                    num_segments, intermediate, scale_stride, grid_ctas).launch(
+                    counters, num_segments, intermediate, scale_stride, grid_ctas).launch(
             grid=(grid_ctas, 1, 1), block=(self.threads, 1, 1), smem=self.smem_bytes,
             stream=stream)
 
     @cute.kernel
     def kernel(self, x: cute.Pointer, row_offsets: cute.Pointer, input_scales: cute.Pointer,
                activation_params: cute.Pointer, gate_table: cute.Pointer, out: cute.Pointer,
-               scales: cute.Pointer, num_segments: Int32, intermediate: Int32,
-               scale_stride: Int32, grid_ctas: Int32):
+               scales: cute.Pointer, counters: cute.Pointer, num_segments: Int32,
+               intermediate: Int32, scale_stride: Int32, grid_ctas: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         limit, alpha = activation_constants(self.activation, activation_params)
@@ -225,7 +236,8 @@ class FusedSilu:
         recips = None
         if cutlass.const_expr(self.fp4 and self.table):
             self._fp4_stream(smem, x, row_offsets, input_scales, gate_table, out, scales,
-                             num_segments, intermediate, limit, alpha, tidx, bidx, grid_ctas)
+                             counters, num_segments, intermediate, limit, alpha, tidx, bidx,
+                             grid_ctas)
         elif cutlass.const_expr(self.table):  # FP8
             table = smem.allocate_tensor(
                 Float32, cute.make_layout(ENTRIES if self.values else 2 * ENTRIES),
@@ -260,17 +272,33 @@ class FusedSilu:
 
     @cute.jit
     def _fp4_stream(self, smem, x, row_offsets, input_scales, gate_table, out, scales,
-                    num_segments, intermediate, limit, alpha, tidx, bidx, grid_ctas):
+                    counters, num_segments, intermediate, limit, alpha, tidx, bidx, grid_ctas):
         """The FP4 table kernels: the live rows cut into chunks of 32 lane vectors (the last
-        of a row shorter), each warp an equal run of consecutive chunks (balanced to a chunk,
-        whatever the rows per segment), streamed through a ring of shared-memory stages per
-        warp that its lane 0 fills with bulk copies, `stages - 1` chunks ahead of the one its
-        lanes compute (a stage is refilled once every lane has used its words); the first loads
-        are issued before the scale and segment tables are built (every small read first, in
-        one round trip), so their latency hides under that work; the gate table's bulk copy
-        goes first of all.
-        Padding scale rows and columns are zeroed by a pass of their own
-        (`zero_scale_padding`)."""
+        of a row shorter), streamed through a ring of shared-memory stages per warp that its
+        lane 0 fills with bulk copies, `stages - 1` chunks ahead of the one its lanes compute
+        (a stage is refilled once every lane has used its words).
+
+        Who takes which chunk: the last chunks, all but a pool of the first 1 / POOL_SHARE,
+        are split into equal runs of consecutive chunks, one a warp, which every warp streams
+        first; then each warp takes pool chunks one at a time from a counter in global memory,
+        so that the SMs which stream faster take more of them. The SMs of one grid run at
+        different speeds (on an H100, I = 2048, equal static shares: the SMs' last warps end
+        between 26 and 37 us), and a static split waits for the slowest. The pool comes in
+        POOLS parts, CTA b drawing on part b % POOLS, each part's counter on an L2 line of its
+        own: one counter for all ran 4-13 points slower than the static split (atomics on one
+        address), sixteen faster. The pool is the first rows because the rows a producer wrote
+        last are the likeliest to be in L2, and the runs reach them at once. A warp asks for
+        its first pool chunk when it loads its run's last chunk and for each next one when it
+        loads the one before, so the atomic's latency hides under a chunk's work. Each stage
+        carries its chunk's (row, first lane vector) beside its bytes, row -1 once the warp's
+        part of the pool is empty. The last CTA to finish (the count after the parts'
+        counters) sets every counter back to zero for the next launch: launches that share
+        `counters` must not overlap (the host keeps one set per stream).
+
+        The first loads are issued before the scale and segment tables are built (every small
+        read first, in one round trip), so their latency hides under that work; the gate
+        table's bulk copy goes first of all. Padding scale rows and columns are zeroed by a
+        pass of their own (`zero_scale_padding`)."""
         warp = tidx // WARP
         lane = tidx % WARP
         per_cta = self.threads // WARP
@@ -281,6 +309,9 @@ class FusedSilu:
         ring = smem.allocate_tensor(Int32, cute.make_layout((vector, stages, per_cta)),
                                     byte_alignment=128)
         full = smem.allocate_array(Int64, stages * per_cta)
+        # (row, first lane vector) of the chunk each stage holds.
+        held = smem.allocate_tensor(Int32, cute.make_layout((2, stages, per_cta)),
+                                    byte_alignment=8)
         table = smem.allocate_tensor(Float32, cute.make_layout(2 * ENTRIES), byte_alignment=16)
         loaded = smem.allocate_array(Int64, 1)
         recips = (smem.allocate_tensor(Float32, scale_table_layout(), byte_alignment=16)
@@ -300,20 +331,35 @@ class FusedSilu:
         pieces = (vecs + WARP - 1) // WARP  # chunks a row
         me = bidx * per_cta + warp
         warps = grid_ctas * per_cta
-        begin, n = warp_run(me, warps, total_rows * pieces)
-        # The chunk to compute next (row, first lane vector kv) and the one to load next.
-        row = begin // pieces
-        kv = (begin - row * pieces) * WARP
-        load_row = row
-        load_kv = kv
+        total = total_rows * pieces
+        # The pool is the first chunks, the runs the rest: the rows a producer wrote last are
+        # the likeliest in L2, and the runs start at once.
+        pool = total // POOL_SHARE
+        begin, left = warp_run(me, warps, total - pool)
+        begin = begin + pool
+        parts = cutlass.min(grid_ctas, POOLS)  # every part has CTAs
+        part = bidx % parts
+        share = pool // parts
+        pool_base = part * share
+        pool_end = pool_base + share
+        if part == parts - 1:
+            pool_end = pool
+        counter = counters + part * POOL_STRIDE
+        # Lane 0's cursor: the next chunk of its run to load (while `left` > 0), then `pending`,
+        # the pool chunk it was given last (>= total: the pool is empty).
+        load_row = begin // pieces
+        load_kv = (begin - load_row * pieces) * WARP
+        pending = pool_end
+        if lane == 0 and left == 0:
+            pending = pool_base + cute.arch.atomic_add(counter, Int32(1), sem="relaxed",
+                                                       scope="gpu")
         init_stage_barriers(mine, stages, lane == 0)
         cute.arch.sync_warp()  # the barriers are initialised before any lane uses them
-        for s in cutlass.range_constexpr(stages):
-            if s < n:
-                if lane == 0:
-                    self._stream_fill(ring, mine, warp, s, x, load_row, load_kv, vecs,
-                                      intermediate)
-                load_row, load_kv = self._stream_next(load_row, load_kv, vecs)
+        if lane == 0:
+            for s in cutlass.range_constexpr(stages):
+                load_row, load_kv, left, pending = self._stream_fill(
+                    ring, held, mine, warp, s, x, counter, load_row, load_kv, left, pending,
+                    vecs, pieces, pool_base, pool_end, intermediate)
 
         if cutlass.const_expr(self.out == "nvfp4"):
             fill_scale_table(recips, tidx, self.threads)
@@ -328,46 +374,72 @@ class FusedSilu:
         zero_scale_padding(scales, s_off, s_start, num_segments, blocks, me, warps, lane)
         cute.arch.mbarrier_wait(loaded, 0)
 
-        seg = segment_of(s_off, num_segments, row)
+        seg = Int32(0)
         gs = Float32(1.0)
         unit = Int32(0)
-        row_of_unit = Int32(-1)
-        # This lane's code and scale byte addresses, set at each row's first chunk and moved a
-        # chunk on after each (the 128x4 offset of a column WARP / lanes on is a constant):
-        # swiglu_oai's loop only (one H200, beside copy_: 2-3.5 points faster in every L2 state);
-        # the silu kernels compute them per chunk, where carrying them cost up to 6 points
-        # (interleaved NVFP4 at I = 7168, compiled at 64 registers) and gained 2.5 at most.
+        row_of_unit = Int32(0x7FFFFFFF)  # above every row: the first chunk searches
+        # This lane's code and scale byte addresses, set at each row's first chunk and at each
+        # pool chunk, and moved a chunk on after each (the 128x4 offset of a column WARP / lanes
+        # on is a constant): swiglu_oai's loop only (one H200, beside copy_: 2-3.5 points faster
+        # in every L2 state); the silu kernels compute them per chunk, where carrying them cost
+        # up to 6 points (interleaved NVFP4 at I = 7168, compiled at 64 registers) and gained
+        # 2.5 at most.
         carry = self.activation == "swiglu_oai"
         code_at = Int64(0)
         scale_at = Int64(0)
+        next_row = Int32(-1)  # the chunk after the last one computed (carry)
+        next_kv = Int32(0)
         words = cute.make_rmem_tensor(cute.make_layout(self.vector), Int32)  # bf16 pairs
-        for i in cutlass.range(n):
+        i = Int32(0)
+        going = Boolean(True)
+        while going:
             s = i % stages
-            if row != row_of_unit:
-                seg, gs, unit = next_row_segment(s_off, s_start, s_gs, seg, row)
-                row_of_unit = row
-                if cutlass.const_expr(carry):
-                    h = kv + lane
-                    code_at = self._code_address(out, row, h, intermediate)
-                    scale_at = scales.toint() + scale_offset(unit, h // self.lanes, rk)
             cute.arch.mbarrier_wait(mine + s, (i // stages) % 2)
-            rotation = self._stream_words(ring, s, warp, lane, words)
-            carried = (code_at, scale_at) if carry else (None, None)
-            self._lane_item(x, out, scales, unit, row, kv + lane, Boolean(True), blocks, cols,
-                            rk, intermediate, limit, alpha, gs, gates, recips, words, rotation,
-                            *carried)
-            # Every lane has used (so read) its words of stage s before it is refilled: a load
-            # still in flight at the barrier could otherwise read the bulk copy's bytes.
-            cute.arch.sync_warp()
-            if i + stages < n:
+            row = held[0, s, warp]
+            kv = held[1, s, warp]
+            if row < 0:
+                going = Boolean(False)
+            else:
+                if row != row_of_unit:
+                    if row < row_of_unit:  # the first pool chunk, or the first chunk at all
+                        seg = segment_of(s_off, num_segments, row)
+                    seg, gs, unit = next_row_segment(s_off, s_start, s_gs, seg, row)
+                    row_of_unit = row
+                if cutlass.const_expr(carry):
+                    if (row != next_row) | (kv != next_kv) | (kv == 0):
+                        h = kv + lane
+                        code_at = self._code_address(out, row, h, intermediate)
+                        scale_at = scales.toint() + scale_offset(unit, h // self.lanes, rk)
+                rotation = self._stream_words(ring, s, warp, lane, words)
+                carried = (code_at, scale_at) if carry else (None, None)
+                self._lane_item(x, out, scales, unit, row, kv + lane, Boolean(True), blocks,
+                                cols, rk, intermediate, limit, alpha, gs, gates, recips, words,
+                                rotation, *carried)
+                # Every lane has used (so read) its words and its stage's chunk before the
+                # stage is refilled: a load still in flight at the barrier could otherwise read
+                # the bulk copy's bytes.
+                cute.arch.sync_warp()
                 if lane == 0:
-                    self._stream_fill(ring, mine, warp, s, x, load_row, load_kv, vecs,
-                                      intermediate)
-                load_row, load_kv = self._stream_next(load_row, load_kv, vecs)
-            row, kv = self._stream_next(row, kv, vecs)
-            if cutlass.const_expr(carry):
-                code_at = code_at + WARP * (self.vector // 2)
-                scale_at = scale_at + scale_offset(0, WARP // self.lanes, 0)
+                    load_row, load_kv, left, pending = self._stream_fill(
+                        ring, held, mine, warp, s, x, counter, load_row, load_kv, left,
+                        pending, vecs, pieces, pool_base, pool_end, intermediate)
+                if cutlass.const_expr(carry):
+                    next_row, next_kv = self._stream_next(row, kv, vecs)
+                    code_at = code_at + WARP * (self.vector // 2)
+                    scale_at = scale_at + scale_offset(0, WARP // self.lanes, 0)
+                i = i + 1
+
+        # The last CTA to finish sets the pool's counters back to zero. Every pool chunk a
+        # warp was given has been read by then (a warp stops at the stage that says the pool
+        # is empty, after the fill that read its last claim).
+        cute.arch.sync_threads()
+        if tidx == 0:
+            done = cute.arch.atomic_add(counters + POOLS * POOL_STRIDE, Int32(1), sem="acq_rel",
+                                        scope="gpu")
+            if done == grid_ctas - 1:
+                for j in cutlass.range_constexpr(POOLS):
+                    cute.arch.store(counters + j * POOL_STRIDE, Int32(0))
+                cute.arch.store(counters + POOLS * POOL_STRIDE, Int32(0))
 
     def _code_address(self, out: cute.Pointer, row, v, intermediate):
         """Global address of the FP4 codes of output vector v of `row` (I / 2 bytes a row)."""
@@ -383,7 +455,38 @@ class FusedSilu:
         return row, kv
 
     @cute.jit
-    def _stream_fill(self, ring: cute.Tensor, mine: cute.Pointer, warp, s, x: cute.Pointer, row,
+    def _stream_fill(self, ring: cute.Tensor, held: cute.Tensor, mine: cute.Pointer, warp, s,
+                     x: cute.Pointer, counter: cute.Pointer, load_row, load_kv, left, pending,
+                     vecs, pieces, pool_base, pool_end, intermediate):
+        """Lane 0: fill stage s with the warp's next chunk, the next of its run while `left`
+        chunks of it remain, else its pool chunk `pending` (asking for the next one as it takes
+        it; the first at its run's last chunk); with none left, row -1 and a bare arrival.
+        Returns the cursor (load_row, load_kv, left, pending) moved on."""
+        row = Int32(-1)
+        kv = Int32(0)
+        if left > 0:
+            row = load_row
+            kv = load_kv
+            load_row, load_kv = self._stream_next(load_row, load_kv, vecs)
+            left = left - 1
+            if left == 0:
+                pending = pool_base + cute.arch.atomic_add(counter, Int32(1), sem="relaxed",
+                                                           scope="gpu")
+        elif pending < pool_end:
+            row = pending // pieces
+            kv = (pending - row * pieces) * WARP
+            pending = pool_base + cute.arch.atomic_add(counter, Int32(1), sem="relaxed",
+                                                       scope="gpu")
+        held[0, s, warp] = row
+        held[1, s, warp] = kv
+        if row < 0:
+            cute.arch.mbarrier_arrive(mine + s)
+        else:
+            self._stream_load(ring, mine, warp, s, x, row, kv, vecs, intermediate)
+        return load_row, load_kv, left, pending
+
+    @cute.jit
+    def _stream_load(self, ring: cute.Tensor, mine: cute.Pointer, warp, s, x: cute.Pointer, row,
                      kv, vecs, intermediate):
         """Lane 0: bulk-copy the inputs of the chunk at (row, kv) into stage s: the gate
         vectors into the stage's first half and the up vectors into its second, or the

@@ -260,3 +260,54 @@ def test_bad_arguments_are_refused():
         fused_silu_mxfp4(x, swiglu_limit=-1.0)
     with pytest.raises(TypeError, match="int32"):
         fused_silu(x, torch.tensor([0, 4], device="cuda"))
+
+
+@pytest.mark.parametrize("out_format", ["nvfp4", "mxfp4"])
+def test_fp4_stream_pool_counters_return_to_zero_on_every_stream(out_format):
+    """The FP4 stream kernels take their last chunks from a pool counter in global memory that
+    each launch's last CTA sets back to zero: back-to-back launches on one stream, a launch on a
+    second stream and a CUDA graph replay all give the reference's bytes, and every counter pair
+    is zero after them. 8192 rows of I = 2048 leave a pool of thousands of chunks, more than the
+    grid has warps."""
+    import cute_ep.silu
+    from cute_ep.silu import fused_silu_mxfp4, fused_silu_nvfp4
+
+    m, i = 8192, 2048
+    x, offsets = _x(m, i, 11), _offsets(m)
+    gs = torch.tensor(GS, device="cuda")
+    row_offsets = _device(offsets)  # made before the capture: no copy from the host inside it
+    if out_format == "nvfp4":
+        def run():
+            return fused_silu_nvfp4(x, gs, row_offsets)
+        want_codes, want_scales = ref.fused_silu_nvfp4(x, offsets, gs, m + 3 + 5 * 128, False)
+        block = 16
+    else:
+        def run():
+            return fused_silu_mxfp4(x, row_offsets)
+        want_codes, want_scales = ref.fused_silu_mxfp4(x, offsets, m + 3 + 5 * 128, False)
+        block = 32
+    used = _used_scale_bytes(offsets, i, block)
+
+    def check(got):
+        codes, scales = got
+        assert torch.equal(codes[:m], want_codes)
+        assert torch.equal(scales[:used], want_scales[:used])
+
+    results = [run() for _ in range(3)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        results.append(run())
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run()
+    for _ in range(2):
+        graph.replay()
+    torch.cuda.synchronize()
+    for got in results + [captured]:
+        check(got)
+    pairs = list(cute_ep.silu._COUNTERS.values())
+    assert len(pairs) >= 2  # this stream's and the side stream's
+    for pair in pairs:
+        assert not pair.any()
