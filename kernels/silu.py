@@ -346,13 +346,12 @@ class FusedSilu:
             pool_end = pool
         counter = counters + part * POOL_STRIDE
         # Lane 0's cursor: the next chunk of its run to load (while `left` > 0), then `pending`,
-        # the pool chunk it was given last (>= total: the pool is empty).
+        # the pool chunk it was given last (>= pool_end: its part of the pool is empty).
         load_row = begin // pieces
         load_kv = (begin - load_row * pieces) * WARP
         pending = pool_end
         if lane == 0 and left == 0:
-            pending = pool_base + cute.arch.atomic_add(counter, Int32(1), sem="relaxed",
-                                                       scope="gpu")
+            pending = self._pool_claim(counter, pool_base)
         init_stage_barriers(mine, stages, lane == 0)
         cute.arch.sync_warp()  # the barriers are initialised before any lane uses them
         if lane == 0:
@@ -470,13 +469,11 @@ class FusedSilu:
             load_row, load_kv = self._stream_next(load_row, load_kv, vecs)
             left = left - 1
             if left == 0:
-                pending = pool_base + cute.arch.atomic_add(counter, Int32(1), sem="relaxed",
-                                                           scope="gpu")
+                pending = self._pool_claim(counter, pool_base)
         elif pending < pool_end:
             row = pending // pieces
             kv = (pending - row * pieces) * WARP
-            pending = pool_base + cute.arch.atomic_add(counter, Int32(1), sem="relaxed",
-                                                       scope="gpu")
+            pending = self._pool_claim(counter, pool_base)
         held[0, s, warp] = row
         held[1, s, warp] = kv
         if row < 0:
@@ -484,6 +481,11 @@ class FusedSilu:
         else:
             self._stream_load(ring, mine, warp, s, x, row, kv, vecs, intermediate)
         return load_row, load_kv, left, pending
+
+    def _pool_claim(self, counter: cute.Pointer, pool_base):
+        """The next chunk of a pool part whose first chunk is `pool_base`: its counter's old
+        value on (past the part's end once the part is empty)."""
+        return pool_base + cute.arch.atomic_add(counter, Int32(1), sem="relaxed", scope="gpu")
 
     @cute.jit
     def _stream_load(self, ring: cute.Tensor, mine: cute.Pointer, warp, s, x: cute.Pointer, row,

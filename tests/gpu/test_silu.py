@@ -266,7 +266,7 @@ def test_bad_arguments_are_refused():
 def test_fp4_stream_pool_counters_return_to_zero_on_every_stream(out_format):
     """The FP4 stream kernels take their last chunks from a pool counter in global memory that
     each launch's last CTA sets back to zero: back-to-back launches on one stream, a launch on a
-    second stream and a CUDA graph replay all give the reference's bytes, and every counter pair
+    second stream and a CUDA graph replay all give the reference's bytes, and every counter set
     is zero after them. 8192 rows of I = 2048 leave a pool of thousands of chunks, more than the
     grid has warps."""
     import cute_ep.silu
@@ -307,7 +307,7 @@ def test_fp4_stream_pool_counters_return_to_zero_on_every_stream(out_format):
     torch.cuda.synchronize()
     for got in results + [captured]:
         check(got)
-    pairs = list(cute_ep.silu._COUNTERS.values())
-    assert len(pairs) >= 2  # this stream's and the side stream's
-    for pair in pairs:
-        assert not pair.any()
+    sets = list(cute_ep.silu._COUNTERS.values())
+    assert len(sets) >= 2  # this stream's and the side stream's
+    for counters in sets:
+        assert not counters.any()
