@@ -311,3 +311,45 @@ def test_fp4_stream_pool_counters_return_to_zero_on_every_stream(out_format):
     assert len(sets) >= 2  # this stream's and the side stream's
     for counters in sets:
         assert not counters.any()
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["halves", "interleaved"])
+@pytest.mark.parametrize("out_format", ["nvfp4", "mxfp4", "swiglu_oai"])
+@pytest.mark.parametrize("rows,valid", [(8192, 8192), (8192, 300), (2048, 0)])
+def test_fp4_stream_valid_rows_at_and_below_capacity(rows, valid, out_format, interleaved,
+                                                     monkeypatch):
+    """The FP4 stream kernels on inputs whose valid rows are all of x's, far fewer (a capacity
+    buffer: a split of a few chunks a warp and a small pool) and none: the valid rows' codes and
+    scales are the reference's, and no code or scale byte past them is written."""
+    import cute_ep.silu
+    from cute_ep.silu import _launch, _prepare
+
+    monkeypatch.setattr(cute_ep.silu, "_layout", lambda rows, sms: "table")
+    i = 2048
+    x = _x(rows - 3, i, rows + valid)  # rows - 3 + 3 rows
+    offsets = [0, valid // 4, valid // 4, valid]
+    fmt = "mxfp4" if out_format == "swiglu_oai" else out_format
+    block = 16 if fmt == "nvfp4" else 32
+    codes = torch.full((rows, i // 2), SENTINEL, dtype=torch.uint8, device="cuda")
+    scale_rows = rows + 128 * 3
+    scales = torch.full((fp4.scale_block_bytes(i, block) * (scale_rows // 128 + 1),), SENTINEL,
+                        dtype=torch.uint8, device="cuda")
+    extra = {"work_rows": scale_rows}
+    if fmt == "nvfp4":
+        gs = torch.tensor([0.5, 2.0, 3.0], device="cuda")
+        extra["input_scales"] = gs
+    if out_format == "swiglu_oai":
+        extra["swiglu_oai"] = (7.0, 1.702)
+    row_offsets, _ = _prepare(fmt, x, _device(offsets))
+    _launch(fmt, x, row_offsets, interleaved, codes, scales, **extra)
+    if fmt == "nvfp4":
+        want_codes, want_scales = ref.fused_silu_nvfp4(x, offsets, gs, scale_rows, interleaved)
+    else:
+        limit = 7.0 if out_format == "swiglu_oai" else None
+        want_codes, want_scales = ref.fused_silu_mxfp4(x, offsets, scale_rows, interleaved,
+                                                       swiglu_limit=limit)
+    used = _used_scale_bytes(offsets, i, block)
+    assert torch.equal(codes[:valid], want_codes[:valid])
+    assert (codes[valid:] == SENTINEL).all()
+    assert torch.equal(scales[:used], want_scales[:used])
+    assert (scales[used:] == SENTINEL).all()
