@@ -347,8 +347,7 @@ class FusedSilu:
         counter = counters + part * POOL_STRIDE
         # Lane 0's cursor: the next chunk of its run to load (while `left` > 0), then `pending`,
         # the pool chunk it was given last (>= pool_end: its part of the pool is empty).
-        load_row = begin // pieces
-        load_kv = (begin - load_row * pieces) * WARP
+        load_row, load_kv = self._chunk_at(begin, pieces)
         pending = pool_end
         if lane == 0 and left == 0:
             pending = self._pool_claim(counter, pool_base)
@@ -445,6 +444,12 @@ class FusedSilu:
         return out.toint() + Int64(row) * Int64(intermediate // 2) + Int64(v) * (self.vector // 2)
 
     @cute.jit
+    def _chunk_at(self, chunk, pieces):
+        """(row, first lane vector) of chunk `chunk`, `pieces` chunks a row."""
+        row = chunk // pieces
+        return row, (chunk - row * pieces) * WARP
+
+    @cute.jit
     def _stream_next(self, row, kv, vecs):
         """The chunk after the one at (row, first lane vector kv)."""
         kv = kv + WARP
@@ -471,8 +476,7 @@ class FusedSilu:
             if left == 0:
                 pending = self._pool_claim(counter, pool_base)
         elif pending < pool_end:
-            row = pending // pieces
-            kv = (pending - row * pieces) * WARP
+            row, kv = self._chunk_at(pending, pieces)
             pending = self._pool_claim(counter, pool_base)
         held[0, s, warp] = row
         held[1, s, warp] = kv
