@@ -141,9 +141,16 @@ def read_segment_inputs(row_offsets: cute.Pointer, scales, num_segments, tidx):
 def warp_run(me, warps, count):
     """(first, number) of warp `me`'s equal share of `count` consecutive items among `warps`
     (shares differ by at most one, the longer ones spread evenly over `me`: a CTA's consecutive
-    warps, and so an SM's, get within one item of their share of the work)."""
-    begin = Int32(Int64(me) * Int64(count) // Int64(warps))
-    return begin, Int32(Int64(me + 1) * Int64(count) // Int64(warps)) - begin
+    warps, and so an SM's, get within one item of their share of the work).
+
+    The first item is floor(me * count / warps), computed as me * q + floor(me * r / warps) with
+    (q, r) = divmod(count, warps): 32-bit divisions only (me * r < warps^2, so warps below
+    46341; a grid is at most a few CTAs an SM), where the 64-bit quotient was a division
+    subroutine on the path from the row count to a stream's first loads."""
+    q = count // warps
+    r = count - q * warps
+    begin = me * q + me * r // warps
+    return begin, q + (me + 1) * r // warps - me * r // warps
 
 
 @cute.jit

@@ -325,6 +325,9 @@ class FusedSilu:
         # order); the other threads wait only after load_segment_blocks' barriers.
         init_gate_load(loaded, tidx == 0)
         start_gate_load(table, gate_table, loaded, tidx == 0)
+        # The stage barriers too before the row count is read: their fence waits under its
+        # round trip, not after it.
+        init_stage_barriers(mine, stages, lane == 0)
         offset, gs_mine, total_rows = read_segment_inputs(
             row_offsets, input_scales if self.out == "nvfp4" else None, num_segments, tidx)
         vecs = intermediate // self.vector  # lane vectors a row
@@ -351,7 +354,6 @@ class FusedSilu:
         pending = pool_end
         if lane == 0 and left == 0:
             pending = self._pool_claim(counter, pool_base)
-        init_stage_barriers(mine, stages, lane == 0)
         cute.arch.sync_warp()  # the barriers are initialised before any lane uses them
         if lane == 0:
             for s in cutlass.range_constexpr(stages):
