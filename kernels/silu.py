@@ -339,7 +339,22 @@ class FusedSilu:
         # the likeliest in L2, and the runs start at once.
         pool = total // POOL_SHARE
         begin, left = warp_run(me, warps, total - pool)
-        begin = begin + pool
+        # Lane 0's cursor: the next chunk of its run to load (while `left` > 0), then `pending`,
+        # the pool chunk it was given last (>= pool_end: its part of the pool is empty).
+        load_row, load_kv = self._chunk_at(begin + pool, pieces)
+        cute.arch.sync_warp()  # the barriers are initialised before any lane uses them
+        # A run longer than the ring fills it before the pool's part is worked out: every
+        # instruction here waits behind the other warps' on the SM's schedulers.
+        lean = left > stages
+        if lane == 0:
+            if lean:
+                for s in cutlass.range_constexpr(stages):
+                    held[0, s, warp] = load_row
+                    held[1, s, warp] = load_kv
+                    self._stream_load(ring, mine, warp, s, x, load_row, load_kv, vecs,
+                                      intermediate)
+                    load_row, load_kv = self._stream_next(load_row, load_kv, vecs)
+                left = left - stages
         parts = cutlass.min(grid_ctas, POOLS)  # every part has CTAs
         part = bidx % parts
         share = pool // parts
@@ -348,18 +363,15 @@ class FusedSilu:
         if part == parts - 1:
             pool_end = pool
         counter = counters + part * POOL_STRIDE
-        # Lane 0's cursor: the next chunk of its run to load (while `left` > 0), then `pending`,
-        # the pool chunk it was given last (>= pool_end: its part of the pool is empty).
-        load_row, load_kv = self._chunk_at(begin, pieces)
         pending = pool_end
-        if lane == 0 and left == 0:
-            pending = self._pool_claim(counter, pool_base)
-        cute.arch.sync_warp()  # the barriers are initialised before any lane uses them
         if lane == 0:
-            for s in cutlass.range_constexpr(stages):
-                load_row, load_kv, left, pending = self._stream_fill(
-                    ring, held, mine, warp, s, x, counter, load_row, load_kv, left, pending,
-                    vecs, pieces, pool_base, pool_end, intermediate)
+            if not lean:
+                if left == 0:
+                    pending = self._pool_claim(counter, pool_base)
+                for s in cutlass.range_constexpr(stages):
+                    load_row, load_kv, left, pending = self._stream_fill(
+                        ring, held, mine, warp, s, x, counter, load_row, load_kv, left,
+                        pending, vecs, pieces, pool_base, pool_end, intermediate)
 
         if cutlass.const_expr(self.out == "nvfp4"):
             fill_scale_table(recips, tidx, self.threads)
