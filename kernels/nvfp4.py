@@ -24,7 +24,7 @@ import struct
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64
+from cutlass import Float32, Int32, Int64, Uint32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
@@ -141,9 +141,20 @@ def read_segment_inputs(row_offsets: cute.Pointer, scales, num_segments, tidx):
 def warp_run(me, warps, count):
     """(first, number) of warp `me`'s equal share of `count` consecutive items among `warps`
     (shares differ by at most one, the longer ones spread evenly over `me`: a CTA's consecutive
-    warps, and so an SM's, get within one item of their share of the work)."""
-    begin = Int32(Int64(me) * Int64(count) // Int64(warps))
-    return begin, Int32(Int64(me + 1) * Int64(count) // Int64(warps)) - begin
+    warps, and so an SM's, get within one item of their share of the work).
+
+    The first item is floor(me * count / warps), computed as me * q + floor(me * r / warps)
+    with (q, r) = divmod(count, warps): unsigned 32-bit divisions only ((me + 1) * r <= warps^2,
+    so fewer than 65536 warps; a grid is a few CTAs an SM at most). It lies on the path from
+    the row count to a stream's first loads, where a 64-bit quotient and signed corrections
+    cost instructions that every warp of the SM issues before its first load."""
+    c = Uint32(count)
+    w = Uint32(warps)
+    m = Uint32(me)
+    q = c // w
+    r = c - q * w
+    mr = m * r // w
+    return Int32(m * q + mr), Int32(q + (m + Uint32(1)) * r // w - mr)
 
 
 @cute.jit

@@ -41,7 +41,7 @@ whose scale is not a positive number (all-zero, underflowed or NaN blocks).
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Boolean, Float8E4M3FN, Float32, Int32, Int64
+from cutlass import BFloat16, Boolean, Float8E4M3FN, Float32, Int32, Int64, Uint32
 
 from kernels.fp8 import scale_fp8_block
 from kernels.gate_table import (ENTRIES, TABLE_BYTES, VALUE_TABLE_BYTES, activation_constants,
@@ -297,8 +297,12 @@ class FusedSilu:
 
         The first loads are issued before the scale and segment tables are built (every small
         read first, in one round trip), so their latency hides under that work; the gate
-        table's bulk copy goes first of all. Padding scale rows and columns are zeroed by a
-        pass of their own (`zero_scale_padding`)."""
+        table's bulk copy goes first of all. At start-up all 32 warps of an SM run the same
+        code, so every instruction before a warp's first load delays it (per-warp stamps on an
+        H100: loads issued about 2.1 us after the start); a warp whose run is longer than its
+        ring fills the ring straight from the run, the pool's part worked out afterwards, and
+        the split's divisions are unsigned 32-bit ones. Padding scale rows and columns are
+        zeroed by a pass of their own (`zero_scale_padding`)."""
         warp = tidx // WARP
         lane = tidx % WARP
         per_cta = self.threads // WARP
@@ -325,18 +329,36 @@ class FusedSilu:
         # order); the other threads wait only after load_segment_blocks' barriers.
         init_gate_load(loaded, tidx == 0)
         start_gate_load(table, gate_table, loaded, tidx == 0)
+        # The stage barriers too: they do not depend on the row count.
+        init_stage_barriers(mine, stages, lane == 0)
         offset, gs_mine, total_rows = read_segment_inputs(
             row_offsets, input_scales if self.out == "nvfp4" else None, num_segments, tidx)
-        vecs = intermediate // self.vector  # lane vectors a row
-        pieces = (vecs + WARP - 1) // WARP  # chunks a row
+        # Unsigned: the quotients of these non-negative counts need no sign corrections.
+        vecs = Int32(Uint32(intermediate) // self.vector)  # lane vectors a row
+        pieces = Int32((Uint32(vecs) + WARP - 1) // WARP)  # chunks a row
         me = bidx * per_cta + warp
         warps = grid_ctas * per_cta
         total = total_rows * pieces
         # The pool is the first chunks, the runs the rest: the rows a producer wrote last are
         # the likeliest in L2, and the runs start at once.
-        pool = total // POOL_SHARE
+        pool = Int32(Uint32(total) // POOL_SHARE)
         begin, left = warp_run(me, warps, total - pool)
-        begin = begin + pool
+        # Lane 0's cursor: the next chunk of its run to load (while `left` > 0), then `pending`,
+        # the pool chunk it was given last (>= pool_end: its part of the pool is empty).
+        load_row, load_kv = self._chunk_at(begin + pool, pieces)
+        cute.arch.sync_warp()  # the barriers are initialised before any lane uses them
+        # A run longer than the ring fills it before the pool's part is worked out: every
+        # instruction here waits behind the other warps' on the SM's schedulers.
+        lean = left > stages
+        if lane == 0:
+            if lean:
+                for s in cutlass.range_constexpr(stages):
+                    held[0, s, warp] = load_row
+                    held[1, s, warp] = load_kv
+                    self._stream_load(ring, mine, warp, s, x, load_row, load_kv, vecs,
+                                      intermediate)
+                    load_row, load_kv = self._stream_next(load_row, load_kv, vecs)
+                left = left - stages
         parts = cutlass.min(grid_ctas, POOLS)  # every part has CTAs
         part = bidx % parts
         share = pool // parts
@@ -345,19 +367,15 @@ class FusedSilu:
         if part == parts - 1:
             pool_end = pool
         counter = counters + part * POOL_STRIDE
-        # Lane 0's cursor: the next chunk of its run to load (while `left` > 0), then `pending`,
-        # the pool chunk it was given last (>= pool_end: its part of the pool is empty).
-        load_row, load_kv = self._chunk_at(begin, pieces)
         pending = pool_end
-        if lane == 0 and left == 0:
-            pending = self._pool_claim(counter, pool_base)
-        init_stage_barriers(mine, stages, lane == 0)
-        cute.arch.sync_warp()  # the barriers are initialised before any lane uses them
         if lane == 0:
-            for s in cutlass.range_constexpr(stages):
-                load_row, load_kv, left, pending = self._stream_fill(
-                    ring, held, mine, warp, s, x, counter, load_row, load_kv, left, pending,
-                    vecs, pieces, pool_base, pool_end, intermediate)
+            if not lean:
+                if left == 0:
+                    pending = self._pool_claim(counter, pool_base)
+                for s in cutlass.range_constexpr(stages):
+                    load_row, load_kv, left, pending = self._stream_fill(
+                        ring, held, mine, warp, s, x, counter, load_row, load_kv, left,
+                        pending, vecs, pieces, pool_base, pool_end, intermediate)
 
         if cutlass.const_expr(self.out == "nvfp4"):
             fill_scale_table(recips, tidx, self.threads)
@@ -446,7 +464,7 @@ class FusedSilu:
     @cute.jit
     def _chunk_at(self, chunk, pieces):
         """(row, first lane vector) of chunk `chunk`, `pieces` chunks a row."""
-        row = chunk // pieces
+        row = Int32(Uint32(chunk) // Uint32(pieces))
         return row, (chunk - row * pieces) * WARP
 
     @cute.jit

@@ -2,7 +2,8 @@
 alternated in one session on one GPU:
 
     python perf/ab_quant.py --side main=TREE:LIBRARY --side new=.:build/lib-new \\
-        [--runs 2] [--l2 zero --l2 read --l2 produced] [--intermediate 2048 ...] [--json FILE]
+        [--runs 2] [--l2 zero --l2 read --l2 produced] [--intermediate 2048 ...]
+        [--valid-rows N] [--json FILE]
 
 A side is a name, a source tree (its `cute_ep` and `perf/bench_quant.py`: a change to the
 kernels' parameters needs its own Python side too) and a kernel library folder. Each run calls
@@ -67,6 +68,16 @@ def summary_rows(table: dict[tuple, dict[str, list[float]]], sides: list[str]) -
     return rows
 
 
+def bench_arguments(l2: list[str] | None, intermediate: list[int] | None,
+                    valid_rows: int | None = None) -> list[str]:
+    """The arguments every side's bench_quant gets (default L2 state: zero)."""
+    out = [a for s in (l2 or ["zero"]) for a in ("--l2", s)]
+    out += [a for i in (intermediate or []) for a in ("--intermediate", str(i))]
+    if valid_rows is not None:
+        out += ["--valid-rows", str(valid_rows)]
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--side", type=parse_side, action="append", required=True,
@@ -74,13 +85,14 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=2)
     p.add_argument("--l2", action="append", choices=("zero", "read", "produced"))
     p.add_argument("--intermediate", type=int, action="append")
+    p.add_argument("--valid-rows", type=int,
+                   help="bench_quant's --valid-rows (every side's tree must know it)")
     p.add_argument("--all", action="store_true", help="also the bf16 and FP8 kernels' rows")
     p.add_argument("--json")
     args = p.parse_args()
     if len(args.side) < 2 or len({s[0] for s in args.side}) != len(args.side):
         p.error("give two or more sides with distinct names")
-    extra = [a for s in (args.l2 or ["zero"]) for a in ("--l2", s)]
-    extra += [a for i in (args.intermediate or []) for a in ("--intermediate", str(i))]
+    extra = bench_arguments(args.l2, args.intermediate, args.valid_rows)
     runs: dict[str, list[list[dict]]] = {name: [] for name, _, _ in args.side}
     device = None
     from rich.console import Console

@@ -3,7 +3,7 @@ number of bytes, in the same run, on one GPU.
 
     python perf/bench_quant.py [--rows 8192] [--intermediate 2048 --intermediate 7168]
                                [--experts 8] [--reps 50] [--layout thread|warp|table]
-                               [--l2 zero|read|produced ...] [--json FILE]
+                               [--l2 zero|read|produced ...] [--valid-rows N] [--json FILE]
 
 For each kernel: bytes = what it must read (the bf16 input rows, row_offsets) + what it writes
 (codes or values, scales including the zero padding); GB/s = bytes / median time. The baseline
@@ -14,7 +14,9 @@ where its buffers lie in memory (the same bytes took 24.4 to 25.8 us on an H200,
 pair was allocated), so the baseline copies between COPY_PLACEMENTS pairs of buffers allocated side
 by side and takes the median of their times; the JSON keeps each pair's. `--layout` forces the
 SwiGLU kernels' layout (`cute_ep.silu._layout`; by default it is chosen by size as in use), to
-compare layouts in one run.
+compare layouts in one run. `--valid-rows N` spreads the experts over the first N rows only, the
+input keeping all `--rows` (a capacity buffer, as a fixed-size decode step has): bytes and the
+baseline are the valid rows', so the figure shows what the rows past them cost.
 
 `--l2` sets what L2 holds when each repetition starts (several: each in turn, the same
 kernels and baseline); every state flushes 256 MB first:
@@ -38,40 +40,42 @@ from rich.table import Table
 from timing import median_ms
 
 
-def cases(rows: int, i: int, experts: int):
-    """(name, callable, bytes moved, input tensor) of every kernel at this size."""
+def cases(rows: int, i: int, experts: int, valid: int | None = None):
+    """(name, callable, bytes moved, input tensor) of every kernel at this size; `valid`: the
+    rows the experts span (default all), the bytes those rows move."""
     from cute_ep.quant import quantize_nvfp4
     from cute_ep.reference.fp4 import scale_block_bytes, segment_scale_blocks
     from cute_ep.silu import fused_silu, fused_silu_fp8, fused_silu_mxfp4, fused_silu_nvfp4
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(rows, 2 * i, device="cuda", generator=gen).to(torch.bfloat16)
-    offsets = torch.linspace(0, rows, experts + 1, device="cuda").round().to(torch.int32)
+    valid = rows if valid is None else valid
+    offsets = torch.linspace(0, valid, experts + 1, device="cuda").round().to(torch.int32)
     gs = torch.ones(experts, device="cuda")
-    read = x.numel() * 2 + offsets.numel() * 4
+    read = valid * 2 * i * 2 + offsets.numel() * 4
     # The scale bytes written: every used 128-row block of every expert, padding included.
     blocks = segment_scale_blocks(offsets.tolist())[-1]
     fp4_scales = {v: blocks * scale_block_bytes(i, v) for v in (16, 32)}
     out = [
-        ("fused_silu (bf16)", lambda: fused_silu(x, offsets), read + rows * i * 2, x),
+        ("fused_silu (bf16)", lambda: fused_silu(x, offsets), read + valid * i * 2, x),
         ("fused_silu interleaved (bf16)", lambda: fused_silu(x, offsets, interleaved=True),
-         read + rows * i * 2, x),
+         read + valid * i * 2, x),
         ("fused_silu_nvfp4", lambda: fused_silu_nvfp4(x, gs, offsets),
-         read + rows * i // 2 + fp4_scales[16], x),
+         read + valid * i // 2 + fp4_scales[16], x),
         ("fused_silu_nvfp4 interleaved",
          lambda: fused_silu_nvfp4(x, gs, offsets, interleaved=True),
-         read + rows * i // 2 + fp4_scales[16], x),
+         read + valid * i // 2 + fp4_scales[16], x),
         ("fused_silu_mxfp4", lambda: fused_silu_mxfp4(x, offsets),
-         read + rows * i // 2 + fp4_scales[32], x),
+         read + valid * i // 2 + fp4_scales[32], x),
         ("fused_silu_mxfp4 swiglu_oai", lambda: fused_silu_mxfp4(x, offsets, swiglu_limit=7.0),
-         read + rows * i // 2 + fp4_scales[32], x),
+         read + valid * i // 2 + fp4_scales[32], x),
     ]
     if i % 128 == 0:
         out.insert(2, ("fused_silu_fp8", lambda: fused_silu_fp8(x, offsets),
-                       read + rows * i + rows * i // 128 * 4, x))
+                       read + valid * i + valid * i // 128 * 4, x))
     half = x[:, :i].contiguous()  # quantize_nvfp4 reads [rows, I]
     out.append(("quantize_nvfp4 (128x4)", lambda: quantize_nvfp4(half, gs, offsets),
-                half.numel() * 2 + rows * i // 2 + fp4_scales[16], half))
+                valid * i * 2 + valid * i // 2 + fp4_scales[16], half))
     return out
 
 
@@ -114,8 +118,12 @@ def main():
                         help="force the SwiGLU kernels' layout (default: chosen by size)")
     parser.add_argument("--l2", choices=L2_STATES, action="append",
                         help="what L2 holds when each repetition starts (default: zero)")
+    parser.add_argument("--valid-rows", type=int,
+                        help="rows the experts span (default: all): a capacity buffer")
     parser.add_argument("--json", help="also write the records to this file")
     args = parser.parse_args()
+    if args.valid_rows is not None and not 0 < args.valid_rows <= args.rows:
+        parser.error(f"--valid-rows must be in 1..{args.rows}, got {args.valid_rows}")
     if args.layout:
         import cute_ep.silu
 
@@ -125,7 +133,7 @@ def main():
     states = args.l2 or ["zero"]
     records = []
     for i in sizes:
-        for name, fn, nbytes, inp in track(cases(args.rows, i, args.experts),
+        for name, fn, nbytes, inp in track(cases(args.rows, i, args.experts, args.valid_rows),
                                            description=f"I={i}", transient=True):
             fn()  # load the module before timing
             for state in states:
@@ -133,11 +141,14 @@ def main():
                 copy_ms = statistics.median(copies)
                 ms = median_ms(fn, args.reps, flush, prep=l2_prep(state, flush, inp))
                 records.append({"kernel": name, "layout": args.layout or "by size", "l2": state,
-                                "rows": args.rows, "intermediate": i,
+                                "rows": args.rows, "valid_rows": args.valid_rows or args.rows,
+                                "intermediate": i,
                                 "bytes": nbytes, "us": ms * 1e3, "gbps": nbytes / ms / 1e6,
                                 "copy_us": copy_ms * 1e3, "copy_gbps": nbytes / copy_ms / 1e6,
                                 "copy_us_placements": [t * 1e3 for t in copies]})
-    table = Table(title=f"{torch.cuda.get_device_name()}: {args.rows} rows over {args.experts} "
+    spread = (f"{args.valid_rows} of {args.rows} rows" if args.valid_rows
+              else f"{args.rows} rows")
+    table = Table(title=f"{torch.cuda.get_device_name()}: {spread} over {args.experts} "
                         f"experts, median of {args.reps}, L2 flushed ({', '.join(states)}); "
                         f"baseline: copy_ of bytes/2 "
                         f"(median of {COPY_PLACEMENTS} buffer pairs); "

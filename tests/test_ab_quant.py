@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, "perf")
-from ab_quant import parse_side, percent_of_copy, summary_rows  # noqa: E402
+from ab_quant import bench_arguments, parse_side, percent_of_copy, summary_rows  # noqa: E402
 
 
 def _record(kernel, us, copy_us, i=2048, l2="zero"):
@@ -74,3 +74,10 @@ def test_every_side_runs_its_own_bench_with_its_library(tmp_path):
     assert {r["us"] for run in got["runs"]["b"] for r in run} == {36.0}
     assert [r["l2"] for r in got["runs"]["a"][0]] == ["zero", "read"]
     assert "+8.9" in done.stdout  # 88.9% against 80.0%
+
+
+def test_every_side_gets_the_same_bench_arguments():
+    assert bench_arguments(None, None) == ["--l2", "zero"]
+    assert bench_arguments(["zero", "read"], [2048, 7168], 512) == [
+        "--l2", "zero", "--l2", "read", "--intermediate", "2048", "--intermediate", "7168",
+        "--valid-rows", "512"]
