@@ -51,7 +51,7 @@ from kernels.bulk_copy import bulk_load, init_stage_barriers
 from kernels.nvfp4 import (SCALE_TABLE_BYTES, bits_f32, e2m1_words, e4m3_byte_to_f32,
                            f32_bits, fill_scale_table, high_bf16, load_segment_blocks, low_bf16,
                            next_row_segment, nvfp4_scale_byte, read_segment_inputs, rotate_left64,
-                           scale_table_layout, segment_of, warp_run, zero_scale_padding)
+                           scale_table_layout, segment_of, warp_run, zero_padding)
 from kernels.memory import scale_offset, store_u8, take_ticket
 from kernels.scan import WARP
 from layouts.abi import GridRule, KernelSpec, Param
@@ -302,7 +302,8 @@ class FusedSilu:
         H100: loads issued about 2.1 us after the start); a warp whose run is longer than its
         ring fills the ring straight from the run, the pool's part worked out afterwards, and
         the split's divisions are unsigned 32-bit ones. Padding scale rows and columns are
-        zeroed by a pass of their own (`zero_scale_padding`)."""
+        zeroed by a pass of their own (`zero_padding`: the padding rows only where I / block is
+        a multiple of 4, as in every stream size measured; every scale row otherwise)."""
         warp = tidx // WARP
         lane = tidx % WARP
         per_cta = self.threads // WARP
@@ -388,7 +389,7 @@ class FusedSilu:
         blocks = intermediate // BLOCK[self.out]
         cols = (blocks + 3) // 4 * 4
         rk = cols // 4
-        zero_scale_padding(scales, s_off, s_start, num_segments, blocks, me, warps, lane)
+        zero_padding(scales, s_off, s_start, num_segments, blocks, me, warps, lane)
         cute.arch.mbarrier_wait(loaded, 0)
 
         seg = Int32(0)
