@@ -411,8 +411,10 @@ class FusedSilu:
         i = Int32(0)
         going = Boolean(True)
         while going:
-            s = i % stages
-            cute.arch.mbarrier_wait(mine + s, (i // stages) % 2)
+            # Unsigned: a stage and its phase by a mask and a shift (a signed remainder costs a
+            # dozen instructions a chunk).
+            s = Int32(Uint32(i) % stages)
+            cute.arch.mbarrier_wait(mine + s, Int32(Uint32(i) // stages % 2))
             row = held[0, s, warp]
             kv = held[1, s, warp]
             if row < 0:
