@@ -41,7 +41,7 @@ whose scale is not a positive number (all-zero, underflowed or NaN blocks).
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Boolean, Float8E4M3FN, Float32, Int32, Int64, Uint32
+from cutlass import BFloat16, Boolean, Float8E4M3FN, Float32, Int32, Int64, Uint32, Uint64
 
 from kernels.fp8 import scale_fp8_block
 from kernels.gate_table import (ENTRIES, TABLE_BYTES, VALUE_TABLE_BYTES, activation_constants,
@@ -361,6 +361,8 @@ class FusedSilu:
                                       intermediate)
                     load_row, load_kv = self._stream_next(load_row, load_kv, vecs)
                 left = left - stages
+        # A pool chunk's row by a multiply-high (`_pool_chunk_at`), not a division.
+        inverse = Int32(Uint32(0xFFFFFFFF) // Uint32(pieces))
         parts = cutlass.min(grid_ctas, POOLS)  # every part has CTAs
         part = bidx % parts
         share = pool // parts
@@ -377,7 +379,7 @@ class FusedSilu:
                 for s in cutlass.range_constexpr(stages):
                     load_row, load_kv, left, pending = self._stream_fill(
                         ring, held, mine, warp, s, x, counter, load_row, load_kv, left,
-                        pending, vecs, pieces, pool_base, pool_end, intermediate)
+                        pending, vecs, pieces, inverse, pool_base, pool_end, intermediate)
 
         if cutlass.const_expr(self.out == "nvfp4"):
             fill_scale_table(recips, tidx, self.threads)
@@ -442,7 +444,7 @@ class FusedSilu:
                 if lane == 0:
                     load_row, load_kv, left, pending = self._stream_fill(
                         ring, held, mine, warp, s, x, counter, load_row, load_kv, left,
-                        pending, vecs, pieces, pool_base, pool_end, intermediate)
+                        pending, vecs, pieces, inverse, pool_base, pool_end, intermediate)
                 if cutlass.const_expr(carry):
                     next_row, next_kv = self._stream_next(row, kv, vecs)
                     code_at = code_at + WARP * (self.vector // 2)
@@ -472,6 +474,20 @@ class FusedSilu:
         return row, (chunk - row * pieces) * WARP
 
     @cute.jit
+    def _pool_chunk_at(self, chunk, pieces, inverse):
+        """`_chunk_at` for lane 0's pool chunks, with `inverse` = floor((2^32 - 1) / pieces): for
+        chunk < 2^31 the high word of chunk * inverse is the quotient or one less (it exceeds
+        chunk / pieces - chunk / 2^31), so one correction makes it exact."""
+        c = Uint32(chunk)
+        p = Uint32(pieces)
+        q = Uint32((Uint64(c) * Uint64(Uint32(inverse))) >> 32)
+        r = c - q * p
+        if r >= p:
+            q = q + Uint32(1)
+            r = r - p
+        return Int32(q), Int32(r) * WARP
+
+    @cute.jit
     def _stream_next(self, row, kv, vecs):
         """The chunk after the one at (row, first lane vector kv)."""
         kv = kv + WARP
@@ -483,7 +499,7 @@ class FusedSilu:
     @cute.jit
     def _stream_fill(self, ring: cute.Tensor, held: cute.Tensor, mine: cute.Pointer, warp, s,
                      x: cute.Pointer, counter: cute.Pointer, load_row, load_kv, left, pending,
-                     vecs, pieces, pool_base, pool_end, intermediate):
+                     vecs, pieces, inverse, pool_base, pool_end, intermediate):
         """Lane 0: fill stage s with the warp's next chunk, the next of its run while `left`
         chunks of it remain, else the pool chunk of its ticket `pending` (asking for the next
         ticket as it takes it; the first at its run's last chunk); with none left, row -1 and a
@@ -499,7 +515,7 @@ class FusedSilu:
             if left == 0:
                 pending = self._pool_claim(counter)
         elif pending < pool_end - pool_base:
-            row, kv = self._chunk_at(pool_base + pending, pieces)
+            row, kv = self._pool_chunk_at(pool_base + pending, pieces, inverse)
             pending = self._pool_claim(counter)
         held[0, s, warp] = row
         held[1, s, warp] = kv
