@@ -3,6 +3,8 @@ addressed from a base plus a layout's offset, often in another GPU's memory)."""
 
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint8
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 from layouts.buffers import ERROR_FIELDS
 from layouts.channels import trace_layout
@@ -17,6 +19,18 @@ assert ATOM_ROWS == 128 and ATOM_SCALE_COLUMNS == 4  # the 32 x 4 x 4 interleave
 def gmem_ptr(dtype, addr, align):
     """A global-memory pointer of `dtype` at the integer address `addr`."""
     return cute.make_ptr(dtype, addr, cute.AddressSpace.gmem, assumed_align=align)
+
+
+@dsl_user_op
+def take_ticket(addr, *, loc=None, ip=None) -> Int32:
+    """The int32 at global address `addr` before adding 1 to it (a relaxed gpu-scope atomic),
+    as the PTX `atom` itself: the compiler's warp aggregation of a uniform atomic (one lane's
+    atomic, then a shuffle of its result to the others) would wait for the result at once,
+    where a caller that uses it a step later lets the round trip pass under that step."""
+    return Int32(llvm.inline_asm(T.i32(), [Int64(addr).ir_value(loc=loc, ip=ip)],
+                                 "atom.relaxed.gpu.global.inc.u32 $0, [$1], 2147483647;", "=r,l",
+                                 has_side_effects=True, is_align_stack=False,
+                                 asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
 
 
 @cute.jit

@@ -581,6 +581,18 @@ def zero_padding_rows(scales: cute.Pointer, s_off: cute.Tensor, s_first: cute.Te
             store_i32(scales.toint() + scale_offset(srow, word * 4, rk), Int32(0))
 
 
+@cute.jit
+def zero_padding(scales: cute.Pointer, s_off: cute.Tensor, s_first: cute.Tensor, num_segments,
+                 blocks, me, warps, lane):
+    """The 128x4 scale bytes no block writes, zeroed: by `zero_padding_rows` where `blocks` is a
+    multiple of 4 (it visits the padding rows only), else by `zero_scale_padding` (every scale
+    row, for the padding columns)."""
+    if blocks % 4 == 0:
+        zero_padding_rows(scales, s_off, s_first, num_segments, blocks, me, warps, lane)
+    else:
+        zero_scale_padding(scales, s_off, s_first, num_segments, blocks, me, warps, lane)
+
+
 class QuantizeNvfp4:
     """The rows are one stream of blocks (block b: row b // (K / 16), column b % (K / 16), at
     byte 32 b of the input and 8 b of the codes), cut into chunks of `32 * steps` consecutive
@@ -694,10 +706,7 @@ class QuantizeNvfp4:
             src = self._first_loads(ring, warp, lane, x.toint(), begin, n, total)
 
         if cutlass.const_expr(self.scales == "128x4"):
-            if blocks % 4 == 0:
-                zero_padding_rows(scales, s_off, s_first, num_segments, blocks, me, warps, lane)
-            else:
-                zero_scale_padding(scales, s_off, s_first, num_segments, blocks, me, warps, lane)
+            zero_padding(scales, s_off, s_first, num_segments, blocks, me, warps, lane)
         # This lane's first block, its row and column, and where its codes and scale byte go.
         block = begin * self.chunk + lane
         row = block // blocks

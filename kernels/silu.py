@@ -51,8 +51,8 @@ from kernels.bulk_copy import bulk_load, init_stage_barriers
 from kernels.nvfp4 import (SCALE_TABLE_BYTES, bits_f32, e2m1_words, e4m3_byte_to_f32,
                            f32_bits, fill_scale_table, high_bf16, load_segment_blocks, low_bf16,
                            next_row_segment, nvfp4_scale_byte, read_segment_inputs, rotate_left64,
-                           scale_table_layout, segment_of, warp_run, zero_scale_padding)
-from kernels.memory import scale_offset, store_u8
+                           scale_table_layout, segment_of, warp_run, zero_padding)
+from kernels.memory import scale_offset, store_u8, take_ticket
 from kernels.scan import WARP
 from layouts.abi import GridRule, KernelSpec, Param
 
@@ -302,7 +302,8 @@ class FusedSilu:
         H100: loads issued about 2.1 us after the start); a warp whose run is longer than its
         ring fills the ring straight from the run, the pool's part worked out afterwards, and
         the split's divisions are unsigned 32-bit ones. Padding scale rows and columns are
-        zeroed by a pass of their own (`zero_scale_padding`)."""
+        zeroed by a pass of their own (`zero_padding`: the padding rows only where I / block is
+        a multiple of 4, as in every stream size measured; every scale row otherwise)."""
         warp = tidx // WARP
         lane = tidx % WARP
         per_cta = self.threads // WARP
@@ -344,7 +345,8 @@ class FusedSilu:
         pool = Int32(Uint32(total) // POOL_SHARE)
         begin, left = warp_run(me, warps, total - pool)
         # Lane 0's cursor: the next chunk of its run to load (while `left` > 0), then `pending`,
-        # the pool chunk it was given last (>= pool_end: its part of the pool is empty).
+        # its last ticket of its part's counter (the pool chunk pool_base + it; the part is
+        # empty from pool_end - pool_base on).
         load_row, load_kv = self._chunk_at(begin + pool, pieces)
         cute.arch.sync_warp()  # the barriers are initialised before any lane uses them
         # A run longer than the ring fills it before the pool's part is worked out: every
@@ -367,11 +369,11 @@ class FusedSilu:
         if part == parts - 1:
             pool_end = pool
         counter = counters + part * POOL_STRIDE
-        pending = pool_end
+        pending = pool_end - pool_base
         if lane == 0:
             if not lean:
                 if left == 0:
-                    pending = self._pool_claim(counter, pool_base)
+                    pending = self._pool_claim(counter)
                 for s in cutlass.range_constexpr(stages):
                     load_row, load_kv, left, pending = self._stream_fill(
                         ring, held, mine, warp, s, x, counter, load_row, load_kv, left,
@@ -387,7 +389,7 @@ class FusedSilu:
         blocks = intermediate // BLOCK[self.out]
         cols = (blocks + 3) // 4 * 4
         rk = cols // 4
-        zero_scale_padding(scales, s_off, s_start, num_segments, blocks, me, warps, lane)
+        zero_padding(scales, s_off, s_start, num_segments, blocks, me, warps, lane)
         cute.arch.mbarrier_wait(loaded, 0)
 
         seg = Int32(0)
@@ -481,8 +483,9 @@ class FusedSilu:
                      x: cute.Pointer, counter: cute.Pointer, load_row, load_kv, left, pending,
                      vecs, pieces, pool_base, pool_end, intermediate):
         """Lane 0: fill stage s with the warp's next chunk, the next of its run while `left`
-        chunks of it remain, else its pool chunk `pending` (asking for the next one as it takes
-        it; the first at its run's last chunk); with none left, row -1 and a bare arrival.
+        chunks of it remain, else the pool chunk of its ticket `pending` (asking for the next
+        ticket as it takes it; the first at its run's last chunk); with none left, row -1 and a
+        bare arrival.
         Returns the cursor (load_row, load_kv, left, pending) moved on."""
         row = Int32(-1)
         kv = Int32(0)
@@ -492,10 +495,10 @@ class FusedSilu:
             load_row, load_kv = self._stream_next(load_row, load_kv, vecs)
             left = left - 1
             if left == 0:
-                pending = self._pool_claim(counter, pool_base)
-        elif pending < pool_end:
-            row, kv = self._chunk_at(pending, pieces)
-            pending = self._pool_claim(counter, pool_base)
+                pending = self._pool_claim(counter)
+        elif pending < pool_end - pool_base:
+            row, kv = self._chunk_at(pool_base + pending, pieces)
+            pending = self._pool_claim(counter)
         held[0, s, warp] = row
         held[1, s, warp] = kv
         if row < 0:
@@ -504,10 +507,11 @@ class FusedSilu:
             self._stream_load(ring, mine, warp, s, x, row, kv, vecs, intermediate)
         return load_row, load_kv, left, pending
 
-    def _pool_claim(self, counter: cute.Pointer, pool_base):
-        """The next chunk of a pool part whose first chunk is `pool_base`: its counter's old
-        value on (past the part's end once the part is empty)."""
-        return pool_base + cute.arch.atomic_add(counter, Int32(1), sem="relaxed", scope="gpu")
+    def _pool_claim(self, counter: cute.Pointer):
+        """A ticket of a pool part's counter: its old value (the part's chunk of that place,
+        past the part's end once it is empty), first used a chunk later, so the atomic's
+        round trip passes under that chunk's work."""
+        return take_ticket(counter.toint())
 
     @cute.jit
     def _stream_load(self, ring: cute.Tensor, mine: cute.Pointer, warp, s, x: cute.Pointer, row,
