@@ -41,7 +41,7 @@ whose scale is not a positive number (all-zero, underflowed or NaN blocks).
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Boolean, Float8E4M3FN, Float32, Int32, Int64, Uint32
+from cutlass import BFloat16, Boolean, Float8E4M3FN, Float32, Int32, Int64, Uint32, Uint64
 
 from kernels.fp8 import scale_fp8_block
 from kernels.gate_table import (ENTRIES, TABLE_BYTES, VALUE_TABLE_BYTES, activation_constants,
@@ -156,6 +156,11 @@ class FusedSilu:
         # swiglu_oai (its formula for gates outside the table) have no registers left for
         # inputs in flight.
         self.prefetch = self.rows_per_warp and out == "mxfp4" and activation == "silu"
+        # The FP4 stream computes its runs in a loop of their own, rows and vectors counted in
+        # registers (`_fp4_stream`), for swiglu_oai: on an H200, 2.5-3.2 points of copy faster
+        # than one loop for runs and pool; the silu kernels ran within a point of it, and the
+        # interleaved NVFP4 one 4 points slower at I = 7168 (64 registers, 52 with one loop).
+        self.run_loop = activation == "swiglu_oai"
         self.vector = ROW_VECTOR[out] if rows_per_warp else VECTOR[out]
         self.lanes = BLOCK[out] // self.vector  # lanes per scale block (rows_per_warp)
         self.fp4 = fp4
@@ -289,9 +294,11 @@ class FusedSilu:
         address), sixteen faster. The pool is the first rows because the rows a producer wrote
         last are the likeliest to be in L2, and the runs reach them at once. A warp asks for
         its first pool chunk when it loads its run's last chunk and for each next one when it
-        loads the one before, so the atomic's latency hides under a chunk's work. Each stage
+        loads the one before, so the atomic's latency hides under a chunk's work. A stage
         carries its chunk's (row, first lane vector) beside its bytes, row -1 once the warp's
-        part of the pool is empty. The last CTA to finish (the count after the parts'
+        part of the pool is empty: every stage in the one loop of the silu kernels, the pool's
+        only where the runs have a loop of their own (`run_loop`, swiglu_oai), its rows and
+        vectors counted in registers. The last CTA to finish (the count after the parts'
         counters) sets every counter back to zero for the next launch: launches that share
         `counters` must not overlap (the host keeps one set per stream).
 
@@ -348,6 +355,9 @@ class FusedSilu:
         # its last ticket of its part's counter (the pool chunk pool_base + it; the part is
         # empty from pool_end - pool_base on).
         load_row, load_kv = self._chunk_at(begin + pool, pieces)
+        runs = left  # every lane's count of its run's chunks, which start at (run_row, run_kv)
+        run_row = load_row
+        run_kv = load_kv
         cute.arch.sync_warp()  # the barriers are initialised before any lane uses them
         # A run longer than the ring fills it before the pool's part is worked out: every
         # instruction here waits behind the other warps' on the SM's schedulers.
@@ -355,12 +365,15 @@ class FusedSilu:
         if lane == 0:
             if lean:
                 for s in cutlass.range_constexpr(stages):
-                    held[0, s, warp] = load_row
-                    held[1, s, warp] = load_kv
+                    if cutlass.const_expr(not self.run_loop):
+                        held[0, s, warp] = load_row
+                        held[1, s, warp] = load_kv
                     self._stream_load(ring, mine, warp, s, x, load_row, load_kv, vecs,
                                       intermediate)
                     load_row, load_kv = self._stream_next(load_row, load_kv, vecs)
                 left = left - stages
+        # A pool chunk's row by a multiply-high (`_pool_chunk_at`), not a division.
+        inverse = Int32(Uint32(0xFFFFFFFF) // Uint32(pieces))
         parts = cutlass.min(grid_ctas, POOLS)  # every part has CTAs
         part = bidx % parts
         share = pool // parts
@@ -377,7 +390,7 @@ class FusedSilu:
                 for s in cutlass.range_constexpr(stages):
                     load_row, load_kv, left, pending = self._stream_fill(
                         ring, held, mine, warp, s, x, counter, load_row, load_kv, left,
-                        pending, vecs, pieces, pool_base, pool_end, intermediate)
+                        pending, vecs, pieces, inverse, pool_base, pool_end, intermediate)
 
         if cutlass.const_expr(self.out == "nvfp4"):
             fill_scale_table(recips, tidx, self.threads)
@@ -392,59 +405,72 @@ class FusedSilu:
         zero_padding(scales, s_off, s_start, num_segments, blocks, me, warps, lane)
         cute.arch.mbarrier_wait(loaded, 0)
 
-        seg = Int32(0)
         gs = Float32(1.0)
         unit = Int32(0)
-        row_of_unit = Int32(0x7FFFFFFF)  # above every row: the first chunk searches
-        # This lane's code and scale byte addresses, set at each row's first chunk and at each
-        # pool chunk, and moved a chunk on after each (the 128x4 offset of a column WARP / lanes
-        # on is a constant): swiglu_oai's loop only (one H200, beside copy_: 2-3.5 points faster
-        # in every L2 state); the silu kernels compute them per chunk, where carrying them cost
-        # up to 6 points (interleaved NVFP4 at I = 7168, compiled at 64 registers) and gained
-        # 2.5 at most.
+        # This lane's code and scale byte addresses (swiglu_oai's loop only), set at each row's
+        # first chunk and at each pool chunk and moved a chunk on after each (the 128x4 offset
+        # of a column WARP / lanes on is a constant): one H200, beside copy_, 2-3.5 points
+        # faster in every L2 state; the silu kernels compute them per chunk, where carrying them
+        # cost up to 6 points (interleaved NVFP4 at I = 7168, compiled at 64 registers) and
+        # gained 2.5 at most.
         carry = self.activation == "swiglu_oai"
         code_at = Int64(0)
         scale_at = Int64(0)
-        next_row = Int32(-1)  # the chunk after the last one computed (carry)
-        next_kv = Int32(0)
         words = cute.make_rmem_tensor(cute.make_layout(self.vector), Int32)  # bf16 pairs
-        i = Int32(0)
+        # The run: every lane counts its chunks' rows and vectors as lane 0 loads them, so a
+        # chunk costs no more than the stream's own work (the stage's (row, vector) is read
+        # for pool chunks only: on an issue-bound H200 that bookkeeping on every chunk cost
+        # SwiGLU-OAI 5-9 points).
+        seg = Int32(0)
+        if cutlass.const_expr(not self.run_loop):
+            runs = Int32(0)  # every chunk through the pool's loop
+        row = run_row
+        kv = run_kv
+        if cutlass.const_expr(self.run_loop):
+            seg = segment_of(s_off, num_segments, row)
+        row_of_unit = Int32(-1)
+        for i in cutlass.range(runs):
+            s = self._wait_stage(mine, i)
+            if row != row_of_unit:
+                seg, gs, unit = next_row_segment(s_off, s_start, s_gs, seg, row)
+                row_of_unit = row
+                if cutlass.const_expr(carry):
+                    code_at, scale_at = self._lane_addresses(out, scales, unit, row, kv + lane,
+                                                             rk, intermediate)
+            load_row, load_kv, left, pending = self._stream_chunk(
+                ring, held, mine, warp, lane, s, x, out, scales, counter, unit, row, kv, blocks,
+                cols, rk, intermediate, limit, alpha, gs, gates, recips, words, code_at,
+                scale_at, load_row, load_kv, left, pending, vecs, pieces, inverse, pool_base,
+                pool_end)
+            if cutlass.const_expr(carry):
+                code_at = code_at + WARP * (self.vector // 2)
+                scale_at = scale_at + scale_offset(0, WARP // self.lanes, 0)
+            row, kv = self._stream_next(row, kv, vecs)
+        # The pool: each stage says which chunk it holds, row -1 once the warp's part is empty.
+        # The first pool chunk lies in a row before the run's (the pool is the first rows).
+        row_of_unit = Int32(0x7FFFFFFF)
+        i = runs
         going = Boolean(True)
         while going:
-            s = i % stages
-            cute.arch.mbarrier_wait(mine + s, (i // stages) % 2)
+            s = self._wait_stage(mine, i)
             row = held[0, s, warp]
             kv = held[1, s, warp]
             if row < 0:
                 going = Boolean(False)
             else:
                 if row != row_of_unit:
-                    if row < row_of_unit:  # the first pool chunk, or the first chunk at all
+                    if row < row_of_unit:
                         seg = segment_of(s_off, num_segments, row)
                     seg, gs, unit = next_row_segment(s_off, s_start, s_gs, seg, row)
                     row_of_unit = row
-                if cutlass.const_expr(carry):
-                    if (row != next_row) | (kv != next_kv) | (kv == 0):
-                        h = kv + lane
-                        code_at = self._code_address(out, row, h, intermediate)
-                        scale_at = scales.toint() + scale_offset(unit, h // self.lanes, rk)
-                rotation = self._stream_words(ring, s, warp, lane, words)
-                carried = (code_at, scale_at) if carry else (None, None)
-                self._lane_item(x, out, scales, unit, row, kv + lane, Boolean(True), blocks,
-                                cols, rk, intermediate, limit, alpha, gs, gates, recips, words,
-                                rotation, *carried)
-                # Every lane has used (so read) its words and its stage's chunk before the
-                # stage is refilled: a load still in flight at the barrier could otherwise read
-                # the bulk copy's bytes.
-                cute.arch.sync_warp()
-                if lane == 0:
-                    load_row, load_kv, left, pending = self._stream_fill(
-                        ring, held, mine, warp, s, x, counter, load_row, load_kv, left,
-                        pending, vecs, pieces, pool_base, pool_end, intermediate)
-                if cutlass.const_expr(carry):
-                    next_row, next_kv = self._stream_next(row, kv, vecs)
-                    code_at = code_at + WARP * (self.vector // 2)
-                    scale_at = scale_at + scale_offset(0, WARP // self.lanes, 0)
+                # A pool chunk's addresses are its own (the carried ones are the run's).
+                addresses = (self._lane_addresses(out, scales, unit, row, kv + lane, rk,
+                                                  intermediate) if carry else (code_at, scale_at))
+                load_row, load_kv, left, pending = self._stream_chunk(
+                    ring, held, mine, warp, lane, s, x, out, scales, counter, unit, row, kv,
+                    blocks, cols, rk, intermediate, limit, alpha, gs, gates, recips, words,
+                    *addresses, load_row, load_kv, left, pending, vecs, pieces, inverse,
+                    pool_base, pool_end)
                 i = i + 1
 
         # The last CTA to finish sets the pool's counters back to zero. Every pool chunk a
@@ -459,6 +485,43 @@ class FusedSilu:
                     cute.arch.store(counters + j * POOL_STRIDE, Int32(0))
                 cute.arch.store(counters + POOLS * POOL_STRIDE, Int32(0))
 
+    @cute.jit
+    def _wait_stage(self, mine: cute.Pointer, i):
+        """Wait for stage i % STREAM_STAGES to hold chunk i of the warp's stream; returns the
+        stage (unsigned: a mask and a shift, where a signed remainder takes a dozen
+        instructions)."""
+        s = Int32(Uint32(i) % STREAM_STAGES)
+        cute.arch.mbarrier_wait(mine + s, Int32(Uint32(i) // STREAM_STAGES % 2))
+        return s
+
+    @cute.jit
+    def _stream_chunk(self, ring: cute.Tensor, held: cute.Tensor, mine: cute.Pointer, warp, lane,
+                      s, x: cute.Pointer, out: cute.Pointer, scales: cute.Pointer,
+                      counter: cute.Pointer, unit, row, kv, blocks, cols, rk, intermediate, limit,
+                      alpha, gs, gates, recips, words: cute.Tensor, code_at, scale_at, load_row,
+                      load_kv, left, pending, vecs, pieces, inverse, pool_base, pool_end):
+        """Compute the chunk at (row, kv) from stage s, then lane 0 refills the stage with the
+        warp's next chunk. Returns lane 0's cursor moved on."""
+        rotation = self._stream_words(ring, s, warp, lane, words)
+        carried = ((code_at, scale_at) if self.activation == "swiglu_oai" else (None, None))
+        self._lane_item(x, out, scales, unit, row, kv + lane, Boolean(True), blocks, cols, rk,
+                        intermediate, limit, alpha, gs, gates, recips, words, rotation, *carried)
+        # Every lane has used (so read) its words and its stage's chunk before the stage is
+        # refilled: a load still in flight at the barrier could otherwise read the bulk copy's
+        # bytes.
+        cute.arch.sync_warp()
+        if lane == 0:
+            load_row, load_kv, left, pending = self._stream_fill(
+                ring, held, mine, warp, s, x, counter, load_row, load_kv, left, pending, vecs,
+                pieces, inverse, pool_base, pool_end, intermediate)
+        return load_row, load_kv, left, pending
+
+    def _lane_addresses(self, out: cute.Pointer, scales: cute.Pointer, unit, row, h, rk,
+                        intermediate):
+        """This lane's code and scale byte addresses for lane vector h of `row`."""
+        return (self._code_address(out, row, h, intermediate),
+                scales.toint() + scale_offset(unit, h // self.lanes, rk))
+
     def _code_address(self, out: cute.Pointer, row, v, intermediate):
         """Global address of the FP4 codes of output vector v of `row` (I / 2 bytes a row)."""
         return out.toint() + Int64(row) * Int64(intermediate // 2) + Int64(v) * (self.vector // 2)
@@ -468,6 +531,20 @@ class FusedSilu:
         """(row, first lane vector) of chunk `chunk`, `pieces` chunks a row."""
         row = Int32(Uint32(chunk) // Uint32(pieces))
         return row, (chunk - row * pieces) * WARP
+
+    @cute.jit
+    def _pool_chunk_at(self, chunk, pieces, inverse):
+        """`_chunk_at` for lane 0's pool chunks, with `inverse` = floor((2^32 - 1) / pieces): for
+        chunk < 2^31 the high word of chunk * inverse is the quotient or one less (it exceeds
+        chunk / pieces - chunk / 2^31), so one correction makes it exact."""
+        c = Uint32(chunk)
+        p = Uint32(pieces)
+        q = Uint32((Uint64(c) * Uint64(Uint32(inverse))) >> 32)
+        r = c - q * p
+        if r >= p:
+            q = q + Uint32(1)
+            r = r - p
+        return Int32(q), Int32(r) * WARP
 
     @cute.jit
     def _stream_next(self, row, kv, vecs):
@@ -481,7 +558,7 @@ class FusedSilu:
     @cute.jit
     def _stream_fill(self, ring: cute.Tensor, held: cute.Tensor, mine: cute.Pointer, warp, s,
                      x: cute.Pointer, counter: cute.Pointer, load_row, load_kv, left, pending,
-                     vecs, pieces, pool_base, pool_end, intermediate):
+                     vecs, pieces, inverse, pool_base, pool_end, intermediate):
         """Lane 0: fill stage s with the warp's next chunk, the next of its run while `left`
         chunks of it remain, else the pool chunk of its ticket `pending` (asking for the next
         ticket as it takes it; the first at its run's last chunk); with none left, row -1 and a
@@ -496,11 +573,15 @@ class FusedSilu:
             left = left - 1
             if left == 0:
                 pending = self._pool_claim(counter)
-        elif pending < pool_end - pool_base:
-            row, kv = self._chunk_at(pool_base + pending, pieces)
-            pending = self._pool_claim(counter)
-        held[0, s, warp] = row
-        held[1, s, warp] = kv
+            if cutlass.const_expr(not self.run_loop):
+                held[0, s, warp] = row
+                held[1, s, warp] = kv
+        else:
+            if pending < pool_end - pool_base:
+                row, kv = self._pool_chunk_at(pool_base + pending, pieces, inverse)
+                pending = self._pool_claim(counter)
+            held[0, s, warp] = row
+            held[1, s, warp] = kv
         if row < 0:
             cute.arch.mbarrier_arrive(mine + s)
         else:
