@@ -76,6 +76,10 @@ TABLE_THREADS = 1024  # the gate-table kernels' CTA: one per SM loads the table 
 # time, in POOLS parts whose counters lie POOL_STRIDE int32 apart (other L2 lines), then the
 # count of CTAs done: the `counters` parameter's int32 elements, COUNTER_INTS.
 POOL_SHARE = 4
+# swiglu_oai's pool (its runs in a loop of their own, `FusedSilu.run_loop`): a pool chunk costs
+# it some 34 warp instructions more than a run chunk (a row of its own, the stage's bookkeeping),
+# and an eighth of the chunks ran 0.8-1.1 points of copy faster than a quarter on an H200.
+POOL_SHARE_RUN_LOOP = 8
 POOLS = 16
 POOL_STRIDE = 64
 COUNTER_INTS = POOLS * POOL_STRIDE + 1
@@ -161,6 +165,7 @@ class FusedSilu:
         # than one loop for runs and pool; the silu kernels ran within a point of it, and the
         # interleaved NVFP4 one 4 points slower at I = 7168 (64 registers, 52 with one loop).
         self.run_loop = activation == "swiglu_oai"
+        self.pool_share = POOL_SHARE_RUN_LOOP if self.run_loop else POOL_SHARE
         self.vector = ROW_VECTOR[out] if rows_per_warp else VECTOR[out]
         self.lanes = BLOCK[out] // self.vector  # lanes per scale block (rows_per_warp)
         self.fp4 = fp4
@@ -283,7 +288,7 @@ class FusedSilu:
         lane 0 fills with bulk copies, `stages - 1` chunks ahead of the one its lanes compute
         (a stage is refilled once every lane has used its words).
 
-        Who takes which chunk: the last chunks, all but a pool of the first 1 / POOL_SHARE,
+        Who takes which chunk: the last chunks, all but a pool of the first 1 / pool_share,
         are split into equal runs of consecutive chunks, one a warp, which every warp streams
         first; then each warp takes pool chunks one at a time from a counter in global memory,
         so that the SMs which stream faster take more of them. The SMs of one grid run at
@@ -349,7 +354,7 @@ class FusedSilu:
         total = total_rows * pieces
         # The pool is the first chunks, the runs the rest: the rows a producer wrote last are
         # the likeliest in L2, and the runs start at once.
-        pool = Int32(Uint32(total) // POOL_SHARE)
+        pool = Int32(Uint32(total) // self.pool_share)
         begin, left = warp_run(me, warps, total - pool)
         # Lane 0's cursor: the next chunk of its run to load (while `left` > 0), then `pending`,
         # its last ticket of its part's counter (the pool chunk pool_base + it; the part is
