@@ -442,11 +442,13 @@ class FusedSilu:
                 if cutlass.const_expr(carry):
                     code_at, scale_at = self._lane_addresses(out, scales, unit, row, kv + lane,
                                                              rk, intermediate)
+            # Lane 0 loads chunk i + stages: a run chunk by a bare load unless it is the run's
+            # last (whose fill takes the first pool ticket).
             load_row, load_kv, left, pending = self._stream_chunk(
                 ring, held, mine, warp, lane, s, x, out, scales, counter, unit, row, kv, blocks,
                 cols, rk, intermediate, limit, alpha, gs, gates, recips, words, code_at,
                 scale_at, load_row, load_kv, left, pending, vecs, pieces, inverse, pool_base,
-                pool_end)
+                pool_end, plain=i + STREAM_STAGES + 1 < runs)
             if cutlass.const_expr(carry):
                 code_at = code_at + WARP * (self.vector // 2)
                 scale_at = scale_at + scale_offset(0, WARP // self.lanes, 0)
@@ -504,9 +506,11 @@ class FusedSilu:
                       s, x: cute.Pointer, out: cute.Pointer, scales: cute.Pointer,
                       counter: cute.Pointer, unit, row, kv, blocks, cols, rk, intermediate, limit,
                       alpha, gs, gates, recips, words: cute.Tensor, code_at, scale_at, load_row,
-                      load_kv, left, pending, vecs, pieces, inverse, pool_base, pool_end):
+                      load_kv, left, pending, vecs, pieces, inverse, pool_base, pool_end,
+                      plain=False):
         """Compute the chunk at (row, kv) from stage s, then lane 0 refills the stage with the
-        warp's next chunk. Returns lane 0's cursor moved on."""
+        warp's next chunk: with `plain` (a run chunk follows that is not the run's last) by a
+        bare load of it, else by `_stream_fill`. Returns lane 0's cursor moved on."""
         rotation = self._stream_words(ring, s, warp, lane, words)
         carried = ((code_at, scale_at) if self.activation == "swiglu_oai" else (None, None))
         self._lane_item(x, out, scales, unit, row, kv + lane, Boolean(True), blocks, cols, rk,
@@ -516,9 +520,14 @@ class FusedSilu:
         # bytes.
         cute.arch.sync_warp()
         if lane == 0:
-            load_row, load_kv, left, pending = self._stream_fill(
-                ring, held, mine, warp, s, x, counter, load_row, load_kv, left, pending, vecs,
-                pieces, inverse, pool_base, pool_end, intermediate)
+            if plain:
+                self._stream_load(ring, mine, warp, s, x, load_row, load_kv, vecs, intermediate)
+                load_row, load_kv = self._stream_next(load_row, load_kv, vecs)
+                left = left - 1
+            else:
+                load_row, load_kv, left, pending = self._stream_fill(
+                    ring, held, mine, warp, s, x, counter, load_row, load_kv, left, pending,
+                    vecs, pieces, inverse, pool_base, pool_end, intermediate)
         return load_row, load_kv, left, pending
 
     def _lane_addresses(self, out: cute.Pointer, scales: cute.Pointer, unit, row, h, rk,
