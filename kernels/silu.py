@@ -76,6 +76,10 @@ TABLE_THREADS = 1024  # the gate-table kernels' CTA: one per SM loads the table 
 # time, in POOLS parts whose counters lie POOL_STRIDE int32 apart (other L2 lines), then the
 # count of CTAs done: the `counters` parameter's int32 elements, COUNTER_INTS.
 POOL_SHARE = 4
+# swiglu_oai's pool (its runs in a loop of their own, `FusedSilu.run_loop`): a pool chunk costs
+# it some 34 warp instructions more than a run chunk (a row of its own, the stage's bookkeeping),
+# and an eighth of the chunks ran 0.8-1.1 points of copy faster than a quarter on an H200.
+POOL_SHARE_RUN_LOOP = 8
 POOLS = 16
 POOL_STRIDE = 64
 COUNTER_INTS = POOLS * POOL_STRIDE + 1
@@ -161,6 +165,7 @@ class FusedSilu:
         # than one loop for runs and pool; the silu kernels ran within a point of it, and the
         # interleaved NVFP4 one 4 points slower at I = 7168 (64 registers, 52 with one loop).
         self.run_loop = activation == "swiglu_oai"
+        self.pool_share = POOL_SHARE_RUN_LOOP if self.run_loop else POOL_SHARE
         self.vector = ROW_VECTOR[out] if rows_per_warp else VECTOR[out]
         self.lanes = BLOCK[out] // self.vector  # lanes per scale block (rows_per_warp)
         self.fp4 = fp4
@@ -283,7 +288,7 @@ class FusedSilu:
         lane 0 fills with bulk copies, `stages - 1` chunks ahead of the one its lanes compute
         (a stage is refilled once every lane has used its words).
 
-        Who takes which chunk: the last chunks, all but a pool of the first 1 / POOL_SHARE,
+        Who takes which chunk: the last chunks, all but a pool of the first 1 / pool_share,
         are split into equal runs of consecutive chunks, one a warp, which every warp streams
         first; then each warp takes pool chunks one at a time from a counter in global memory,
         so that the SMs which stream faster take more of them. The SMs of one grid run at
@@ -349,7 +354,7 @@ class FusedSilu:
         total = total_rows * pieces
         # The pool is the first chunks, the runs the rest: the rows a producer wrote last are
         # the likeliest in L2, and the runs start at once.
-        pool = Int32(Uint32(total) // POOL_SHARE)
+        pool = Int32(Uint32(total) // self.pool_share)
         begin, left = warp_run(me, warps, total - pool)
         # Lane 0's cursor: the next chunk of its run to load (while `left` > 0), then `pending`,
         # its last ticket of its part's counter (the pool chunk pool_base + it; the part is
@@ -437,11 +442,13 @@ class FusedSilu:
                 if cutlass.const_expr(carry):
                     code_at, scale_at = self._lane_addresses(out, scales, unit, row, kv + lane,
                                                              rk, intermediate)
+            # Lane 0 loads chunk i + stages: a run chunk by a bare load unless it is the run's
+            # last (whose fill takes the first pool ticket).
             load_row, load_kv, left, pending = self._stream_chunk(
                 ring, held, mine, warp, lane, s, x, out, scales, counter, unit, row, kv, blocks,
                 cols, rk, intermediate, limit, alpha, gs, gates, recips, words, code_at,
                 scale_at, load_row, load_kv, left, pending, vecs, pieces, inverse, pool_base,
-                pool_end)
+                pool_end, plain=i + STREAM_STAGES + 1 < runs)
             if cutlass.const_expr(carry):
                 code_at = code_at + WARP * (self.vector // 2)
                 scale_at = scale_at + scale_offset(0, WARP // self.lanes, 0)
@@ -499,9 +506,11 @@ class FusedSilu:
                       s, x: cute.Pointer, out: cute.Pointer, scales: cute.Pointer,
                       counter: cute.Pointer, unit, row, kv, blocks, cols, rk, intermediate, limit,
                       alpha, gs, gates, recips, words: cute.Tensor, code_at, scale_at, load_row,
-                      load_kv, left, pending, vecs, pieces, inverse, pool_base, pool_end):
+                      load_kv, left, pending, vecs, pieces, inverse, pool_base, pool_end,
+                      plain=False):
         """Compute the chunk at (row, kv) from stage s, then lane 0 refills the stage with the
-        warp's next chunk. Returns lane 0's cursor moved on."""
+        warp's next chunk: with `plain` (a run chunk follows that is not the run's last) by a
+        bare load of it, else by `_stream_fill`. Returns lane 0's cursor moved on."""
         rotation = self._stream_words(ring, s, warp, lane, words)
         carried = ((code_at, scale_at) if self.activation == "swiglu_oai" else (None, None))
         self._lane_item(x, out, scales, unit, row, kv + lane, Boolean(True), blocks, cols, rk,
@@ -511,9 +520,14 @@ class FusedSilu:
         # bytes.
         cute.arch.sync_warp()
         if lane == 0:
-            load_row, load_kv, left, pending = self._stream_fill(
-                ring, held, mine, warp, s, x, counter, load_row, load_kv, left, pending, vecs,
-                pieces, inverse, pool_base, pool_end, intermediate)
+            if plain:
+                self._stream_load(ring, mine, warp, s, x, load_row, load_kv, vecs, intermediate)
+                load_row, load_kv = self._stream_next(load_row, load_kv, vecs)
+                left = left - 1
+            else:
+                load_row, load_kv, left, pending = self._stream_fill(
+                    ring, held, mine, warp, s, x, counter, load_row, load_kv, left, pending,
+                    vecs, pieces, inverse, pool_base, pool_end, intermediate)
         return load_row, load_kv, left, pending
 
     def _lane_addresses(self, out: cute.Pointer, scales: cute.Pointer, unit, row, h, rk,
