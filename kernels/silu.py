@@ -370,13 +370,9 @@ class FusedSilu:
         if lane == 0:
             if lean:
                 for s in cutlass.range_constexpr(stages):
-                    if cutlass.const_expr(not self.run_loop):
-                        held[0, s, warp] = load_row
-                        held[1, s, warp] = load_kv
-                    self._stream_load(ring, mine, warp, s, x, load_row, load_kv, vecs,
-                                      intermediate)
-                    load_row, load_kv = self._stream_next(load_row, load_kv, vecs)
-                left = left - stages
+                    load_row, load_kv, left = self._run_fill(ring, held, mine, warp, s, x,
+                                                             load_row, load_kv, left, vecs,
+                                                             intermediate)
         # A pool chunk's row by a multiply-high (`_pool_chunk_at`), not a division.
         inverse = Int32(Uint32(0xFFFFFFFF) // Uint32(pieces))
         parts = cutlass.min(grid_ctas, POOLS)  # every part has CTAs
@@ -521,14 +517,26 @@ class FusedSilu:
         cute.arch.sync_warp()
         if lane == 0:
             if plain:
-                self._stream_load(ring, mine, warp, s, x, load_row, load_kv, vecs, intermediate)
-                load_row, load_kv = self._stream_next(load_row, load_kv, vecs)
-                left = left - 1
+                load_row, load_kv, left = self._run_fill(ring, held, mine, warp, s, x, load_row,
+                                                         load_kv, left, vecs, intermediate)
             else:
                 load_row, load_kv, left, pending = self._stream_fill(
                     ring, held, mine, warp, s, x, counter, load_row, load_kv, left, pending,
                     vecs, pieces, inverse, pool_base, pool_end, intermediate)
         return load_row, load_kv, left, pending
+
+    @cute.jit
+    def _run_fill(self, ring: cute.Tensor, held: cute.Tensor, mine: cute.Pointer, warp, s,
+                  x: cute.Pointer, load_row, load_kv, left, vecs, intermediate):
+        """Lane 0: load the run chunk at its cursor into stage s (its row and vector beside it
+        where one loop reads every stage), one that is not the run's last (no ticket to take).
+        Returns the cursor moved on."""
+        if cutlass.const_expr(not self.run_loop):
+            held[0, s, warp] = load_row
+            held[1, s, warp] = load_kv
+        self._stream_load(ring, mine, warp, s, x, load_row, load_kv, vecs, intermediate)
+        load_row, load_kv = self._stream_next(load_row, load_kv, vecs)
+        return load_row, load_kv, left - 1
 
     def _lane_addresses(self, out: cute.Pointer, scales: cute.Pointer, unit, row, h, rk,
                         intermediate):
