@@ -165,6 +165,8 @@ class FusedSilu:
         # than one loop for runs and pool; the silu kernels ran within a point of it, and the
         # interleaved NVFP4 one 4 points slower at I = 7168 (64 registers, 52 with one loop).
         self.run_loop = activation == "swiglu_oai"
+        # Carried code and scale addresses in the FP4 stream (`_fp4_stream` says why).
+        self.carry = activation == "swiglu_oai"
         self.pool_share = POOL_SHARE_RUN_LOOP if self.run_loop else POOL_SHARE
         self.vector = ROW_VECTOR[out] if rows_per_warp else VECTOR[out]
         self.lanes = BLOCK[out] // self.vector  # lanes per scale block (rows_per_warp)
@@ -414,7 +416,7 @@ class FusedSilu:
         # faster in every L2 state; the silu kernels compute them per chunk, where carrying them
         # cost up to 6 points (interleaved NVFP4 at I = 7168, compiled at 64 registers) and
         # gained 2.5 at most.
-        carry = self.activation == "swiglu_oai"
+        carry = self.carry
         code_at = Int64(0)
         scale_at = Int64(0)
         words = cute.make_rmem_tensor(cute.make_layout(self.vector), Int32)  # bf16 pairs
@@ -508,7 +510,7 @@ class FusedSilu:
         warp's next chunk: with `plain` (a run chunk follows that is not the run's last) by a
         bare load of it, else by `_stream_fill`. Returns lane 0's cursor moved on."""
         rotation = self._stream_words(ring, s, warp, lane, words)
-        carried = ((code_at, scale_at) if self.activation == "swiglu_oai" else (None, None))
+        carried = (code_at, scale_at) if self.carry else (None, None)
         self._lane_item(x, out, scales, unit, row, kv + lane, Boolean(True), blocks, cols, rk,
                         intermediate, limit, alpha, gs, gates, recips, words, rotation, *carried)
         # Every lane has used (so read) its words and its stage's chunk before the stage is
