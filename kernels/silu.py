@@ -44,9 +44,11 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Boolean, Float8E4M3FN, Float32, Int32, Int64, Uint32, Uint64
 
 from kernels.fp8 import scale_fp8_block
-from kernels.gate_table import (ENTRIES, TABLE_BYTES, VALUE_TABLE_BYTES, activation_constants,
-                                init_gate_load, lookup_gate, lookup_value, oai_gate, silu_gate,
-                                start_gate_load, table_base)
+from kernels.gate_table import (ENTRIES, SPLIT_HALF_BYTES, SPLIT_SIGN_BYTES, TABLE_BYTES,
+                                VALUE_TABLE_BYTES, activation_constants, gate_pair_key,
+                                init_gate_load, lookup_gate, lookup_split, lookup_value,
+                                low_halves, oai_gate, silu_gate, split_base, start_gate_load,
+                                start_split_gate_load, table_base)
 from kernels.bulk_copy import bulk_load, init_stage_barriers
 from kernels.nvfp4 import (SCALE_TABLE_BYTES, bits_f32, e2m1_words, e4m3_byte_to_f32,
                            f32_bits, fill_scale_table, high_bf16, load_segment_blocks, low_bf16,
@@ -83,6 +85,23 @@ POOL_SHARE_RUN_LOOP = 8
 POOLS = 16
 POOL_STRIDE = 64
 COUNTER_INTS = POOLS * POOL_STRIDE + 1
+RING_WARP_BYTES = STREAM_STAGES * STREAM_CHUNK_WORDS * 4  # a warp's stages
+
+
+def _align(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+def split_arena(warps: int) -> tuple[int, int, int, int]:
+    """Where the split gate table and the stream's rings share one shared-memory arena
+    (swiglu_oai's FP4 stream, `FusedSilu.split_gates`): the positive gates' half at byte 0, the
+    negative half SPLIT_SIGN_BYTES on, the rings of the first warps in the gap between and the
+    others' past the negative half. Returns (first ring's offset, warps in the gap, the later
+    rings' offset, arena bytes)."""
+    first = _align(SPLIT_HALF_BYTES, 128)
+    gap = min(warps, (SPLIT_SIGN_BYTES - first) // RING_WARP_BYTES)
+    later = _align(SPLIT_SIGN_BYTES + SPLIT_HALF_BYTES, 128)
+    return first, gap, later, later + (warps - gap) * RING_WARP_BYTES
 
 
 def _ptr(dtype, addr, align):
@@ -171,6 +190,12 @@ class FusedSilu:
         self.vector = ROW_VECTOR[out] if rows_per_warp else VECTOR[out]
         self.lanes = BLOCK[out] // self.vector  # lanes per scale block (rows_per_warp)
         self.fp4 = fp4
+        # swiglu_oai's FP4 stream looks its gates up two at a time, on the bf16 pairs, in the
+        # value table split by sign (`kernels.gate_table.lookup_split`: two packed clamps, then a
+        # shift and a mask a gate; the pair table's lookup is a multiply, a max, two shifts, an
+        # or and an fma a gate). Its gates outside the table come out NaN, as the pairs' do, and
+        # take the formula (`_row_vector`).
+        self.split_gates = fp4 and self.table and activation == "swiglu_oai"
         if fp4:
             self.arches = ("sm_100a",) if e2m1 == "hardware" else ("sm_90a",)
 
@@ -214,8 +239,10 @@ class FusedSilu:
     def smem_bytes(self) -> int:
         if self.fp4 and self.table:
             warps = self.threads // WARP
-            ring = warps * STREAM_STAGES * (STREAM_CHUNK_WORDS * 4 + 16)  # + barrier, chunk
-            return (ring + TABLE_BYTES + (SCALE_TABLE_BYTES if self.out == "nvfp4" else 0)
+            stages = warps * STREAM_STAGES * 16  # a stage's barrier and chunk
+            rings = (split_arena(warps)[3] + 128 if self.split_gates
+                     else warps * RING_WARP_BYTES + TABLE_BYTES)
+            return (rings + stages + (SCALE_TABLE_BYTES if self.out == "nvfp4" else 0)
                     + 3 * SMEM_ENTRIES * 4 + 528)
         size = 2 * SMEM_ENTRIES * 4 + 64 if self.fp4 else 0
         if self.table:
@@ -325,13 +352,31 @@ class FusedSilu:
         # ring[(i, lane, half), stage, warp] (halves: word i of the lane's gate or up vector) or
         # ring[(i, lane), stage, warp] (interleaved: its i-th (gate, up) pair).
         vector = ((self.vector, WARP) if self.interleaved else (self.vector // 2, WARP, 2))
-        ring = smem.allocate_tensor(Int32, cute.make_layout((vector, stages, per_cta)),
-                                    byte_alignment=128)
+        table = None
+        positive = None
+        if cutlass.const_expr(self.split_gates):
+            # One arena (`split_arena`): this warp's stages in the gap between the split table's
+            # halves or past them, `ring[..., warp]` every warp's own (a warp stride of 0).
+            first, gap, later, size = split_arena(per_cta)
+            arena = smem.allocate_tensor(Int32, cute.make_layout(size // 4), byte_alignment=128)
+            positive = arena.iterator
+            mine_at = Int32((later - gap * RING_WARP_BYTES) // 4) + warp * (RING_WARP_BYTES // 4)
+            if warp < gap:
+                mine_at = Int32(first // 4) + warp * (RING_WARP_BYTES // 4)
+            chunk = STREAM_CHUNK_WORDS
+            strides = (1, self.vector) if self.interleaved else (1, self.vector // 2, chunk // 2)
+            ring = cute.make_tensor(positive + mine_at, cute.make_layout(
+                (vector, stages, per_cta), stride=(strides, chunk, 0)))
+        else:
+            ring = smem.allocate_tensor(Int32, cute.make_layout((vector, stages, per_cta)),
+                                        byte_alignment=128)
         full = smem.allocate_array(Int64, stages * per_cta)
         # (row, first lane vector) of the chunk each stage holds.
         held = smem.allocate_tensor(Int32, cute.make_layout((2, stages, per_cta)),
                                     byte_alignment=8)
-        table = smem.allocate_tensor(Float32, cute.make_layout(2 * ENTRIES), byte_alignment=16)
+        if cutlass.const_expr(not self.split_gates):
+            table = smem.allocate_tensor(Float32, cute.make_layout(2 * ENTRIES),
+                                         byte_alignment=16)
         loaded = smem.allocate_array(Int64, 1)
         recips = (smem.allocate_tensor(Float32, scale_table_layout(), byte_alignment=16)
                   if self.out == "nvfp4" else None)
@@ -343,7 +388,11 @@ class FusedSilu:
         # The leader starts the table's copy right after initialising its barrier (program
         # order); the other threads wait only after load_segment_blocks' barriers.
         init_gate_load(loaded, tidx == 0)
-        start_gate_load(table, gate_table, loaded, tidx == 0)
+        if cutlass.const_expr(self.split_gates):
+            start_split_gate_load(positive, positive + SPLIT_SIGN_BYTES // 4, gate_table, loaded,
+                                  tidx == 0)
+        else:
+            start_gate_load(table, gate_table, loaded, tidx == 0)
         # The stage barriers too: they do not depend on the row count.
         init_stage_barriers(mine, stages, lane == 0)
         offset, gs_mine, total_rows = read_segment_inputs(
@@ -397,7 +446,7 @@ class FusedSilu:
 
         if cutlass.const_expr(self.out == "nvfp4"):
             fill_scale_table(recips, tidx, self.threads)
-        gates = table_base(table)
+        gates = split_base(positive) if self.split_gates else table_base(table)
         if tidx < num_segments:
             s_gs[tidx] = gs_mine
         load_segment_blocks(row_offsets, num_segments, s_off, s_start, tidx, self.threads,
@@ -855,7 +904,18 @@ class FusedSilu:
             cute.autovec_copy(up, u_regs)
             g.store(g_regs.load().to(Float32))
             u.store(u_regs.load().to(Float32))
-        if cutlass.const_expr(self.table and not formula):
+        if cutlass.const_expr(self.split_gates and words is not None and not formula):
+            s = cute.make_rmem_tensor(cute.make_layout(n), Float32)
+            for k in cutlass.range_constexpr(n // 2):
+                pair = words[k]  # gates 2k, 2k + 1
+                if cutlass.const_expr(self.interleaved):
+                    pair = low_halves(words[2 * k], words[2 * k + 1])
+                key = gate_pair_key(pair)
+                s[2 * k] = lookup_split(key, gates, False)
+                s[2 * k + 1] = lookup_split(key, gates, True)
+            for i in cutlass.range_constexpr(n):
+                z[i] = self._combine(s[i], u[i], limit)
+        elif cutlass.const_expr(self.table and not formula):
             s = cute.make_rmem_tensor(cute.make_layout(n), Float32)
             for i in cutlass.range_constexpr(n):
                 if cutlass.const_expr(self.values):
