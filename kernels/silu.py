@@ -345,7 +345,9 @@ class FusedSilu:
         the split's divisions are unsigned 32-bit ones. Padding scale rows and columns are
         zeroed by a pass of their own (`zero_padding`: the padding rows only where I / block is
         a multiple of 4, as in every stream size measured; every scale row otherwise)."""
-        warp = tidx // WARP
+        # The warp index, and so every count and stage derived from it, marked warp-uniform: the
+        # compiler keeps them in the uniform datapath instead of the ALU pipe the compute loads.
+        warp = cute.arch.make_warp_uniform(tidx // WARP)
         lane = tidx % WARP
         per_cta = self.threads // WARP
         stages = STREAM_STAGES
@@ -411,7 +413,7 @@ class FusedSilu:
         # its last ticket of its part's counter (the pool chunk pool_base + it; the part is
         # empty from pool_end - pool_base on).
         load_row, load_kv = self._chunk_at(begin + pool, pieces)
-        runs = left  # every lane's count of its run's chunks, which start at (run_row, run_kv)
+        runs = cute.arch.make_warp_uniform(left)  # its run's chunks, from (run_row, run_kv)
         run_row = load_row
         run_kv = load_kv
         cute.arch.sync_warp()  # the barriers are initialised before any lane uses them
@@ -816,12 +818,18 @@ class FusedSilu:
         columns). `words`: its inputs already loaded (`rotation`: `_row_vector`'s); `code_at`,
         `scale_at`: where its codes and scale byte go, already known."""
         kb = h // self.lanes
+        first = h % self.lanes == 0  # the block's first lane
+        if cutlass.const_expr(self.fp4 and self.table):
+            # The stream's h >= 0: a shift and a mask, not a signed division (its ALU pipe is the
+            # one the compute saturates).
+            kb = Int32(Uint32(h) // self.lanes)
+            first = Uint32(h) % self.lanes == 0
         valid = live and kb < blocks
         byte = self._row_vector(x, out, scales, row, h, intermediate, Int32(0), limit, alpha, gs,
                                 valid, gates, recips, words, rotation, code_at)
         if not valid:
             byte = Int32(0)
-        if h % self.lanes == 0 and kb < cols:
+        if first and kb < cols:
             if cutlass.const_expr(scale_at is None):
                 store_u8(scales.toint() + scale_offset(unit, kb, rk), byte)
             else:
