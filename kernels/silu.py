@@ -49,7 +49,7 @@ from kernels.gate_table import (ENTRIES, SPLIT_HALF_BYTES, SPLIT_SIGN_BYTES, TAB
                                 init_gate_load, lookup_gate, lookup_split, lookup_value,
                                 low_halves, oai_gate, silu_gate, split_base, start_gate_load,
                                 start_split_gate_load, table_base)
-from kernels.bulk_copy import bulk_load, init_stage_barriers
+from kernels.bulk_copy import bulk_load, evict_first_policy, init_stage_barriers
 from kernels.nvfp4 import (SCALE_TABLE_BYTES, bits_f32, e2m1_words, e4m3_byte_to_f32,
                            f32_bits, fill_scale_table, high_bf16, load_segment_blocks, low_bf16,
                            next_row_segment, nvfp4_scale_byte, read_segment_inputs, rotate_left64,
@@ -679,14 +679,15 @@ class FusedSilu:
         half = lanes * (2 * self.vector)  # bytes of one half's vectors
         src = x.toint() + Int64(row) * Int64(4 * intermediate)
         cute.arch.mbarrier_arrive_and_expect_tx(mine + s, 2 * half)
+        policy = evict_first_policy()  # the input is read once
         if cutlass.const_expr(self.interleaved):
             bulk_load(ring[None, s, warp].iterator, src + Int64(kv) * (4 * self.vector),
-                      2 * half, mine + s)
+                      2 * half, mine + s, policy)
         else:
             gate = src + Int64(kv) * (2 * self.vector)
-            bulk_load(ring[(None, None, 0), s, warp].iterator, gate, half, mine + s)
+            bulk_load(ring[(None, None, 0), s, warp].iterator, gate, half, mine + s, policy)
             bulk_load(ring[(None, None, 1), s, warp].iterator, gate + Int64(2 * intermediate),
-                      half, mine + s)
+                      half, mine + s, policy)
 
     @cute.jit
     def _stream_words(self, ring: cute.Tensor, s, warp, lane, words: cute.Tensor):
