@@ -28,15 +28,24 @@ fp32 output), holds one value per entry (layout below): `s(g)` in range, NaN at 
 (the caller computes those elements by the formula), and a lookup is a 4-byte load with no fma
 (`lookup_value`), half the shared-memory bytes of a pair.
 
+A third form holds the value form again, split by sign (the positive gates' values in order of
+magnitude, then the negative ones'), for lookups on bf16 pairs: two packed clamps
+(`max.xorsign.abs`, `min.xorsign.abs` on bf16x2) bring both gates of a pair into range with their
+signs kept, and each half's 16 bits times 4 is its entry's byte offset once the negative half lies
+SPLIT_SIGN_BYTES (2^17) past the positive one in shared memory, a shift and a mask a gate
+(`gate_pair_key`, `lookup_split`). SwiGLU-OAI's FP4 stream uses it; its gates outside the table
+come out NaN there too, and the vector takes the formula.
+
 The tables are built once per device and activation (limit, alpha) by the `gate_table` kernel
-into global memory, the pairs then the values (`cute_ep.silu` keeps them), and a table kernel
+into global memory, the pairs, the values, then the split values (`cute_ep.silu` keeps them),
+and a table kernel
 copies its form into shared memory with one bulk copy at its start (`init_gate_load`,
 `start_gate_load`): 64 or 32 KB from L2 in place of 8196 `expf`s and divisions per CTA, about
 1.5 us of a whole SM's issue slots.
 
 `tests/gpu/test_gate_table.py` checks every one of the 65536 bf16 gates against the formula.
 Layout: entry `2 j + sign` for `j = bits(|g|) >> 16 - (LOW_T16)`, 8 bytes each (pairs) or 4
-(values), 16-byte aligned.
+(values), 16-byte aligned; the split values: `sign * SPLIT_PER_SIGN + j`, 4 bytes each.
 """
 
 import cutlass
