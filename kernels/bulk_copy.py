@@ -32,27 +32,46 @@ def _shared_address(ptr: cute.Pointer, loc, ip):
 
 
 @dsl_user_op
-def bulk_load(dst: cute.Pointer, src_addr: Int64, nbytes: Int32, mbar: cute.Pointer, *,
-              loc=None, ip=None) -> None:
+def evict_first_policy(*, loc=None, ip=None) -> Int64:
+    """An L2 cache policy that marks the lines a load brings in as the first to evict: for
+    input read once, which then replaces its own lines instead of what L2 held before."""
+    return Int64(llvm.inline_asm(T.i64(), [], "createpolicy.fractional.L2::evict_first.b64 $0;",
+                                 "=l", has_side_effects=False, is_align_stack=False,
+                                 asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def bulk_load(dst: cute.Pointer, src_addr: Int64, nbytes: Int32, mbar: cute.Pointer,
+              policy=None, *, loc=None, ip=None) -> None:
     """`cp.async.bulk` of `nbytes` (a multiple of 16, any runtime value) from global address
     `src_addr` into shared memory at `dst`, completing as transaction bytes on `mbar`. Both
-    addresses 16-byte aligned."""
-    llvm.inline_asm(None, [_shared_address(dst, loc, ip), Int64(src_addr).ir_value(loc=loc, ip=ip),
-                           Int32(nbytes).ir_value(loc=loc, ip=ip), _shared_address(mbar, loc, ip)],
-                    "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
-                    "[$0], [$1], $2, [$3];",
-                    "r,l,r,r", has_side_effects=True, is_align_stack=False,
+    addresses 16-byte aligned. `policy`: an L2 cache policy (`evict_first_policy`), if any."""
+    args = [_shared_address(dst, loc, ip), Int64(src_addr).ir_value(loc=loc, ip=ip),
+            Int32(nbytes).ir_value(loc=loc, ip=ip), _shared_address(mbar, loc, ip)]
+    text = "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
+    if policy is None:
+        text, constraints = text + " [$0], [$1], $2, [$3];", "r,l,r,r"
+    else:
+        args.append(Int64(policy).ir_value(loc=loc, ip=ip))
+        text, constraints = text + ".L2::cache_hint [$0], [$1], $2, [$3], $4;", "r,l,r,r,l"
+    llvm.inline_asm(None, args, text, constraints, has_side_effects=True, is_align_stack=False,
                     asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
 
 @dsl_user_op
-def cp_async_16(dst: cute.Pointer, src_addr: Int64, *, loc=None, ip=None) -> None:
+def cp_async_16(dst: cute.Pointer, src_addr: Int64, policy=None, *, loc=None,
+                ip=None) -> None:
     """`cp.async` of 16 bytes from global address `src_addr` into shared memory at `dst` (both
     16-byte aligned, through L2 only), in the thread's current group: complete for this thread
-    after `cp_async_wait_group`, for the others after a barrier that follows it."""
-    llvm.inline_asm(None, [_shared_address(dst, loc, ip), Int64(src_addr).ir_value(loc=loc, ip=ip)],
-                    "cp.async.cg.shared.global [$0], [$1], 16;", "r,l", has_side_effects=True,
-                    is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    after `cp_async_wait_group`, for the others after a barrier that follows it. `policy`: an
+    L2 cache policy (`evict_first_policy`), if any."""
+    args = [_shared_address(dst, loc, ip), Int64(src_addr).ir_value(loc=loc, ip=ip)]
+    text, constraints = "cp.async.cg.shared.global [$0], [$1], 16;", "r,l"
+    if policy is not None:
+        args.append(Int64(policy).ir_value(loc=loc, ip=ip))
+        text, constraints = "cp.async.cg.shared.global.L2::cache_hint [$0], [$1], 16, $2;", "r,l,l"
+    llvm.inline_asm(None, args, text, constraints, has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
 
 @cute.jit

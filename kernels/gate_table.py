@@ -28,15 +28,24 @@ fp32 output), holds one value per entry (layout below): `s(g)` in range, NaN at 
 (the caller computes those elements by the formula), and a lookup is a 4-byte load with no fma
 (`lookup_value`), half the shared-memory bytes of a pair.
 
+A third form holds the value form again, split by sign (the positive gates' values in order of
+magnitude, then the negative ones'), for lookups on bf16 pairs: two packed clamps
+(`max.xorsign.abs`, `min.xorsign.abs` on bf16x2) bring both gates of a pair into range with their
+signs kept, and each half's 16 bits times 4 is its entry's byte offset once the negative half lies
+SPLIT_SIGN_BYTES (2^17) past the positive one in shared memory, a shift and a mask a gate
+(`gate_pair_key`, `lookup_split`). SwiGLU-OAI's FP4 stream uses it; its gates outside the table
+come out NaN there too, and the vector takes the formula.
+
 The tables are built once per device and activation (limit, alpha) by the `gate_table` kernel
-into global memory, the pairs then the values (`cute_ep.silu` keeps them), and a table kernel
+into global memory, the pairs, the values, then the split values (`cute_ep.silu` keeps them),
+and a table kernel
 copies its form into shared memory with one bulk copy at its start (`init_gate_load`,
 `start_gate_load`): 64 or 32 KB from L2 in place of 8196 `expf`s and divisions per CTA, about
 1.5 us of a whole SM's issue slots.
 
 `tests/gpu/test_gate_table.py` checks every one of the 65536 bf16 gates against the formula.
 Layout: entry `2 j + sign` for `j = bits(|g|) >> 16 - (LOW_T16)`, 8 bytes each (pairs) or 4
-(values), 16-byte aligned.
+(values), 16-byte aligned; the split values: `sign * SPLIT_PER_SIGN + j`, 4 bytes each.
 """
 
 import cutlass
@@ -57,7 +66,15 @@ PER_SIGN = HIGH_T16 - LOW_T16 + 1
 ENTRIES = 2 * PER_SIGN
 TABLE_BYTES = ENTRIES * 8
 VALUE_TABLE_BYTES = ENTRIES * 4
-TABLE_FLOATS = 3 * ENTRIES  # the gate_table kernel's output: the pairs, then the values
+# A third form, the values split by sign for lookups on bf16 pairs (`gate_pair_key`): each
+# sign's PER_SIGN values in order of magnitude, padded to whole 16-byte pieces, the positive
+# gates' then the negative ones'. In shared memory the two halves lie SPLIT_SIGN_BYTES apart,
+# where a gate's sign bit lands in its entry's byte offset (`lookup_split`).
+SPLIT_PER_SIGN = (PER_SIGN + 3) // 4 * 4
+SPLIT_HALF_BYTES = SPLIT_PER_SIGN * 4
+SPLIT_SIGN_BYTES = 1 << 17
+TABLE_FLOATS = 3 * ENTRIES + 2 * SPLIT_PER_SIGN  # the gate_table kernel's output: the pairs,
+SPLIT_OFFSET_BYTES = 3 * ENTRIES * 4  # the values, then the split values
 FALLBACK = float("nan")  # an entry's value (or M) that leaves its gates to the formula
 # The lookup clamps |g| * 2^-7 to [LOW * 2^-7, 1] (a saturating multiply, exact on bf16 values
 # in range, then one max): LOW_T16 in those units.
@@ -85,6 +102,58 @@ def _lookup_ptx(entry_bytes: int) -> str:
 
 LOOKUP_PTX = _lookup_ptx(8)
 VALUE_LOOKUP_PTX = _lookup_ptx(4)
+
+# Both bf16 halves of `$1` with their magnitudes clamped to [LOW, HIGH] and their signs kept:
+# max.xorsign.abs gives the larger magnitude with the xor of the signs (LOW's and HIGH's are
+# clear); a NaN half becomes LOW (max returns the other operand), the LOW entry's gates.
+PAIR_KEY_PTX = (f"{{ .reg .b32 lo, hi, c; mov.b32 lo, 0x{LOW_T16:04X}{LOW_T16:04X}; "
+                f"mov.b32 hi, 0x{HIGH_T16:04X}{HIGH_T16:04X}; "
+                f"max.xorsign.abs.bf16x2 c, $1, lo; min.xorsign.abs.bf16x2 $0, c, hi; }}")
+# A key half's 16 bits times 4 (the sign bit lands on SPLIT_SIGN_BYTES), plus `$2`.
+SPLIT_LOW_PTX = ("{ .reg .b32 o; shl.b32 o, $1, 2; and.b32 o, o, 0x3FFFC; add.u32 o, o, $2; "
+                 "ld.shared.f32 $0, [o]; }")
+SPLIT_HIGH_PTX = ("{ .reg .b32 o; shr.u32 o, $1, 14; and.b32 o, o, 0x3FFFC; add.u32 o, o, $2; "
+                  "ld.shared.f32 $0, [o]; }")
+assert 4 * 0x8000 == SPLIT_SIGN_BYTES
+
+
+@dsl_user_op
+def gate_pair_key(pair: Int32, *, loc=None, ip=None) -> Int32:
+    """The split table's key of the two bf16 gates in `pair` (`lookup_split`): each half's
+    magnitude clamped to [LOW, HIGH], its sign kept, in two packed bf16 operations."""
+    return Int32(llvm.inline_asm(T.i32(), [Int32(pair).ir_value(loc=loc, ip=ip)], PAIR_KEY_PTX,
+                                 "=r,r", has_side_effects=False, is_align_stack=False,
+                                 asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def lookup_split(key: Int32, base: Int32, high: bool, *, loc=None, ip=None) -> Float32:
+    """`s(g)` of the low (or `high`) gate of a `gate_pair_key` key from the split value table
+    (NaN: the formula's): `base` is `split_base(...)`. The entry's byte offset is the key
+    half's 16 bits times 4, its sign bit becoming SPLIT_SIGN_BYTES: a shift and a mask."""
+    return Float32(llvm.inline_asm(
+        T.f32(), [Int32(key).ir_value(loc=loc, ip=ip), Int32(base).ir_value(loc=loc, ip=ip)],
+        SPLIT_HIGH_PTX if high else SPLIT_LOW_PTX, "=f,r,r", has_side_effects=False,
+        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def low_halves(a: Int32, b: Int32, *, loc=None, ip=None) -> Int32:
+    """The low bf16 of `a` and the low bf16 of `b` as one pair (a byte permute): the two gates
+    of interleaved (gate, up) pairs."""
+    return Int32(llvm.inline_asm(T.i32(), [Int32(a).ir_value(loc=loc, ip=ip),
+                                           Int32(b).ir_value(loc=loc, ip=ip)],
+                                 "prmt.b32 $0, $1, $2, 0x5410;", "=r,r,r",
+                                 has_side_effects=False, is_align_stack=False,
+                                 asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def split_base(positive: cute.Pointer, *, loc=None, ip=None) -> Int32:
+    """`lookup_split`'s base operand: the shared address of the positive gates' half (the
+    negative half SPLIT_SIGN_BYTES past it) minus LOW's key bytes."""
+    addr = llvm.ptrtoint(T.i32(), positive.to_llvm_ptr(loc=loc, ip=ip), loc=loc, ip=ip)
+    return Int32(addr) - Int32(LOW_T16 * 4)
 
 
 def _lookup(ptx: str, g: Float32, base: Int32, loc, ip) -> Float32:
@@ -215,6 +284,18 @@ def start_gate_load(table: cute.Tensor, src: cute.Pointer, bar: cute.Pointer, le
             bulk_load(table.iterator, src.toint(), TABLE_BYTES, bar)
 
 
+@cute.jit
+def start_split_gate_load(positive: cute.Pointer, negative: cute.Pointer, src: cute.Pointer,
+                          bar: cute.Pointer, leader):
+    """`start_gate_load` of the split value table: its two halves into `positive` and
+    `negative` (shared memory, SPLIT_SIGN_BYTES apart), both on `bar`."""
+    if leader:
+        cute.arch.mbarrier_arrive_and_expect_tx(bar, 2 * SPLIT_HALF_BYTES)
+        bulk_load(positive, src.toint() + SPLIT_OFFSET_BYTES, SPLIT_HALF_BYTES, bar)
+        bulk_load(negative, src.toint() + SPLIT_OFFSET_BYTES + SPLIT_HALF_BYTES,
+                  SPLIT_HALF_BYTES, bar)
+
+
 class GateTable:
     """`gate_table`: the tables of one activation into global memory (`activation_params`: the
     swiglu_oai (limit, alpha), unread for silu; `table`: `sizes["floats"]` fp32, the pairs then
@@ -252,4 +333,11 @@ class GateTable:
             out = cute.make_tensor(table, cute.make_layout(TABLE_FLOATS))
             out[2 * e] = m
             out[2 * e + 1] = t
-            out[2 * ENTRIES + e] = gate_value(e, self.activation, limit, alpha)
+            value = gate_value(e, self.activation, limit, alpha)
+            out[2 * ENTRIES + e] = value
+            out[3 * ENTRIES + (e & 1) * SPLIT_PER_SIGN + (e >> 1)] = value
+        elif e < ENTRIES + 2 * (SPLIT_PER_SIGN - PER_SIGN):  # the split halves' padding
+            pad = e - ENTRIES
+            out = cute.make_tensor(table, cute.make_layout(TABLE_FLOATS))
+            out[3 * ENTRIES + (pad & 1) * SPLIT_PER_SIGN + PER_SIGN + (pad >> 1)] = Float32(
+                FALLBACK)

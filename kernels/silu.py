@@ -29,13 +29,15 @@ Outputs (one kernel family each, config `interleaved`, plus the e2m1 encoder for
 Quantized outputs and fp32 come with `table`: the gate's activation from a shared-memory table
 of every bf16 gate (`kernels.gate_table`), built once per device by the `gate_table` kernel and
 bulk-copied in by each CTA (`gate_table`, unread otherwise), one CTA of `TABLE_THREADS` per SM:
-its pair form for FP4, its value form (`values`) for FP8 (both for fp32).
+its pair form for FP4 (SwiGLU-OAI's FP4: the value form split by sign, looked up a bf16
+pair at a time), its value form (`values`) for FP8 (both for fp32).
 
 For the FP4 outputs each segment starts on a fresh 128-row scale block. The thread and warp
 layouts walk *scale rows* x padded scale columns, writing zero scale bytes for padding in the
 same pass; the table kernels stream the live rows in chunks through shared memory, a run of
 chunks a warp and then a pool the SMs share through the `counters` parameter
-(`FusedSilu._fp4_stream`), and zero the padding in a pass of their own. Codes are 0 for a block
+(`FusedSilu._fp4_stream`; the input read once, so its loads mark their L2 lines first to evict),
+and zero the padding in a pass of their own. Codes are 0 for a block
 whose scale is not a positive number (all-zero, underflowed or NaN blocks).
 """
 
@@ -44,10 +46,12 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Boolean, Float8E4M3FN, Float32, Int32, Int64, Uint32, Uint64
 
 from kernels.fp8 import scale_fp8_block
-from kernels.gate_table import (ENTRIES, TABLE_BYTES, VALUE_TABLE_BYTES, activation_constants,
-                                init_gate_load, lookup_gate, lookup_value, oai_gate, silu_gate,
-                                start_gate_load, table_base)
-from kernels.bulk_copy import bulk_load, init_stage_barriers
+from kernels.gate_table import (ENTRIES, SPLIT_HALF_BYTES, SPLIT_SIGN_BYTES, TABLE_BYTES,
+                                VALUE_TABLE_BYTES, activation_constants, gate_pair_key,
+                                init_gate_load, lookup_gate, lookup_split, lookup_value,
+                                low_halves, oai_gate, silu_gate, split_base, start_gate_load,
+                                start_split_gate_load, table_base)
+from kernels.bulk_copy import bulk_load, evict_first_policy, init_stage_barriers
 from kernels.nvfp4 import (SCALE_TABLE_BYTES, bits_f32, e2m1_words, e4m3_byte_to_f32,
                            f32_bits, fill_scale_table, high_bf16, load_segment_blocks, low_bf16,
                            next_row_segment, nvfp4_scale_byte, read_segment_inputs, rotate_left64,
@@ -83,6 +87,23 @@ POOL_SHARE_RUN_LOOP = 8
 POOLS = 16
 POOL_STRIDE = 64
 COUNTER_INTS = POOLS * POOL_STRIDE + 1
+RING_WARP_BYTES = STREAM_STAGES * STREAM_CHUNK_WORDS * 4  # a warp's stages
+
+
+def _align(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+def split_arena(warps: int) -> tuple[int, int, int, int]:
+    """Where the split gate table and the stream's rings share one shared-memory arena
+    (swiglu_oai's FP4 stream, `FusedSilu.split_gates`): the positive gates' half at byte 0, the
+    negative half SPLIT_SIGN_BYTES on, the rings of the first warps in the gap between and the
+    others' past the negative half. Returns (first ring's offset, warps in the gap, the later
+    rings' offset, arena bytes)."""
+    first = _align(SPLIT_HALF_BYTES, 128)
+    gap = min(warps, (SPLIT_SIGN_BYTES - first) // RING_WARP_BYTES)
+    later = _align(SPLIT_SIGN_BYTES + SPLIT_HALF_BYTES, 128)
+    return first, gap, later, later + (warps - gap) * RING_WARP_BYTES
 
 
 def _ptr(dtype, addr, align):
@@ -171,6 +192,12 @@ class FusedSilu:
         self.vector = ROW_VECTOR[out] if rows_per_warp else VECTOR[out]
         self.lanes = BLOCK[out] // self.vector  # lanes per scale block (rows_per_warp)
         self.fp4 = fp4
+        # swiglu_oai's FP4 stream looks its gates up two at a time, on the bf16 pairs, in the
+        # value table split by sign (`kernels.gate_table.lookup_split`: two packed clamps, then a
+        # shift and a mask a gate; the pair table's lookup is a multiply, a max, two shifts, an
+        # or and an fma a gate). Its gates outside the table come out NaN, as the pairs' do, and
+        # take the formula (`_row_vector`).
+        self.split_gates = fp4 and self.table and activation == "swiglu_oai"
         if fp4:
             self.arches = ("sm_100a",) if e2m1 == "hardware" else ("sm_90a",)
 
@@ -214,8 +241,10 @@ class FusedSilu:
     def smem_bytes(self) -> int:
         if self.fp4 and self.table:
             warps = self.threads // WARP
-            ring = warps * STREAM_STAGES * (STREAM_CHUNK_WORDS * 4 + 16)  # + barrier, chunk
-            return (ring + TABLE_BYTES + (SCALE_TABLE_BYTES if self.out == "nvfp4" else 0)
+            stages = warps * STREAM_STAGES * 16  # a stage's barrier and chunk
+            rings = (split_arena(warps)[3] + 128 if self.split_gates
+                     else warps * RING_WARP_BYTES + TABLE_BYTES)
+            return (rings + stages + (SCALE_TABLE_BYTES if self.out == "nvfp4" else 0)
                     + 3 * SMEM_ENTRIES * 4 + 528)
         size = 2 * SMEM_ENTRIES * 4 + 64 if self.fp4 else 0
         if self.table:
@@ -318,20 +347,40 @@ class FusedSilu:
         the split's divisions are unsigned 32-bit ones. Padding scale rows and columns are
         zeroed by a pass of their own (`zero_padding`: the padding rows only where I / block is
         a multiple of 4, as in every stream size measured; every scale row otherwise)."""
-        warp = tidx // WARP
+        # The warp index, and so every count and stage derived from it, marked warp-uniform: the
+        # compiler keeps them in the uniform datapath instead of the ALU pipe the compute loads.
+        warp = cute.arch.make_warp_uniform(tidx // WARP)
         lane = tidx % WARP
         per_cta = self.threads // WARP
         stages = STREAM_STAGES
         # ring[(i, lane, half), stage, warp] (halves: word i of the lane's gate or up vector) or
         # ring[(i, lane), stage, warp] (interleaved: its i-th (gate, up) pair).
         vector = ((self.vector, WARP) if self.interleaved else (self.vector // 2, WARP, 2))
-        ring = smem.allocate_tensor(Int32, cute.make_layout((vector, stages, per_cta)),
-                                    byte_alignment=128)
+        table = None
+        positive = None
+        if cutlass.const_expr(self.split_gates):
+            # One arena (`split_arena`): this warp's stages in the gap between the split table's
+            # halves or past them, `ring[..., warp]` every warp's own (a warp stride of 0).
+            first, gap, later, size = split_arena(per_cta)
+            arena = smem.allocate_tensor(Int32, cute.make_layout(size // 4), byte_alignment=128)
+            positive = arena.iterator
+            mine_at = Int32((later - gap * RING_WARP_BYTES) // 4) + warp * (RING_WARP_BYTES // 4)
+            if warp < gap:
+                mine_at = Int32(first // 4) + warp * (RING_WARP_BYTES // 4)
+            chunk = STREAM_CHUNK_WORDS
+            strides = (1, self.vector) if self.interleaved else (1, self.vector // 2, chunk // 2)
+            ring = cute.make_tensor(positive + mine_at, cute.make_layout(
+                (vector, stages, per_cta), stride=(strides, chunk, 0)))
+        else:
+            ring = smem.allocate_tensor(Int32, cute.make_layout((vector, stages, per_cta)),
+                                        byte_alignment=128)
         full = smem.allocate_array(Int64, stages * per_cta)
         # (row, first lane vector) of the chunk each stage holds.
         held = smem.allocate_tensor(Int32, cute.make_layout((2, stages, per_cta)),
                                     byte_alignment=8)
-        table = smem.allocate_tensor(Float32, cute.make_layout(2 * ENTRIES), byte_alignment=16)
+        if cutlass.const_expr(not self.split_gates):
+            table = smem.allocate_tensor(Float32, cute.make_layout(2 * ENTRIES),
+                                         byte_alignment=16)
         loaded = smem.allocate_array(Int64, 1)
         recips = (smem.allocate_tensor(Float32, scale_table_layout(), byte_alignment=16)
                   if self.out == "nvfp4" else None)
@@ -343,7 +392,11 @@ class FusedSilu:
         # The leader starts the table's copy right after initialising its barrier (program
         # order); the other threads wait only after load_segment_blocks' barriers.
         init_gate_load(loaded, tidx == 0)
-        start_gate_load(table, gate_table, loaded, tidx == 0)
+        if cutlass.const_expr(self.split_gates):
+            start_split_gate_load(positive, positive + SPLIT_SIGN_BYTES // 4, gate_table, loaded,
+                                  tidx == 0)
+        else:
+            start_gate_load(table, gate_table, loaded, tidx == 0)
         # The stage barriers too: they do not depend on the row count.
         init_stage_barriers(mine, stages, lane == 0)
         offset, gs_mine, total_rows = read_segment_inputs(
@@ -362,7 +415,7 @@ class FusedSilu:
         # its last ticket of its part's counter (the pool chunk pool_base + it; the part is
         # empty from pool_end - pool_base on).
         load_row, load_kv = self._chunk_at(begin + pool, pieces)
-        runs = left  # every lane's count of its run's chunks, which start at (run_row, run_kv)
+        runs = cute.arch.make_warp_uniform(left)  # its run's chunks, from (run_row, run_kv)
         run_row = load_row
         run_kv = load_kv
         cute.arch.sync_warp()  # the barriers are initialised before any lane uses them
@@ -397,7 +450,7 @@ class FusedSilu:
 
         if cutlass.const_expr(self.out == "nvfp4"):
             fill_scale_table(recips, tidx, self.threads)
-        gates = table_base(table)
+        gates = split_base(positive) if self.split_gates else table_base(table)
         if tidx < num_segments:
             s_gs[tidx] = gs_mine
         load_segment_blocks(row_offsets, num_segments, s_off, s_start, tidx, self.threads,
@@ -628,14 +681,18 @@ class FusedSilu:
         half = lanes * (2 * self.vector)  # bytes of one half's vectors
         src = x.toint() + Int64(row) * Int64(4 * intermediate)
         cute.arch.mbarrier_arrive_and_expect_tx(mine + s, 2 * half)
+        # The input is read once: its lines go first when L2 needs room, not what L2 held
+        # (one H200, default L2 state: every FP4 stream 2-3.5 points of copy faster at I = 2048,
+        # -2..+1.7 at 7168).
+        policy = evict_first_policy()
         if cutlass.const_expr(self.interleaved):
             bulk_load(ring[None, s, warp].iterator, src + Int64(kv) * (4 * self.vector),
-                      2 * half, mine + s)
+                      2 * half, mine + s, policy)
         else:
             gate = src + Int64(kv) * (2 * self.vector)
-            bulk_load(ring[(None, None, 0), s, warp].iterator, gate, half, mine + s)
+            bulk_load(ring[(None, None, 0), s, warp].iterator, gate, half, mine + s, policy)
             bulk_load(ring[(None, None, 1), s, warp].iterator, gate + Int64(2 * intermediate),
-                      half, mine + s)
+                      half, mine + s, policy)
 
     @cute.jit
     def _stream_words(self, ring: cute.Tensor, s, warp, lane, words: cute.Tensor):
@@ -767,12 +824,18 @@ class FusedSilu:
         columns). `words`: its inputs already loaded (`rotation`: `_row_vector`'s); `code_at`,
         `scale_at`: where its codes and scale byte go, already known."""
         kb = h // self.lanes
+        first = h % self.lanes == 0  # the block's first lane
+        if cutlass.const_expr(self.fp4 and self.table):
+            # The stream's h >= 0: a shift and a mask, not a signed division (its ALU pipe is the
+            # one the compute saturates).
+            kb = Int32(Uint32(h) // self.lanes)
+            first = Uint32(h) % self.lanes == 0
         valid = live and kb < blocks
         byte = self._row_vector(x, out, scales, row, h, intermediate, Int32(0), limit, alpha, gs,
                                 valid, gates, recips, words, rotation, code_at)
         if not valid:
             byte = Int32(0)
-        if h % self.lanes == 0 and kb < cols:
+        if first and kb < cols:
             if cutlass.const_expr(scale_at is None):
                 store_u8(scales.toint() + scale_offset(unit, kb, rk), byte)
             else:
@@ -855,7 +918,18 @@ class FusedSilu:
             cute.autovec_copy(up, u_regs)
             g.store(g_regs.load().to(Float32))
             u.store(u_regs.load().to(Float32))
-        if cutlass.const_expr(self.table and not formula):
+        if cutlass.const_expr(self.split_gates and words is not None and not formula):
+            s = cute.make_rmem_tensor(cute.make_layout(n), Float32)
+            for k in cutlass.range_constexpr(n // 2):
+                pair = words[k]  # gates 2k, 2k + 1
+                if cutlass.const_expr(self.interleaved):
+                    pair = low_halves(words[2 * k], words[2 * k + 1])
+                key = gate_pair_key(pair)
+                s[2 * k] = lookup_split(key, gates, False)
+                s[2 * k + 1] = lookup_split(key, gates, True)
+            for i in cutlass.range_constexpr(n):
+                z[i] = self._combine(s[i], u[i], limit)
+        elif cutlass.const_expr(self.table and not formula):
             s = cute.make_rmem_tensor(cute.make_layout(n), Float32)
             for i in cutlass.range_constexpr(n):
                 if cutlass.const_expr(self.values):
@@ -1032,7 +1106,8 @@ def silu_kernels() -> list:
     threads, a CTA per SM; FP4 with a warp per scale row), for large inputs; the fp32
     activation itself (`z` unrounded, either activation, by the formula, the pair table or the
     value table), which the tests use to check both tables against the formula for every bf16
-    gate. FP8 uses the value table (`kernels.gate_table`), FP4 the pairs."""
+    gate. FP8 uses the value table (`kernels.gate_table`), FP4 the pairs (SwiGLU-OAI the split
+    values)."""
     kernels = [FusedSilu("fp32", False, activation, threads=TABLE_THREADS if table else 256,
                          table=table, values=values)
                for activation in ("silu", "swiglu_oai")

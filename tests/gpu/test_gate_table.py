@@ -74,6 +74,57 @@ def test_swiglu_oai_of_every_bf16_gate(layout, limit, alpha, monkeypatch):
     _same_bits(got, ref.swiglu_oai(x, False, limit, alpha))
 
 
+# The tables' layout in bf16 gate bits: magnitudes LOW_T16..HIGH_T16, both signs.
+LOW_T16, HIGH_T16 = 0x32FF, 0x4300
+PER_SIGN = HIGH_T16 - LOW_T16 + 1
+ENTRIES = 2 * PER_SIGN
+SPLIT_PER_SIGN = (PER_SIGN + 3) // 4 * 4  # each sign's values padded to 16 bytes
+
+
+@pytest.mark.parametrize("limit, alpha", [(7.0, 1.702), (0.5, 1e-3)])
+def test_split_values_are_the_values_by_sign(limit, alpha):
+    """The split value table (after the pairs and the values: the positive gates' values by
+    magnitude, then the negative ones', each padded with NaN to 16 bytes) holds the value
+    table's entries bit for bit."""
+    from cute_ep.silu import _gate_inputs
+
+    _, table = _gate_inputs(torch.device("cuda", torch.cuda.current_device()), (limit, alpha))
+    assert table.numel() == 3 * ENTRIES + 2 * SPLIT_PER_SIGN
+    values = table[2 * ENTRIES:3 * ENTRIES].view(PER_SIGN, 2).t()  # entry 2 j + sign
+    split = table[3 * ENTRIES:].view(2, SPLIT_PER_SIGN)
+    _same_bits(split[:, :PER_SIGN].contiguous(), values.contiguous())
+    assert torch.isnan(split[:, PER_SIGN:]).all()
+
+
+def _interleave(x: torch.Tensor) -> torch.Tensor:
+    """Halves [g | u] -> interleaved (g_i, u_i) pairs."""
+    g, u = x.chunk(2, dim=1)
+    return torch.stack([g, u], dim=2).reshape(x.shape)
+
+
+@pytest.mark.parametrize("limit, alpha", [(7.0, 1.702), (1e30, 1.0), (0.5, 1e-3), (100.0, 60.0),
+                                          (7.0, -2.0)])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["halves", "interleaved"])
+def test_swiglu_oai_mxfp4_stream_of_every_bf16_gate(interleaved, limit, alpha, monkeypatch):
+    """The MXFP4 table stream (its gates looked up in pairs in the split table) for every bf16
+    gate against the reference's codes and scales."""
+    import cute_ep.silu
+    from cute_ep.silu import fused_silu_mxfp4
+
+    monkeypatch.setattr(cute_ep.silu, "_layout", lambda rows, sms: "table")
+    x = _every_gate(UPS)
+    if interleaved:
+        x = _interleave(x)
+    m = x.shape[0]
+    offsets = torch.tensor([0, m], dtype=torch.int32, device="cuda")
+    codes, scales = fused_silu_mxfp4(x, offsets, interleaved=interleaved, swiglu_limit=limit,
+                                     swiglu_alpha=alpha)
+    want_codes, want_scales = ref.fused_silu_mxfp4(x, [0, m], m + 128, interleaved, limit, alpha)
+    used = -(-m // 128) * 128 * (I // 32)
+    assert torch.equal(codes, want_codes)
+    assert torch.equal(scales[:used], want_scales[:used])
+
+
 def test_tables_are_built_once_and_read_from_any_stream(monkeypatch):
     """A second call finds the same tensors (no rebuild); a call on another stream, right after
     the first build of a new activation, is exact."""
