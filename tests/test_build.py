@@ -184,3 +184,24 @@ def test_only_bf16_dispatch_receivers_pull_by_bulk_copies():
         stores = "cp.async.bulk.global.shared::cta.bulk_group" in ptx
         assert pulls == stores == (fmt == "bf16"), fmt
         assert (kernel.ring_bytes > 100 * 1024) == (fmt == "bf16")  # the pieces' shared memory
+
+
+@pytest.mark.parametrize("warps", [1, 8, 27, 28, 32])
+def test_split_gate_arena_regions_are_disjoint(warps):
+    """SwiGLU-OAI's FP4 stream arena (`kernels.silu.split_arena`): the split table's halves lie
+    SPLIT_SIGN_BYTES apart (a gate's sign bit times 4), each warp's stages are 128-byte aligned,
+    and no two regions overlap or leave the arena."""
+    from kernels.gate_table import SPLIT_HALF_BYTES, SPLIT_SIGN_BYTES
+    from kernels.silu import RING_WARP_BYTES, split_arena
+
+    assert SPLIT_SIGN_BYTES == 4 * 0x8000
+    first, gap, later, size = split_arena(warps)
+    regions = [(0, SPLIT_HALF_BYTES), (SPLIT_SIGN_BYTES, SPLIT_SIGN_BYTES + SPLIT_HALF_BYTES)]
+    for w in range(warps):
+        at = first + w * RING_WARP_BYTES if w < gap else later + (w - gap) * RING_WARP_BYTES
+        assert at % 128 == 0
+        regions.append((at, at + RING_WARP_BYTES))
+    regions.sort()
+    assert regions[0][0] >= 0 and regions[-1][1] <= size
+    for (_, end), (start, _) in zip(regions, regions[1:]):
+        assert end <= start
