@@ -256,3 +256,23 @@ def test_a_launch_writes_each_varying_argument_where_the_driver_reads_it():
     assert ctypes.c_int64.from_address(argv[3]).value == -(1 << 40)
     assert ctypes.c_int32.from_address(argv[4]).value == 1 << 30
 
+
+
+def test_launch_ex_structs_match_the_driver_abi():
+    """`cuLaunchKernelEx`'s structures as cuda.h lays them out on a 64-bit host, and the
+    attribute and property numbers as the driver bindings name them."""
+    import ctypes
+
+    from cute_ep.runtime import launch
+    from cute_ep.runtime.launch import driver
+
+    assert ctypes.sizeof(launch._AccessPolicyWindow) == 32
+    assert ctypes.sizeof(launch._LaunchAttribute) == 72
+    assert launch._LaunchAttribute.value.offset == 8
+    assert ctypes.sizeof(launch._LaunchConfig) == 56
+    assert (launch._LaunchConfig.stream.offset, launch._LaunchConfig.attrs.offset,
+            launch._LaunchConfig.num_attrs.offset) == (32, 40, 48)
+    assert launch._ACCESS_POLICY_WINDOW == int(
+        driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_ACCESS_POLICY_WINDOW)
+    assert launch._ACCESS_PROPERTY_STREAMING == int(
+        driver.CUaccessProperty.CU_ACCESS_PROPERTY_STREAMING)

@@ -64,6 +64,57 @@ def _launch_kernel(function: ctypes.c_void_p, grid, tail: tuple, stream: int,
         check(driver.CUresult(err))
 
 
+class _AccessPolicyWindow(ctypes.Structure):
+    """`CUaccessPolicyWindow`."""
+    _fields_ = [("base_ptr", ctypes.c_void_p), ("num_bytes", ctypes.c_size_t),
+                ("hit_ratio", ctypes.c_float), ("hit_prop", ctypes.c_int),
+                ("miss_prop", ctypes.c_int)]
+
+
+class _LaunchAttributeValue(ctypes.Union):
+    """`CUlaunchAttributeValue` (64 bytes), its access policy window member only."""
+    _fields_ = [("pad", ctypes.c_char * 64), ("window", _AccessPolicyWindow)]
+
+
+class _LaunchAttribute(ctypes.Structure):
+    """`CUlaunchAttribute`: the id, padded to 8 bytes, then the value."""
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4),
+                ("value", _LaunchAttributeValue)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    """`CUlaunchConfig`."""
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
+                ("shared_mem_bytes", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+_ACCESS_POLICY_WINDOW = 1  # CU_LAUNCH_ATTRIBUTE_ACCESS_POLICY_WINDOW
+_ACCESS_PROPERTY_STREAMING = 1  # CU_ACCESS_PROPERTY_STREAMING
+_LAUNCH_EX = None
+
+
+def _launch_kernel_streaming(function: ctypes.c_void_p, grid, tail: tuple, stream: int,
+                             argv: ctypes.c_void_p, window: tuple[int, int]) -> None:
+    """`_launch_kernel` by `cuLaunchKernelEx` with an L2 access policy window: the `window`
+    (address, bytes) read with the streaming property (its lines the first to leave L2), hits
+    and misses alike, for this launch only (graph capture records it with the kernel)."""
+    global _LAUNCH_EX
+    if _LAUNCH_EX is None:
+        launch = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+        launch.restype = ctypes.c_int
+        _LAUNCH_EX = launch
+    attr = _LaunchAttribute(id=_ACCESS_POLICY_WINDOW)
+    attr.value.window = _AccessPolicyWindow(window[0], window[1], 1.0,
+                                            _ACCESS_PROPERTY_STREAMING,
+                                            _ACCESS_PROPERTY_STREAMING)
+    config = _LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*tail[:3]), tail[3],
+                           ctypes.c_void_p(stream), ctypes.pointer(attr), 1)
+    err = _LAUNCH_EX(ctypes.byref(config), function, argv, None)
+    if err:
+        check(driver.CUresult(err))
+
+
 def _launch_grid(key: str, grid) -> tuple[int, int, int]:
     """`grid` as the tuple `_launch_kernel` takes, refused if a dimension does not fit the
     driver's unsigned int (ctypes would pass its low 32 bits, not raise)."""
@@ -156,11 +207,15 @@ class Kernel:
     def launch(self, *args) -> None:
         self._launch(args, self._grid(self.check_args(args)))
 
-    def launch_checked_by_caller(self, *args) -> None:
+    def launch_checked_by_caller(self, *args, stream_window: tuple[int, int] | None = None
+                                 ) -> None:
         """`launch` without `check_args`, for a caller that has checked every tensor it was
-        given and allocated the others itself (a quantizer's few microseconds of Python)."""
+        given and allocated the others itself (a quantizer's few microseconds of Python).
+        `stream_window`: (address, bytes) this launch reads with L2's streaming property
+        (`_launch_kernel_streaming`)."""
         self._launch(args, self._grid(
-            {p.name: a for p, a in zip(self.spec.params, args) if p.kind != "ptr"}))
+            {p.name: a for p, a in zip(self.spec.params, args) if p.kind != "ptr"}),
+            stream_window)
 
     def _grid(self, scalars: dict) -> tuple:
         return _launch_grid(self.spec.key, [rule.evaluate(scalars) for rule in self.spec.grid])
@@ -170,14 +225,18 @@ class Kernel:
         named in `varying`) checked against the ABI and written once; see `Launcher`."""
         return Launcher(self, varying, constants)
 
-    def _launch(self, args, grid: tuple[int, int, int]) -> None:
+    def _launch(self, args, grid: tuple[int, int, int], stream_window=None) -> None:
         if 0 in grid:
             return
         stream = _current_raw_stream(self.device_index)
         with self._lock:
             for slot, is_ptr, a in zip(self._slots, self._is_ptr, args):
                 slot.value = a.data_ptr() if is_ptr else a
-            _launch_kernel(self._handle, grid, self._tail, stream, self._argv_address)
+            if stream_window is None:
+                _launch_kernel(self._handle, grid, self._tail, stream, self._argv_address)
+            else:
+                _launch_kernel_streaming(self._handle, grid, self._tail, stream,
+                                         self._argv_address, stream_window)
 
 
 class Launcher:

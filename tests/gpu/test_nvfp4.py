@@ -229,3 +229,48 @@ def test_blocks_on_either_side_of_the_fast_division_limit(steps):
         want_codes, want_scales = fp4.quantize_nvfp4(x, g)
         assert torch.equal(sc, want_scales)
         assert torch.equal(codes, want_codes)
+
+
+@pytest.mark.parametrize("scales", ["linear", "128x4"])
+def test_streamed_plain_and_graph_launches_agree(scales, monkeypatch):
+    """An input that fits in L2 is launched with L2's streaming window (`_stream_window`); the
+    same bytes come out with the window, without it, and replayed from a CUDA graph, and the
+    reference's bytes."""
+    import cute_ep.quant
+    from cute_ep.quant import _stream_window, quantize_nvfp4
+
+    m, k = 4096, 2048
+    x = _rows(m, k, 7)[:m]
+    offsets = torch.tensor(_offsets(m), dtype=torch.int32, device="cuda")
+    gs = torch.tensor([1.0, 0.5, 3.0, 2.0 ** 10, 1e-3], device="cuda")
+    window = _stream_window(x, torch.cuda.current_device())
+    assert window == (x.data_ptr(), x.numel() * 2)
+    streamed = quantize_nvfp4(x, gs, offsets, scales=scales)
+    graph = torch.cuda.CUDAGraph()
+    quantize_nvfp4(x, gs, offsets, scales=scales)  # modules loaded outside the capture
+    with torch.cuda.graph(graph):
+        replayed = quantize_nvfp4(x, gs, offsets, scales=scales)
+    graph.replay()
+    monkeypatch.setattr(cute_ep.quant, "_stream_window", lambda *args: None)
+    plain = quantize_nvfp4(x, gs, offsets, scales=scales)
+    torch.cuda.synchronize()
+    listed = _offsets(m)
+    if scales == "linear":
+        counts = [listed[g + 1] - listed[g] for g in range(5)]
+        per_row = torch.repeat_interleave(gs, torch.tensor(counts, device="cuda"))
+        want_codes, want_scales = fp4.quantize_nvfp4(x, per_row)
+        used = want_scales.numel()
+    else:
+        want_codes, want_scales = fp4.quantize_nvfp4_segments(x, listed, gs, m + 5 * 128)
+        used = fp4.segment_scale_blocks(listed)[-1] * fp4.scale_block_bytes(k, 16)
+    for codes, sc in (streamed, replayed, plain):
+        assert torch.equal(codes, want_codes)
+        assert torch.equal(sc.reshape(-1)[:used], want_scales.reshape(-1)[:used])
+
+
+def test_inputs_larger_than_l2_keep_the_normal_property():
+    from cute_ep.quant import _l2_sizes, _stream_window
+
+    l2, _ = _l2_sizes(torch.cuda.current_device())
+    x = torch.empty(l2 // 2 + 8, dtype=torch.bfloat16, device="cuda").view(-1, 8)
+    assert _stream_window(x, torch.cuda.current_device()) is None
