@@ -59,19 +59,14 @@ def bulk_load(dst: cute.Pointer, src_addr: Int64, nbytes: Int32, mbar: cute.Poin
 
 
 @dsl_user_op
-def cp_async_16(dst: cute.Pointer, src_addr: Int64, policy=None, *, loc=None,
-                ip=None) -> None:
+def cp_async_16(dst: cute.Pointer, src_addr: Int64, *, loc=None, ip=None) -> None:
     """`cp.async` of 16 bytes from global address `src_addr` into shared memory at `dst` (both
     16-byte aligned, through L2 only), in the thread's current group: complete for this thread
-    after `cp_async_wait_group`, for the others after a barrier that follows it. `policy`: an
-    L2 cache policy (`evict_first_policy`), if any."""
-    args = [_shared_address(dst, loc, ip), Int64(src_addr).ir_value(loc=loc, ip=ip)]
-    text, constraints = "cp.async.cg.shared.global [$0], [$1], 16;", "r,l"
-    if policy is not None:
-        args.append(Int64(policy).ir_value(loc=loc, ip=ip))
-        text, constraints = "cp.async.cg.shared.global.L2::cache_hint [$0], [$1], 16, $2;", "r,l,l"
-    llvm.inline_asm(None, args, text, constraints, has_side_effects=True, is_align_stack=False,
-                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    after `cp_async_wait_group`, for the others after a barrier that follows it. (No L2 cache
+    hint: the DSL's ptxas compiled `.L2::cache_hint` here into an LDGSTS that faulted.)"""
+    llvm.inline_asm(None, [_shared_address(dst, loc, ip), Int64(src_addr).ir_value(loc=loc, ip=ip)],
+                    "cp.async.cg.shared.global [$0], [$1], 16;", "r,l", has_side_effects=True,
+                    is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
 
 @cute.jit
