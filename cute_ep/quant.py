@@ -186,8 +186,8 @@ def _order(nbytes: int, index: int, scales: str) -> str:
 
     One H200, M = 8192 over 8 experts, beside copy_ in one run
     (`perf/results/quant-2026-11-26-H200-quads.json`): at I = 7168 (112 MiB) quads at one CTA
-    an SM reach 82.5-83.6% of copy with L2 full of dirty lines against 78.6-80.7% for rows,
-    +3.4 to +3.8 points with the input just written and -1.5 to -2.0 with L2 holding clean
+    an SM reach 82.5-83.8% of copy with L2 full of dirty lines against 78.6-80.7% for rows,
+    +3.1 to +3.8 points with the input just written and -1.5 to -2.0 with L2 holding clean
     lines; at I = 2048 (32 MiB) quads lose 5 to 11 points to rows with its window."""
     if scales == "128x4" and nbytes > _l2_sizes(index)[0]:
         return "quads"
@@ -213,7 +213,7 @@ def _steps(rows: int, k: int, index: int, scales: str, order: str = "rows") -> i
 def _quantizer(rt, index: int, scales: str, steps: int = 2, order: str = "rows"):
     """The quantize_nvfp4 kernel of this device (`order`: `_order`'s) and its grid: persistent,
     its warps taking runs of the stream's chunks; `steps` blocks per lane per chunk. Rows fill
-    every SM with CTAs; quads take one CTA an SM (16 warps), though two fit: 82.5-83.6% of copy
+    every SM with CTAs; quads take one CTA an SM (16 warps), though two fit: 82.5-83.8% of copy
     against 80.7-81.1% at two on one H200 (I = 7168, L2 full of dirty lines,
     `perf/results/quant-2026-11-26-H200-quads.json`)."""
     device = torch.device("cuda", index)
