@@ -132,7 +132,9 @@ def quantize_nvfp4(x: torch.Tensor, global_scales: torch.Tensor | float,
                          f"segments")
     if scales not in ("linear", "128x4"):
         raise ValueError(f"scales must be 'linear' or '128x4', got {scales!r}")
-    kernel, grid = _quantizer(runtime(), device.index, scales, _steps(m, k, device.index, scales))
+    order = _order(x.numel() * x.element_size(), device.index, scales)
+    kernel, grid = _quantizer(runtime(), device.index, scales,
+                              _steps(m, k, device.index, scales, order), order)
     if segments > kernel.spec.sizes["max_segments"]:
         raise ValueError(f"at most {kernel.spec.sizes['max_segments']} segments, got {segments}")
     codes = torch.empty(m, k // 2, dtype=torch.uint8, device=device)
@@ -175,26 +177,47 @@ def _l2_sizes(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_properties(index).L2_cache_size, int(most)
 
 
+def _order(nbytes: int, index: int, scales: str) -> str:
+    """The quantize_nvfp4 kernel for an input of `nbytes`: "quads" (`kernels.quantize_quads`,
+    rows taken four at a time so that the 128x4 scales go out in whole 16-byte pieces) for 128x4
+    scales of an input larger than L2, else "rows" (`kernels.nvfp4.QuantizeNvfp4`, a row at a
+    time; an input that fits in L2 is streamed through it by the access policy window,
+    `_stream_window`).
+
+    One H200, M = 8192 over 8 experts, beside copy_ in one run
+    (`perf/results/quant-2026-11-26-H200-quads.json`): at I = 7168 (112 MiB) quads at one CTA
+    an SM reach 82.5-83.8% of copy with L2 full of dirty lines against 78.6-80.7% for rows,
+    +3.1 to +3.8 points with the input just written and -1.5 to -2.0 with L2 holding clean
+    lines; at I = 2048 (32 MiB) quads lose 5 to 11 points to rows with its window."""
+    if scales == "128x4" and nbytes > _l2_sizes(index)[0]:
+        return "quads"
+    return "rows"
+
+
 # Chunks per warp from which the longer chunks pay (`_steps`).
 _LONG_CHUNKS_FROM = 8
 
 
-def _steps(rows: int, k: int, index: int, scales: str) -> int:
+def _steps(rows: int, k: int, index: int, scales: str, order: str = "rows") -> int:
     """Blocks per lane per chunk of quantize_nvfp4 (chunks of 32 * steps blocks of the rows'
     stream): 2 once every warp of the grid has at least _LONG_CHUNKS_FROM of them, else 1, whose
     pipeline fills sooner and whose last chunks are shorter (one H200, M = 8192, 8 segments,
     both beside copy_ in one run: K = 2048, 3.9 long chunks a warp, 80% of copy at steps 1
     against 76% at 2; K = 7168, 13.6 a warp, 77.5% against 79%)."""
-    kernel, grid = _quantizer(runtime(), index, scales, 2)
+    kernel, grid = _quantizer(runtime(), index, scales, 2, order)
     chunks = ceil_div(rows * (k // NVFP4_BLOCK), 2 * 32)
     return 2 if chunks >= _LONG_CHUNKS_FROM * grid * kernel.spec.sizes["warps"] else 1
 
 
 @functools.lru_cache(maxsize=64)
-def _quantizer(rt, index: int, scales: str, steps: int = 2):
-    """The quantize_nvfp4 kernel of this device and its grid: persistent, every SM full (its
-    warps take runs of the stream's chunks); `steps` blocks per lane per chunk."""
+def _quantizer(rt, index: int, scales: str, steps: int = 2, order: str = "rows"):
+    """The quantize_nvfp4 kernel of this device (`order`: `_order`'s) and its grid: persistent,
+    its warps taking runs of the stream's chunks; `steps` blocks per lane per chunk. Rows fill
+    every SM with CTAs; quads take one CTA an SM (16 warps), though two fit: 82.5-83.8% of copy
+    against 80.7-81.1% at two on one H200 (I = 7168, L2 full of dirty lines,
+    `perf/results/quant-2026-11-26-H200-quads.json`)."""
     device = torch.device("cuda", index)
     kernel = rt.select("quantize_nvfp4", device, scales=scales, steps=steps,
-                       e2m1=E2M1_OF_ARCH[device_arch(device)])
-    return kernel, kernel.resident_ctas() * sm_count(device)
+                       e2m1=E2M1_OF_ARCH[device_arch(device)], order=order)
+    ctas = 1 if order == "quads" else kernel.resident_ctas()
+    return kernel, ctas * sm_count(device)

@@ -14,6 +14,7 @@ from kernels.encode import encode_kernels
 from kernels.gate_table import GateTable
 from kernels.nvfp4 import QuantizeNvfp4
 from kernels.peer_exchange import PeerExchange
+from kernels.quantize_quads import QuantizeNvfp4Quads
 from kernels.row_expand import row_expand_kernels
 from kernels.silu import silu_kernels
 
@@ -33,6 +34,8 @@ def full_matrix() -> list:
         *combine_kernels(),
         *(QuantizeNvfp4(scales, e2m1, steps=steps) for scales in ("linear", "128x4")
           for e2m1 in ("software", "hardware") for steps in (2, 1)),
+        *(QuantizeNvfp4Quads(e2m1, steps=steps) for e2m1 in ("software", "hardware")
+          for steps in (2, 1)),
         *(GateTable(activation) for activation in ("silu", "swiglu_oai")),
         *silu_kernels(),
     ]

@@ -8,10 +8,12 @@ keeps its NaN scale 0x7F), element 2i in the low nibble.
 
 The kernel streams the rows through shared memory, a ring of stages per warp that its lanes
 fill with `cp.async` (`QuantizeNvfp4`); a lane quantizes a block from registers
-(`quantize_nvfp4_pairs`, which the dispatch encoder `kernels.encode` shares through
-`quantize_nvfp4_block`). Scales are linear `[rows, K / 16]`, or in the 128x4 layout
+(`quantize_nvfp4_pairs`, which the dispatch encoder `kernels.encode` and the quad kernel
+`kernels.quantize_quads` share). Scales are linear `[rows, K / 16]`, or in the 128x4 layout
 (`layouts.scales`) where each segment starts on a fresh 128-row block, its padding rows (and
-padding scale columns) written as zeros by a pass of their own.
+padding scale columns) written as zeros by a pass of their own; for 128x4 scales of an input
+larger than L2 the library runs `kernels.quantize_quads` instead, which takes the rows four at
+a time so that the scales go out in whole 16-byte pieces.
 
 The e2m1 encoder is software on sm_90a (`e2m1_pairs_word`: three fmas into the integer-spaced
 fp32 range and two mins, signs from the bf16 bits) and the hardware
@@ -593,22 +595,13 @@ def zero_padding(scales: cute.Pointer, s_off: cute.Tensor, s_first: cute.Tensor,
         zero_scale_padding(scales, s_off, s_first, num_segments, blocks, me, warps, lane)
 
 
-class QuantizeNvfp4:
-    """The rows are one stream of blocks (block b: row b // (K / 16), column b % (K / 16), at
-    byte 32 b of the input and 8 b of the codes), cut into chunks of `32 * steps` consecutive
-    blocks, and each warp takes an equal run of consecutive chunks (`warp_run`); lane l
-    quantizes blocks l, l + 32, ... of each chunk, its row, segment, global scale and scale
-    address carried from its block before. The chunks come in through a ring of `stages`
-    shared-memory stages per warp, each lane copying `2 * steps` 16-byte pieces of every chunk
-    (`cp.async`, one group per chunk, `stages - 1` chunks ahead of the one computed): every
-    piece load is one coalesced 512-byte warp access, and no lane issues a copy for the warp.
+class QuantizeLaunch:
+    """What every quantize_nvfp4 kernel shares: its configuration (`order`: "rows" or "quads",
+    the order of the rows' stream), the launch ABI the runtime checks and the launch: a
+    persistent grid of `grid_ctas` CTAs of `warps` warps, each warp a ring of `stages` stages of
+    `32 * steps` blocks in shared memory, and the segment and scale tables."""
 
-    The first chunks are requested before the row count is known (the round trip for
-    `row_offsets` would otherwise come before any load), for the split of all `rows` rows of
-    the input; when the offsets end below `rows` (a capacity) those loads are drained and the
-    valid rows split again. The 128x4 layout's padding (the rows past each segment's last row
-    up to its 128-row block, and scale columns past K / 16) is written as zeros by a separate
-    strided pass over the scale rows."""
+    order = "rows"
 
     def __init__(self, scales: str, e2m1: str, warps: int = 16, stages: int = 2, steps: int = 2):
         if scales not in ("linear", "128x4") or e2m1 not in ("software", "hardware"):
@@ -634,7 +627,7 @@ class QuantizeNvfp4:
         return KernelSpec(
             family="quantize_nvfp4",
             config={"scales": self.scales, "e2m1": self.e2m1, "warps": self.warps,
-                    "stages": self.stages, "steps": self.steps},
+                    "stages": self.stages, "steps": self.steps, "order": self.order},
             params=(
                 Param("x", "ptr", "bfloat16", align=16),
                 Param("row_offsets", "ptr", "int32", align=4,
@@ -654,6 +647,39 @@ class QuantizeNvfp4:
             sizes={"block": BLOCK, "max_segments": MAX_SEGMENTS - 1, "warps": self.warps},
         )
 
+    def _start(self, row_offsets, global_scales, num_segments, rows, tidx):
+        """The kernel's shared memory (the warps' rings, `ring[:, b, stage, warp]` the 8 bf16
+        pairs of block b of a chunk; the scale table; the segments' offsets, first scale blocks
+        and global scales) and its small reads, issued first (queued behind the chunk loads they
+        would wait for them): this thread's row offset, capped at `rows` (offsets past the input
+        are taken as its end), and global scale, and the row count."""
+        smem = cutlass.memory.SmemAllocator()
+        ring = smem.allocate_tensor(Int32, cute.make_layout((BLOCK // 2, self.chunk, self.stages,
+                                                             self.warps)), byte_alignment=128)
+        table = smem.allocate_tensor(Float32, scale_table_layout(), byte_alignment=16)
+        s_off = smem.allocate_tensor(Int32, cute.make_layout(MAX_SEGMENTS + 4), byte_alignment=16)
+        s_first = smem.allocate_tensor(Int32, cute.make_layout(MAX_SEGMENTS + 4),
+                                       byte_alignment=16)
+        s_gs = smem.allocate_tensor(Float32, cute.make_layout(MAX_SEGMENTS + 4),
+                                    byte_alignment=16)
+        offset, gs_mine, valid_rows = read_segment_inputs(row_offsets, global_scales,
+                                                          num_segments, tidx)
+        return (ring, table, s_off, s_first, s_gs, cutlass.min(offset, rows), gs_mine,
+                valid_rows)
+
+    @cute.jit
+    def _tables(self, table: cute.Tensor, s_off: cute.Tensor, s_first: cute.Tensor,
+                s_gs: cute.Tensor, row_offsets: cute.Pointer, num_segments, offset, gs_mine,
+                valid_rows, rows, tidx):
+        """The whole CTA fills the scale table and the segments' tables from `_start`'s reads
+        (ends with a barrier); returns the rows to quantize, the row count capped at `rows`."""
+        fill_scale_table(table, tidx, self.threads)
+        if tidx < num_segments:
+            s_gs[tidx] = gs_mine
+        load_segment_blocks(row_offsets, num_segments, s_off, s_first, tidx, self.threads,
+                            offset)
+        return cutlass.min(valid_rows, rows)
+
     @cute.jit
     def __call__(self, x: cute.Pointer, row_offsets: cute.Pointer, global_scales: cute.Pointer,
                  codes: cute.Pointer, scales: cute.Pointer, num_segments: Int32, rows: Int32,
@@ -661,6 +687,24 @@ class QuantizeNvfp4:
         self.kernel(x, row_offsets, global_scales, codes, scales, num_segments, rows, hidden,
                     grid_ctas).launch(grid=(grid_ctas, 1, 1), block=(self.threads, 1, 1),
                                       smem=self.smem_bytes, stream=stream)
+
+
+class QuantizeNvfp4(QuantizeLaunch):
+    """The rows are one stream of blocks (block b: row b // (K / 16), column b % (K / 16), at
+    byte 32 b of the input and 8 b of the codes), cut into chunks of `32 * steps` consecutive
+    blocks, and each warp takes an equal run of consecutive chunks (`warp_run`); lane l
+    quantizes blocks l, l + 32, ... of each chunk, its row, segment, global scale and scale
+    address carried from its block before. The chunks come in through a ring of `stages`
+    shared-memory stages per warp, each lane copying `2 * steps` 16-byte pieces of every chunk
+    (`cp.async`, one group per chunk, `stages - 1` chunks ahead of the one computed): every
+    piece load is one coalesced 512-byte warp access, and no lane issues a copy for the warp.
+
+    The first chunks are requested before the row count is known (the round trip for
+    `row_offsets` would otherwise come before any load), for the split of all `rows` rows of
+    the input; when the offsets end below `rows` (a capacity) those loads are drained and the
+    valid rows split again. The 128x4 layout's padding (the rows past each segment's last row
+    up to its 128-row block, and scale columns past K / 16) is written as zeros by a separate
+    strided pass over the scale rows."""
 
     @cute.kernel
     def kernel(self, x: cute.Pointer, row_offsets: cute.Pointer, global_scales: cute.Pointer,
@@ -671,33 +715,16 @@ class QuantizeNvfp4:
         warp = tidx // WARP
         lane = tidx % WARP
         stages = self.stages
-        smem = cutlass.memory.SmemAllocator()
-        # ring[:, b, stage, warp]: the 8 bf16 pairs of block b of a chunk.
-        ring = smem.allocate_tensor(Int32, cute.make_layout((BLOCK // 2, self.chunk, stages,
-                                                             self.warps)), byte_alignment=128)
-        table = smem.allocate_tensor(Float32, scale_table_layout(), byte_alignment=16)
-        s_off = smem.allocate_tensor(Int32, cute.make_layout(MAX_SEGMENTS + 4), byte_alignment=16)
-        s_first = smem.allocate_tensor(Int32, cute.make_layout(MAX_SEGMENTS + 4),
-                                       byte_alignment=16)
-        s_gs = smem.allocate_tensor(Float32, cute.make_layout(MAX_SEGMENTS + 4),
-                                    byte_alignment=16)
-        # The small reads first: queued behind the chunk loads, they would wait for them.
-        offset, gs_mine, valid_rows = read_segment_inputs(row_offsets, global_scales,
-                                                          num_segments, tidx)
-        # Offsets past the input are taken as its end: no row, code or scale row past them.
-        offset = cutlass.min(offset, rows)
+        ring, table, s_off, s_first, s_gs, offset, gs_mine, valid_rows = self._start(
+            row_offsets, global_scales, num_segments, rows, tidx)
         blocks = hidden // BLOCK
         me = bidx * self.warps + warp
         warps = grid_ctas * self.warps
         # This warp's run if every row is valid, its first chunks requested at once.
         begin, n = warp_run(me, warps, (rows * blocks + self.chunk - 1) // self.chunk)
         src = self._first_loads(ring, warp, lane, x.toint(), begin, n, rows * blocks)
-        fill_scale_table(table, tidx, self.threads)
-        if tidx < num_segments:
-            s_gs[tidx] = gs_mine
-        load_segment_blocks(row_offsets, num_segments, s_off, s_first, tidx, self.threads,
-                            offset)
-        total_rows = cutlass.min(valid_rows, rows)
+        total_rows = self._tables(table, s_off, s_first, s_gs, row_offsets, num_segments,
+                                  offset, gs_mine, valid_rows, rows, tidx)
         total = total_rows * blocks
         if total_rows < rows:  # a capacity: drain the first loads, split the valid rows
             cute.arch.cp_async_wait_group(0)

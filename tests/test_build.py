@@ -130,17 +130,19 @@ def test_cli_writes_the_ci_subset_where_asked(tmp_path):
 def _fp4_kernel(name, e2m1):
     from kernels.encode import EpEncode
     from kernels.nvfp4 import QuantizeNvfp4
+    from kernels.quantize_quads import QuantizeNvfp4Quads
     from kernels.silu import FusedSilu
 
     return {"quantize_nvfp4": lambda: QuantizeNvfp4("128x4", e2m1),
+            "quantize_nvfp4 quads": lambda: QuantizeNvfp4Quads(e2m1),
             "ep_encode_nvfp4": lambda: EpEncode("nvfp4", e2m1),
             "fused_silu_nvfp4": lambda: FusedSilu("nvfp4", True, e2m1=e2m1),
             "fused_silu_mxfp4": lambda: FusedSilu("mxfp4", True, "swiglu_oai", e2m1=e2m1)}[name]()
 
 
 @pytest.mark.build
-@pytest.mark.parametrize("name", ["quantize_nvfp4", "ep_encode_nvfp4", "fused_silu_nvfp4",
-                                  "fused_silu_mxfp4"])
+@pytest.mark.parametrize("name", ["quantize_nvfp4", "quantize_nvfp4 quads", "ep_encode_nvfp4",
+                                  "fused_silu_nvfp4", "fused_silu_mxfp4"])
 def test_fp4_kernels_use_the_hardware_e2m1_conversion_only_on_sm_100a(name):
     from kernels.build import compile_with_ptx
     from kernels.matrix import full_matrix
@@ -205,3 +207,26 @@ def test_split_gate_arena_regions_are_disjoint(warps):
     assert regions[0][0] >= 0 and regions[-1][1] <= size
     for (_, end), (start, _) in zip(regions, regions[1:]):
         assert end <= start
+
+
+@pytest.mark.build
+def test_the_quad_transpose_selectors_swap_four_lanes_bytes():
+    """`kernels.quantize_quads.transpose_quad` on a model of its shuffles and `prmt.b32`: lane i
+    of four, whose word holds row r's scale of column i in byte r, ends with row i's scales of
+    the four columns, column n in byte n."""
+    import random
+
+    from kernels.quantize_quads import SELECTORS
+
+    def prmt(a, b, selector):
+        pool = [(a >> (8 * n)) & 0xFF for n in range(4)] + [(b >> (8 * n)) & 0xFF for n in range(4)]
+        return sum(pool[(selector >> (4 * n)) & 7] << (8 * n) for n in range(4))
+
+    rng = random.Random(0)
+    for _ in range(100):
+        words = [rng.getrandbits(32) for _ in range(4)]
+        for i in range(4):
+            s1, s2, s3 = ((table >> (16 * i)) & 0xFFFF for table in SELECTORS)
+            x = [words[i ^ d] for d in range(4)]  # shuffle_sync_bfly by 0, 1, 2, 3
+            got = prmt(prmt(x[0], x[1], s1), prmt(x[2], x[3], s2), s3)
+            assert got == sum(((words[n] >> (8 * i)) & 0xFF) << (8 * n) for n in range(4))

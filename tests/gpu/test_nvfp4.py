@@ -18,6 +18,20 @@ def steps(request, monkeypatch):
     return request.param
 
 
+# Each scale layout with each of its kernels (`cute_ep.quant._order` picks one by input size).
+KERNELS = [("linear", "rows"), ("128x4", "rows"), ("128x4", "quads")]
+
+
+@pytest.fixture(params=KERNELS, ids=["linear", "128x4-rows", "128x4-quads"])
+def scales(request, monkeypatch):
+    """A scale layout, its kernel forced whatever the input size."""
+    import cute_ep.quant
+
+    layout, order = request.param
+    monkeypatch.setattr(cute_ep.quant, "_order", lambda *args: order)
+    return layout
+
+
 def _rows(m, k, seed):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(m + 3, k, device="cuda", generator=gen)
@@ -28,13 +42,16 @@ def _rows(m, k, seed):
     return x.to(torch.bfloat16)
 
 
-def _launch(scales, steps, x, offsets, gs, codes, sc, m, k):
+def _launch(scales, steps, x, offsets, gs, codes, sc, m, k, order=None):
     """The quantize_nvfp4 kernel launched directly into the caller's outputs (`m` input rows,
-    `offsets` a list), past the Python wrapper's checks and allocation."""
-    from cute_ep.quant import _quantizer
+    `offsets` a list), past the Python wrapper's checks and allocation; `order` None: the one
+    `cute_ep.quant._order` picks."""
+    import cute_ep.quant
     from cute_ep.runtime.launch import runtime
 
-    kernel, grid = _quantizer(runtime(), torch.cuda.current_device(), scales, steps)
+    index = torch.cuda.current_device()
+    order = order or cute_ep.quant._order(x.numel() * 2, index, scales)
+    kernel, grid = cute_ep.quant._quantizer(runtime(), index, scales, steps, order)
     kernel.launch_checked_by_caller(x, torch.tensor(offsets, dtype=torch.int32, device="cuda"),
                                     gs, codes, sc, len(offsets) - 1, m, k, grid)
 
@@ -45,7 +62,6 @@ def _offsets(m):
     return [0, a, a, min(b, m), m, m]
 
 
-@pytest.mark.parametrize("scales", ["linear", "128x4"])
 @pytest.mark.parametrize("k", [32, 400, 1040, 1536, 2048, 2880, 7168])
 @pytest.mark.parametrize("m", [0, 1, 127, 128, 129, 4096])
 @pytest.mark.parametrize("spare", [3, 0], ids=["capacity", "all_rows"])
@@ -72,8 +88,9 @@ def test_quantize_nvfp4_matches_the_reference(m, k, scales, steps, spare):
     assert torch.equal(codes[:m], want_codes)
 
 
+@pytest.mark.parametrize("order", ["rows", "quads"])
 @pytest.mark.parametrize("k", [1040, 2048])  # 65 blocks (3 padding columns) and 128
-def test_scale_padding_is_written_and_nothing_past_the_used_blocks(k, steps):
+def test_scale_padding_is_written_and_nothing_past_the_used_blocks(k, steps, order):
     """Into outputs pre-filled with a sentinel: the 128x4 padding (rows past each segment up to
     its 128-row block, columns past K / 16) is written as zeros, and no byte past the used
     blocks or past the valid rows' codes is touched."""
@@ -85,7 +102,7 @@ def test_scale_padding_is_written_and_nothing_past_the_used_blocks(k, steps):
     gs = torch.tensor([1.0, 0.5, 3.0, 2.0 ** 10, 1e-3], device="cuda")
     codes = torch.full((m, k // 2), sentinel, dtype=torch.uint8, device="cuda")
     sc = torch.full((fp4_scale_bytes(rows, k, 16),), sentinel, dtype=torch.uint8, device="cuda")
-    _launch("128x4", steps, x, offsets, gs, codes, sc, m, k)
+    _launch("128x4", steps, x, offsets, gs, codes, sc, m, k, order)
     want_codes, want = fp4.quantize_nvfp4_segments(x, offsets, gs, rows)
     used = fp4.segment_scale_blocks(offsets)[-1] * fp4.scale_block_bytes(k, 16)
     assert torch.equal(sc[:used], want[:used])
@@ -93,7 +110,6 @@ def test_scale_padding_is_written_and_nothing_past_the_used_blocks(k, steps):
     assert torch.equal(codes[:290], want_codes[:290]) and (codes[290:] == sentinel).all()
 
 
-@pytest.mark.parametrize("scales", ["linear", "128x4"])
 def test_offsets_past_the_input_are_taken_as_its_end(scales, steps):
     """Offsets that end past the input's M rows (a caller's error the host cannot see): the
     kernel quantizes the M rows it was given as if the offsets stopped at M, and writes no code
@@ -122,7 +138,6 @@ def test_offsets_past_the_input_are_taken_as_its_end(scales, steps):
         assert torch.equal(sc[:used], want[:used]) and (sc[used:] == sentinel).all()
 
 
-@pytest.mark.parametrize("scales", ["linear", "128x4"])
 def test_quantize_nvfp4_with_zero_and_negative_global_scales(scales, steps):
     """Segments whose global scale is zero or negative get codes 0 and the reference's scale
     bytes (a negative scale's e4m3 code has its sign bit)."""
@@ -231,7 +246,6 @@ def test_blocks_on_either_side_of_the_fast_division_limit(steps):
         assert torch.equal(codes, want_codes)
 
 
-@pytest.mark.parametrize("scales", ["linear", "128x4"])
 def test_streamed_plain_and_graph_launches_agree(scales, monkeypatch):
     """An input that fits in L2 is launched with L2's streaming window (`_stream_window`); the
     same bytes come out with the window, without it, and replayed from a CUDA graph, and the
@@ -274,3 +288,30 @@ def test_inputs_larger_than_l2_keep_the_normal_property():
     l2, _ = _l2_sizes(torch.cuda.current_device())
     x = torch.empty(l2 // 2 + 8, dtype=torch.bfloat16, device="cuda").view(-1, 8)
     assert _stream_window(x, torch.cuda.current_device()) is None
+
+
+def test_an_input_larger_than_l2_takes_quads_and_matches_the_reference():
+    """The kernel `_order` picks by size: an input larger than L2 with 128x4 scales goes to the
+    quads kernel (one CTA an SM), segments starting anywhere in a 128-row block; the same bytes
+    as the reference."""
+    from cute_ep.quant import _l2_sizes, _order, _quantizer, quantize_nvfp4
+    from cute_ep.runtime.launch import runtime
+
+    index = torch.cuda.current_device()
+    l2, _ = _l2_sizes(index)
+    k = 7168
+    m = l2 // (2 * k) + 300  # rows whose bytes exceed L2
+    assert _order(m * k * 2, index, "128x4") == "quads"
+    assert _order(m * k * 2, index, "linear") == "rows"
+    assert _order(l2, index, "128x4") == "rows"
+    kernel, grid = _quantizer(runtime(), index, "128x4", 2, "quads")
+    assert kernel.spec.config["order"] == "quads"
+    assert grid == torch.cuda.get_device_properties(index).multi_processor_count
+    x = _rows(m, k, 3)[:m]
+    offsets = [0, 1000, 1000, 1001, m // 2 + 77, m]
+    gs = torch.tensor([1.0, 0.5, 3.0, 2.0 ** 10, 1e-3], device="cuda")
+    codes, sc = quantize_nvfp4(x, gs, torch.tensor(offsets, dtype=torch.int32, device="cuda"))
+    want_codes, want_scales = fp4.quantize_nvfp4_segments(x, offsets, gs, m + 5 * 128)
+    used = fp4.segment_scale_blocks(offsets)[-1] * fp4.scale_block_bytes(k, 16)
+    assert torch.equal(codes, want_codes)
+    assert torch.equal(sc[:used], want_scales[:used])
