@@ -36,6 +36,7 @@ from kernels.division import (FAST_LIMIT, divide_split, reciprocal_low,
 from kernels.memory import scale_offset, store_i32, store_u8
 from kernels.scan import WARP, warp_exclusive_scan
 from layouts.abi import GridRule, KernelSpec, Param
+from layouts.scales import ATOM_BYTES
 
 BLOCK = 16
 BLOCK_BYTES = 2 * BLOCK  # bf16
@@ -553,46 +554,63 @@ def zero_scale_padding(scales: cute.Pointer, s_off: cute.Tensor, s_first: cute.T
 
 
 @cute.jit
-def padding_segment(s_off: cute.Tensor, s_first: cute.Tensor, num_segments, j) -> Int32:
-    """The segment of padding row `j` when every segment's padding rows are counted in order:
-    the last g < num_segments with `P[g] <= j`, P[g] = 128 s_first[g] - s_off[g] the padding rows
-    before segment g (non-decreasing; by binary search, as `segment_of`)."""
-    seg = Int32(0)
-    for step in cutlass.range_constexpr(len(SEARCH_STEPS)):
-        probe = seg + SEARCH_STEPS[step]
-        if probe < num_segments:
-            if s_first[probe] * ATOM_ROWS - s_off[probe] <= j:
-                seg = probe
-    return seg
-
-
-@cute.jit
-def zero_padding_rows(scales: cute.Pointer, s_off: cute.Tensor, s_first: cute.Tensor,
-                      num_segments, blocks, me, warps, lane):
-    """`zero_scale_padding` when `blocks` is a multiple of 4 (no padding columns): only the
-    padding rows are visited. Segment g's padding rows are the rows `P[g] <= j < P[g + 1]` of
-    all segments' padding counted in order (`padding_segment`), and row j is scale row
-    `s_off[g + 1] + j` (segment g's padding starts at `128 s_first[g] + n_g`, and
-    P[g] = 128 s_first[g] - s_off[g]); warp `me` of `warps` takes every `warps`-th, a 4-column
-    word a lane."""
-    rk = blocks // 4
-    pads = s_first[num_segments] * ATOM_ROWS - s_off[num_segments]
-    for j in cutlass.range(me, pads, warps):
-        srow = s_off[padding_segment(s_off, s_first, num_segments, j) + 1] + j
-        for word in cutlass.range(lane, rk, WARP):
-            store_i32(scales.toint() + scale_offset(srow, word * 4, rk), Int32(0))
+def zero_padding_atoms(scales: cute.Pointer, s_off: cute.Tensor, s_first: cute.Tensor,
+                       num_segments, blocks, me, warps, lane):
+    """`zero_scale_padding` for the padding rows only (the kernel writes every scale column of
+    its rows, or `blocks` is a multiple of 4): segment g's padding rows are the rows past its
+    n = count % 128 in its last, partial 128-row block, and a warp zeroes one 512-byte atom of
+    that block (4 scale columns) at a time, warp `me` of `warps` taking every `warps`-th of the
+    S x rk atoms (`s_off`, `s_first`: `load_segment_blocks`'s tables). Lane s takes 16-byte slot
+    s of the atom, rows s, s + 32, s + 64 and s + 96 (4 bytes each): the rows from the first at
+    or past n on are padding, the slot's last bytes, zeroed as one 16-byte piece, or 12, 8 or 4
+    bytes in aligned 4- and 8-byte pieces. A row at a time (4 bytes in each of the atoms of a
+    row, a store into 32 lines), padding was the bulk of the kernel's time where segments end
+    inside a block (`perf/results/quant-2026-11-26-H200-padding.json`)."""
+    rk = (blocks + 3) // 4
+    zeros = cute.make_rmem_tensor(cute.make_layout(4), Int32)
+    pair = cute.make_rmem_tensor(cute.make_layout(2), Int32)
+    for w in cutlass.range_constexpr(4):
+        zeros[w] = Int32(0)
+    for w in cutlass.range_constexpr(2):
+        pair[w] = Int32(0)
+    atoms = num_segments * rk
+    if s_first[num_segments] * ATOM_ROWS == s_off[num_segments] - s_off[0]:
+        atoms = 0  # no segment ends inside a block
+    for item in cutlass.range(me, atoms, warps):
+        seg = item // rk
+        atom = item - seg * rk
+        count = s_off[seg + 1] - s_off[seg]
+        tail = count % ATOM_ROWS
+        if (count > 0) & (tail > 0):
+            block = s_first[seg] + count // ATOM_ROWS
+            slot = (scales.toint() + (Int64(block) * Int64(rk) + Int64(atom)) * ATOM_BYTES
+                    + Int64(lane * 16))
+            rows = cutlass.min((tail - lane + WARP - 1) // WARP, 4)  # the slot's rows below n
+            if rows == 0:
+                cute.autovec_copy(zeros, cute.make_tensor(_ptr(Int32, slot, 16),
+                                                          cute.make_layout(4)))
+            if rows == 1:
+                store_i32(slot + 4, Int32(0))
+            if (rows == 1) | (rows == 2):
+                cute.autovec_copy(pair, cute.make_tensor(_ptr(Int32, slot + 8, 8),
+                                                         cute.make_layout(2)))
+            if rows == 3:
+                store_i32(slot + 12, Int32(0))
 
 
 @cute.jit
 def zero_padding(scales: cute.Pointer, s_off: cute.Tensor, s_first: cute.Tensor, num_segments,
-                 blocks, me, warps, lane):
-    """The 128x4 scale bytes no block writes, zeroed: by `zero_padding_rows` where `blocks` is a
-    multiple of 4 (it visits the padding rows only), else by `zero_scale_padding` (every scale
-    row, for the padding columns)."""
-    if blocks % 4 == 0:
-        zero_padding_rows(scales, s_off, s_first, num_segments, blocks, me, warps, lane)
+                 blocks, me, warps, lane, columns_written: cutlass.Constexpr = False):
+    """The 128x4 scale bytes no block writes, zeroed: by `zero_padding_atoms` where `blocks` is a
+    multiple of 4 or the kernel writes its rows' padding columns itself (`columns_written`: whole
+    4-column words), else by `zero_scale_padding` (every scale row, for the padding columns)."""
+    if cutlass.const_expr(columns_written):
+        zero_padding_atoms(scales, s_off, s_first, num_segments, blocks, me, warps, lane)
     else:
-        zero_scale_padding(scales, s_off, s_first, num_segments, blocks, me, warps, lane)
+        if blocks % 4 == 0:
+            zero_padding_atoms(scales, s_off, s_first, num_segments, blocks, me, warps, lane)
+        else:
+            zero_scale_padding(scales, s_off, s_first, num_segments, blocks, me, warps, lane)
 
 
 class QuantizeLaunch:
@@ -703,8 +721,8 @@ class QuantizeNvfp4(QuantizeLaunch):
     `row_offsets` would otherwise come before any load), for the split of all `rows` rows of
     the input; when the offsets end below `rows` (a capacity) those loads are drained and the
     valid rows split again. The 128x4 layout's padding (the rows past each segment's last row
-    up to its 128-row block, and scale columns past K / 16) is written as zeros by a separate
-    strided pass over the scale rows."""
+    up to its 128-row block, and scale columns past K / 16) is written as zeros by a pass of
+    its own once the warp's blocks are done (`zero_padding`)."""
 
     @cute.kernel
     def kernel(self, x: cute.Pointer, row_offsets: cute.Pointer, global_scales: cute.Pointer,
@@ -732,8 +750,6 @@ class QuantizeNvfp4(QuantizeLaunch):
             begin, n = warp_run(me, warps, (total + self.chunk - 1) // self.chunk)
             src = self._first_loads(ring, warp, lane, x.toint(), begin, n, total)
 
-        if cutlass.const_expr(self.scales == "128x4"):
-            zero_padding(scales, s_off, s_first, num_segments, blocks, me, warps, lane)
         # This lane's first block, its row and column, and where its codes and scale byte go.
         block = begin * self.chunk + lane
         row = block // blocks
@@ -781,6 +797,10 @@ class QuantizeNvfp4(QuantizeLaunch):
                     if row < total_rows:
                         seg, gs, scales_at = self._row_start(s_off, s_first, s_gs, seg, row,
                                                              col, blocks, rk, scales.toint())
+
+        # The padding last, after this warp's blocks.
+        if cutlass.const_expr(self.scales == "128x4"):
+            zero_padding(scales, s_off, s_first, num_segments, blocks, me, warps, lane)
 
     @cute.jit
     def _row_start(self, s_off: cute.Tensor, s_first: cute.Tensor, s_gs: cute.Tensor, seg, row,

@@ -123,7 +123,6 @@ class QuantizeNvfp4Quads(QuantizeLaunch):
         if n > 0:
             base, quad, k, q = self._position(total, per_row, begin)
 
-        zero_padding(scales, s_off, s_first, num_segments, blocks, me, warps, lane)
         s1, s2, s3 = transpose_selectors(lane % QUAD)
         rk = (blocks + ATOM_SCALE_COLUMNS - 1) // ATOM_SCALE_COLUMNS
         # Lane 4m + i follows row i of the quad: its segment.
@@ -176,6 +175,11 @@ class QuantizeNvfp4Quads(QuantizeLaunch):
                     while (seg + 1 < num_segments) & (base + mine * QUAD_STRIDE
                                                         >= s_off[seg + 1]):
                         seg = seg + 1
+
+        # The padding last, after this warp's blocks (the flushes wrote whole 4-column words,
+        # padding columns included).
+        zero_padding(scales, s_off, s_first, num_segments, blocks, me, warps, lane,
+                     columns_written=True)
 
     @cute.jit
     def _first_loads(self, ring: cute.Tensor, warp, lane, x_base, total, per_row, begin, n,

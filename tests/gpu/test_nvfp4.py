@@ -110,6 +110,34 @@ def test_scale_padding_is_written_and_nothing_past_the_used_blocks(k, steps, ord
     assert torch.equal(codes[:290], want_codes[:290]) and (codes[290:] == sentinel).all()
 
 
+@pytest.mark.parametrize("order", ["rows", "quads"])
+@pytest.mark.parametrize("k", [1040, 2048])
+def test_padding_of_every_tail_shape(k, order):
+    """Segments ending anywhere in a 128-row block (n = count % 128 from 1 to 127: slots whose
+    rows are all padding, or all but 1, 2 or 3 of their 4), whole blocks and an empty one, into
+    outputs pre-filled with a sentinel: every padding byte is zero and nothing past the used
+    blocks is written (`zero_padding_atoms`, or `zero_scale_padding` where K / 16 is not a
+    multiple of 4 for the row kernel)."""
+    from cute_ep.quant import fp4_scale_bytes
+
+    counts = [1, 31, 32, 33, 0, 63, 64, 65, 95, 96, 97, 127, 128, 129, 255, 300]
+    offsets = [0]
+    for c in counts:
+        offsets.append(offsets[-1] + c)
+    m, sentinel = offsets[-1], 0xA5
+    x = _rows(m, k, 13)[:m]
+    gs = torch.rand(len(counts), device="cuda") + 0.5
+    rows = m + 128 * len(counts)
+    codes = torch.full((m, k // 2), sentinel, dtype=torch.uint8, device="cuda")
+    sc = torch.full((fp4_scale_bytes(rows, k, 16),), sentinel, dtype=torch.uint8, device="cuda")
+    _launch("128x4", 2, x, offsets, gs, codes, sc, m, k, order)
+    want_codes, want = fp4.quantize_nvfp4_segments(x, offsets, gs, rows)
+    used = fp4.segment_scale_blocks(offsets)[-1] * fp4.scale_block_bytes(k, 16)
+    assert torch.equal(sc[:used], want[:used])
+    assert (sc[used:] == sentinel).all()
+    assert torch.equal(codes, want_codes)
+
+
 def test_offsets_past_the_input_are_taken_as_its_end(scales, steps):
     """Offsets that end past the input's M rows (a caller's error the host cannot see): the
     kernel quantizes the M rows it was given as if the offsets stopped at M, and writes no code
