@@ -38,7 +38,6 @@ from layouts.scales import ATOM_BYTES, ATOM_SCALE_COLUMNS
 
 QUAD = 4  # rows of a quad: j, j + 32, j + 64, j + 96
 QUAD_STRIDE = ATOM_ROWS // QUAD  # 32 rows between a quad's rows, and quads in a block
-PIECE_BYTES = 16
 
 
 @dsl_user_op
@@ -109,19 +108,16 @@ class QuantizeNvfp4Quads(QuantizeLaunch):
         per_row = (blocks + self.chunk - 1) // self.chunk  # column chunks of a row
         # This warp's run if every row is valid, its first chunks requested at once.
         begin, n = warp_run(me, warps, rows * per_row)
-        base, quad, k, q = Int32(0), Int32(0), Int32(0), Int32(0)
-        l_base, l_quad, l_k, l_q = self._first_loads(ring, warp, lane, x.toint(), rows,
-                                                      per_row, begin, n, blocks, row_bytes)
+        base, quad, k, q, l_base, l_quad, l_k, l_q = self._first_loads(
+            ring, warp, lane, x.toint(), rows, per_row, begin, n, blocks, row_bytes)
         total = self._tables(table, s_off, s_first, s_gs, row_offsets, num_segments, offset,
                              gs_mine, valid_rows, rows, tidx)
         if total < rows:  # a capacity: drain the first loads, split the valid rows
             cute.arch.cp_async_wait_group(0)
             cute.arch.sync_warp()
             begin, n = warp_run(me, warps, total * per_row)
-            l_base, l_quad, l_k, l_q = self._first_loads(ring, warp, lane, x.toint(), total,
-                                                          per_row, begin, n, blocks, row_bytes)
-        if n > 0:
-            base, quad, k, q = self._position(total, per_row, begin)
+            base, quad, k, q, l_base, l_quad, l_k, l_q = self._first_loads(
+                ring, warp, lane, x.toint(), total, per_row, begin, n, blocks, row_bytes)
 
         s1, s2, s3 = transpose_selectors(lane % QUAD)
         rk = (blocks + ATOM_SCALE_COLUMNS - 1) // ATOM_SCALE_COLUMNS
@@ -185,17 +181,19 @@ class QuantizeNvfp4Quads(QuantizeLaunch):
     def _first_loads(self, ring: cute.Tensor, warp, lane, x_base, total, per_row, begin, n,
                      blocks, row_bytes):
         """The `stages - 1` chunks from `begin` of a run of `n` (stream of `total` rows), one
-        group each (empty past the run); returns the position of the chunk after them."""
+        group each (empty past the run); returns the position (base, quad, k, q) of the run's
+        first chunk, then that of the chunk after them."""
         base, quad, k, q = Int32(0), Int32(0), Int32(0), Int32(0)
         if n > 0:
             base, quad, k, q = self._position(total, per_row, begin)
+        l_base, l_quad, l_k, l_q = base, quad, k, q
         for s in cutlass.range_constexpr(self.stages - 1):
             if s < n:
-                self._load(ring, s, warp, lane, x_base, base + q * QUAD_STRIDE, k, blocks,
+                self._load(ring, s, warp, lane, x_base, l_base + l_q * QUAD_STRIDE, l_k, blocks,
                            row_bytes)
-                base, quad, k, q = self._next(total, per_row, base, quad, k, q)
+                l_base, l_quad, l_k, l_q = self._next(total, per_row, l_base, l_quad, l_k, l_q)
             cute.arch.cp_async_commit_group()
-        return base, quad, k, q
+        return base, quad, k, q, l_base, l_quad, l_k, l_q
 
     @cute.jit
     def _position(self, total, per_row, chunk):
