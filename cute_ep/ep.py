@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -86,7 +87,10 @@ COMBINE_VARYING = ("y", "comb_rows", "comb_weights", "chan_msgs", "topk_ids", "o
                    "shared_end", "active", "trace", "tracing")
 
 __all__ = ["Buffer", "DispatchOutput", "DispatchHandle", "Routing", "ConfigMismatch",
-           "PeerTimeout"]
+           "PeerTimeout", "stall_report"]
+
+# Every Buffer alive in this process, for `stall_report`.
+_LIVE: "weakref.WeakSet[Buffer]" = weakref.WeakSet()
 
 
 def _empty(buffer, device) -> torch.Tensor:
@@ -278,6 +282,8 @@ class Buffer:
         self.rank = rank
         self.cfg = cfg
         self.device = dev
+        self.calls = [0, 0]  # dispatches and combines launched (what `stall_report` compares)
+        _LIVE.add(self)
         self._device_index = dev.index  # what the input checks compare get_device() with
         self._takes_global_scale = cfg.format == "nvfp4"  # from a bf16 input, then required
         self.timeout_s = float(timeout_s)
@@ -486,6 +492,7 @@ class Buffer:
             carved = [out._address(name) for name in self._carved_names[:4]] + \
                 [h._address(name) for name in self._carved_names[4:]]
         trace = self.trace
+        self.calls[0] += 1
         self._dispatch_launch(
             source, source_stride, load_bytes, scale_source, scale_stride, ids.data_ptr(),
             topk_weights.data_ptr() if weighted else self._no_f32_at,
@@ -614,6 +621,7 @@ class Buffer:
             self._bf16_like.new_empty(t, hidden)
         rows, weights, channels = handle._addresses(_COMBINE_READS)
         trace = self.combine_trace
+        self.calls[1] += 1
         self._combine_launch(
             y.data_ptr(), rows, weights, channels, r.topk_ids.data_ptr(), out.data_ptr(),
             home.data_ptr(), t, mode, int(r.skip_a2a), r.shared_begin, r.shared_end,
@@ -671,6 +679,40 @@ class Buffer:
         if bad_counts:
             raise RuntimeError("received counts were inconsistent; the affected rows were "
                                "dropped")
+
+    def device_state(self) -> dict:
+        """What this rank's kernels of the layer have done, read while they may still be running
+        (a side stream, nothing synchronised with the current one): for a layer that stalls.
+        Stream positions and peer-visible counters are [phase, kind, rank, channel] (phase:
+        dispatch, combine; kind: made ready, done with; `layouts.channels.counters_layout`);
+        count flags [parity, source, channel] (epoch * 256 + channels the source used)."""
+        geo, off, r = self.geo, self.channel_offsets, self.cfg.ranks
+        side = torch.cuda.Stream(self.device)
+        with torch.cuda.stream(side):
+            def read(part: str, nbytes: int, dtype) -> torch.Tensor:
+                at = off[part]
+                return self.sym[at:at + nbytes].view(dtype).cpu()
+
+            counters = geo.counters().cosize()
+            flags = geo.count_flags().cosize()
+            state = {
+                "rank": self.rank, "ranks": r, "channels": geo.channels,
+                "format": self.cfg.format, "shared": self.cfg.fused_shared_expert,
+                "group": getattr(self.group, "group_name", None),
+                "dispatches": self.calls[0], "combines": self.calls[1],
+                "round": int(self.dispatch_epoch.cpu()), "done": int(self.dispatch_done.cpu()),
+                "error": self.error.cpu().tolist(),
+                "positions": self.streams.cpu().view(2, 2, r, geo.channels).tolist(),
+                "counters": read("counters", counters * 8, torch.int64)
+                .view(2, 2, r, geo.channels).tolist(),
+                "count_flags": read("count_flags", flags * 8, torch.int64)
+                .view(2, r, geo.channels).tolist(),
+            }
+            if self.trace is not None:
+                state["trace"] = self.trace.cpu().tolist()
+            if self.combine_trace is not None:
+                state["combine_trace"] = self.combine_trace.cpu().tolist()
+        return state
 
     # For the custom operators (cute_ep.torch_ops) --------------------------------------------
 
@@ -904,3 +946,65 @@ def _check_config(cfg: EPConfig, world: int) -> None:
     if cfg.hidden % 8:
         raise ValueError(f"hidden size must be a multiple of 8 (16-byte bf16 rows), got "
                          f"{cfg.hidden}")
+
+
+def stall_report() -> str:
+    """Every live Buffer of this process, as `Buffer.device_state` reads it, in lines a person
+    can compare across ranks: host calls against the device's round counter, the error record,
+    and per (phase, kind, peer) each stream's position by channel (a channel that lags shows as
+    its own run). For a layer that does not finish: which wait never ends."""
+    lines = []
+    for buf in sorted(_LIVE, key=lambda b: (str(b.group), b.rank, id(b))):
+        try:
+            st = buf.device_state()
+        except Exception as exc:  # a report must not fail on one Buffer
+            lines.append(f"Buffer {buf.cfg.format}: state unreadable ({exc})")
+            continue
+        lines.append(
+            f"Buffer {st['format']}{' +shared' if st['shared'] else ''} group {st['group']} "
+            f"rank {st['rank']}/{st['ranks']} ({st['channels']} channels): host launched "
+            f"{st['dispatches']} dispatches, {st['combines']} combines; device round "
+            f"{st['round']}, CTAs done {st['done']}, error {st['error']}")
+        for name, table in (("positions", st["positions"]), ("counters", st["counters"])):
+            for phase, by_kind in zip(("dispatch", "combine"), table):
+                for kind, by_peer in zip(("ready", "done"), by_kind):
+                    runs = "; ".join(f"rank {p}: {_channel_runs(v)}"
+                                     for p, v in enumerate(by_peer))
+                    lines.append(f"  {name} {phase} {kind}: {runs}")
+        for parity, by_source in enumerate(st["count_flags"]):
+            runs = "; ".join(f"rank {p}: {_channel_runs(v)}" for p, v in enumerate(by_source))
+            lines.append(f"  count flags parity {parity}: {runs}")
+        for name, fields in (("trace", "TRACE_FIELDS"), ("combine_trace",
+                                                          "COMBINE_TRACE_FIELDS")):
+            if name in st:
+                lines.append(f"  {name}, each channel's stamps in us after its start "
+                             f"(durations in ns as recorded):")
+                lines += [f"    {field}: {_channel_runs(values)}"
+                          for field, values in _trace_columns(st[name], fields)]
+    return "\n".join(lines) if lines else "no live Buffer"
+
+
+def _trace_columns(rows: list[list[int]], fields_name: str):
+    """(field, per-channel values) of a trace: %globaltimer stamps as microseconds after the
+    channel's start (0 where unset), the rest (durations) as recorded."""
+    import layouts.channels as channels
+
+    fields = getattr(channels, fields_name)
+    for f, field in enumerate(fields):
+        values = [row[f] for row in rows]
+        if field != "start" and not field.endswith("_ns"):
+            values = [(v - row[0]) // 1000 if v and row[0] else 0 for v, row in zip(values, rows)]
+        yield field, values
+
+
+def _channel_runs(values: list[int]) -> str:
+    """Per-channel values as runs: "5 (ch 0-11) 4 (ch 12-23)", or one value for all."""
+    if len(set(values)) == 1:
+        return str(values[0])
+    runs, start = [], 0
+    for c in range(1, len(values) + 1):
+        if c == len(values) or values[c] != values[start]:
+            chans = f"{start}" if c - 1 == start else f"{start}-{c - 1}"
+            runs.append(f"{values[start]} (ch {chans})")
+            start = c
+    return " ".join(runs)

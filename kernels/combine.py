@@ -600,7 +600,8 @@ class EpCombine:
                     for d in cutlass.range(ranks):
                         items = (mask >> d) & 1
                         if weighted != AT_EXPERTS:
-                            items = self._pairs_at(s_ids, lane, topk, experts, local_experts, d)
+                            items = self._pairs_at(s_ids, lane, topk, experts, local_experts, d,
+                                                   skip_a2a, my_rank)
                         s_items[lane * MAX_RANKS + d] = items
                 cute.arch.sync_warp()
                 if tracing != 0:
@@ -670,14 +671,17 @@ class EpCombine:
                 _trace_max(trace, channel, "route_ns", routing)
 
     @cute.jit
-    def _pairs_at(self, ids: cute.Tensor, row, topk, experts, local_experts, d):
-        """Unreduced: how many valid pairs of the token whose ids are row `row` of `ids` go to
-        rank d."""
+    def _pairs_at(self, ids: cute.Tensor, row, topk, experts, local_experts, d, skip_a2a,
+                  my_rank):
+        """Unreduced or weighted at home: how many rows of the token whose ids are row `row` of
+        `ids` come back from rank d: its valid pairs there, none from another rank under
+        skip_a2a (every rank dispatched only to its own experts; `_item_of` agrees)."""
         count = Int32(0)
-        for k in cutlass.range(topk):
-            if valid_expert(ids, row, k, topk, experts) != 0:
-                if ids[row * topk + k] // local_experts == d:
-                    count = count + 1
+        if skip_a2a == 0 or d == my_rank:
+            for k in cutlass.range(topk):
+                if valid_expert(ids, row, k, topk, experts) != 0:
+                    if ids[row * topk + k] // local_experts == d:
+                        count = count + 1
         return count
 
     @cute.jit

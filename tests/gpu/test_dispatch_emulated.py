@@ -134,6 +134,25 @@ def test_emulated_shared_expert_and_skip_a2a(fmt):
     _layer(bufs, 3, [512] * 4, routing="hot")
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
+@pytest.mark.parametrize("ranks,sms", [(2, 24), (4, 12), (8, 6)])
+def test_emulated_skip_a2a_without_weights_at_the_experts(fmt, ranks, sms):
+    """skip_a2a (every rank holds every token and keeps its own experts) with a combine that
+    brings each (token, k) row home: unreduced, and weighted at home. Each rank's rows come
+    back from itself alone; no rank waits for another's (the soak's stall of 2026-11-26)."""
+    from cute_ep.ep import Buffer
+    from layouts import EPConfig
+
+    cfg = EPConfig(1024, 4, 8 * ranks, ranks, 256, fmt)
+    bufs = Buffer.emulated(cfg, timeout_s=20.0, sms=sms)
+    seed = 700 + ranks
+    for tokens in ([256] * ranks, [1] * ranks, [0] * ranks, [97] * ranks):
+        seed += 1
+        _layer(bufs, seed, tokens, skip_a2a=True, weighted=False)
+        _layer(bufs, seed, tokens, skip_a2a=True, at_home=True)
+        _layer(bufs, seed, tokens, skip_a2a=True, routing="hot", at_home=True)
+
+
 def test_a_traced_dispatch_records_each_channels_timeline():
     from cute_ep.ep import Buffer
     from layouts import EPConfig

@@ -201,6 +201,9 @@ def _options(rank, world, fmt):
     for seed, t in enumerate((512, 5, 0)):
         _one_layer(plain, plain.cfg, rank, 10 + seed, [t] * world, skip_a2a=True)
         _one_layer(buf, cfg, rank, 20 + seed, [t] * world, skip_a2a=True)
+        # Unreduced: each (token, k) row comes home, from this rank's own experts alone.
+        _one_layer(plain, plain.cfg, rank, 30 + seed, [t] * world, skip_a2a=True,
+                   weighted=False)
     return True
 
 

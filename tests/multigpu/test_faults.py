@@ -1,9 +1,13 @@
-"""Faults: a rank killed in the middle of a layer, and Ctrl-C while a kernel spins on a peer.
+"""Faults: a rank killed in the middle of a layer, Ctrl-C while a kernel spins on a peer, and a
+layer that stalls under the multi-process helper.
 
 - The killed rank's peers raise the named timeout within the bound, and the next run on the same
   GPUs (fresh processes) is exact: nothing the dead process left behind breaks it.
 - SIGINT to a rank blocked in `Buffer.check()` while its peer never arrives raises
   KeyboardInterrupt within a second or two, not after the kernel's timeout.
+- A layer whose last rank never dispatches, under the production timeout: `run_ranks` fails at
+  its own limit (not the kernel's 300 s) with every stalled rank's Python stack and Buffer
+  counters, which show the waiting ranks inside dispatch with their round not advanced.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from cute_ep.tools.spawn import init_rank, run_ranks
+from cute_ep.tools.spawn import RanksFailed, init_rank, run_ranks
 
 pytestmark = pytest.mark.multigpu
 
@@ -141,3 +145,45 @@ def test_ctrl_c_during_a_spin_returns_control(tmp_path):
             p.kill()
     assert outcome == "interrupted"
     assert at - sent < 3.0, f"control came back {at - sent:.1f} s after Ctrl-C"
+
+
+def _one_rank_never_dispatches(rank, world):
+    from cute_ep.ep import Buffer
+    from layouts import EPConfig
+    from tests.multigpu.test_ep import _inputs
+
+    cfg = EPConfig(1024, 4, 8 * world, world, 128)
+    buf = Buffer(cfg)  # the production timeout: nothing on the device gives up first
+    xs, ids, ws = _inputs(cfg, 3, [128] * world)
+    if rank == world - 1:
+        time.sleep(3600)  # a rank stuck on the host
+    buf.dispatch(xs[rank], ids[rank], ws[rank])
+    buf.check()  # waits for the rank that never comes
+    return True
+
+
+def test_a_stalled_layer_fails_with_every_ranks_stack_and_counters():
+    world = torch.cuda.device_count()
+    start = time.monotonic()
+    with pytest.raises(RanksFailed) as failure:
+        run_ranks(_one_rank_never_dispatches, limit_s=40)
+    seconds = time.monotonic() - start
+    assert seconds < 120, seconds  # the helper's limit and its reports, not the kernel's timeout
+    text = str(failure.value)
+    assert f"ranks {list(range(world))} did not finish within 40" in text, text[:2000]
+    for rank in range(world):
+        report = text.split(f"--- rank {rank} (did not finish) ---")[1].split("--- rank")[0]
+        assert "_one_rank_never_dispatches" in report, report
+        assert "device state:" in report, report
+        state = report.split("device state:")[1]
+        if rank == world - 1:  # on the host, in its sleep, nothing launched
+            assert "time.sleep(3600)" in report, report
+            assert "host launched 0 dispatches" in state, state
+        else:  # in check(), its dispatch launched and not finished: the round has not advanced
+            assert "buf.check()" in report, report
+            assert "host launched 1 dispatches, 0 combines; device round 0" in state, state
+            # Every running rank raised its count flags here for round 1 (epoch 1 x 256 + its
+            # 24 channels); the silent rank's never came.
+            flags = state.split("count flags parity 0: ")[1].split("\n")[0].split("; ")
+            assert flags[world - 1] == f"rank {world - 1}: 0", flags
+            assert all(f == f"rank {r}: 280" for r, f in enumerate(flags[:-1])), flags

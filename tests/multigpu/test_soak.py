@@ -1,6 +1,8 @@
 """Soak: thousands of dispatch/combine rounds on every GPU, nothing lost, nothing hung, nothing
-leaked. Runs only when asked for: `python -m pytest -m soak` (CUTE_EP_SOAK_ROUNDS, default
-10000).
+leaked. A short soak (SHORT_ROUNDS, every scenario) runs with the multi-GPU suite; the long one
+only when asked for: `python -m pytest -m soak` (CUTE_EP_SOAK_ROUNDS, default 10000).
+`tests/gpu/test_soak_emulated.py` runs the same scenarios, interleaved, on emulated ranks of one
+GPU.
 
 Twelve scenarios (three formats; T per rank drawn from 0 to the maximum, both included; uniform,
 hot and sparse routing; skip_a2a; a fused shared expert; unweighted combine; Buffers of two EP
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 import time
 from collections import Counter
 
@@ -27,11 +30,15 @@ import torch
 from cute_ep.reference.fp4 import scale_block_bytes
 from cute_ep.tools.spawn import run_ranks
 
-pytestmark = [pytest.mark.multigpu, pytest.mark.soak]
+pytestmark = pytest.mark.multigpu
 
 ROUNDS = int(os.environ.get("CUTE_EP_SOAK_ROUNDS", "10000"))
+SHORT_ROUNDS = 300
 HIDDEN, TOPK, EXPERTS, MAX_TOKENS = 1024, 4, 32, 192
 CHECK_EVERY = 500
+# A healthy round takes a few milliseconds: the limits leave room for start-up and a slow host,
+# not for a layer that stalls (the failure then carries every rank's stacks and counters).
+START_S, ROUND_S = 120.0, 0.05
 
 
 def _scenarios(world):
@@ -85,15 +92,77 @@ def _round_checksum(cfg, out, combined) -> torch.Tensor:
     return torch.cat(parts)
 
 
+def _log(rank, start, what):
+    print(f"[rank {rank} {time.monotonic() - start:7.1f} s] {what}", file=sys.stderr, flush=True)
+
+
+def prepare(cfgs, world, rank_inputs):
+    """Every scenario's inputs and reference outputs for the ranks `rank_inputs` lists:
+    [{rank: {...}}] per scenario, with `cfgs[fmt, shared]` the Buffers' configs."""
+    from cute_ep.reference import ep as reference
+    from tests.multigpu.test_ep import _expert_outputs, _global_scales, _inputs
+
+    prepared = []
+    for s, (fmt, shared, tokens, routing, skip_a2a, weighted) in enumerate(_scenarios(world)):
+        cfg = cfgs[fmt, shared]
+        xs, ids, ws = _inputs(cfg, 500 + s, tokens, routing, same_everywhere=skip_a2a)
+        gs = _global_scales(cfg, 0)
+        if gs is not None:
+            gs = [gs[0]] * world  # one global scale for the layer
+        refs = reference.dispatch(cfg, xs, ids, skip_a2a=skip_a2a, global_scales=gs)
+        ys = [_expert_outputs(cfg, d, d.num_rows, gs) for d in refs]
+        wants = reference.combine(cfg, ys, refs, tokens, ws if weighted else None)
+        scales = reference.combine(cfg, [y.abs() for y in ys], refs, tokens,
+                                   [w.abs() for w in ws] if weighted else None)
+        per_rank = {}
+        for rank in rank_inputs:
+            quant = {"global_scale": torch.tensor([gs[rank]], device="cuda")} if gs else {}
+            per_rank[rank] = {
+                "key": (fmt, shared), "x": xs[rank], "ids": ids[rank],
+                "w": ws[rank] if weighted else None, "y": ys[rank].clone(), "quant": quant,
+                "skip_a2a": skip_a2a, "ref": refs[rank], "want": wants[rank],
+                "scale": scales[rank], "weighted": weighted, "checksum": None,
+                "what": f"scenario {s} {fmt}{' shared' if shared else ''} {routing} "
+                        f"{'skip_a2a ' if skip_a2a else ''}T={tokens} rank {rank}"}
+        prepared.append(per_rank)
+    return prepared
+
+
+def dispatch_combine(buf, p):
+    out = buf.dispatch(p["x"], p["ids"], p["w"], skip_a2a=p["skip_a2a"], **p["quant"])
+    return out, buf.combine(p["y"], out.handle)
+
+
+def verify_first_round(buf, p, out, combined) -> None:
+    """A scenario's first round in full against the reference; its checksum becomes the key."""
+    from tests.multigpu.test_ep import _check_combine, _check_dispatch
+
+    _check_dispatch(buf.cfg, out, p["ref"], p["what"])
+    if p["weighted"]:
+        _check_combine(combined, p["want"], p["scale"].float() * 2.0 ** -6, p["what"])
+    else:
+        assert torch.equal(combined, p["want"]), p["what"]
+    p["checksum"] = _round_checksum(buf.cfg, out, combined)
+
+
+def buffer_counters(bufs, world, order) -> dict:
+    """Per Buffer: (device rounds, CTAs counted, error record, calls made, stream positions as
+    [phase, kind (sent, consumed), peer rank, channel])."""
+    scenarios = _scenarios(world)
+    # Calls per Buffer: each scenario's verified first round, then its rounds in `order`.
+    calls = Counter((scenarios[s][0], scenarios[s][1]) for s in [*range(len(scenarios)), *order])
+    return {key: (int(buf.dispatch_epoch), int(buf.dispatch_done), buf.error.tolist(),
+                  calls[key], buf.streams.view(2, 2, world, -1).tolist())
+            for key, buf in bufs.items()}
+
+
 def _soak(rank, world, rounds):
     import torch.distributed as dist
 
     from cute_ep.ep import Buffer
-    from cute_ep.reference import ep as reference
     from layouts import EPConfig
-    from tests.multigpu.test_ep import (_check_combine, _check_dispatch, _expert_outputs,
-                                        _global_scales, _inputs)
 
+    start = time.monotonic()
     # Two EP groups over the same GPUs: the shared-expert Buffers live in a second process
     # group, so layers of the two groups interleave.
     second = dist.new_group(list(range(world)))
@@ -102,40 +171,20 @@ def _soak(rank, world, rounds):
         for shared in (False, True):
             cfg = EPConfig(HIDDEN, TOPK, EXPERTS, world, MAX_TOKENS, fmt, shared)
             bufs[fmt, shared] = Buffer(cfg, group=second if shared else None)
-    prepared = []
-    for s, (fmt, shared, tokens, routing, skip_a2a, weighted) in enumerate(_scenarios(world)):
-        cfg = bufs[fmt, shared].cfg
-        xs, ids, ws = _inputs(cfg, 500 + s, tokens, routing, same_everywhere=skip_a2a)
-        gs = _global_scales(cfg, 0)
-        if gs is not None:
-            gs = [gs[0]] * world  # one global scale for the layer
-        refs = reference.dispatch(cfg, xs, ids, skip_a2a=skip_a2a, global_scales=gs)
-        ys = [_expert_outputs(cfg, d, d.num_rows, gs) for d in refs]
-        want = reference.combine(cfg, ys, refs, tokens, ws if weighted else None)[rank]
-        scale = reference.combine(cfg, [y.abs() for y in ys], refs, tokens,
-                                  [w.abs() for w in ws] if weighted else None)[rank]
-        quant = {"global_scale": torch.tensor([gs[rank]], device="cuda")} if gs else {}
-        prepared.append({
-            "buf": bufs[fmt, shared], "x": xs[rank], "ids": ids[rank],
-            "w": ws[rank] if weighted else None, "y": ys[rank].clone(), "quant": quant,
-            "skip_a2a": skip_a2a, "ref": refs[rank], "want": want, "scale": scale,
-            "weighted": weighted, "checksum": None, "what": f"scenario {s} {fmt} {tokens}"})
+    if os.environ.get("CUTE_EP_SOAK_TRACE"):  # stall reports then carry every timeline
+        for b in bufs.values():
+            b.trace_dispatch()
+            b.trace_combine()
+    _log(rank, start, f"{len(bufs)} Buffers built")
+    prepared = [p[rank] for p in prepare({k: b.cfg for k, b in bufs.items()}, world, [rank])]
+    _log(rank, start, f"{len(prepared)} scenarios prepared")
 
-    def run(p):
-        buf = p["buf"]
-        out = buf.dispatch(p["x"], p["ids"], p["w"], skip_a2a=p["skip_a2a"], **p["quant"])
-        return out, buf.combine(p["y"], out.handle)
-
-    # First round of every scenario: in full against the reference; its checksum is the key.
     for p in prepared:
-        out, combined = run(p)
-        p["buf"].check()
-        _check_dispatch(p["buf"].cfg, out, p["ref"], p["what"])
-        if p["weighted"]:
-            _check_combine(combined, p["want"], p["scale"].float() * 2.0 ** -6, p["what"])
-        else:
-            assert torch.equal(combined, p["want"]), p["what"]
-        p["checksum"] = _round_checksum(p["buf"].cfg, out, combined)
+        buf = bufs[p["key"]]
+        out, combined = dispatch_combine(buf, p)
+        buf.check()
+        verify_first_round(buf, p, out, combined)
+        _log(rank, start, f"verified {p['what']}")
     del out, combined
     wrong = torch.zeros((), dtype=torch.int64, device="cuda")
     torch.cuda.synchronize()
@@ -146,33 +195,23 @@ def _soak(rank, world, rounds):
     first_wrong = None
     for i, s in enumerate(order):
         p = prepared[s]
-        out, combined = run(p)
-        wrong += (_round_checksum(p["buf"].cfg, out, combined) != p["checksum"]).any()
+        buf = bufs[p["key"]]
+        out, combined = dispatch_combine(buf, p)
+        wrong += (_round_checksum(buf.cfg, out, combined) != p["checksum"]).any()
         del out, combined
         if (i + 1) % CHECK_EVERY == 0 or i + 1 == rounds:
-            for buf in bufs.values():
-                buf.check()  # synchronises; raises a timeout or bad input seen on the device
+            for b in bufs.values():
+                b.check()  # synchronises; raises a timeout or bad input seen on the device
             if int(wrong) and first_wrong is None:
                 first_wrong = i
+            _log(rank, start, f"{i + 1} rounds")
     torch.cuda.synchronize()
     after = torch.cuda.memory_allocated()
-    scenarios = _scenarios(world)
-    # Calls per Buffer: each scenario's verified first round, then its rounds in `order`.
-    calls = Counter((scenarios[s][0], scenarios[s][1]) for s in [*range(len(scenarios)), *order])
-    # Stream positions as [phase, kind (sent, consumed), peer rank, channel].
-    counters = {key: (int(buf.dispatch_epoch), int(buf.dispatch_done), buf.error.tolist(),
-                      calls[key], buf.streams.view(2, 2, world, -1).tolist())
-                for key, buf in bufs.items()}
     return {"wrong": int(wrong), "first_wrong": first_wrong, "before": before, "after": after,
-            "counters": counters}
+            "counters": buffer_counters(bufs, world, order)}
 
 
-@pytest.mark.skipif(ROUNDS < 1, reason="CUTE_EP_SOAK_ROUNDS < 1")
-def test_soak_rounds_stay_exact_without_leaks_or_drift():
-    world = torch.cuda.device_count()
-    start = time.monotonic()
-    results = run_ranks(_soak, rounds=ROUNDS, limit_s=1800)
-    print(f"soak: {ROUNDS} rounds on {world} GPUs in {time.monotonic() - start:.1f} s")
+def check_results(results, world) -> None:
     for rank, r in enumerate(results):
         assert r["wrong"] == 0, f"rank {rank}: {r['wrong']} rounds differed, first {r['first_wrong']}"
         assert r["after"] == r["before"], f"rank {rank}: GPU memory {r['before']} -> {r['after']}"
@@ -180,10 +219,43 @@ def test_soak_rounds_stay_exact_without_leaks_or_drift():
             assert rounds == n, f"rank {rank} {key}: {rounds} dispatch rounds, {n} calls"
             assert done == 0, f"rank {rank} {key}: {done} channels left counted"
             assert error == [0, 0, 0, 0], f"rank {rank} {key}: device error {error}"
-            # Every message (row) this rank sent to a peer was consumed there, and back.
+            # Every batch this rank staged was consumed by every peer (dispatch stages a batch
+            # once for all destinations: one stream, peer word 0), and every combine row it
+            # sent to a peer was consumed there.
             for peer in range(world):
                 theirs = results[peer]["counters"][key][4]
-                for phase in range(2):
-                    assert streams[phase][0][peer] == theirs[phase][1][rank], \
-                        f"{key}: rank {rank} sent {streams[phase][0][peer]} on phase {phase}, " \
+                for phase, sent in ((0, streams[0][0][0]), (1, streams[1][0][peer])):
+                    assert sent == theirs[phase][1][rank], \
+                        f"{key}: rank {rank} sent {sent} on phase {phase}, " \
                         f"rank {peer} consumed {theirs[phase][1][rank]}"
+
+
+def _run_soak(rounds):
+    world = torch.cuda.device_count()
+    start = time.monotonic()
+    results = run_ranks(_soak, rounds=rounds, limit_s=START_S + ROUND_S * rounds)
+    seconds = time.monotonic() - start
+    print(f"soak: {rounds} rounds on {world} GPUs in {seconds:.1f} s")
+    check_results(results, world)
+    record = os.environ.get("CUTE_EP_SOAK_RECORD")
+    if record:  # a JSON record of the passed run (perf/results)
+        import json
+
+        with open(record, "w") as f:
+            json.dump({"test": "tests/multigpu/test_soak.py", "rounds": rounds, "gpus": world,
+                       "device": torch.cuda.get_device_name(0), "seconds": round(seconds, 1),
+                       "scenarios": len(_scenarios(world)), "passed": True,
+                       "buffers": {f"{fmt}{' +shared' if shared else ''}": rank0[3]
+                                   for (fmt, shared), rank0 in results[0]["counters"].items()}},
+                      f, indent=1)
+
+
+def test_short_soak_of_every_scenario_stays_exact():
+    """A few hundred rounds of all twelve scenarios, interleaved: part of every multi-GPU run."""
+    _run_soak(SHORT_ROUNDS)
+
+
+@pytest.mark.soak
+@pytest.mark.skipif(ROUNDS < 1, reason="CUTE_EP_SOAK_ROUNDS < 1")
+def test_soak_rounds_stay_exact_without_leaks_or_drift():
+    _run_soak(ROUNDS)
