@@ -63,6 +63,10 @@ def parser() -> argparse.ArgumentParser:
                         "the first is the headline")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--out", default="perf/results", help="folder for the JSON record")
+    p.add_argument("--plot", metavar="FILE",
+                   help="also draw time against SM budget (PNG; needs the plot extra)")
+    p.add_argument("--deepep-record", metavar="JSON",
+                   help="with --plot: a perf/record_deepep.py record to draw beside")
     p.add_argument("--no-stages", dest="stages", action="store_false",
                    help="skip the per-kernel breakdown (torch profiler)")
     return p
@@ -104,6 +108,11 @@ def main(argv=None) -> int:
     path = record_path(out, record["date"][:10], f"{world}x{record['device'].split()[-1]}")
     path.write_text(json.dumps(record, indent=1))
     print(f"JSON record: {path}")
+    if args.plot:
+        from cute_ep.tools.plot import bench_figure
+
+        deepep = json.loads(Path(args.deepep_record).read_text()) if args.deepep_record else None
+        print(f"figure: {bench_figure(record, args.plot, deepep)}")
     return 0
 
 
