@@ -1,15 +1,20 @@
-"""Draw the figures of docs/design.md from the repository's own data (no GPU needed).
+"""Draw the figures of docs/design.md and docs/performance.md from the repository's own data
+(no GPU needed; matplotlib: `pip install 'cute-ep[plot]'`).
 
     python docs/figures.py [--record perf/results/bench-....json] [--format bf16] [--sms 24]
+                           [--out docs/figures]
 
-writes into docs/figures/:
+writes into docs/figures/ (or --out):
 
 - dispatch-timeline.png: one traced dispatch and combine of a `cute-ep bench` record
   (`ranks[i].formats.<format>.throughput.sweep[j].dispatch_trace_us` / `combine_trace_us`);
 - decode-timeline.png: a traced decode dispatch with every stamp of `layouts.channels.
   TRACE_FIELDS` (the `trace_run` of an emulated-rank record);
 - rings.png: one rank's peer-visible memory as `layouts.channels.ChannelGeometry.peer_bytes()`
-  lays it out for a DeepSeek-V3-shaped layer, and one channel's staging ring.
+  lays it out for a DeepSeek-V3-shaped layer, and one channel's staging ring;
+- bench-2xH200.png and quantize-H200.png (docs/performance.md, the README): `cute-ep plot`'s
+  figures of the current bench record beside DeepEP's, and of the quantize kernels' share of
+  copy (`cute_ep.tools.plot`).
 """
 
 from __future__ import annotations
@@ -37,6 +42,11 @@ OUT = ROOT / "docs" / "figures"
 DPI = 110
 BENCH = "perf/results/bench-2026-11-23-2xH200-bulk.json"
 DECODE = "perf/results/emulated-2026-11-25-H200-nvfp4-scales.json"
+# The performance figures: (bench record, DeepEP record beside it); (quantize record, its entry,
+# the side that is the library in use).
+BENCH_PAIR = ("perf/results/bench-2026-11-23-2xH200-bulk.json",
+              "perf/results/deepep-2026-11-23-2xH200-bulk.json")
+QUANT = ("perf/results/quant-2026-11-26-H200-padding.json", "lease_11", "pe")
 COLORS = {"counts": "#8c8c8c", "wait": "#d9d9d9", "layout": "#b07aa1", "send": "#4e79a7",
           "recv": "#f28e2b", "scales": "#59a14f", "tail": "#e15759"}
 
@@ -296,17 +306,34 @@ def rings(channels: int = 24) -> Path:
 
 
 def main(argv=None) -> int:
+    global OUT
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--record", default=BENCH, help="a cute-ep bench record")
     parser.add_argument("--format", default="bf16")
     parser.add_argument("--sms", default="24")
     parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--out", default=str(OUT), help="folder for the PNGs")
     args = parser.parse_args(argv)
+    OUT = Path(args.out)
     OUT.mkdir(parents=True, exist_ok=True)
     for path in (dispatch_timeline(args.record, args.format, args.sms, args.rank),
-                 decode_timeline(), rings()):
-        print(f"{path.relative_to(ROOT)}: {path.stat().st_size:,} bytes")
+                 decode_timeline(), rings(), *performance_figures()):
+        print(f"{path}: {path.stat().st_size:,} bytes")
     return 0
+
+
+def performance_figures() -> list[Path]:
+    """The bench figure (time against SM budget beside DeepEP and NCCL) and the quantize figure
+    (each kernel's share of copy), as `cute-ep plot` draws them."""
+    from cute_ep.tools.plot import bench_figure, quant_records, quantize_figure
+
+    bench, deepep = (json.loads((ROOT / p).read_text()) for p in BENCH_PAIR)
+    record, entry, side = QUANT
+    quant = json.loads((ROOT / record).read_text())
+    return [bench_figure(bench, OUT / "bench-2xH200.png", deepep),
+            quantize_figure(quant_records(quant[entry], side), OUT / "quantize-H200.png",
+                            f"H200, 2026-11-26: share of copy bandwidth, 8192 rows over 8 "
+                            f"experts, L2 state zero ({Path(record).name})")]
 
 
 if __name__ == "__main__":
