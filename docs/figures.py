@@ -12,9 +12,9 @@ writes into docs/figures/ (or --out):
   TRACE_FIELDS` (the `trace_run` of an emulated-rank record);
 - rings.png: one rank's peer-visible memory as `layouts.channels.ChannelGeometry.peer_bytes()`
   lays it out for a DeepSeek-V3-shaped layer, and one channel's staging ring;
-- bench-2xH200.png and quantize-H200.png (docs/performance.md, the README): `cute-ep plot`'s
-  figures of the current bench record beside DeepEP's, and of the quantize kernels' share of
-  copy (`cute_ep.tools.plot`).
+- bench-2xH100.png, bench-2xH200.png and quantize-H200.png (docs/performance.md, the README):
+  `cute-ep plot`'s figures of bench records beside DeepEP's, and of the quantize kernels' share
+  of copy (`cute_ep.tools.plot`).
 """
 
 from __future__ import annotations
@@ -40,12 +40,14 @@ from layouts.config import EPConfig  # noqa: E402
 
 OUT = ROOT / "docs" / "figures"
 DPI = 110
-BENCH = "perf/results/bench-2026-11-23-2xH200-bulk.json"
+BENCH = "perf/results/bench-2026-11-26-2xH100.json"
 DECODE = "perf/results/emulated-2026-11-25-H200-nvfp4-scales.json"
 # The performance figures: (bench record, DeepEP record beside it); (quantize record, its entry,
 # the side that is the library in use).
-BENCH_PAIR = ("perf/results/bench-2026-11-23-2xH200-bulk.json",
-              "perf/results/deepep-2026-11-23-2xH200-bulk.json")
+BENCH_PAIRS = {"bench-2xH100.png": ("perf/results/bench-2026-11-26-2xH100.json",
+                                    "perf/results/deepep-2026-11-26-2xH100.json"),
+               "bench-2xH200.png": ("perf/results/bench-2026-11-23-2xH200-bulk.json",
+                                    "perf/results/deepep-2026-11-23-2xH200-bulk.json")}
 QUANT = ("perf/results/quant-2026-11-26-H200-padding.json", "lease_11", "pe")
 COLORS = {"counts": "#8c8c8c", "wait": "#d9d9d9", "layout": "#b07aa1", "send": "#4e79a7",
           "recv": "#f28e2b", "scales": "#59a14f", "tail": "#e15759"}
@@ -327,10 +329,13 @@ def performance_figures() -> list[Path]:
     (each kernel's share of copy), as `cute-ep plot` draws them."""
     from cute_ep.tools.plot import bench_figure, quant_records, quantize_figure
 
-    bench, deepep = (json.loads((ROOT / p).read_text()) for p in BENCH_PAIR)
+    figures = []
+    for name, pair in BENCH_PAIRS.items():
+        bench, deepep = (json.loads((ROOT / p).read_text()) for p in pair)
+        figures.append(bench_figure(bench, OUT / name, deepep))
     record, entry, side = QUANT
     quant = json.loads((ROOT / record).read_text())
-    return [bench_figure(bench, OUT / "bench-2xH200.png", deepep),
+    return [*figures,
             quantize_figure(quant_records(quant[entry], side), OUT / "quantize-H200.png",
                             f"H200, 2026-11-26: share of copy bandwidth, 8192 rows over 8 "
                             f"experts, L2 state zero ({Path(record).name})")]
