@@ -4,6 +4,7 @@ number of bytes, in the same run, on one GPU.
     python perf/bench_quant.py [--rows 8192] [--intermediate 2048 --intermediate 7168]
                                [--experts 8] [--reps 50] [--layout thread|warp|table]
                                [--l2 zero|read|produced ...] [--valid-rows N] [--json FILE]
+                               [--plot FILE]
 
 For each kernel: bytes = what it must read (the bf16 input rows, row_offsets) + what it writes
 (codes or values, scales including the zero padding); GB/s = bytes / median time. The baseline
@@ -121,6 +122,8 @@ def main():
     parser.add_argument("--valid-rows", type=int,
                         help="rows the experts span (default: all): a capacity buffer")
     parser.add_argument("--json", help="also write the records to this file")
+    parser.add_argument("--plot", help="also draw each kernel's share of copy (PNG; needs the "
+                                       "plot extra), for the first --l2 state")
     args = parser.parse_args()
     if args.valid_rows is not None and not 0 < args.valid_rows <= args.rows:
         parser.error(f"--valid-rows must be in 1..{args.rows}, got {args.valid_rows}")
@@ -164,6 +167,13 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "records": records}, f, indent=1)
+    if args.plot:
+        from cute_ep.tools.plot import quant_records, quantize_figure
+
+        state = states[0]
+        quantize_figure(quant_records({"records": records}, l2=state), args.plot,
+                        f"{torch.cuda.get_device_name()}: {spread} over {args.experts} experts, "
+                        f"L2 {state}")
 
 
 if __name__ == "__main__":

@@ -48,6 +48,15 @@ def test_bench_never_overwrites_a_record(tmp_path):
                      "bench-2026-11-21-4xH200-3.json"]
 
 
+def test_a_record_is_named_by_the_cards_model():
+    from cute_ep.tools.bench import card_name
+
+    assert card_name("NVIDIA H100 80GB HBM3") == "H100"  # not its memory ("HBM3")
+    assert card_name("NVIDIA H200") == "H200"
+    assert card_name("NVIDIA B200") == "B200"
+    assert card_name("Some GPU") == "GPU"
+
+
 def test_bench_runs_its_worker_on_every_rank_and_records_what_they_return(tmp_path, monkeypatch):
     """The harness around the GPU work: the worker is called as `run_ranks` calls it, every
     rank's numbers (here a committed 4 x H200 record's) land in the new record in rank order,

@@ -63,6 +63,10 @@ def parser() -> argparse.ArgumentParser:
                         "the first is the headline")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--out", default="perf/results", help="folder for the JSON record")
+    p.add_argument("--plot", metavar="FILE",
+                   help="also draw time against SM budget (PNG; needs the plot extra)")
+    p.add_argument("--deepep-record", metavar="JSON",
+                   help="with --plot: a perf/record_deepep.py record to draw beside")
     p.add_argument("--no-stages", dest="stages", action="store_false",
                    help="skip the per-kernel breakdown (torch profiler)")
     return p
@@ -101,9 +105,14 @@ def main(argv=None) -> int:
     _print(record, formats)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = record_path(out, record["date"][:10], f"{world}x{record['device'].split()[-1]}")
+    path = record_path(out, record["date"][:10], f"{world}x{card_name(record['device'])}")
     path.write_text(json.dumps(record, indent=1))
     print(f"JSON record: {path}")
+    if args.plot:
+        from cute_ep.tools.plot import bench_figure
+
+        deepep = json.loads(Path(args.deepep_record).read_text()) if args.deepep_record else None
+        print(f"figure: {bench_figure(record, args.plot, deepep)}")
     return 0
 
 
@@ -439,6 +448,16 @@ def _decode(rank, world, args, fmt, flush) -> dict:
             "graph_combine_us": graph_l - graph_d,
             "host_dispatch_us": statistics.median(host["dispatch"]),
             "host_combine_us": statistics.median(host["combine"])}
+
+
+def card_name(device: str) -> str:
+    """The card's model in a device name: "NVIDIA H100 80GB HBM3" -> "H100" (a word of letters
+    then digits, the first after the vendor), else the name's last word."""
+    import re
+
+    words = device.split()
+    model = next((w for w in words if re.fullmatch(r"[A-Z]+\d+[A-Za-z]*", w)), None)
+    return model or words[-1]
 
 
 def record_path(folder: Path, day: str, machine: str) -> Path:

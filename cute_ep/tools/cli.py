@@ -1,4 +1,5 @@
-"""`cute-ep`: the command line (the demo, build the kernel library, inspect it, benchmark)."""
+"""`cute-ep`: the command line (the demo, build the kernel library, inspect it, benchmark,
+plot a record)."""
 
 from __future__ import annotations
 
@@ -125,6 +126,12 @@ def _bench(argv) -> int:
     return bench_main(argv)
 
 
+def _plot(argv) -> int:
+    from cute_ep.tools.plot import main as plot_main
+
+    return plot_main(argv)
+
+
 def _demo(argv) -> int:
     from cute_ep.tools.demo import main as demo_main
 
@@ -132,19 +139,20 @@ def _demo(argv) -> int:
 
 
 COMMANDS = {"demo": _demo, "build": _build, "info": _info, "layouts": _layouts,
-            "bench": _bench}
+            "bench": _bench, "plot": _plot}
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print("usage: cute-ep {demo,build,info,layouts,bench} [options]\n\n"
+        print("usage: cute-ep {demo,build,info,layouts,bench,plot} [options]\n\n"
               "  demo      a DeepSeek-V3-shaped MoE layer on every GPU, checked against the "
               "reference\n            (no GPU: the reference alone, with emulated ranks)\n"
               "  build     compile the kernel library (needs the build extra; no GPU needed)\n"
               "  info      list the library's configs and the GPUs that can run them\n"
               "  layouts   the token message byte map and buffer sizes of one EP layer\n"
-              "  bench     the performance harness (one process per GPU; JSON in perf/results)",
+              "  bench     the performance harness (one process per GPU; JSON in perf/results)\n"
+              "  plot      a figure (PNG) from a bench or quantize record (needs the plot extra)",
               file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     return COMMANDS[argv[0]](argv[1:])
