@@ -3,7 +3,7 @@
 One process per GPU under `torch.distributed`. A `Buffer` allocates its peer-visible rings once
 from torch symmetric memory (sized by `layouts.channels`, not by the token count), checks that
 every rank asked for the same configuration, and launches one kernel per dispatch and one per
-combine (`kernels/dispatch.py`, `kernels/combine.py`; fp8 and nvfp4 quantize first in
+combine (`kernels/dispatch/`, `kernels/combine.py`; fp8 and nvfp4 quantize first in
 `kernels/encode.py`) on the current stream:
 
     buf = Buffer(EPConfig(hidden=7168, topk=8, experts=256, ranks=4, max_tokens_per_rank=4096))
@@ -63,7 +63,7 @@ from layouts.channels import DEFAULT_CHANNELS, ChannelGeometry, active_channels
 # The SM budget engines give communication (DeepEP's tuned default is 20-24): the rest of the GPU
 # stays free for the other micro-batch's GEMMs. Dispatch runs one persistent CTA per SM of it.
 DEFAULT_SMS = DEFAULT_CHANNELS
-# Limits of the compiled kernels (kernels/dispatch.py: shared-memory tables, per-k scratch).
+# Limits of the compiled kernels (kernels/dispatch/: shared-memory tables, per-k scratch).
 MAX_RANKS = 8
 MAX_TOPK = 16
 MAX_SEGMENTS = 271

@@ -89,15 +89,37 @@ def package_version() -> str:
         return "unknown (not installed)"
 
 
+def kernel_sources(kernel) -> list[Path]:
+    """The `kernels/` files a kernel's class is built from: its module and, transitively, every
+    `kernels` module it imports (a package's `__init__.py` and the submodules named)."""
+    here = Path(__file__).resolve().parent
+    todo = [Path(inspect.getsourcefile(type(kernel))).resolve()]
+    seen: list[Path] = []
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen.append(path)
+        for dotted in re.findall(r"^from kernels\.([\w.]+) import", path.read_text(), re.M):
+            base = here.joinpath(*dotted.split("."))
+            todo += [p for p in (base.with_suffix(".py"), base / "__init__.py") if p.is_file()]
+            # `from kernels.pkg.mod import` runs the package's __init__ too.
+            for i in range(1, dotted.count(".") + 1):
+                init = here.joinpath(*dotted.split(".")[:i], "__init__.py")
+                if init.is_file():
+                    todo.append(init)
+    return seen
+
+
 def source_digest(kernel) -> str:
     """Hash of every source file a kernel's cubin depends on, beside the DSL itself."""
-    source = Path(inspect.getsourcefile(type(kernel)))
-    helpers = re.findall(r"^from kernels\.(\w+) import", source.read_text(), re.M)
-    files = [source, Path(__file__), *(Path(__file__).with_name(f"{h}.py") for h in helpers)]
+    files = [*sorted(kernel_sources(kernel)), Path(__file__)]
     files += sorted((REPO_FILES / "layouts").glob("*.py"))
     h = hashlib.sha256()
+    here = Path(__file__).resolve().parent
     for f in files:
-        h.update(f.name.encode())
+        name = str(f.resolve().relative_to(here)) if f.resolve().is_relative_to(here) else f.name
+        h.update(name.encode())
         h.update(f.read_bytes())
     return h.hexdigest()
 

@@ -36,7 +36,7 @@ from cutlass import BFloat16, Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync
 
 from kernels.copy import row_predicate, row_tiled_copy
-from kernels.dispatch import MAX_CHUNK, MAX_RANKS, MAX_TOPK, WARP, _wait_at_least
+from kernels.dispatch.common import MAX_CHUNK, MAX_RANKS, MAX_TOPK, WARP, _wait_at_least
 from kernels.memory import gmem_ptr, load_f32, load_i32, trace_word
 from kernels.nvfp4 import high_bf16, low_bf16
 from kernels.routing import channel_tokens, route_ids, valid_expert

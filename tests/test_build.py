@@ -230,3 +230,35 @@ def test_the_quad_transpose_selectors_swap_four_lanes_bytes():
             x = [words[i ^ d] for d in range(4)]  # shuffle_sync_bfly by 0, 1, 2, 3
             got = prmt(prmt(x[0], x[1], s1), prmt(x[2], x[3], s2), s3)
             assert got == sum(((words[n] >> (8 * i)) & 0xFF) << (8 * n) for n in range(4))
+
+
+def test_a_kernels_build_key_covers_every_module_it_is_built_from(tmp_path, monkeypatch):
+    """ep_dispatch is a package of phase modules, and ep_combine imports from it: each build key
+    hashes them all (and what they import in turn), so a change to any phase rebuilds both."""
+    from pathlib import Path
+
+    import kernels.build as build
+    from kernels.combine import EpCombine
+    from kernels.dispatch import EpDispatch
+
+    here = Path(build.__file__).resolve().parent
+    names = {str(p.relative_to(here)) for p in build.kernel_sources(EpDispatch("bf16"))}
+    phases = {f"dispatch/{m}.py" for m in ("__init__", "common", "counts", "send", "receive",
+                                           "scales")}
+    assert phases | {"routing.py", "memory.py", "bulk_copy.py", "nvfp4.py"} <= names, names
+    assert "division.py" in names  # imported by nvfp4.py, not by any dispatch module
+    combine = {str(p.relative_to(here)) for p in build.kernel_sources(EpCombine())}
+    assert {"combine.py", "dispatch/common.py"} <= combine, combine
+
+    # A change to one phase module changes the digest of both kernels.
+    before = (build.source_digest(EpDispatch("bf16")), build.source_digest(EpCombine()))
+    send = here / "dispatch" / "send.py"
+    real = Path.read_bytes
+
+    def read_bytes(path):
+        data = real(path)
+        return data + b"\n# changed\n" if Path(path).resolve() == send else data
+
+    monkeypatch.setattr(Path, "read_bytes", read_bytes)
+    after = (build.source_digest(EpDispatch("bf16")), build.source_digest(EpCombine()))
+    assert before[0] != after[0] and before[1] != after[1]

@@ -1,0 +1,382 @@
+"""`ep_dispatch`: one persistent launch per dispatch, a CTA per channel (transport v2).
+
+Channel c of every rank owns a contiguous run of that rank's tokens (`layouts.channels`). Its CTA
+has SEND_WARPS sender warps and RECV_WARPS[format] receiver warps, and runs three parts:
+
+1. Counts (all warps): the channel's tokens are routed (each valid (token, k) pair, a later k
+   naming the same expert dropped, ids outside [0, E) dropped and reported) and counted per
+   expert and per destination rank; the counts go to every destination's `counts` table under
+   the round's parity, and the channel's count flag there is raised to the round's epoch.
+2. Send (SEND_WARPS sender warps): the channel's tokens go in batches of BATCH, each into the
+   next batch slot of this rank's own staging (peer-visible memory, `layouts.channels`): the
+   batch header (every token's K ids and weights, as the caller gave them, and its index) and
+   each token's message (the bf16 row of `x`; FP8 codes and their scales from their own rows,
+   the caller's or `ep_encode`'s; NVFP4 codes and scales from the caller's rows, or the whole
+   message `ep_encode` wrote into `send_buf`), token b by warp b % SEND_WARPS, tiles of
+   SEND_VECTORS[format] 16-byte vectors per lane with every load in flight. A sender does
+   nothing per destination per token: it waits, once per batch, until every destination has
+   returned credit for the batch the slot held, and the warp that
+   finishes a batch last (one shared-memory atomic a warp) fences once at system scope and
+   publishes the batch in every destination's `tails`.
+3. Receive (the receiver warps): they wait for every (channel, source)'s counts (a count flag's
+   system-scope acquire, then the counts themselves by plain loads, ordered after the acquires by
+   the receivers' barrier), from which each CTA derives the whole row layout (segments padded to
+   the format's row alignment, NVFP4 segments on fresh 128-row scale blocks) and the first row of
+   every (segment, source) that its channel fills. The warps of source s then take s's batches of
+   this channel in order as its tail advances: they read the batch's header from the source (over
+   NVLink), keep the tokens with an expert here (or this rank's shared-expert tokens), MAX_CHUNK at
+   a time, and place each such message in the next free row of each of its local experts, so rows
+   follow source-token order without any plan on the sender. The payload is loaded once from the
+   source's staging (over NVLink) and stored to every row: BF16 by bulk copies (`cp.async.bulk`)
+   through PIECES pieces of shared memory per warp, each piece bulk-stored to every row as it
+   lands; FP8 and NVFP4 through registers, a row's scales contiguously into `scale_rows`
+   (row-major, `layouts.buffers.scale_rows_layout`); the rows, weights and source token are
+   recorded for combine. Credit returns to the source after every batch, and for all the rest of
+   the round's batches once the last message from the source has landed (their slots are not read).
+
+4. FP8 and NVFP4 (packed rows): once every CTA has finished (the round's advance below, which
+   each CTA waits for), all warps write `scale_rows` into the output's scale layout, a tile of
+   whole lines at a time (a scale word stored straight into FP8's transposed or NVFP4's 128x4
+   layout is a 32-byte sector of its own: what FP8 and NVFP4 receivers spent most on); NVFP4 by
+   a 16-byte store per lane and atom, and a 128-row block of at most 32 rows (a decode's
+   experts) straight from its staged rows, the rest of the block zero.
+
+The kernel body below says the protocol in order; each phase is a class of its own module that
+`EpDispatch` is composed of: `counts.py` (phase 1, and the receivers' reading of the counts),
+`send.py` (2), `receive.py` (3), `scales.py` (4); `common.py` holds the limits, the shared-memory
+scratch layout and the bounded wait that every phase (and `ep_combine`) uses.
+
+Every wait is bounded by `timeout_ns` of `%globaltimer`: the missing rank and the phase go to the
+error record and the CTA stops waiting (its outputs are then partial, never out of bounds). The
+round counter advances when the last CTA finishes, so a CUDA graph replays the layer.
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, Uint8
+
+from kernels.copy import row_tiled_copy
+from kernels.dispatch.common import (FORMATS, LIMITS, MAX_CHUNK, MAX_EXPERTS, MAX_RANKS,
+                                     MAX_SEGMENTS, MAX_STAGE_BATCHES, MAX_TOPK, PHASE_DISPATCH,
+                                     PIECE, PIECES, RECV_WARPS, SCRATCH, SEND_VECTORS, SEND_WARPS,
+                                     SRC_WORDS, TILE_ROWS, TILE_STRIDE, TILE_VECTORS, WARP, _stamp,
+                                     _wait_at_least)
+from kernels.dispatch.counts import CountsPhase
+from kernels.dispatch.receive import ReceivePhase
+from kernels.dispatch.scales import ScalesPhase
+from kernels.dispatch.send import SendPhase
+from kernels.routing import channel_tokens
+from layouts.abi import GridRule, KernelSpec, Param
+from layouts.channels import (COUNT_SEGMENTS, SEND_TIMES, count_flags_layout, counters_layout,
+                              counts_layout)
+from layouts.config import FP8_ROW_ALIGN
+
+
+class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
+    def __init__(self, fmt: str):
+        if fmt not in FORMATS:
+            raise ValueError(f"ep_dispatch formats: {FORMATS}, not {fmt!r}")
+        self.fmt = fmt
+        self.recv_warps = RECV_WARPS[fmt]
+        self.send_vectors = SEND_VECTORS[fmt]
+        # Per lane: a receiver warp loads this many vectors of a message before storing them.
+        self.tile_vectors = TILE_VECTORS[fmt]
+        self.threads = WARP * (SEND_WARPS + self.recv_warps)
+        self.recv_threads = WARP * self.recv_warps
+        self.row_align = FP8_ROW_ALIGN if fmt == "fp8" else 1
+        # Payload rows move in 16-byte vectors, NVFP4 rows (H / 2 bytes) in 8-byte ones.
+        self.vector_bytes = 8 if fmt == "nvfp4" else 16
+
+    @property
+    def smem_bytes(self) -> int:
+        words = (MAX_EXPERTS + 2 * MAX_RANKS + 8  # s_cnt
+                 + self.recv_warps * MAX_SEGMENTS  # s_next
+                 + MAX_RANKS * MAX_SEGMENTS  # s_totals
+                 + 4 * (MAX_SEGMENTS + 4)  # s_off, s_tot, s_raw, s_first
+                 + SRC_WORDS * MAX_RANKS  # s_src
+                 + self.recv_warps * (SCRATCH + MAX_CHUNK * MAX_TOPK)  # s_scratch, s_wts
+                 + MAX_STAGE_BATCHES)  # s_arrive
+        dwords = SEND_WARPS * MAX_RANKS + SEND_WARPS * len(SEND_TIMES)  # s_head, s_time
+        return 4 * words + 8 * dwords + 14 * 16 + 128 + self.ring_bytes + 4 * self.tile_words
+
+    @property
+    def tile_words(self) -> int:
+        """Shared-memory words of the warps' scale tiles (`_write_scales`); 4 for bf16."""
+        return 4 if self.fmt == "bf16" else (SEND_WARPS + self.recv_warps) * TILE_ROWS * TILE_STRIDE
+
+    @property
+    def bulk(self) -> bool:
+        """Whether receivers pull payloads by bulk copies (BF16) or through registers."""
+        return self.fmt == "bf16"
+
+    @property
+    def ring_shape(self) -> tuple[int, int]:
+        """(pieces, bytes of a piece) of the receiver warps' rings: PIECES of PIECE bytes per
+        warp with bulk pulls, else one 16-byte placeholder."""
+        return (self.recv_warps * PIECES, PIECE) if self.bulk else (1, 16)
+
+    @property
+    def ring_bytes(self) -> int:
+        """Shared memory of the receiver warps' pieces, their mbarriers and what each holds,
+        with the alignment of the three allocations."""
+        pieces, piece = self.ring_shape
+        return pieces * (piece + 8 + 4) + 3 * 128
+
+    def spec(self) -> KernelSpec:
+        return KernelSpec(
+            family="ep_dispatch",
+            config={"format": self.fmt},
+            params=(
+                Param("peer_bases", "ptr", "int64", align=8, min_elements=("ranks", 1)),
+                Param("source", "ptr", "uint8", align=16),
+                Param("scale_source", "ptr", "uint8", align=4),
+                Param("scale_stride", "i32"),
+                Param("topk_ids", "ptr", "int32", align=4),
+                Param("topk_weights", "ptr", "float32", align=4),
+                Param("streams", "ptr", "int64", align=8, writes=True),
+                Param("rounds", "ptr", "int64", align=8, writes=True),
+                Param("done", "ptr", "int32", align=4, writes=True),
+                Param("error", "ptr", "int32", align=4, writes=True),
+                Param("tokens", "ptr", "uint8", align=16, writes=True),
+                # NVFP4: 16-byte stores of a lane's four rows of a 128x4 atom.
+                Param("scales", "ptr", "uint8" if self.fmt == "nvfp4" else "float32",
+                      align=16 if self.fmt == "nvfp4" else 4,
+                      writes=True),
+                Param("scale_rows", "ptr", "int32", align=4, writes=True),
+                Param("scales_offsets", "ptr", "int32", align=4, writes=True),
+                Param("row_offsets", "ptr", "int32", align=4, writes=True),
+                Param("expert_ids", "ptr", "int32", align=4, writes=True),
+                Param("seg_counts", "ptr", "int32", align=4, writes=True),
+                Param("src_info", "ptr", "int32", align=4, writes=True),
+                Param("comb_rows", "ptr", "int32", align=4, writes=True),
+                Param("comb_weights", "ptr", "float32", align=4, writes=True),
+                Param("comb_tokens", "ptr", "int32", align=4, writes=True),
+                Param("comb_counts", "ptr", "int32", align=4, writes=True,
+                      min_elements=("ranks", 1)),
+                Param("chan_msgs", "ptr", "int32", align=4, writes=True,
+                      min_elements=("ranks", 1)),
+                Param("num_tokens", "i32"),
+                Param("max_tokens", "i32"),
+                Param("topk", "i32"),
+                Param("local_experts", "i32"),
+                Param("ranks", "i32"),
+                Param("my_rank", "i32"),
+                Param("shared", "i32"),
+                Param("skip_a2a", "i32"),
+                Param("shared_begin", "i32"),
+                Param("shared_end", "i32"),
+                Param("has_weights", "i32"),
+                Param("header_bytes", "i32"),
+                Param("source_stride", "i32"),
+                Param("load_bytes", "i32"),
+                Param("stage_bytes", "i32"),
+                Param("stage_batches", "i32"),
+                Param("payload_vectors", "i32"),
+                Param("scales_offset", "i32"),
+                Param("row_capacity", "i32"),
+                Param("segment_rows", "i32"),
+                Param("channels", "i32"),
+                Param("active", "i32"),
+                Param("headers_offset", "i64"),
+                Param("staging_offset", "i64"),
+                Param("counts_offset", "i64"),
+                Param("flags_offset", "i64"),
+                Param("counters_offset", "i64"),
+                Param("timeout_ns", "i64"),
+                Param("trace", "ptr", "int64", align=8, writes=True),
+                Param("tracing", "i32"),
+            ),
+            block=(self.threads, 1, 1),
+            grid=(GridRule(ceil_div=("active", 1)), GridRule(constant=1),
+                  GridRule(constant=1)),
+            smem_bytes=self.smem_bytes,
+            sizes=dict(LIMITS, row_align=self.row_align, vector_bytes=self.vector_bytes,
+                       recv_warps=self.recv_warps),
+        )
+
+    @cute.jit
+    def __call__(self, peer_bases: cute.Pointer, source: cute.Pointer,
+                 scale_source: cute.Pointer, scale_stride: Int32, topk_ids: cute.Pointer,
+                 topk_weights: cute.Pointer, streams: cute.Pointer, rounds: cute.Pointer,
+                 done: cute.Pointer, error: cute.Pointer, tokens: cute.Pointer,
+                 scales: cute.Pointer, scale_rows: cute.Pointer,
+                 scales_offsets: cute.Pointer, row_offsets: cute.Pointer,
+                 expert_ids: cute.Pointer, seg_counts: cute.Pointer, src_info: cute.Pointer,
+                 comb_rows: cute.Pointer, comb_weights: cute.Pointer, comb_tokens: cute.Pointer,
+                 comb_counts: cute.Pointer, chan_msgs: cute.Pointer, num_tokens: Int32,
+                 max_tokens: Int32, topk: Int32,
+                 local_experts: Int32, ranks: Int32, my_rank: Int32, shared: Int32,
+                 skip_a2a: Int32, shared_begin: Int32, shared_end: Int32, has_weights: Int32,
+                 header_bytes: Int32, source_stride: Int32, load_bytes: Int32,
+                 stage_bytes: Int32, stage_batches: Int32,
+                 payload_vectors: Int32, scales_offset: Int32, row_capacity: Int32,
+                 segment_rows: Int32,
+                 channels: Int32, active: Int32,
+                 headers_offset: Int64, staging_offset: Int64, counts_offset: Int64,
+                 flags_offset: Int64,
+                 counters_offset: Int64, timeout_ns: Int64, trace: cute.Pointer,
+                 tracing: Int32, stream):
+        self.kernel(peer_bases, source, scale_source, scale_stride, topk_ids, topk_weights,
+                    streams, rounds, done, error,
+                    tokens, scales, scale_rows, scales_offsets, row_offsets, expert_ids, seg_counts,
+                    src_info, comb_rows, comb_weights, comb_tokens, comb_counts, chan_msgs,
+                    num_tokens,
+                    max_tokens, topk, local_experts, ranks, my_rank, shared, skip_a2a,
+                    shared_begin, shared_end, has_weights, header_bytes, source_stride,
+                    load_bytes, stage_bytes, stage_batches, payload_vectors, scales_offset,
+                    row_capacity, segment_rows, channels, active,
+                    headers_offset, staging_offset, counts_offset, flags_offset,
+                    counters_offset, timeout_ns, trace, tracing,
+                    row_tiled_copy(WARP, Uint8, self.vector_bytes),
+                    row_tiled_copy(WARP, Uint8, 16)).launch(
+            grid=(active, 1, 1), block=(self.threads, 1, 1), smem=self.smem_bytes,
+            stream=stream)
+
+    @cute.kernel
+    def kernel(self, peer_bases: cute.Pointer, source: cute.Pointer,
+               scale_source: cute.Pointer, scale_stride: Int32, topk_ids: cute.Pointer,
+               topk_weights: cute.Pointer, streams: cute.Pointer, rounds: cute.Pointer,
+               done: cute.Pointer, error: cute.Pointer, tokens: cute.Pointer,
+               scales: cute.Pointer, scale_rows: cute.Pointer,
+               scales_offsets: cute.Pointer, row_offsets: cute.Pointer,
+               expert_ids: cute.Pointer, seg_counts: cute.Pointer, src_info: cute.Pointer,
+               comb_rows: cute.Pointer, comb_weights: cute.Pointer, comb_tokens: cute.Pointer,
+               comb_counts: cute.Pointer, chan_msgs: cute.Pointer, num_tokens: Int32,
+               max_tokens: Int32, topk: Int32, local_experts: Int32, ranks: Int32,
+               my_rank: Int32, shared: Int32,
+               skip_a2a: Int32, shared_begin: Int32, shared_end: Int32, has_weights: Int32,
+               header_bytes: Int32, source_stride: Int32, load_bytes: Int32,
+               stage_bytes: Int32, stage_batches: Int32,
+               payload_vectors: Int32, scales_offset: Int32, row_capacity: Int32,
+               segment_rows: Int32,
+               channels: Int32, active: Int32,
+               headers_offset: Int64, staging_offset: Int64, counts_offset: Int64,
+               flags_offset: Int64,
+               counters_offset: Int64, timeout_ns: Int64, trace: cute.Pointer, tracing: Int32,
+               warp_copy: cute.TiledCopy, send_copy: cute.TiledCopy):
+        tidx, _, _ = cute.arch.thread_idx()
+        channel, _, _ = cute.arch.block_idx()
+        warp = tidx // WARP
+        lane = tidx % WARP
+        experts = local_experts * ranks
+        segments = local_experts + shared
+        entries = COUNT_SEGMENTS + segments
+
+        smem = cutlass.memory.SmemAllocator()
+        s_cnt = smem.allocate_tensor(Int32, cute.make_layout(MAX_EXPERTS + 2 * MAX_RANKS + 8),
+                                     byte_alignment=16)
+        s_next = smem.allocate_tensor(Int32, cute.make_layout(self.recv_warps * MAX_SEGMENTS),
+                                      byte_alignment=16)
+        s_totals = smem.allocate_tensor(Int32, cute.make_layout(MAX_RANKS * MAX_SEGMENTS),
+                                        byte_alignment=16)
+        s_off = smem.allocate_tensor(Int32, cute.make_layout(MAX_SEGMENTS + 4), byte_alignment=16)
+        s_tot = smem.allocate_tensor(Int32, cute.make_layout(MAX_SEGMENTS + 4), byte_alignment=16)
+        s_raw = smem.allocate_tensor(Int32, cute.make_layout(MAX_SEGMENTS + 4), byte_alignment=16)
+        s_first = smem.allocate_tensor(Int32, cute.make_layout(MAX_SEGMENTS + 4),
+                                       byte_alignment=16)
+        s_src = smem.allocate_tensor(Int32, cute.make_layout(SRC_WORDS * MAX_RANKS),
+                                     byte_alignment=16)
+        s_rows = smem.allocate_tensor(Int32, cute.make_layout(self.recv_warps * SCRATCH),
+                                      byte_alignment=16)
+        s_wts = smem.allocate_tensor(
+            Float32, cute.make_layout(self.recv_warps * MAX_CHUNK * MAX_TOPK), byte_alignment=16)
+        # Per sender warp: the staging credit it has seen per destination, its times; per batch
+        # slot, the sender warps done with the batch it holds (`_send`).
+        s_arrive = smem.allocate_tensor(Int32, cute.make_layout(MAX_STAGE_BATCHES),
+                                        byte_alignment=16)
+        s_head = smem.allocate_tensor(Int64, cute.make_layout(SEND_WARPS * MAX_RANKS),
+                                      byte_alignment=16)
+        s_time = smem.allocate_tensor(Int64, cute.make_layout(SEND_WARPS * len(SEND_TIMES)),
+                                      byte_alignment=16)
+        s_tile = smem.allocate_tensor(Int32, cute.make_layout(self.tile_words), byte_alignment=16)
+        # Per receiver warp: PIECES pieces of messages, their mbarriers and what each holds.
+        pieces, piece = self.ring_shape
+        s_ring = smem.allocate_tensor(Uint8, cute.make_layout(pieces * piece), byte_alignment=128)
+        s_full = smem.allocate_array(Int64, pieces, byte_alignment=8)
+        s_piece = smem.allocate_tensor(Int32, cute.make_layout(pieces), byte_alignment=16)
+
+        if tidx == 0:
+            _stamp(trace, tracing, channel, "start", cute.arch.globaltimer())
+            # Maxima over warps, zeroed before any warp adds to them.
+            _stamp(trace, tracing, channel, "send_done", 0)
+            _stamp(trace, tracing, channel, "recv_wait_ns", 0)
+            _stamp(trace, tracing, channel, "first_batch", 0)
+            _stamp(trace, tracing, channel, "chunk_read", 0)
+            _stamp(trace, tracing, channel, "chunk_placed", 0)
+            _stamp(trace, tracing, channel, "chunk_stored", 0)
+            _stamp(trace, tracing, channel, "recv_done", 0)
+            _stamp(trace, tracing, channel, "rows_written", 0)
+            for f in cutlass.range_constexpr(len(SEND_TIMES)):
+                _stamp(trace, tracing, channel, SEND_TIMES[f], 0)
+        if tidx < MAX_STAGE_BATCHES:
+            s_arrive[tidx] = Int32(0)
+        if cutlass.const_expr(self.bulk):
+            if tidx == 0:
+                for i in cutlass.range(self.recv_warps * PIECES):
+                    cute.arch.mbarrier_init(s_full + i, 1)
+                cute.arch.mbarrier_init_fence()
+        peers = cute.make_tensor(peer_bases, cute.make_layout(ranks))
+        here = peers[my_rank]
+        epoch = cute.arch.load(rounds, Int64, sem="relaxed", scope="gpu") + 1
+        parity = Int32((epoch - 1) % 2)
+        counts_at = counts_layout(entries, channels, ranks)
+        flags_at = count_flags_layout(channels, ranks)
+        counters = counters_layout(channels, ranks)
+
+        t0, t1 = channel_tokens(channel, num_tokens, active)
+
+        # 1. Counts --------------------------------------------------------------------------
+        self._publish_counts(tidx, channel, t0, t1, topk_ids, topk, experts, local_experts,
+                             my_rank, skip_a2a, shared, shared_begin, shared_end, ranks, entries,
+                             peers, counts_offset, counts_at, flags_offset, flags_at, parity,
+                             epoch, active, error, s_cnt, trace, tracing)
+
+        # 2. Send ----------------------------------------------------------------------------
+        if warp < SEND_WARPS:
+            self._send(warp, lane, channel, t0, t1, peers, here, source, scale_source,
+                       scale_stride, topk_ids, topk_weights, streams, error, topk, ranks,
+                       my_rank, has_weights, header_bytes, source_stride, load_bytes,
+                       stage_bytes, stage_batches, channels, headers_offset, staging_offset,
+                       counters_offset, counters, timeout_ns, payload_vectors, scales_offset,
+                       send_copy, s_arrive, s_head, s_time, trace, tracing)
+
+        # 3. Receive -------------------------------------------------------------------------
+        if warp >= SEND_WARPS:
+            self._receive(tidx - SEND_WARPS * WARP, channel, peers, here, streams, error, tokens,
+                          scales, scale_rows, scales_offsets, row_offsets, expert_ids, seg_counts,
+                          src_info, comb_rows, comb_weights, comb_tokens, comb_counts, chan_msgs,
+                          max_tokens, topk, local_experts, ranks, my_rank, shared, skip_a2a,
+                          shared_begin, shared_end, header_bytes, stage_bytes, stage_batches,
+                          payload_vectors, scales_offset, row_capacity, segment_rows, channels,
+                          active, headers_offset, staging_offset, counts_offset, flags_offset,
+                          counters_offset, counters, counts_at, flags_at, parity, epoch,
+                          timeout_ns, s_next, s_totals, s_off, s_tot, s_raw, s_first, s_src,
+                          s_rows, s_wts, s_ring, s_full, s_piece, warp_copy, trace, tracing)
+
+        # The last CTA to finish advances the round.
+        cute.arch.sync_threads()
+        if tidx == 0:
+            cute.arch.fence_acq_rel_gpu()  # this CTA's rows before its arrival
+            old = cute.arch.atomic_add(done, Int32(1), sem="acq_rel", scope="gpu")
+            if old == active - 1:
+                cute.arch.store(done, Int32(0))
+                cute.arch.store(rounds, epoch, sem="release", scope="gpu")
+            _stamp(trace, tracing, channel, "round_done", cute.arch.globaltimer())
+        if cutlass.const_expr(self.fmt != "bf16"):
+            if segment_rows == 0:
+                # Every CTA's received scales are in scale_rows once the round has advanced:
+                # then all of them write the output's layout, a share each.
+                if tidx == 0:
+                    _wait_at_least(rounds.toint(), epoch, timeout_ns, error, my_rank,
+                                   Int32(PHASE_DISPATCH))
+                cute.arch.sync_threads()
+                self._write_scales(warp, lane, channel, active, scales, scale_rows, s_off, s_raw,
+                                   s_first, s_tile, local_experts + shared, row_capacity,
+                                   payload_vectors)
+        if tidx == 0:
+            _stamp(trace, tracing, channel, "end", cute.arch.globaltimer())
+
+
+def dispatch_kernels() -> list:
+    return [EpDispatch(f) for f in FORMATS]
+

@@ -1,0 +1,133 @@
+"""Constants, limits and the bounded wait shared by the phases of `ep_dispatch` (and by
+`ep_combine`, whose waits are the same)."""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Int64
+
+from kernels.memory import error_field, gmem_ptr, trace_word
+from layouts.buffers import ERROR_CHANNELS
+from layouts.channels import DISPATCH, HEADS, STAGE_BATCH_TOKENS, TRACE_FIELDS
+from layouts.formats import METADATA_FIELDS
+
+WARP = 32
+MAX_RANKS = 8
+MAX_TOPK = 16
+MAX_SEGMENTS = 272  # local experts + a shared expert, with slack
+MAX_EXPERTS = 2176  # MAX_RANKS x 272
+SEND_WARPS = 4
+# Receiver warps per CTA, by format. BF16 receivers move messages by bulk copies through shared
+# memory (218 KB of it); FP8 and NVFP4 ones through registers, so more warps keep more messages
+# in flight: 20 warps of a CTA fit 96 registers a thread (the block size caps them).
+RECV_WARPS = {"bf16": 8, "fp8": 16, "nvfp4": 16}
+BATCH = STAGE_BATCH_TOKENS  # tokens staged together: a header, tails and credit per batch
+MAX_STAGE_BATCHES = 16  # a channel's staging ring, in batches
+# 16-byte vectors per lane a sender warp loads before storing them (FP8 and NVFP4 messages of
+# H <= 8192 fit one tile of 16), and the vectors a receiver lane holds of a message (NVFP4's
+# 8-byte ones: a whole message up to H = 8192; FP8's 16-byte ones in tiles of 8, which keep 16
+# warps within 96 registers without spilling).
+SEND_VECTORS = {"bf16": 32, "fp8": 16, "nvfp4": 16}
+TILE_VECTORS = {"bf16": 16, "fp8": 8, "nvfp4": 16}
+MAX_CHUNK = 8  # tokens of a batch a receiver warp takes at once (BATCH in two chunks)
+COUNT_UNROLL = 8  # channels' count words a receiver thread loads at once (`_sum_counts`)
+SCALE_REGS = 4  # FP8 / NVFP4 scale words per lane a receiver loads with a message's payload
+# FP8 / NVFP4 scales go out through a tile per warp: up to TILE_ROWS rows of TILE_COLS words, a
+# row TILE_STRIDE words apart (one more than its words: no bank conflicts reading a column).
+TILE_ROWS, TILE_COLS = 128, 8
+TILE_STRIDE = TILE_COLS + 1
+SEND_BARRIER = 15  # the named barrier of the sender warps (receivers use 1 and 2 + source)
+# BF16: a receiver warp pulls messages through its own ring of PIECES shared-memory pieces of
+# PIECE bytes (bulk loads from the source's staging, bulk stores to the rows), LAG pieces in
+# flight ahead of the stores. (FP8 and NVFP4 messages, a half and a quarter as large with
+# scales that go to scattered words, move through registers: their bulk pulls measured slower.)
+PIECE = 4096
+PIECES = 5
+LAG = PIECES - 2
+ROWS = MAX_TOPK + 1  # rows a message can land in: its K experts and the shared expert
+FP8_BLOCK = 128
+NVFP4_BLOCK = 16
+FORMATS = ("bf16", "fp8", "nvfp4")
+PHASE_DISPATCH = 1  # the error record's phase (layouts.buffers.PHASES order, 1-based)
+FLAG_ROUND = 256  # a count flag holds epoch * FLAG_ROUND + the channels its source used
+IDS, WEIGHTS = METADATA_FIELDS.index("expert_ids"), METADATA_FIELDS.index("weights")
+LIMITS = {"max_ranks": MAX_RANKS, "max_topk": MAX_TOPK, "max_segments": MAX_SEGMENTS - 1,
+          "max_experts": MAX_EXPERTS, "max_stage_batches": MAX_STAGE_BATCHES,
+          "stage_batch": BATCH}
+# Per receiver warp, a chunk of a batch: its tokens' raw ids and local segment ids (by token of
+# the chunk); then by message (the tokens that come here, in order): the token of the chunk,
+# the source token, the staging slot, the rows and the scale rows.
+IDS_AT, SEGS_AT = 0, MAX_CHUNK * MAX_TOPK
+MAP_AT = 2 * MAX_CHUNK * MAX_TOPK
+TOKS_AT = MAP_AT + MAX_CHUNK
+STAGE_AT = TOKS_AT + MAX_CHUNK
+ROWS_AT = STAGE_AT + MAX_CHUNK
+SROWS_AT = ROWS_AT + MAX_CHUNK * ROWS
+SCRATCH = SROWS_AT + MAX_CHUNK * ROWS
+# s_src words per source: messages, messages of the channels before, messages in all, the
+# chunk decision of its first warp, tokens of its channel.
+SRC_WORDS = 5
+
+
+@cute.jit
+def _wait_at_least(addr, target, timeout_ns, error: cute.Pointer, missing, phase):
+    """Poll the 64-bit word at `addr` (system scope) until it reaches `target`, then read it once
+    more with acquire semantics. Returns (value, 1), or (value, 0) when `timeout_ns` passed
+    (recording `missing` and `phase` in the error record) or another wait of the layer already
+    failed (a missing rank, or ranks that split their tokens over different channels).
+
+    The first read is an acquire, so a word already there costs one load. The polls after it are
+    relaxed: an acquire load also invalidates the SM's L1 cache, which, once per poll of several
+    spinning warps, starves the SM's other warps; one acquire follows the last poll."""
+    word = gmem_ptr(Int64, addr, 8)
+    value = cute.arch.load(word, Int64, sem="acquire", scope="sys")
+    ok = Int32(1)
+    waited = Int32(0)
+    if value < target:
+        waited = Int32(1)
+        start = cute.arch.globaltimer()
+        while value < target and ok != 0:
+            value = cute.arch.load(word, Int64, sem="relaxed", scope="sys")
+            if value < target:
+                if cute.arch.load(error, Int32, sem="relaxed", scope="gpu") != 0 or \
+                        (cute.arch.load(error_field(error, "bad_counts"), Int32, sem="relaxed",
+                                        scope="gpu") & ERROR_CHANNELS) != 0:
+                    ok = Int32(0)
+                elif cute.arch.globaltimer() - start > timeout_ns:
+                    ok = Int32(0)
+                    old = cute.arch.atomic_cas(error, cmp=Int32(0), val=Int32(missing + 1),
+                                               sem="relaxed", scope="gpu")
+                    if old == 0:
+                        cute.arch.store(error_field(error, "phase"), Int32(phase))
+    if ok != 0 and waited != 0:
+        value = cute.arch.load(word, Int64, sem="acquire", scope="sys")
+    return value, ok
+
+
+@cute.jit
+def _await_credit(counters_at, counters, channel, d, need, s_head: cute.Tensor, at, timeout_ns,
+                  error: cute.Pointer):
+    """Wait until destination d's credit to `channel` (the messages it consumed: a word of this
+    rank's counters, which start at address `counters_at`; s_head[at] holds the last value
+    seen) reaches `need`. Returns 0 when the wait failed."""
+    ok = Int32(1)
+    if need > s_head[at]:
+        head, ok = _wait_at_least(
+            counters_at + Int64(counters((channel, d, HEADS, DISPATCH))) * 8, need, timeout_ns,
+            error, d, Int32(PHASE_DISPATCH))
+        s_head[at] = head
+    return ok
+
+
+@cute.jit
+def _stamp(trace: cute.Pointer, tracing, channel, field: cutlass.Constexpr, value):
+    """With tracing on, word `field` (TRACE_FIELDS) of this channel's trace = value."""
+    if tracing != 0:
+        cute.arch.store(trace_word(trace, channel, TRACE_FIELDS, field), Int64(value))
+
+
+@cute.jit
+def _stamp_max(trace: cute.Pointer, tracing, channel, field: cutlass.Constexpr, value):
+    """With tracing on, word `field` of this channel's trace = max(itself, value): the longest of
+    several warps (each field was zeroed at the kernel's start)."""
+    if tracing != 0:
+        cute.arch.atomic_max(trace_word(trace, channel, TRACE_FIELDS, field), Int64(value))

@@ -1,0 +1,619 @@
+"""Phase 3 of `ep_dispatch`, receive: the receiver warps derive the row layout from the counts,
+take each source's batches as its tail advances, read their headers, place every message in the
+rows of its local experts, pull the payload over NVLink and store it to each row (BF16 by bulk
+copies through shared-memory pieces, FP8 and NVFP4 through registers with their scales into
+`scale_rows`), record combine's routes and return credit."""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, Uint8
+
+from kernels.bulk_copy import bulk_load, bulk_store
+from kernels.copy import row_predicate
+from kernels.dispatch.common import (BATCH, FLAG_ROUND, FP8_BLOCK, IDS, IDS_AT, LAG, MAP_AT,
+                                     MAX_CHUNK, MAX_RANKS, MAX_SEGMENTS, MAX_TOPK, NVFP4_BLOCK,
+                                     PHASE_DISPATCH, PIECE, PIECES, ROWS, ROWS_AT, SCALE_REGS,
+                                     SCRATCH, SEGS_AT, SROWS_AT, STAGE_AT, TOKS_AT, WARP, WEIGHTS,
+                                     _stamp, _stamp_max, _wait_at_least)
+from kernels.memory import error_field, gmem_ptr, store_f32, store_i32
+from kernels.scan import warp_exclusive_scan
+from layouts.buffers import ERROR_CHANNELS, ERROR_COUNTS, scale_rows_layout
+from layouts.channels import (COUNT_MESSAGES, COUNT_SEGMENTS, COUNT_TOKENS, DISPATCH, HEADS, TAILS,
+                              batch_header_layout, channel_messages_layout, header_token_word,
+                              headers_layout, staging_layout)
+from layouts.scales import ATOM_ROWS
+
+
+class ReceivePhase:
+    """The receiver warps."""
+
+    @cute.jit
+    def _receive(self, rt, channel, peers: cute.Tensor, here, streams: cute.Pointer,
+                 error: cute.Pointer, tokens: cute.Pointer, scales: cute.Pointer,
+                 scale_rows: cute.Pointer,
+                 scales_offsets: cute.Pointer, row_offsets: cute.Pointer,
+                 expert_ids: cute.Pointer, seg_counts: cute.Pointer, src_info: cute.Pointer,
+                 comb_rows: cute.Pointer, comb_weights: cute.Pointer, comb_tokens: cute.Pointer,
+                 comb_counts: cute.Pointer, chan_msgs: cute.Pointer, max_tokens, topk,
+                 local_experts, ranks, my_rank, shared, skip_a2a, shared_begin, shared_end,
+                 header_bytes, stage_bytes, stage_batches, payload_vectors, scales_offset,
+                 row_capacity, segment_rows, channels, active, headers_offset, staging_offset,
+                 counts_offset, flags_offset, counters_offset, counters, counts_at, flags_at,
+                 parity, epoch, timeout_ns, s_next: cute.Tensor, s_totals: cute.Tensor,
+                 s_off: cute.Tensor, s_tot: cute.Tensor, s_raw: cute.Tensor, s_first: cute.Tensor,
+                 s_src: cute.Tensor, s_rows: cute.Tensor, s_wts: cute.Tensor,
+                 s_ring: cute.Tensor, s_full: cute.Pointer, s_piece: cute.Tensor,
+                 warp_copy: cute.TiledCopy, trace: cute.Pointer, tracing):
+        """The receiver warps (thread rt of recv_warps * 32)."""
+        threads = self.recv_threads
+        rwarp = rt // WARP
+        lane = rt % WARP
+        segments = local_experts + shared
+        # 3a. Every (channel, source)'s counts of this round. A source that split its tokens
+        # over another number of channels (another num_input_tokens) is reported, not waited
+        # for past its channels.
+        for i in cutlass.range(rt, ranks * active, threads):
+            s = i // active
+            c = i - s * active
+            flag, ok = _wait_at_least(here + flags_offset + Int64(flags_at((c, s, parity))) * 8,
+                                      epoch * FLAG_ROUND, timeout_ns, error, s,
+                                      Int32(PHASE_DISPATCH))
+            if ok != 0 and flag % FLAG_ROUND != Int64(active):
+                cute.arch.atomic_or(error_field(error, "bad_counts"), Int32(ERROR_CHANNELS),
+                                    sem="relaxed", scope="gpu")
+        cute.arch.barrier(barrier_id=1, number_of_threads=threads)
+        if rt == 0:
+            _stamp(trace, tracing, channel, "counts_arrived", cute.arch.globaltimer())
+        failed = cute.arch.load(error, Int32, sem="relaxed", scope="gpu") != 0 or \
+            (cute.arch.load(error_field(error, "bad_counts"), Int32, sem="relaxed",
+                            scope="gpu") & ERROR_CHANNELS) != 0
+        # Per source: messages of this channel, messages of the channels before it, in total;
+        # the tokens of its channel (so its batches).
+        if rt < ranks:
+            # Loaded whether or not the layer failed (they are this rank's own words), so the
+            # loads need not wait for the error words; a failed layer discards them unreported.
+            n = self._count(here, counts_offset, counts_at, COUNT_MESSAGES, channel, rt, parity)
+            ntok = self._count(here, counts_offset, counts_at, COUNT_TOKENS, channel, rt, parity)
+            before, total = self._sum_counts(here, counts_offset, counts_at, COUNT_MESSAGES, rt,
+                                             parity, channel, active, max_tokens, error, failed)
+            if failed:
+                n = Int32(0)
+                ntok = Int32(0)
+                before = Int32(0)
+                total = Int32(0)
+            else:
+                if n < 0 or n > max_tokens or ntok < n or ntok > max_tokens:
+                    cute.arch.atomic_or(error_field(error, "bad_counts"), Int32(ERROR_COUNTS),
+                                        sem="relaxed", scope="gpu")
+                    n = Int32(0)
+                    ntok = Int32(0)
+            if total > max_tokens:
+                cute.arch.atomic_or(error_field(error, "bad_counts"), Int32(ERROR_COUNTS),
+                                    sem="relaxed", scope="gpu")
+                n = Int32(0)
+                ntok = Int32(0)
+                total = Int32(0)
+            s_src[rt] = n
+            s_src[3 * MAX_RANKS + rt] = Int32(0)  # set once a warp of source rt gives up
+            s_src[4 * MAX_RANKS + rt] = ntok
+            cute.make_tensor(chan_msgs, channel_messages_layout(ranks, channels).to_cute())[
+                (rt, channel)] = n
+            s_src[MAX_RANKS + rt] = before
+            s_src[2 * MAX_RANKS + rt] = total
+        # Per (source, segment): rows before this channel's and in all, a thread each (the
+        # channels' counts loaded together); then per segment, the sources in order.
+        for i in cutlass.range(rt, ranks * segments, threads):
+            s = i // segments
+            g = i - s * segments
+            part, total = self._sum_counts(here, counts_offset, counts_at, COUNT_SEGMENTS + g,
+                                           s, parity, channel, active, max_tokens, error, failed)
+            if failed:
+                part = Int32(0)
+                total = Int32(0)
+            s_next[s * MAX_SEGMENTS + g] = part
+            s_totals[s * MAX_SEGMENTS + g] = total
+        cute.arch.barrier(barrier_id=1, number_of_threads=threads)
+        if rt == 0:
+            _stamp(trace, tracing, channel, "counts_summed", cute.arch.globaltimer())
+        for g in cutlass.range(rt, segments, threads):
+            run = Int32(0)
+            for s in cutlass.range(ranks):
+                s_next[s * MAX_SEGMENTS + g] = s_next[s * MAX_SEGMENTS + g] + run
+                run = run + s_totals[s * MAX_SEGMENTS + g]
+            s_raw[g] = run
+            if segment_rows > 0:
+                s_tot[g] = segment_rows  # slabs: every segment the worst case long
+            else:
+                s_tot[g] = (run + self.row_align - 1) // self.row_align * self.row_align
+            if cutlass.const_expr(self.fmt == "nvfp4"):
+                s_first[g] = (run + ATOM_ROWS - 1) // ATOM_ROWS
+        cute.arch.barrier(barrier_id=1, number_of_threads=threads)
+        if rwarp == 0:
+            warp_exclusive_scan(s_tot, s_off, segments, lane)
+            if cutlass.const_expr(self.fmt == "nvfp4"):
+                warp_exclusive_scan(s_first, s_first, segments, lane)
+        cute.arch.barrier(barrier_id=1, number_of_threads=threads)
+        # The segment offsets (and nvfp4 scale blocks), once per rank; padding, shared out.
+        if channel == 0:
+            offsets = cute.make_tensor(row_offsets, cute.make_layout(segments + 1))
+            for g in cutlass.range(rt, segments + 1, threads):
+                offsets[g] = s_off[g]
+            for g in cutlass.range(rt, segments, threads):
+                cute.make_tensor(expert_ids, cute.make_layout(segments))[g] = g - shared
+                cute.make_tensor(seg_counts, cute.make_layout(segments))[g] = s_raw[g]
+                if cutlass.const_expr(self.fmt == "nvfp4"):
+                    cute.make_tensor(scales_offsets, cute.make_layout(segments))[g] = \
+                        s_first[g] - s_off[g] // ATOM_ROWS
+            for s in cutlass.range(rt, ranks, threads):
+                cute.make_tensor(comb_counts, cute.make_layout(ranks))[s] = \
+                    s_src[2 * MAX_RANKS + s]
+        payload_bytes = Int64(payload_vectors) * self.vector_bytes
+        blocks = payload_vectors * self.vector_bytes // FP8_BLOCK
+        scale_cols = payload_vectors * self.vector_bytes * 2 // NVFP4_BLOCK
+        rk = (scale_cols + 3) // 4
+        # Padding: the receiver warps of every channel take a segment each in turn.
+        if cutlass.const_expr(self.row_align > 1):
+            if segment_rows == 0:  # slabs leave the rows past a segment's count undefined
+                self._zero_row_padding(channel * self.recv_warps + rwarp,
+                                       active * self.recv_warps, lane, tokens, scale_rows,
+                                       src_info, s_off, s_raw, segments, payload_bytes, blocks,
+                                       row_capacity)
+
+        # 3b. The messages of source s (warps rwarp = s, s + ranks, ... share them: each copies
+        # its share of every payload, the first of them does the rest).
+        # Warps per source: a chunk's messages go one per warp, so more warps than a chunk's
+        # messages would idle (the rest of the warps then have no source).
+        per_source = cutlass.min(self.recv_warps // ranks, MAX_CHUNK)
+        s = rwarp % ranks
+        sub = rwarp // ranks
+        for i in cutlass.range(rt, ranks * segments, threads):
+            s_next[(i // segments) * MAX_SEGMENTS + i % segments] += s_off[i % segments]
+        cute.arch.barrier(barrier_id=1, number_of_threads=threads)
+        if sub > 0 and sub < per_source:
+            # This warp's own copy of the next free row of each segment for source s (warp s
+            # keeps source s's in place).
+            for g in cutlass.range(lane, segments, WARP):
+                s_next[rwarp * MAX_SEGMENTS + g] = s_next[s * MAX_SEGMENTS + g]
+        cute.arch.barrier(barrier_id=1, number_of_threads=threads)
+        if rt == 0:
+            _stamp(trace, tracing, channel, "layout_ready", cute.arch.globaltimer())
+        if sub < per_source:
+            self._expand(lane, sub, per_source, s, channel, peers, here, streams, error, tokens,
+                         scales, scale_rows, segment_rows, src_info, comb_rows, comb_weights,
+                         comb_tokens, max_tokens, topk, local_experts, ranks, my_rank, shared,
+                         skip_a2a, shared_begin, shared_end, header_bytes, stage_bytes,
+                         stage_batches, payload_vectors,
+                         scales_offset, row_capacity, channels, headers_offset, staging_offset,
+                         counters_offset, counters, timeout_ns, s_next, s_off, s_first, s_src,
+                         s_rows, s_wts, s_ring, s_full, s_piece, rwarp, warp_copy,
+                         payload_bytes, blocks, scale_cols, rk, trace, tracing)
+
+    @cute.jit
+    def _expand(self, lane, sub, per_source, s, channel, peers: cute.Tensor, here,
+                streams: cute.Pointer, error: cute.Pointer, tokens: cute.Pointer,
+                scales: cute.Pointer, scale_rows: cute.Pointer, segment_rows,
+                src_info: cute.Pointer, comb_rows: cute.Pointer,
+                comb_weights: cute.Pointer, comb_tokens: cute.Pointer, max_tokens, topk,
+                local_experts, ranks, my_rank, shared, skip_a2a, shared_begin, shared_end,
+                header_bytes, stage_bytes, stage_batches, payload_vectors, scales_offset,
+                row_capacity, channels, headers_offset, staging_offset, counters_offset,
+                counters, timeout_ns, s_next: cute.Tensor, s_off: cute.Tensor,
+                s_first: cute.Tensor, s_src: cute.Tensor, s_scratch: cute.Tensor,
+                s_wts: cute.Tensor, s_ring: cute.Tensor, s_full: cute.Pointer,
+                s_piece: cute.Tensor, rwarp, warp_copy: cute.TiledCopy, payload_bytes, blocks,
+                scale_cols, rk, trace: cute.Pointer, tracing):
+        """One warp of source s: s's batches of this channel in order, once each is published,
+        until the last message from s has landed. Every warp of s reads the batch's header and
+        places the rows of its messages (so each keeps the same next-row counters), MAX_CHUNK
+        tokens at a time; message m of a chunk is then pulled from the source's staging by warp
+        m % per_source and stored to its rows. The warps of s meet at a named barrier after
+        each batch, which then goes back to s."""
+        stage = staging_layout(stage_bytes, stage_batches * BATCH, channels)
+        headers = headers_layout(header_bytes, stage_batches, channels)
+        hdr = batch_header_layout(topk)
+        n = s_src[s]
+        first_msg = s_src[MAX_RANKS + s]
+        ntok = s_src[4 * MAX_RANKS + s]
+        batches = (ntok + BATCH - 1) // BATCH
+        consumed = cute.arch.load(gmem_ptr(Int64, streams.toint() + Int64(
+            counters((channel, s, HEADS, DISPATCH))) * 8, 8), Int64)
+        tail_word = here + counters_offset + Int64(counters((channel, s, TAILS, DISPATCH))) * 8
+        head_word = peers[s] + counters_offset + Int64(
+            counters((channel, my_rank, HEADS, DISPATCH))) * 8
+        staging = peers[s] + staging_offset
+        scratch = rwarp * SCRATCH
+        wts = rwarp * MAX_CHUNK * MAX_TOPK
+        next_at = rwarp * MAX_SEGMENTS
+        lo = my_rank * local_experts
+        vec = self.vector_bytes
+        layout = cute.make_layout((payload_vectors, vec), stride=(vec, 1))
+        tiler = (WARP * self.tile_vectors, vec)
+        g_crd = cute.zipped_divide(cute.make_identity_tensor(layout.shape), tiler)
+        thr = warp_copy.get_slice(lane)
+        tiles = cute.ceil_div(payload_vectors, WARP * self.tile_vectors)
+        # BF16 rows (16-byte multiples: H is a multiple of 8) move by bulk copies through the
+        # warp's pieces.
+        pieces = Int32((payload_bytes + PIECE - 1) // PIECE)
+        pieces_at = s_ring.iterator + rwarp * PIECES * PIECE
+        full = s_full + rwarp * PIECES
+        held = rwarp * PIECES  # s_piece words: what each piece of the ring holds
+        issued = Int32(0)  # pieces loaded and stored by this warp, over the whole stream
+        drained = Int32(0)
+        tail = consumed
+        alive = Int32(1)
+        waited = Int64(0)
+        placed = Int32(0)  # messages of s this warp has seen
+        i = Int32(0)
+        while i < batches and placed < n:
+            at = consumed + Int64(i)
+            # Every warp of s waits for the batch itself (one lane polls).
+            if lane == 0:
+                if tail <= at and alive != 0:
+                    start = Int64(0)
+                    if tracing != 0:
+                        start = cute.arch.globaltimer()
+                    tail, alive = _wait_at_least(tail_word, at + 1, timeout_ns, error, s,
+                                                 Int32(PHASE_DISPATCH))
+                    if tracing != 0:
+                        waited = waited + cute.arch.globaltimer() - start
+            alive = cute.arch.shuffle_sync(alive, 0)
+            if lane == 0 and i == 0:
+                _stamp_max(trace, tracing, channel, "first_batch", cute.arch.globaltimer())
+            if alive != 0:
+                slot = Int32(at % Int64(stage_batches))
+                head = cute.make_tensor(gmem_ptr(Int32, peers[s] + headers_offset + Int64(
+                    headers((0, slot, channel))), 16), cute.make_layout(
+                    header_token_word(topk, BATCH)))
+                head_f = cute.make_tensor(gmem_ptr(Float32, head.iterator.toint(), 16),
+                                          cute.make_layout(header_token_word(topk, BATCH)))
+                if cutlass.const_expr(self.bulk):
+                    if lane == 0:
+                        cute.arch.fence_proxy("async.global")  # the tail's acquire, then bulk
+                in_batch = cutlass.min(Int32(BATCH), ntok - i * BATCH)
+                for h in cutlass.range(0, in_batch, MAX_CHUNK):
+                    hn = cutlass.min(Int32(MAX_CHUNK), in_batch - h)
+                    # The chunk's ids and weights (loads into shared memory, all in flight
+                    # together) and source tokens.
+                    for w in cutlass.range(lane, hn * topk, WARP, unroll=4):
+                        c = w // topk
+                        k = w - c * topk
+                        s_scratch[scratch + IDS_AT + w] = head[hdr((k, IDS, h + c))]
+                        s_wts[wts + w] = head_f[hdr((k, WEIGHTS, h + c))]
+                    tok = Int32(-1)
+                    if lane < hn:
+                        tok = head[header_token_word(topk, h + lane)]
+                    cute.arch.sync_warp()
+                    # Each (token, k)'s local segment: -1 for another rank's expert, an id
+                    # outside the experts, or a later k naming an expert an earlier k named
+                    # (the sender counted the same pairs).
+                    for w in cutlass.range(lane, hn * topk, WARP):
+                        c = w // topk
+                        k = w - c * topk
+                        e = s_scratch[scratch + IDS_AT + w]
+                        g = Int32(-1)
+                        if e >= lo and e < lo + local_experts:
+                            g = e - lo + shared
+                            for k2 in cutlass.range(k):
+                                if s_scratch[scratch + IDS_AT + c * topk + k2] == e:
+                                    g = Int32(-1)
+                        if skip_a2a != 0 and s != my_rank:
+                            g = Int32(-1)
+                        s_scratch[scratch + SEGS_AT + w] = g
+                    cute.arch.sync_warp()
+                    # The chunk's messages: its tokens with a segment here, or this rank's
+                    # own shared-expert tokens, in order.
+                    comes = Int32(0)
+                    if lane < hn:
+                        for k in cutlass.range(topk):
+                            if s_scratch[scratch + SEGS_AT + lane * topk + k] >= 0:
+                                comes = Int32(1)
+                        if shared != 0 and s == my_rank and tok >= shared_begin and \
+                                tok < shared_end:
+                            comes = Int32(1)
+                    ballot = cute.arch.vote_ballot_sync(comes != 0)
+                    cnt = cute.arch.popc(ballot)
+                    if placed + cnt > n:  # more than the counts said: never past them
+                        cute.arch.atomic_or(error_field(error, "bad_counts"),
+                                            Int32(ERROR_COUNTS), sem="relaxed", scope="gpu")
+                        cnt = n - placed
+                    m_of = cute.arch.popc(ballot & ((Int32(1) << lane) - 1))
+                    if comes != 0 and m_of < cnt:
+                        if tok < 0 or tok >= max_tokens:
+                            cute.arch.atomic_or(error_field(error, "bad_counts"),
+                                                Int32(ERROR_COUNTS), sem="relaxed", scope="gpu")
+                            tok = Int32(0)
+                        s_scratch[scratch + MAP_AT + m_of] = lane
+                        s_scratch[scratch + TOKS_AT + m_of] = tok
+                        s_scratch[scratch + STAGE_AT + m_of] = slot * BATCH + h + lane
+                    cute.arch.sync_warp()
+                    if lane == 0 and i == 0 and h == 0:
+                        _stamp_max(trace, tracing, channel, "chunk_read",
+                                   cute.arch.globaltimer())
+                    issued, drained = self._place(
+                        lane, sub, per_source, s, cnt, first_msg + placed, topk, max_tokens,
+                        my_rank, shared, shared_begin, shared_end, staging, stage, channel,
+                        tokens, scales, scale_rows, segment_rows, src_info, comb_rows,
+                        comb_weights, comb_tokens, scales_offset, row_capacity, s_next, s_off,
+                        s_first, s_scratch, s_wts, scratch, wts,
+                        next_at, pieces_at, full, s_piece, held, pieces, payload_bytes, blocks,
+                        scale_cols, rk, layout, tiler, g_crd, thr, tiles, warp_copy,
+                        payload_vectors, issued, drained, trace, tracing,
+                        Int32(i == 0 and h == 0))
+                    if cutlass.const_expr(self.bulk):
+                        # All of the chunk's pieces have landed (and their row stores are
+                        # issued) before the batch is credited.
+                        while drained < issued:
+                            drained = self._store_piece(lane, drained, payload_bytes, pieces_at,
+                                                        full, s_piece, held, tokens, topk,
+                                                        s_scratch, scratch)
+                    if lane == 0 and i == 0 and h == 0:
+                        _stamp_max(trace, tracing, channel, "chunk_stored",
+                                   cute.arch.globaltimer())
+                    placed = placed + cnt
+            if per_source > 1:
+                # The warps of s agree on going on: a warp whose wait failed says so before the
+                # barrier (the word is only ever set in this kernel).
+                if alive == 0 and lane == 0:
+                    s_src[3 * MAX_RANKS + s] = Int32(1)
+                cute.arch.barrier(barrier_id=2 + s, number_of_threads=WARP * per_source)
+                if s_src[3 * MAX_RANKS + s] != 0:
+                    alive = Int32(0)
+            if alive == 0:
+                placed = n  # a rank timed out: the rest of this stream is given up
+            elif sub == 0 and lane == 0:
+                # Every warp of s is done with the batch: its slot goes back to s. Relaxed: its
+                # header and payloads are loaded (their values in shared memory or stored to
+                # rows), which is all the source needs; a release would also wait until the
+                # row stores are acknowledged.
+                cute.arch.store(gmem_ptr(Int64, head_word, 8), at + 1, sem="relaxed",
+                                scope="sys")
+            i = i + 1
+        # The batches past s's last message here are not read at all: they all go back to s.
+        if placed < n and alive != 0:  # the batches held fewer messages than the counts said
+            if lane == 0:
+                cute.arch.atomic_or(error_field(error, "bad_counts"), Int32(ERROR_COUNTS),
+                                    sem="relaxed", scope="gpu")
+        if sub == 0 and lane == 0 and alive != 0:
+            cute.arch.store(gmem_ptr(Int64, head_word, 8), consumed + Int64(batches),
+                            sem="relaxed", scope="sys")
+            cute.arch.store(gmem_ptr(Int64, streams.toint() + Int64(
+                counters((channel, s, HEADS, DISPATCH))) * 8, 8), consumed + Int64(batches))
+        if lane == 0:
+            _stamp_max(trace, tracing, channel, "recv_done", cute.arch.globaltimer())
+        if cutlass.const_expr(self.bulk):
+            if lane == 0:
+                cute.arch.cp_async_bulk_wait_group(0)  # the rows are written before the CTA ends
+        if lane == 0:
+            _stamp_max(trace, tracing, channel, "rows_written", cute.arch.globaltimer())
+        if sub == 0 and lane == 0:
+            _stamp_max(trace, tracing, channel, "recv_wait_ns", waited)
+
+    @cute.jit
+    def _place(self, lane, sub, per_source, s, cnt, first, topk, max_tokens, my_rank, shared,
+               shared_begin, shared_end, staging, stage, channel, tokens: cute.Pointer,
+               scales: cute.Pointer, scale_rows: cute.Pointer, segment_rows,
+               src_info: cute.Pointer, comb_rows: cute.Pointer, comb_weights: cute.Pointer,
+               comb_tokens: cute.Pointer, scales_offset, row_capacity, s_next: cute.Tensor,
+               s_off: cute.Tensor, s_first: cute.Tensor, s_scratch: cute.Tensor,
+               s_wts: cute.Tensor, scratch, wts, next_at, pieces_at: cute.Pointer,
+               full: cute.Pointer, s_piece: cute.Tensor, held, pieces, payload_bytes, blocks,
+               scale_cols, rk, layout, tiler, g_crd, thr, tiles, warp_copy: cute.TiledCopy,
+               payload_vectors, issued, drained, trace: cute.Pointer, tracing, first_chunk):
+        """A chunk's `cnt` messages (messages first .. first + cnt - 1 of source s here): their
+        rows, message by message (the experts of one message differ, so its lanes never share a
+        counter; a warp barrier between messages); what combine needs of them (the first warp of
+        s); then this warp's messages m = sub, sub + per_source, ... pulled from the source's
+        staging into their rows.
+        Returns the warp's (issued, drained) pieces of the bulk path."""
+        vec = self.vector_bytes
+        for m in cutlass.range(cnt):
+            c = s_scratch[scratch + MAP_AT + m]
+            row = Int32(-1)
+            if lane < topk:
+                g = s_scratch[scratch + SEGS_AT + c * topk + lane]
+                if g >= 0:
+                    row = s_next[next_at + g]
+                    s_next[next_at + g] = row + 1
+                    if cutlass.const_expr(self.fmt == "nvfp4"):
+                        s_scratch[scratch + SROWS_AT + m * ROWS + lane] = \
+                            row - s_off[g] + s_first[g] * ATOM_ROWS
+            if lane == topk:
+                tok = s_scratch[scratch + TOKS_AT + m]
+                if shared != 0 and s == my_rank and tok >= shared_begin and tok < shared_end:
+                    row = tok - shared_begin  # segment 0: this rank's tokens in order
+                if cutlass.const_expr(self.fmt == "nvfp4"):
+                    s_scratch[scratch + SROWS_AT + m * ROWS + lane] = row
+            if lane <= topk:
+                s_scratch[scratch + ROWS_AT + m * ROWS + lane] = row
+            # The next message's lanes read counters this one's lanes just wrote (the same
+            # expert under another k): ordered by the warp barrier, not by lockstep.
+            cute.arch.sync_warp()
+        if sub == 0:
+            self._record(lane, s, first, cnt, topk, max_tokens, src_info, comb_rows,
+                         comb_weights, comb_tokens, s_scratch, s_wts, scratch, wts)
+        if lane == 0 and first_chunk != 0:
+            _stamp_max(trace, tracing, channel, "chunk_placed", cute.arch.globaltimer())
+        if cutlass.const_expr(self.bulk):
+            # Every piece of this warp's messages of the chunk through the warp's ring.
+            for m in cutlass.range(sub, cnt, per_source):
+                msg = staging + Int64(stage((0, s_scratch[scratch + STAGE_AT + m], channel)))
+                for p in cutlass.range(pieces):
+                    issued, drained = self._pull_piece(
+                        lane, msg, m, p, issued, drained, payload_bytes, pieces_at, full,
+                        s_piece, held, tokens, topk, s_scratch, scratch)
+        else:
+            for m in cutlass.range(sub, cnt, per_source):
+                msg = staging + Int64(stage((0, s_scratch[scratch + STAGE_AT + m], channel)))
+                rows_at = scratch + ROWS_AT + m * ROWS
+                scale_words = blocks if self.fmt == "fp8" else rk
+                sregs = self._load_scales(lane, msg, scales_offset, scale_words, scale_cols)
+                g_src = cute.zipped_divide(cute.make_tensor(gmem_ptr(Uint8, msg, 16), layout),
+                                           tiler)
+                for tile in cutlass.range(tiles):
+                    pred = row_predicate(thr.partition_S(g_crd[((None, None), tile)]),
+                                         payload_vectors)
+                    t_src = thr.partition_S(g_src[((None, None), tile)])
+                    regs = cute.make_fragment_like(t_src)
+                    cute.copy(warp_copy, t_src, regs, pred=pred)
+                    for k in cutlass.range(topk + 1):
+                        r = s_scratch[rows_at + k]
+                        if r >= 0:
+                            g_dst = cute.zipped_divide(cute.make_tensor(gmem_ptr(
+                                Uint8, tokens.toint() + Int64(r) * payload_bytes, vec),
+                                layout), tiler)
+                            cute.copy(warp_copy, regs,
+                                      thr.partition_D(g_dst[((None, None), tile)]),
+                                      pred=row_predicate(
+                                          thr.partition_S(g_crd[((None, None), tile)]),
+                                          payload_vectors))
+                self._store_scales(lane, msg, sregs, scales, scale_rows, segment_rows,
+                                   scales_offset, row_capacity, topk, scale_words, scale_cols,
+                                   rk, s_scratch, rows_at, scratch + SROWS_AT + m * ROWS)
+        return issued, drained
+
+    @cute.jit
+    def _pull_piece(self, lane, msg, m, p, issued, drained, payload_bytes, ring: cute.Pointer,
+                    full: cute.Pointer, s_piece: cute.Tensor, held, tokens: cute.Pointer, topk,
+                    s_scratch: cute.Tensor, scratch):
+        """Bulk-load piece p of message m of the chunk (staged at `msg`) into the warp's next
+        piece of shared memory once the stores that read it last are done reading it; then
+        store the oldest piece if LAG pieces are in flight. Returns (issued, drained)."""
+        at = issued % PIECES
+        offset = Int64(p) * PIECE
+        nbytes = cutlass.min(Int32(PIECE), Int32(Int64(payload_bytes) - offset))
+        if lane == 0:
+            # Piece `issued - PIECES` last held this one; of the store groups committed since
+            # (one per piece drained), at most PIECES - 1 - LAG are newer than its own.
+            cute.arch.cp_async_bulk_wait_group(PIECES - 1 - LAG, read=True)
+            cute.arch.mbarrier_arrive_and_expect_tx(full + at, nbytes)
+            bulk_load(ring + at * PIECE, msg + offset, nbytes, full + at)
+        s_piece[held + at] = m * 64 + p  # (message of the chunk, piece): every lane writes it
+        cute.arch.sync_warp()  # ... before any lane reads it back in `_store_piece`
+        issued = issued + 1
+        if issued - drained > LAG:
+            drained = self._store_piece(lane, drained, payload_bytes, ring, full, s_piece, held,
+                                        tokens, topk, s_scratch, scratch)
+        return issued, drained
+
+    @cute.jit
+    def _store_piece(self, lane, drained, payload_bytes, ring: cute.Pointer, full: cute.Pointer,
+                     s_piece: cute.Tensor, held, tokens: cute.Pointer, topk,
+                     s_scratch: cute.Tensor, scratch):
+        """Wait for the warp's oldest piece in flight to land and bulk-store it to every row of
+        its message (one async group a piece). Returns drained + 1."""
+        at = drained % PIECES
+        cute.arch.mbarrier_wait(full + at, (drained // PIECES) % 2)
+        what = s_piece[held + at]
+        m = what // 64
+        rows_at = scratch + ROWS_AT + m * ROWS
+        if lane == 0:
+            offset = Int64(what - m * 64) * PIECE
+            nbytes = cutlass.min(Int32(PIECE), Int32(Int64(payload_bytes) - offset))
+            for k in cutlass.range(topk + 1):
+                r = s_scratch[rows_at + k]
+                if r >= 0:
+                    bulk_store(tokens.toint() + Int64(r) * payload_bytes + offset,
+                               ring + at * PIECE, nbytes)
+            cute.arch.cp_async_bulk_commit_group()
+        return drained + 1
+
+    @cute.jit
+    def _record(self, lane, s, first, cnt, topk, max_tokens, src_info: cute.Pointer,
+                comb_rows: cute.Pointer, comb_weights: cute.Pointer, comb_tokens: cute.Pointer,
+                s_scratch: cute.Tensor, s_wts: cute.Tensor, scratch, wts):
+        """What combine needs of the chunk's messages first .. first + cnt - 1 of source s (row
+        and weight per k, source token), and src_info of every row they filled (a message's
+        weights are those of its token of the chunk, `MAP_AT`)."""
+        for i in cutlass.range(lane, cnt * topk, WARP):
+            m = i // topk
+            k = i - m * topk
+            at = (Int64(s) * Int64(max_tokens) + Int64(first + m)) * Int64(topk) + Int64(k)
+            store_i32(comb_rows.toint() + at * 4, s_scratch[scratch + ROWS_AT + m * ROWS + k])
+            store_f32(comb_weights.toint() + at * 4,
+                      s_wts[wts + s_scratch[scratch + MAP_AT + m] * topk + k])
+        if lane < cnt:
+            store_i32(comb_tokens.toint()
+                      + (Int64(s) * Int64(max_tokens) + Int64(first + lane)) * 4,
+                      s_scratch[scratch + TOKS_AT + lane])
+        for i in cutlass.range(lane, cnt * (topk + 1), WARP):
+            m = i // (topk + 1)
+            k = i - m * (topk + 1)
+            r = s_scratch[scratch + ROWS_AT + m * ROWS + k]
+            if r >= 0:
+                slot = Int32(-1)
+                if k < topk:
+                    slot = k
+                store_i32(src_info.toint() + Int64(r) * 8, s_scratch[scratch + TOKS_AT + m])
+                store_i32(src_info.toint() + Int64(r) * 8 + 4, slot)
+
+    @cute.jit
+    def _load_scales(self, lane, msg, scales_offset, words, scale_cols):
+        """A message's scale words lane, lane + 32, ... (the first SCALE_REGS of each lane) into
+        registers, loaded before any of the message's stores so that they travel with its
+        payload's loads (NVFP4: a last partial word's padding bytes cleared)."""
+        sregs = cute.make_rmem_tensor(cute.make_layout(SCALE_REGS), Int32)
+        src = cute.make_tensor(gmem_ptr(Int32, msg + Int64(scales_offset), 16),
+                               cute.make_layout(words))
+        for q in cutlass.range_constexpr(SCALE_REGS):
+            c = lane + q * WARP
+            word = Int32(0)
+            if c < words:
+                word = self._scale_word(src[c], c, scale_cols)
+            sregs[q] = word
+        return sregs
+
+    @cute.jit
+    def _store_scales(self, lane, msg, sregs: cute.Tensor, scales: cute.Pointer,
+                      scale_rows: cute.Pointer, segment_rows, scales_offset, row_capacity, topk,
+                      words, scale_cols, rk, s_scratch: cute.Tensor, rows_at, srows_at):
+        """A message's scales into every row it filled: the words `_load_scales` holds, then any
+        beyond them, loaded here. Packed rows: into `scale_rows` (row r's words contiguous),
+        from which the dispatch's end writes the output's layout; slabs: straight into the
+        output (fp8: transposed [H / 128, rows])."""
+        src = cute.make_tensor(gmem_ptr(Int32, msg + Int64(scales_offset), 16),
+                               cute.make_layout(words))
+        for k in cutlass.range(topk + 1):
+            r = s_scratch[rows_at + k]
+            if r >= 0:
+                for q in cutlass.range_constexpr(SCALE_REGS):
+                    c = lane + q * WARP
+                    if c < words:
+                        self._store_scale(scales, scale_rows, segment_rows, c, sregs[q], r,
+                                          s_scratch[srows_at + k], row_capacity, rk, words)
+                for c in cutlass.range(lane + SCALE_REGS * WARP, words, WARP):
+                    self._store_scale(scales, scale_rows, segment_rows, c,
+                                      self._scale_word(src[c], c, scale_cols), r,
+                                      s_scratch[srows_at + k], row_capacity, rk, words)
+
+    @cute.jit
+    def _store_scale(self, scales: cute.Pointer, scale_rows: cute.Pointer, segment_rows, c, word,
+                     row, scale_row, row_capacity, rk, words):
+        """Scale word c of a row: packed, word c of row `row` of `scale_rows`; slabs (FP8 only),
+        block c's fp32 scale of row `row` in the transposed output."""
+        if segment_rows == 0:
+            store_i32(scale_rows.toint() + Int64(scale_rows_layout(words, row_capacity)(
+                (Int64(c), Int64(row)))) * 4, word)
+        else:
+            if cutlass.const_expr(self.fmt == "fp8"):
+                store_i32(scales.toint() + (Int64(c) * Int64(row_capacity) + Int64(row)) * 4,
+                          word)
+
+    @cute.jit
+    def _zero_row_padding(self, warp_id, warps, lane, tokens: cute.Pointer,
+                          scale_rows: cute.Pointer, src_info: cute.Pointer, s_off: cute.Tensor,
+                          s_raw: cute.Tensor, segments, payload_bytes, blocks, row_capacity):
+        """FP8: zero the alignment rows after each segment's rows (payload words, their scales in
+        `scale_rows`, src_info -1): warp `warp_id` of `warps` (every channel's receivers) takes
+        segments warp_id, warp_id + warps, ..., its lanes the segment's padding words."""
+        words = Int32(payload_bytes // 4)
+        for g in cutlass.range(warp_id, segments, warps):
+            pad_begin = s_off[g] + s_raw[g]
+            pad_rows = s_off[g + 1] - pad_begin
+            for i in cutlass.range(lane, pad_rows * words, WARP):
+                store_i32(tokens.toint() + Int64(pad_begin) * payload_bytes + Int64(i) * 4,
+                          Int32(0))
+            for i in cutlass.range(lane, pad_rows * blocks, WARP):
+                store_i32(scale_rows.toint() + Int64(scale_rows_layout(blocks, row_capacity)(
+                    (Int64(i % blocks), Int64(pad_begin + i // blocks)))) * 4, Int32(0))
+            for i in cutlass.range(lane, pad_rows * 2, WARP):
+                store_i32(src_info.toint() + Int64(pad_begin) * 8 + Int64(i) * 4, Int32(-1))
