@@ -376,7 +376,8 @@ def test_a_rank_that_never_arrives_raises_a_named_timeout(phase):
 
 def _slow_rank(rank, world, pause_s):
     """The last rank spends `pause_s` on the host between dispatch and combine (as a hot rank
-    checking its rows did); the others go straight on and wait for it in combine."""
+    checking its rows did); the others go straight on, and those whose tokens went to its
+    experts wait for it in combine. Returns (seconds, whether this rank needed it)."""
     import time
 
     from cute_ep.ep import Buffer
@@ -393,15 +394,27 @@ def _slow_rank(rank, world, pause_s):
         return real_combine(y, handle)
 
     buf.combine = combine_after_a_pause
+    tokens = [256, 1, 77, 256][:world] + [256] * (world - 4)
+    # Whether this rank's tokens have experts on the slow rank: then their rows come back from
+    # it, and combine must wait for it (the others' combines need nothing from it).
+    _, ids, _ = _inputs(cfg, 5, tokens)
+    needs_slow = bool((ids[rank].long() // cfg.local_experts == world - 1).any())
     start = time.monotonic()
-    _one_layer(buf, cfg, rank, 5, [256, 1, 77, 256][:world] + [256] * (world - 4))
-    return time.monotonic() - start
+    _one_layer(buf, cfg, rank, 5, tokens)
+    return time.monotonic() - start, needs_slow
 
 
 def test_a_rank_slow_between_dispatch_and_combine_is_waited_for():
+    """The last rank pauses 10 s on the host before its combine; every rank whose tokens went to
+    its experts waits for their rows (and `_one_layer` checks every rank's outputs exactly), at
+    any world size. A rank that needs nothing from it may finish first."""
     pause_s = 10.0
-    seconds = run_ranks(_slow_rank, pause_s=pause_s, limit_s=180)
-    assert all(s >= pause_s for s in seconds), seconds  # everyone really waited, exactly
+    results = run_ranks(_slow_rank, pause_s=pause_s, limit_s=180)
+    world = len(results)
+    waiting = [r for r, (_, needs) in enumerate(results) if needs and r != world - 1]
+    assert waiting, results  # the layer routes some rank's tokens to the slow rank
+    for rank in [*waiting, world - 1]:
+        assert results[rank][0] >= pause_s, (rank, results)  # really waited, exactly
 
 
 def _mismatch(rank, world):
