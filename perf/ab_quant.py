@@ -38,6 +38,24 @@ def parse_side(text: str) -> tuple[str, Path, Path]:
     return name, Path(tree), Path(library)
 
 
+def alternated(sides, runs: int):
+    """(run, name, tree, library) for every run of every side, sides alternated within a run,
+    with a progress bar."""
+    from rich.progress import track
+
+    steps = [(r, side) for r in range(runs) for side in sides]
+    for r, (name, tree, library) in track(steps, description="bench runs"):
+        yield r, name, tree, library
+
+
+def run_side(tree: Path, library: Path, cmd: list[str]) -> subprocess.CompletedProcess:
+    """`cmd` in a side's tree with its kernel library and its Python (`CUTE_EP_LIBRARY`,
+    `PYTHONPATH`), output captured."""
+    env = dict(os.environ, CUTE_EP_LIBRARY=str(library.resolve()),
+               PYTHONPATH=str(tree.resolve()))
+    return subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True, check=False)
+
+
 def percent_of_copy(runs: dict[str, list[list[dict]]]) -> dict[tuple, dict[str, list[float]]]:
     """{side: [records of run 1, run 2, ...]} -> {(kernel, I, L2): {side: [% of copy a run]}}, in
     the first side's record order."""
@@ -96,19 +114,13 @@ def main() -> None:
     runs: dict[str, list[list[dict]]] = {name: [] for name, _, _ in args.side}
     device = None
     from rich.console import Console
-    from rich.progress import track
     from rich.table import Table
 
     with tempfile.TemporaryDirectory() as tmp:
-        steps = [(r, side) for r in range(args.runs) for side in args.side]
-        for r, (name, tree, library) in track(steps, description="bench runs"):
+        for r, name, tree, library in alternated(args.side, args.runs):
             out = Path(tmp) / f"{name}-{r}.json"
-            env = dict(os.environ, CUTE_EP_LIBRARY=str(library.resolve()),
-                       PYTHONPATH=str(tree.resolve()))
-            cmd = [sys.executable, str((tree / "perf" / "bench_quant.py").resolve()),
-                   "--json", str(out), *extra]
-            done = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True,
-                                  check=False)
+            done = run_side(tree, library, [sys.executable, str(
+                (tree / "perf" / "bench_quant.py").resolve()), "--json", str(out), *extra])
             if done.returncode:
                 raise SystemExit(f"side {name}, run {r + 1}: bench_quant exited "
                                  f"{done.returncode}\n{done.stdout[-3000:]}{done.stderr[-3000:]}")

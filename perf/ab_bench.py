@@ -1,0 +1,102 @@
+"""Two or more builds of the transport side by side in `cute-ep bench`, runs alternated on the
+same GPUs (the sides see the same cards, clocks and NVLinks):
+
+    python perf/ab_bench.py --side main=TREE:LIBRARY --side new=.:build/lib-new [--runs 2]
+        [--json FILE] [-- BENCH ARGUMENTS]   (e.g. -- --formats bf16,fp8 --sms 24 --no-stages)
+
+A side is a name, a source tree (its `cute_ep`, whose Python drives its kernels) and a kernel
+library folder; each run calls every side's `cute-ep bench` once, in the order given, in its own
+processes (`CUTE_EP_LIBRARY` and `PYTHONPATH` set to the side's). The table gives, per operation,
+format and SM budget (and decode's CUDA-graph times), each side's slowest-rank time as the range
+over runs, and each later side's median change from the first; `--json` keeps every run's
+record. A tree without the change can be exported next to the working tree, e.g.
+`git archive main cute_ep perf kernels layouts | tar -x -C build/tree-main`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from ab_quant import alternated, parse_side, run_side, summary_rows  # noqa: E402
+
+DECODE = ("graph_dispatch_us", "graph_combine_us")
+
+
+def bench_times(record: dict) -> dict[tuple, float]:
+    """{(operation, format, SMs): the slowest rank's time in us} of a `cute-ep bench` record:
+    throughput dispatch and combine at each SM budget, decode's graph-replayed dispatch and
+    combine (SMs "decode")."""
+    from cute_ep.tools.plot import bench_series
+
+    out = {(phase, fmt, str(sms)): us
+           for (phase, fmt), points in bench_series(record)["series"].items()
+           for sms, us in points}
+    ranks = record["ranks"]
+    for fmt in ranks[0]["formats"]:
+        decode = [r["formats"][fmt].get("decode") for r in ranks]
+        if all(decode):
+            for key in DECODE:
+                out[(key.split("_")[1], fmt, "decode")] = max(d[key] for d in decode)
+    return out
+
+
+def collect(runs: dict[str, list[dict]]) -> dict[tuple, dict[str, list[float]]]:
+    """{side: [bench records]} -> {(operation, format, SMs): {side: [us a run]}}, in the first
+    side's order."""
+    table: dict[tuple, dict[str, list[float]]] = {}
+    for side, records in runs.items():
+        for record in records:
+            for key, us in bench_times(record).items():
+                table.setdefault(key, {}).setdefault(side, []).append(us)
+    return table
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    bench_args = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--side", type=parse_side, action="append", required=True,
+                   help="NAME=TREE:LIBRARY (two or more; the first is the baseline)")
+    p.add_argument("--runs", type=int, default=2)
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    if len(args.side) < 2 or len({s[0] for s in args.side}) != len(args.side):
+        p.error("give two or more sides with distinct names")
+    from rich.console import Console
+    from rich.table import Table
+
+    runs: dict[str, list[dict]] = {name: [] for name, _, _ in args.side}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r, name, tree, library in alternated(args.side, args.runs):
+            out = Path(tmp) / f"{name}-{r}"
+            done = run_side(tree, library, [sys.executable, "-m", "cute_ep.tools.cli", "bench",
+                                            "--out", str(out), *bench_args])
+            records = sorted(out.glob("bench-*.json"))
+            if done.returncode or not records:
+                raise SystemExit(f"side {name}, run {r + 1}: cute-ep bench exited "
+                                 f"{done.returncode}\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+            runs[name].append(json.loads(records[-1].read_text()))
+    sides = [name for name, _, _ in args.side]
+    first = runs[sides[0]][0]
+    view = Table(title=f"{first['gpus']} x {first['device']}: us per call (slowest rank), "
+                       f"{args.runs} runs a side, alternated ({', '.join(sides)})")
+    for col in ["operation", "format", "SMs", *sides, *(f"{s} - {sides[0]}" for s in sides[1:])]:
+        view.add_column(col, justify="left" if col in ("operation", "format") else "right")
+    for row in summary_rows(collect(runs), sides):
+        view.add_row(*row)
+    Console(width=160).print(view)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": first["device"], "gpus": first["gpus"], "argv": sys.argv[1:],
+                       "sides": {n: [str(t), str(lib)] for n, t, lib in args.side},
+                       "runs": runs}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

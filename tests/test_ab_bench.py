@@ -1,0 +1,80 @@
+"""perf/ab_bench.py: a bench record's slowest-rank times per (operation, format, SMs) and
+decode, gathered per side, and the summary's ranges and median changes."""
+
+import sys
+
+sys.path.insert(0, "perf")
+from ab_bench import bench_times, collect  # noqa: E402
+from ab_quant import summary_rows  # noqa: E402
+
+
+def _rank(dispatch, combine, decode):
+    sweep = [{"sms": sms, "dispatch_us": d, "combine_us": c}
+             for sms, d, c in zip((24, "all"), dispatch, combine)]
+    return {"formats": {"fp8": {"throughput": {"sweep": sweep, "nccl_all_to_all_us": 1.0},
+                                "decode": {"graph_dispatch_us": decode[0],
+                                           "graph_combine_us": decode[1]}}}}
+
+
+def _record(scale=1.0):
+    return {"config": {"sms_per_gpu": 132}, "gpus": 2, "device": "NVIDIA H100",
+            "ranks": [_rank((400 * scale, 200.0), (300.0, 150.0), (50.0, 30.0)),
+                      _rank((420 * scale, 190.0), (310.0, 160.0), (48.0, 33.0))]}
+
+
+def test_a_records_times_are_its_slowest_ranks():
+    assert bench_times(_record()) == {
+        ("dispatch", "fp8", "24"): 420.0, ("dispatch", "fp8", "132"): 200.0,
+        ("combine", "fp8", "24"): 310.0, ("combine", "fp8", "132"): 160.0,
+        ("dispatch", "fp8", "decode"): 50.0, ("combine", "fp8", "decode"): 33.0}
+
+
+def test_sides_runs_become_ranges_and_the_median_change():
+    table = collect({"main": [_record(), _record(1.5)], "new": [_record(0.5), _record(0.5)]})
+    assert table[("dispatch", "fp8", "24")] == {"main": [420.0, 630.0], "new": [210.0, 210.0]}
+    rows = summary_rows(table, ["main", "new"])
+    assert rows[0] == ["dispatch", "fp8", "24", "420.0-630.0", "210.0-210.0", "-315.0"]
+
+
+def test_each_side_runs_its_own_tree_and_library_alternated(tmp_path):
+    """The whole script against two stand-in trees whose `cute-ep bench` writes a record of its
+    side (the library it was given in CUTE_EP_LIBRARY) and logs the order of the runs."""
+    import json
+    import subprocess
+    from pathlib import Path
+
+    log = tmp_path / "order.log"
+    fake = f'''
+import json, os, sys
+from pathlib import Path
+argv = sys.argv[1:]
+out = Path(argv[argv.index("--out") + 1])
+out.mkdir(parents=True, exist_ok=True)
+library = os.environ["CUTE_EP_LIBRARY"]
+with open({str(log)!r}, "a") as f:
+    f.write(library + " " + " ".join(argv[argv.index("--out") + 2:]) + "\\n")
+us = 100.0 if library.endswith("lib-a") else 80.0
+rank = {{"formats": {{"bf16": {{"throughput": {{"nccl_all_to_all_us": 1.0, "sweep": [
+    {{"sms": 24, "dispatch_us": us, "combine_us": us / 2}}]}}}}}}}}
+(out / "bench-x.json").write_text(json.dumps({{"gpus": 2, "device": "GPU", "config": {{}},
+                                              "ranks": [rank, rank]}}))
+'''
+    for side in ("a", "b"):
+        cli = tmp_path / f"tree-{side}" / "cute_ep" / "tools" / "cli.py"
+        cli.parent.mkdir(parents=True)
+        for pkg in (cli.parent, cli.parent.parent):
+            (pkg / "__init__.py").write_text("")
+        cli.write_text(fake)
+    record = tmp_path / "ab.json"
+    sides = [a for s in ("a", "b")
+             for a in ("--side", f"{s}={tmp_path / f'tree-{s}'}:{tmp_path / f'lib-{s}'}")]
+    done = subprocess.run([sys.executable, "perf/ab_bench.py", *sides, "--runs", "2", "--json",
+                           str(record), "--", "--sms", "24"], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 0, done.stdout + done.stderr
+    order = [line.split()[0].rsplit("-", 1)[1] for line in log.read_text().splitlines()]
+    assert order == ["a", "b", "a", "b"]
+    assert all(line.endswith(" --sms 24") for line in log.read_text().splitlines())
+    runs = json.loads(record.read_text())["runs"]
+    assert [bench_times(r)[("dispatch", "bf16", "24")] for r in runs["b"]] == [80.0, 80.0]
+    assert "-20.0" in done.stdout  # b's median change from a, dispatch at 24 SMs
