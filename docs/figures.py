@@ -34,12 +34,13 @@ from matplotlib.patches import Rectangle, Wedge  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from cute_ep.tools.plot import (bench_figure, quant_records, quantize_figure,  # noqa: E402
+                                 save_figure)
 from layouts.channels import (STAGE_BATCH_TOKENS, ChannelGeometry,  # noqa: E402
                               channel_tokens)
 from layouts.config import EPConfig  # noqa: E402
 
 OUT = ROOT / "docs" / "figures"
-DPI = 110
 BENCH = "perf/results/bench-2026-11-26-2xH100.json"
 DECODE = "perf/results/emulated-2026-11-25-H200-nvfp4-scales.json"
 # The performance figures: (bench record, DeepEP record beside it); (quantize record, its entry,
@@ -137,10 +138,7 @@ def dispatch_timeline(record_path: str, fmt: str, sms, rank: int) -> Path:
                  f"rank, H={cfg['hidden']}, top-{cfg['topk']} of {cfg['experts']}; each stamp "
                  "is the latest channel's", fontsize=9.5)
     fig.tight_layout()
-    path = OUT / "dispatch-timeline.png"
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
-    return path
+    return save_figure(fig, OUT / "dispatch-timeline.png")
 
 
 def decode_timeline(record_path: str = DECODE, fmt: str = "bf16", ranks: int = 4) -> Path:
@@ -171,10 +169,7 @@ def decode_timeline(record_path: str = DECODE, fmt: str = "bf16", ranks: int = 4
     fig.suptitle(f"Every dispatch trace stamp: {record_path} (trace_run); each stamp is the "
                  "latest channel's", fontsize=9)
     fig.tight_layout()
-    path = OUT / "decode-timeline.png"
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
-    return path
+    return save_figure(fig, OUT / "decode-timeline.png")
 
 
 def _mib(n: int) -> str:
@@ -254,14 +249,11 @@ def rings(channels: int = 24) -> Path:
     writing = tail  # the batch the senders stage now (needs head >= writing - slots + 1)
     assert head >= writing - slots + 1
     staging, headers = geo.staging(), geo.headers()
+    slot_states = (("being staged", COLORS["send"]), ("staged, awaiting credit", COLORS["recv"]),
+                   ("credited: free", "#ffffff"))
     for slot in range(slots):
         held = max(p for p in range(writing + 1) if p % slots == slot)
-        if held == writing:
-            state, color = "being staged", COLORS["send"]
-        elif held >= head:
-            state, color = "staged, awaiting credit", COLORS["recv"]
-        else:
-            state, color = "credited: free", "#ffffff"
+        color = slot_states[0 if held == writing else 1 if held >= head else 2][1]
         a0 = 90 - 360 * (slot + 1) / slots
         ax.add_patch(Wedge((0, 0), 1.0, a0, a0 + 360 / slots, width=0.42, facecolor=color,
                            edgecolor="black", linewidth=0.6))
@@ -291,8 +283,8 @@ def rings(channels: int = 24) -> Path:
             f"(Combine's rings: {geo.ring_slots} bf16 rows per (channel, source).)",
             fontsize=7, va="top")
     handles = [Rectangle((0, 0), 1, 1, facecolor=c, edgecolor="black", linewidth=0.5)
-               for c in (COLORS["send"], COLORS["recv"], "#ffffff")]
-    ax.legend(handles, ["being staged", "staged, awaiting credit", "credited: free"],
+               for _, c in slot_states]
+    ax.legend(handles, [name for name, _ in slot_states],
               fontsize=7, loc="upper right", bbox_to_anchor=(1.12, 1.02))
     ax.set_xlim(-1.8, 1.8)
     ax.set_ylim(-2.25, 1.55)
@@ -301,10 +293,7 @@ def rings(channels: int = 24) -> Path:
     ax.set_title(f"channel 0's staging ring (stage_batches={slots}), an example state",
                  fontsize=9, loc="left")
     fig.tight_layout()
-    path = OUT / "rings.png"
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
-    return path
+    return save_figure(fig, OUT / "rings.png")
 
 
 def main(argv=None) -> int:
@@ -327,8 +316,6 @@ def main(argv=None) -> int:
 def performance_figures() -> list[Path]:
     """The bench figure (time against SM budget beside DeepEP and NCCL) and the quantize figure
     (each kernel's share of copy), as `cute-ep plot` draws them."""
-    from cute_ep.tools.plot import bench_figure, quant_records, quantize_figure
-
     figures = []
     for name, pair in BENCH_PAIRS.items():
         bench, deepep = (json.loads((ROOT / p).read_text()) for p in pair)

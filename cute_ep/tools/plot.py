@@ -23,6 +23,19 @@ DEEPEP_KEYS = {("dispatch", "bf16"): "dispatch_bf16", ("dispatch", "fp8"): "disp
                ("combine", "bf16"): "combine"}
 
 
+DPI = 110  # the figures' resolution (the documents' figures too: docs/figures.py)
+
+
+def save_figure(fig, path: str | Path) -> Path:
+    """Write `fig` to `path` as a PNG and release it."""
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return path
+
+
 def _pyplot():
     try:
         import matplotlib
@@ -84,10 +97,7 @@ def bench_figure(record: dict, path: str | Path, deepep: dict | None = None) -> 
                  f"{cfg['tokens']} tokens per rank, H {cfg['hidden']}, top-{cfg['topk']} of "
                  f"{cfg['experts']} experts", fontsize=10)
     fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def quant_records(data: dict, side: str | None = None, l2: str = "zero") -> list[dict]:
@@ -138,10 +148,7 @@ def quantize_figure(records: list[dict], path: str | Path, title: str) -> Path:
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def main(argv=None) -> int:
