@@ -29,7 +29,8 @@ from rich.markup import escape
 
 from layouts.abi import ARCHES, MANIFEST, MANIFEST_FORMAT, KernelSpec, library_dir
 
-REPO_FILES = Path(__file__).resolve().parent.parent
+KERNELS = Path(__file__).resolve().parent
+REPO_FILES = KERNELS.parent
 
 DSL_TYPES = {
     "uint8": cutlass.Uint8,
@@ -92,7 +93,6 @@ def package_version() -> str:
 def kernel_sources(kernel) -> list[Path]:
     """The `kernels/` files a kernel's class is built from: its module and, transitively, every
     `kernels` module it imports (a package's `__init__.py` and the submodules named)."""
-    here = Path(__file__).resolve().parent
     todo = [Path(inspect.getsourcefile(type(kernel))).resolve()]
     seen: list[Path] = []
     while todo:
@@ -101,11 +101,11 @@ def kernel_sources(kernel) -> list[Path]:
             continue
         seen.append(path)
         for dotted in re.findall(r"^from kernels\.([\w.]+) import", path.read_text(), re.M):
-            base = here.joinpath(*dotted.split("."))
+            base = KERNELS.joinpath(*dotted.split("."))
             todo += [p for p in (base.with_suffix(".py"), base / "__init__.py") if p.is_file()]
             # `from kernels.pkg.mod import` runs the package's __init__ too.
             for i in range(1, dotted.count(".") + 1):
-                init = here.joinpath(*dotted.split(".")[:i], "__init__.py")
+                init = KERNELS.joinpath(*dotted.split(".")[:i], "__init__.py")
                 if init.is_file():
                     todo.append(init)
     return seen
@@ -113,13 +113,11 @@ def kernel_sources(kernel) -> list[Path]:
 
 def source_digest(kernel) -> str:
     """Hash of every source file a kernel's cubin depends on, beside the DSL itself."""
-    files = [*sorted(kernel_sources(kernel)), Path(__file__)]
+    files = [*sorted(kernel_sources(kernel)), KERNELS / "build.py"]
     files += sorted((REPO_FILES / "layouts").glob("*.py"))
     h = hashlib.sha256()
-    here = Path(__file__).resolve().parent
-    for f in files:
-        name = str(f.resolve().relative_to(here)) if f.resolve().is_relative_to(here) else f.name
-        h.update(name.encode())
+    for f in files:  # kernels/ files by their path there (a package's modules share names)
+        h.update((str(f.relative_to(KERNELS)) if f.is_relative_to(KERNELS) else f.name).encode())
         h.update(f.read_bytes())
     return h.hexdigest()
 
