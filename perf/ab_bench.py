@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # this tree's cute_ep reads records
 from ab_quant import alternated, parse_side, run_side, summary_rows  # noqa: E402
 
 DECODE = ("graph_dispatch_us", "graph_combine_us")
@@ -72,17 +73,31 @@ def main() -> None:
     from rich.table import Table
 
     runs: dict[str, list[dict]] = {name: [] for name, _, _ in args.side}
+    failed: dict[str, str] = {}  # a side whose bench failed is reported and not run again
     with tempfile.TemporaryDirectory() as tmp:
         for r, name, tree, library in alternated(args.side, args.runs):
+            if name in failed:
+                continue
             out = Path(tmp) / f"{name}-{r}"
             done = run_side(tree, library, [sys.executable, "-m", "cute_ep.tools.cli", "bench",
                                             "--out", str(out), *bench_args])
             records = sorted(out.glob("bench-*.json"))
             if done.returncode or not records:
-                raise SystemExit(f"side {name}, run {r + 1}: cute-ep bench exited "
-                                 f"{done.returncode}\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+                failed[name] = (f"run {r + 1}: cute-ep bench exited {done.returncode}\n"
+                                f"{done.stdout[-3000:]}{done.stderr[-3000:]}")
+                print(f"side {name} failed ({failed[name]})", file=sys.stderr)
+                continue
             runs[name].append(json.loads(records[-1].read_text()))
-    sides = [name for name, _, _ in args.side]
+    sides = [name for name, _, _ in args.side if runs[name]]
+    if not sides or sides[0] != args.side[0][0]:
+        raise SystemExit(f"the baseline side {args.side[0][0]} failed: {failed}")
+    runs = {name: runs[name] for name in sides}
+    if args.json:
+        with open(args.json, "w") as f:
+            first = runs[sides[0]][0]
+            json.dump({"device": first["device"], "gpus": first["gpus"], "argv": sys.argv[1:],
+                       "sides": {n: [str(t), str(lib)] for n, t, lib in args.side},
+                       "failed": failed, "runs": runs}, f, indent=1)
     first = runs[sides[0]][0]
     view = Table(title=f"{first['gpus']} x {first['device']}: us per call (slowest rank), "
                        f"{args.runs} runs a side, alternated ({', '.join(sides)})")
@@ -91,11 +106,6 @@ def main() -> None:
     for row in summary_rows(collect(runs), sides):
         view.add_row(*row)
     Console(width=160).print(view)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": first["device"], "gpus": first["gpus"], "argv": sys.argv[1:],
-                       "sides": {n: [str(t), str(lib)] for n, t, lib in args.side},
-                       "runs": runs}, f, indent=1)
 
 
 if __name__ == "__main__":
