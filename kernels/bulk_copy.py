@@ -103,11 +103,16 @@ def _whole(tensor):
 
 
 class BulkSend:
-    def __init__(self, chunk_bytes: int = 16384, stages: int = 8):
+    def __init__(self, chunk_bytes: int = 16384, stages: int = 8, pull: bool = False):
+        """`pull`: the same all-to-all driven by the receiver: each CTA bulk-loads its chunks
+        from the peers' buffers (`peer_bases[s]`, laid out by destination) into shared memory
+        and bulk-stores them into this rank's buffer (`src`, laid out by source): the two
+        directions a transport can move its payloads over NVLink, side by side."""
         if stages < 2:
             raise ValueError("bulk_send needs at least 2 stages")
         self.chunk_bytes = chunk_bytes
         self.stages = stages
+        self.pull = pull
 
     @property
     def smem_bytes(self) -> int:
@@ -116,7 +121,8 @@ class BulkSend:
     def spec(self) -> KernelSpec:
         return KernelSpec(
             family=FAMILY,
-            config={"chunk_bytes": self.chunk_bytes, "stages": self.stages},
+            config={"chunk_bytes": self.chunk_bytes, "stages": self.stages,
+                    "pull": int(self.pull)},
             params=(
                 Param("peer_bases", "ptr", "int64", align=8, min_elements=("ranks", 1)),
                 Param("src", "ptr", "uint8", align=16),
@@ -164,6 +170,8 @@ class BulkSend:
                     dest = (item + my_rank) % ranks
                     s = i % stages
                     g = _gmem(src.toint() + Int64(layout((0, item // ranks, dest))), chunk)
+                    if cutlass.const_expr(self.pull):  # `dest` is the source rank here
+                        g = _gmem(peers[dest] + Int64(layout((0, item // ranks, my_rank))), chunk)
                     cute.arch.mbarrier_arrive_and_expect_tx(full + s, chunk)
                     cute.copy(load, _whole(g), _whole(ring[None, s]), mbar_ptr=full + s)
                 j = i - lag
@@ -173,6 +181,8 @@ class BulkSend:
                     s = j % stages
                     cute.arch.mbarrier_wait(full + s, (j // stages) % 2)
                     g = _gmem(peers[dest] + Int64(layout((0, item // ranks, my_rank))), chunk)
+                    if cutlass.const_expr(self.pull):
+                        g = _gmem(src.toint() + Int64(layout((0, item // ranks, dest))), chunk)
                     cute.copy(store, _whole(ring[None, s]), _whole(g))
                     cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0)

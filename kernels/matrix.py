@@ -27,6 +27,7 @@ def full_matrix() -> list:
         BlockPrefixSum(exclusive=False),
         BlockPrefixSum(exclusive=True),
         *(BulkSend(chunk, stages) for chunk, stages in ((16384, 8), (8192, 12), (32768, 6))),
+        *(BulkSend(chunk, stages, pull=True) for chunk, stages in ((16384, 8), (32768, 6))),
         *(PeerExchange(ranks) for ranks in RANK_COUNTS),
         *row_expand_kernels(),
         *encode_kernels(),

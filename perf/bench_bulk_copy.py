@@ -38,7 +38,7 @@ def main():
     rows.append({"kernel": "torch copy_ (baseline)", "ctas": "all", "us": baseline * 1e3,
                  "gbs": delivered / baseline / 1e6})
     for chunk, stages in CONFIGS:
-        kernel = runtime().select("bulk_send", "cuda", chunk_bytes=chunk, stages=stages)
+        kernel = runtime().select("bulk_send", "cuda", chunk_bytes=chunk, stages=stages, pull=0)
         chunks = per_rank // chunk
         assert bulk_chunks(chunk, chunks, r).cosize() == r * per_rank
         for ctas in map(int, args.ctas.split(",")):

@@ -1,6 +1,7 @@
 """`bulk_send` between GPUs over NVLink: what a given number of CTAs per rank moves when every
-rank sends to every rank at once, beside the copy engine doing the same (torch `copy_` into the
-peers' buffers, one stream).
+rank sends to every rank at once, pushed (each rank's CTAs store into the peers' buffers) and
+pulled (each rank's CTAs load from the peers' buffers, the same kernel with `pull`), beside the
+copy engine doing the same (torch `copy_` into the peers' buffers, one stream).
 
     python perf/bench_bulk_nvlink.py [--mib-per-rank 32] [--reps 10] [--ctas 8,16,24,32,132]
 
@@ -59,19 +60,31 @@ def _rank(rank, world, per_rank, reps, ctas_list):
 
     rows.append({"kernel": "copy engine (copy_ to each peer)", "ctas": "-",
                  "us": _time(copy_engine, reps)})
+    # Pull: this rank's source in peer-visible memory, the peers' CTAs read it from there.
+    staged = symm_mem.empty(total, dtype=torch.uint8, device="cuda")
+    staged.copy_(src)
+    staged_bases = torch.tensor(symm_mem.rendezvous(staged, dist.group.WORLD.group_name)
+                                .buffer_ptrs, dtype=torch.int64, device="cuda")
+    pulled = torch.zeros(total, dtype=torch.uint8, device="cuda")
     for chunk, stages in CONFIGS:
-        kernel = runtime().select("bulk_send", "cuda", chunk_bytes=chunk, stages=stages)
         chunks = per_rank // chunk
         assert bulk_chunks(chunk, chunks, world).cosize() == total
-        for ctas in ctas_list:
-            us = _time(lambda: kernel.launch(bases, src, chunks, world, rank, ctas), reps)
-            rows.append({"kernel": f"bulk_send {chunk >> 10} KiB x {stages}", "ctas": ctas,
-                         "us": us})
+        for pull in (False, True):
+            kernel = runtime().select("bulk_send", "cuda", chunk_bytes=chunk, stages=stages,
+                                      pull=int(pull))
+            peers_of, local = (staged_bases, pulled) if pull else (bases, src)
+            for ctas in ctas_list:
+                us = _time(lambda: kernel.launch(peers_of, local, chunks, world, rank, ctas),
+                           reps)
+                rows.append({"kernel": f"bulk_{'pull' if pull else 'send'} {chunk >> 10} KiB "
+                                       f"x {stages}", "ctas": ctas, "us": us})
     torch.cuda.synchronize()
     dist.barrier()
-    # The last launch left in slot s what rank s sent here: compared by checksum in main().
+    # The last launches left in slot s what rank s sent here (pushed into `recv`, pulled into
+    # `pulled`): compared by checksum in main().
     checks = recv.view(world, per_rank).view(torch.int64).sum(dim=1)
-    return {"rows": rows, "checks": checks.tolist(),
+    pulled_checks = pulled.view(world, per_rank).view(torch.int64).sum(dim=1)
+    return {"rows": rows, "checks": checks.tolist(), "pulled_checks": pulled_checks.tolist(),
             "sent_checks": src.view(world, per_rank).view(torch.int64).sum(dim=1).tolist()}
 
 
@@ -89,6 +102,7 @@ def main():
     for d, res in enumerate(results):
         for s in range(world):
             assert res["checks"][s] == results[s]["sent_checks"][d], (s, d)
+            assert res["pulled_checks"][s] == results[s]["sent_checks"][d], (s, d, "pull")
     remote = (world - 1) * per_rank
     rows = []
     for i, row in enumerate(results[0]["rows"]):
