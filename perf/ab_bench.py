@@ -2,7 +2,8 @@
 same GPUs (the sides see the same cards, clocks and NVLinks):
 
     python perf/ab_bench.py --side main=TREE:LIBRARY --side new=.:build/lib-new [--runs 2]
-        [--json FILE] [-- BENCH ARGUMENTS]   (e.g. -- --formats bf16,fp8 --sms 24 --no-stages)
+        [--json FILE] [--run-timeout S] [-- BENCH ARGUMENTS]
+        (bench arguments e.g. -- --formats bf16,fp8 --sms 24 --no-stages)
 
 A side is a name, a source tree (its `cute_ep`, whose Python drives its kernels) and a kernel
 library folder; each run calls every side's `cute-ep bench` once, in the order given, in its own
@@ -66,6 +67,9 @@ def main() -> None:
                    help="NAME=TREE:LIBRARY (two or more; the first is the baseline)")
     p.add_argument("--runs", type=int, default=2)
     p.add_argument("--json")
+    p.add_argument("--run-timeout", type=float, default=900.0,
+                   help="seconds one side's bench may take before it is killed and the side "
+                        "reported as failed (a build that stalls must not stop the others)")
     args = p.parse_args(argv)
     if len(args.side) < 2 or len({s[0] for s in args.side}) != len(args.side):
         p.error("give two or more sides with distinct names")
@@ -80,7 +84,8 @@ def main() -> None:
                 continue
             out = Path(tmp) / f"{name}-{r}"
             done = run_side(tree, library, [sys.executable, "-m", "cute_ep.tools.cli", "bench",
-                                            "--out", str(out), *bench_args])
+                                            "--out", str(out), *bench_args],
+                            timeout=args.run_timeout)
             records = sorted(out.glob("bench-*.json"))
             if done.returncode or not records:
                 failed[name] = (f"run {r + 1}: cute-ep bench exited {done.returncode}\n"

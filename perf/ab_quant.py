@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -48,12 +49,23 @@ def alternated(sides, runs: int):
         yield r, name, tree, library
 
 
-def run_side(tree: Path, library: Path, cmd: list[str]) -> subprocess.CompletedProcess:
+def run_side(tree: Path, library: Path, cmd: list[str],
+             timeout: float | None = None) -> subprocess.CompletedProcess:
     """`cmd` in a side's tree with its kernel library and its Python (`CUTE_EP_LIBRARY`,
-    `PYTHONPATH`), output captured."""
+    `PYTHONPATH`), output captured. Past `timeout` seconds the command and every process it
+    started (its own session: the bench's rank processes) are killed, and the result says so
+    (return code -SIGKILL)."""
     env = dict(os.environ, CUTE_EP_LIBRARY=str(library.resolve()),
                PYTHONPATH=str(tree.resolve()))
-    return subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True, check=False)
+    proc = subprocess.Popen(cmd, env=env, cwd=tree, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        err += f"\nkilled after {timeout:g} s"
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def percent_of_copy(runs: dict[str, list[list[dict]]]) -> dict[tuple, dict[str, list[float]]]:

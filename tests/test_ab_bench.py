@@ -39,7 +39,8 @@ def test_sides_runs_become_ranges_and_the_median_change():
 def test_each_side_runs_its_own_tree_and_library_alternated(tmp_path):
     """The whole script against stand-in trees whose `cute-ep bench` writes a record of its side
     (the library it was given in CUTE_EP_LIBRARY) and logs the order of the runs; side c's
-    bench fails: it is reported, not run again, and the other sides' table still comes out."""
+    bench fails and side d's stalls (with a process of its own) past --run-timeout: each is
+    reported and not run again, d's processes are killed, and the other sides' table comes out."""
     import json
     import subprocess
     from pathlib import Path
@@ -56,31 +57,42 @@ with open({str(log)!r}, "a") as f:
     f.write(library + " " + " ".join(argv[argv.index("--out") + 2:]) + "\\n")
 if library.endswith("lib-c"):
     raise SystemExit("side c breaks")
+if library.endswith("lib-d"):
+    import subprocess, time
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    with open({str(tmp_path / "child.pid")!r}, "w") as f:
+        f.write(str(child.pid))
+    time.sleep(60)
 us = 100.0 if library.endswith("lib-a") else 80.0
 rank = {{"formats": {{"bf16": {{"throughput": {{"nccl_all_to_all_us": 1.0, "sweep": [
     {{"sms": 24, "dispatch_us": us, "combine_us": us / 2}}]}}}}}}}}
 (out / "bench-x.json").write_text(json.dumps({{"gpus": 2, "device": "GPU", "config": {{}},
                                               "ranks": [rank, rank]}}))
 '''
-    for side in ("a", "b", "c"):
+    for side in ("a", "b", "c", "d"):
         cli = tmp_path / f"tree-{side}" / "cute_ep" / "tools" / "cli.py"
         cli.parent.mkdir(parents=True)
         for pkg in (cli.parent, cli.parent.parent):
             (pkg / "__init__.py").write_text("")
         cli.write_text(fake)
     record = tmp_path / "ab.json"
-    sides = [a for s in ("a", "b", "c")
+    sides = [a for s in ("a", "b", "c", "d")
              for a in ("--side", f"{s}={tmp_path / f'tree-{s}'}:{tmp_path / f'lib-{s}'}")]
     done = subprocess.run([sys.executable, "perf/ab_bench.py", *sides, "--runs", "2", "--json",
-                           str(record), "--", "--sms", "24"], capture_output=True, text=True,
+                           str(record), "--run-timeout", "5", "--", "--sms", "24"],
+                          capture_output=True, text=True,
                           cwd=Path(__file__).resolve().parent.parent)
     assert done.returncode == 0, done.stdout + done.stderr
     order = [line.split()[0].rsplit("-", 1)[1] for line in log.read_text().splitlines()]
-    assert order == ["a", "b", "c", "a", "b"]
+    assert order == ["a", "b", "c", "d", "a", "b"]
     assert all(line.endswith(" --sms 24") for line in log.read_text().splitlines())
     kept = json.loads(record.read_text())
     runs = kept["runs"]
     assert set(runs) == {"a", "b"} and "side c breaks" in kept["failed"]["c"]
+    assert "killed after 5 s" in kept["failed"]["d"]
+    # The stalled side's own process is gone too (or a zombie awaiting its reaper).
+    stat = Path(f"/proc/{int((tmp_path / 'child.pid').read_text())}/stat")
+    assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
     assert "side c failed" in done.stderr
     assert [bench_times(r)[("dispatch", "bf16", "24")] for r in runs["b"]] == [80.0, 80.0]
     assert "-20.0" in done.stdout  # b's median change from a, dispatch at 24 SMs
