@@ -35,7 +35,7 @@ import torch.distributed as dist
 from cute_ep.ep import Buffer as _Core
 from cute_ep.ep import DispatchHandle, Routing
 from layouts import EPConfig
-from layouts.buffers import peer_visible_bytes
+from layouts.buffers import ERROR_CAPACITY, peer_visible_bytes
 
 __all__ = ["Buffer", "Config", "EventOverlap"]
 
@@ -334,11 +334,17 @@ class Buffer:
         return (recv_x, recv_idx, recv_w, per_expert_list, new,
                 EventOverlap(_event() if async_finish else None))
 
-    def _normal_core(self, hidden, fp8, width, experts, config) -> _Core:
+    def _normal_core(self, hidden, fp8, width, experts, config, num_worst_tokens=0) -> _Core:
+        """The core layer of a normal-mode dispatch; with `num_worst_tokens` its output holds
+        the rows of that many received tokens (each at most min(K, local experts) rows) instead
+        of the worst case."""
         fmt = "fp8" if fp8 else "bf16"
-        return self._core(("normal", hidden, fmt, width, experts, config.num_sms),
+        rows = num_worst_tokens * min(width, experts // self.group_size) \
+            if num_worst_tokens else None
+        return self._core(("normal", hidden, fmt, width, experts, config.num_sms, rows),
                           EPConfig(hidden, width, experts, self.group_size,
-                                   self.max_tokens_per_rank, fmt), config.num_sms)
+                                   self.max_tokens_per_rank, fmt, recv_capacity=rows),
+                          config.num_sms)
 
     def _dispatch_rows(self, x, in_rank, t, hidden, fp8, config, num_worst_tokens):
         """Without top-k: a layer of one expert per rank and one pair per destination (weight
@@ -349,9 +355,9 @@ class Buffer:
         dev = in_rank.device
         ranks = torch.arange(r, dtype=torch.int32, device=dev)
         ids = torch.where(in_rank, ranks, -1).to(torch.int32).contiguous()
-        core = self._normal_core(hidden, fp8, r, r, config)
+        core = self._normal_core(hidden, fp8, r, r, config, num_worst_tokens)
         out = core.dispatch(x, ids, in_rank.float())
-        received = _read_back(core, out.handle.messages)
+        received = _read_back(core, out.handle.messages, worst=num_worst_tokens)
         total = sum(received)
         n_out = self._rows_out(num_worst_tokens, total)
         recv_x = out.tokens[:n_out]
@@ -368,7 +374,7 @@ class Buffer:
         dev = in_rank.device
         ids = topk_idx.to(torch.int32).contiguous()
         width = ids.shape[1]
-        core = self._normal_core(hidden, fp8, width, experts, config)
+        core = self._normal_core(hidden, fp8, width, experts, config, num_worst_tokens)
         weights = topk_weights.float().contiguous() if topk_weights is not None else \
             torch.zeros(ids.shape, dtype=torch.float32, device=dev)
         out = core.dispatch(x, ids, weights)
@@ -378,7 +384,7 @@ class Buffer:
         # peer timeout, bad ids) and whether is_token_in_rank (what combine's weights follow)
         # is the routing of topk_idx (what the rows follow).
         differs = (_ranks_of(topk_idx.long(), experts, r) != in_rank).any().int().view(1)
-        counts = _read_back(core, h.messages, out.counts, differs)
+        counts = _read_back(core, h.messages, out.counts, differs, worst=num_worst_tokens)
         received, per_expert = counts[:r], counts[r:-1]
         if counts[-1]:
             raise ValueError("is_token_in_rank does not match topk_idx (pass "
@@ -594,11 +600,16 @@ def _ranks_of(ids: torch.Tensor, experts: int, ranks: int) -> torch.Tensor:
     return in_rank[:, :ranks].contiguous()
 
 
-def _read_back(core, *tensors) -> list:
+def _read_back(core, *tensors, worst: int = 0) -> list:
     """The values of the int32 `tensors`, concatenated, in one read from the device together
-    with `core`'s error words; raises what the kernel recorded (`core.check()`) if any is set."""
+    with `core`'s error words; raises what the kernel recorded (`core.check()`) if any is set,
+    an overflow of the output sized by `num_worst_tokens` (`worst`) in DeepEP's terms."""
     got = torch.cat([*tensors, core.error]).tolist()
     words = core.error.numel()
     if any(got[-words:]):
+        if worst and got[-1] & ERROR_CAPACITY and not any(got[-words:-1]):
+            core.error[2:].zero_()  # reported here, once
+            raise ValueError(f"num_worst_tokens={worst} is below the tokens this rank "
+                             f"received (their rows did not fit the output it sizes)")
         core.check()
     return got[:-words]

@@ -54,8 +54,8 @@ from cute_ep.runtime.comm import (DEFAULT_TIMEOUT_S, ConfigMismatch, PeerTimeout
 from cute_ep.runtime.launch import check_tensor, device_arch, runtime
 from cute_ep.torch_ops import DISPATCH_FIELDS, register_buffer
 from layouts import EPConfig
-from layouts.buffers import (AT_EXPERTS, AT_HOME, ERROR_CHANNELS, ERROR_ID_RANGE,
-                             ERROR_ID_TWICE, UNREDUCED, buffer_sizes,
+from layouts.buffers import (AT_EXPERTS, AT_HOME, ERROR_CAPACITY, ERROR_CHANNELS,
+                             ERROR_ID_RANGE, ERROR_ID_TWICE, UNREDUCED, buffer_sizes,
                              channel_messages, combine_routes, control_buffers,
                              dispatch_scale_rows, output_scales, total_bytes)
 from layouts.channels import DEFAULT_CHANNELS, ChannelGeometry, active_channels
@@ -199,7 +199,7 @@ class DispatchOutput(_Carved):
 
     tokens: torch.Tensor  # [row_capacity, H] bf16 or float8_e4m3fn; nvfp4: uint8 [.., H / 2]
     # fp8: float32 [H / 128, row_capacity]; nvfp4: uint8 e4m3 bytes in the 128x4 layout for
-    # max_recv + 128 * segments rows (layouts.buffers.output_scales), padding of used blocks 0
+    # recv_rows + 128 * segments rows (layouts.buffers.output_scales), padding of used blocks 0
     scales: torch.Tensor | None
     row_offsets: torch.Tensor  # int32 [segments + 1]
     expert_ids: torch.Tensor  # int32 [segments]
@@ -378,7 +378,8 @@ class Buffer:
             staging_offset=off["staging"], counts_offset=off["counts"],
             flags_offset=off["count_flags"])
         self._combine_launch = self.k_combine.bind(
-            COMBINE_VARYING, **common, hidden=cfg.hidden, ring_slots=geo.ring_slots,
+            COMBINE_VARYING, **common, hidden=cfg.hidden, row_capacity=cfg.row_capacity,
+            ring_slots=geo.ring_slots,
             chunk_tokens=geo.chunk_tokens, ring_offset=off["combine_rings"])
         self._encode_launch = self.k_encode.bind(
             ("x", "global_scale", "num_tokens"), send_buf=self.send_buf, hidden=cfg.hidden,
@@ -676,6 +677,14 @@ class Buffer:
             raise ValueError("ranks dispatched with different num_input_tokens (so over different "
                              "numbers of channels); pass the same value on every rank. This "
                              "Buffer's streams are now out of step: recreate it")
+        if bad_counts & ERROR_CAPACITY:
+            raise ValueError(f"a dispatch received more rows than its output holds "
+                             f"(EPConfig.recv_capacity={self.cfg.recv_capacity}, "
+                             f"row_capacity={self.cfg.row_capacity} with padding): the rows "
+                             f"past it, their padding and scales were not written (its "
+                             f"row_offsets[-1] is the rows it needed) and its combine adds "
+                             f"zeros for them. Raise recv_capacity (None: the worst case, "
+                             f"{self.cfg.max_recv} rows)")
         if bad_counts:
             raise RuntimeError("received counts were inconsistent; the affected rows were "
                                "dropped")

@@ -31,9 +31,10 @@ PHASES = 2  # dispatch, combine: the error record's phase is 1 + this order
 # outside [0, E) other than -1, an empty slot) and ERROR_ID_TWICE (a token listing one expert at two k).
 ERROR_FIELDS = ("missing_rank", "phase", "bad_ids", "bad_counts")
 ERROR_ID_RANGE, ERROR_ID_TWICE = 1, 2
-# bad_counts holds bits ERROR_COUNTS (a count outside [0, max tokens]) and ERROR_CHANNELS (ranks
-# split their tokens over different numbers of channels: different num_input_tokens).
-ERROR_COUNTS, ERROR_CHANNELS = 1, 2
+# bad_counts holds bits ERROR_COUNTS (a count outside [0, max tokens]), ERROR_CHANNELS (ranks
+# split their tokens over different numbers of channels: different num_input_tokens) and
+# ERROR_CAPACITY (a dispatch received more rows than its output holds: `EPConfig.recv_capacity`).
+ERROR_COUNTS, ERROR_CHANNELS, ERROR_CAPACITY = 1, 2, 4
 # How combine reduces a token's rows (its `weighted` argument): not at all (every (token, k)
 # row comes home: [T, K, H]), on the expert side with dispatch's weights, or on the home side
 # with weights given to combine (DeepEP's low-latency combine).
@@ -172,7 +173,7 @@ def output_scales(cfg: EPConfig) -> Buffer | None:
         return Buffer("scales", "float32", Layout((cfg.row_capacity, blocks), (1, cfg.row_capacity)),
                       "fp32 scales, transposed [H/128, rows]")
     if fmt.block > 1:
-        rows = scale_rows_capacity(cfg.max_recv, cfg.segments)
+        rows = scale_rows_capacity(cfg.recv_rows, cfg.segments)
         return Buffer("scales", "uint8", scale_layout(rows, cfg.hidden, fmt.block),
                       f"{cfg.format} scales in 128x4 blocks, each segment on its own block")
     return None

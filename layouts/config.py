@@ -25,6 +25,10 @@ class EPConfig:
     format: str = "bf16"
     fused_shared_expert: bool = False
     layout: str = "packed"
+    # Rows a rank's dispatch output holds (received (token, expert) rows, the FP8 alignment
+    # padding added on top); None: the worst case, `max_recv`. A dispatch that receives more
+    # writes none past it and reports the overflow (`Buffer.check`).
+    recv_capacity: int | None = None
 
     def __post_init__(self):
         fmt = token_format(self.format)
@@ -44,6 +48,16 @@ class EPConfig:
         if self.layout == "slabs" and (self.format == "nvfp4" or self.fused_shared_expert):
             raise ValueError("the slabs layout is for bf16 and fp8 routed experts only (no "
                              "nvfp4 128x4 scale blocks, no fused shared expert)")
+        if self.recv_capacity is not None:
+            if self.layout != "packed":
+                raise ValueError("recv_capacity bounds the packed layout; slabs are sized by "
+                                 "max_tokens_per_rank")
+            least = self.max_tokens_per_rank if self.fused_shared_expert else 1
+            if self.recv_capacity < least:
+                raise ValueError(f"recv_capacity must be at least {least} (rows"
+                                 + (": the fused shared expert's segment holds every token "
+                                    "of the rank)" if self.fused_shared_expert else ")")
+                                 + f", got {self.recv_capacity}")
 
     @property
     def local_experts(self) -> int:
@@ -65,6 +79,13 @@ class EPConfig:
         return rows + self.max_tokens_per_rank * int(self.fused_shared_expert)
 
     @property
+    def recv_rows(self) -> int:
+        """Received rows the dispatch output holds: `recv_capacity`, at most the worst case."""
+        if self.recv_capacity is None:
+            return self.max_recv
+        return min(self.recv_capacity, self.max_recv)
+
+    @property
     def row_align(self) -> int:
         return FP8_ROW_ALIGN if self.format == "fp8" else 1
 
@@ -79,4 +100,4 @@ class EPConfig:
         """Output rows including each segment's alignment padding (or its whole slab)."""
         if self.layout == "slabs":
             return self.segments * self.slab_rows
-        return self.max_recv + (self.row_align - 1) * self.segments
+        return self.recv_rows + (self.row_align - 1) * self.segments

@@ -24,8 +24,8 @@ class _OnDevice(torch.Tensor):
 class _Recorder:
     """A bound launch that records its varying arguments by name."""
 
-    def __init__(self, varying):
-        self.varying, self.calls = varying, []
+    def __init__(self, varying, constants):
+        self.varying, self.constants, self.calls = varying, constants, []
 
     def __call__(self, *values):
         assert len(values) == len(self.varying)
@@ -39,7 +39,7 @@ class _Kernel:
                                            "vector_bytes": vector_bytes})
 
     def bind(self, varying, **constants):
-        return _Recorder(varying)
+        return _Recorder(varying, constants)
 
 
 @pytest.fixture
@@ -174,3 +174,25 @@ def test_a_quantized_layer_encodes_bf16_input_then_dispatches_its_messages(cpu_b
         assert (d["scale_source"], d["scale_stride"]) == (buf._no_f32.data_ptr(), 0)
         assert d["load_bytes"] == msg.staged_bytes
         assert d["scales_offsets"] == out.scales_offsets.data_ptr()
+
+
+def test_a_receive_capacity_sizes_the_outputs_bounds_both_kernels_and_names_an_overflow(
+        cpu_buffer, monkeypatch):
+    worst = cpu_buffer().cfg.row_capacity
+    buf = cpu_buffer(recv_capacity=7)
+    assert buf.cfg.row_capacity == 7 < worst
+    x, ids, w = _inputs()
+    out = buf.dispatch(x, ids, w)
+    assert out.tokens.shape == (7, H) and out.src_info.shape == (7, 2)
+    # Both kernels know where the output ends: dispatch writes no row past it, combine reads
+    # none (zeros instead).
+    assert buf._dispatch_launch.constants["row_capacity"] == 7
+    assert buf._combine_launch.constants["row_capacity"] == 7
+    # An overflow the kernel recorded is raised by check(), once, naming the option.
+    monkeypatch.setattr(ep, "_wait_interruptibly", lambda stream: None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    buf.error = torch.tensor([0, 0, 0, ep.ERROR_CAPACITY], dtype=torch.int32)
+    with pytest.raises(ValueError, match="recv_capacity=7, row_capacity=7 .* Raise "
+                                         "recv_capacity"):
+        buf.check()
+    buf.check()  # reported once

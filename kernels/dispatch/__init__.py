@@ -363,7 +363,8 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                 cute.arch.store(rounds, epoch, sem="release", scope="gpu")
             _stamp(trace, tracing, channel, "round_done", cute.arch.globaltimer())
         if cutlass.const_expr(self.fmt != "bf16"):
-            if segment_rows == 0:
+            # (Not after an overflow of the output's rows: the layout runs past the buffers.)
+            if segment_rows == 0 and s_off[local_experts + shared] <= row_capacity:
                 # Every CTA's received scales are in scale_rows once the round has advanced:
                 # then all of them write the output's layout, a share each.
                 if tidx == 0:

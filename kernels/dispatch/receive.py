@@ -17,7 +17,7 @@ from kernels.dispatch.common import (BATCH, FLAG_ROUND, FP8_BLOCK, IDS, IDS_AT, 
                                      _stamp, _stamp_max, _wait_at_least)
 from kernels.memory import error_field, gmem_ptr, store_f32, store_i32
 from kernels.scan import warp_exclusive_scan
-from layouts.buffers import ERROR_CHANNELS, ERROR_COUNTS, scale_rows_layout
+from layouts.buffers import ERROR_CAPACITY, ERROR_CHANNELS, ERROR_COUNTS, scale_rows_layout
 from layouts.channels import (COUNT_MESSAGES, COUNT_SEGMENTS, COUNT_TOKENS, DISPATCH, HEADS, TAILS,
                               batch_header_layout, channel_messages_layout, header_token_word,
                               headers_layout, staging_layout)
@@ -147,13 +147,20 @@ class ReceivePhase:
             for s in cutlass.range(rt, ranks, threads):
                 cute.make_tensor(comb_counts, cute.make_layout(ranks))[s] = \
                     s_src[2 * MAX_RANKS + s]
+            if rt == 0 and s_off[segments] > row_capacity:
+                # More rows than the output holds (a receive capacity below the worst case):
+                # rows past it are not written (`_place`), nor the padding and the scales.
+                cute.arch.atomic_or(error_field(error, "bad_counts"), Int32(ERROR_CAPACITY),
+                                    sem="relaxed", scope="gpu")
         payload_bytes = Int64(payload_vectors) * self.vector_bytes
         blocks = payload_vectors * self.vector_bytes // FP8_BLOCK
         scale_cols = payload_vectors * self.vector_bytes * 2 // NVFP4_BLOCK
         rk = (scale_cols + 3) // 4
         # Padding: the receiver warps of every channel take a segment each in turn.
         if cutlass.const_expr(self.row_align > 1):
-            if segment_rows == 0:  # slabs leave the rows past a segment's count undefined
+            # (Slabs leave the rows past a segment's count undefined; an overflow, everything
+            # past the capacity.)
+            if segment_rows == 0 and s_off[segments] <= row_capacity:
                 self._zero_row_padding(channel * self.recv_warps + rwarp,
                                        active * self.recv_warps, lane, tokens, scale_rows,
                                        src_info, s_off, s_raw, segments, payload_bytes, blocks,
@@ -424,6 +431,8 @@ class ReceivePhase:
                 if cutlass.const_expr(self.fmt == "nvfp4"):
                     s_scratch[scratch + SROWS_AT + m * ROWS + lane] = row
             if lane <= topk:
+                if row >= row_capacity:
+                    row = -2 - row  # past the output's capacity: recorded, not written
                 s_scratch[scratch + ROWS_AT + m * ROWS + lane] = row
             # The next message's lanes read counters this one's lanes just wrote (the same
             # expert under another k): ordered by the warp barrier, not by lockstep.
@@ -528,7 +537,10 @@ class ReceivePhase:
             m = i // topk
             k = i - m * topk
             at = (Int64(s) * Int64(max_tokens) + Int64(first + m)) * Int64(topk) + Int64(k)
-            store_i32(comb_rows.toint() + at * 4, s_scratch[scratch + ROWS_AT + m * ROWS + k])
+            row = s_scratch[scratch + ROWS_AT + m * ROWS + k]
+            if row < -1:
+                row = -2 - row  # a row past the capacity: combine reads zeros for it
+            store_i32(comb_rows.toint() + at * 4, row)
             store_f32(comb_weights.toint() + at * 4,
                       s_wts[wts + s_scratch[scratch + MAP_AT + m] * topk + k])
         if lane < cnt:

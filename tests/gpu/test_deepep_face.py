@@ -49,6 +49,13 @@ def _face(rank, world):
     n = recv.shape[0]
     results["worst"] = (worst[0].shape[0] == T and torch.equal(worst[0][:n], recv)
                         and bool((worst[1][n:] == -1).all()) and worst[3] == [])
+    # num_worst_tokens also bounds the rows the core's output holds: fewer than arrive is an
+    # error in DeepEP's terms, and nothing past the output is written.
+    try:
+        buf.dispatch(x, topk_idx=ids, topk_weights=w, num_worst_tokens=100, **args)
+        results["worst too small"] = False
+    except ValueError as exc:
+        results["worst too small"] = "num_worst_tokens=100 is below" in str(exc)
 
     cached = buf.dispatch(x * 2, handle=handle, config=cfg)[0]
     results["cached"] = torch.equal(cached, (x * 2)[routed])

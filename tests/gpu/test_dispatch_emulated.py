@@ -5,6 +5,8 @@ stream positions across many rounds, without NVLink."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -450,3 +452,62 @@ def test_emulated_ranks_that_cannot_all_be_resident_are_refused():
     with pytest.raises(ValueError, match=f"need {2 * (sms // 2 + 1)} SMs at once"):
         Buffer.emulated(cfg, sms=sms // 2 + 1)
     assert len(Buffer.emulated(cfg, sms=sms // 2)) == 2
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
+def test_a_dispatch_past_its_receive_capacity_says_so_and_its_combine_still_runs(fmt):
+    """A receive capacity far below what a layer needs: every rank's check() names the
+    overflow; the rows below the capacity are the reference's (BF16); combine runs to the end
+    on every rank (no peer waits for rows that were dropped) and adds zeros for the rows past
+    the capacity; the next layer that fits is exact. (Under `tests/sanitize.sh` memcheck also
+    sees that no row past the capacity is written.)"""
+    from cute_ep.ep import Buffer
+    from cute_ep.reference import ep as reference
+    from layouts import EPConfig
+
+    cap = 300
+    cfg = EPConfig(2048, 8, 32, 2, 256, fmt, recv_capacity=cap)
+    full = dataclasses.replace(cfg, recv_capacity=None)  # the reference's room for every row
+    bufs = Buffer.emulated(cfg, timeout_s=20.0, sms=8)
+    _layer(bufs, 1, [16, 16])  # fits: exact, as without a capacity
+    tokens = [256, 256]
+    xs, ids, ws = _inputs(cfg, 2, tokens, "uniform")
+    gs = _global_scales(cfg, 2)
+    streams = _streams(bufs)
+    torch.cuda.synchronize()
+    outs = []
+    for r, (buf, stream) in enumerate(zip(bufs, streams)):
+        quant = {} if gs is None else {
+            "global_scale": torch.tensor([gs[r]], dtype=torch.float32, device="cuda")}
+        with torch.cuda.stream(stream):
+            outs.append(buf.dispatch(xs[r], ids[r], ws[r], **quant))
+    torch.cuda.synchronize()
+    refs = reference.dispatch(full, xs, ids, global_scales=gs)
+    for r, buf in enumerate(bufs):
+        assert refs[r].num_rows > cap
+        with pytest.raises(ValueError, match=f"recv_capacity={cap}"):
+            buf.check()
+        assert outs[r].row_offsets[-1].item() >= refs[r].num_rows  # the rows it needed
+        if fmt == "bf16":
+            assert torch.equal(outs[r].tokens[:cap], refs[r].tokens[:cap]), f"rank {r}"
+            assert torch.equal(outs[r].src_info[:cap], refs[r].src_info[:cap]), f"rank {r}"
+    # The experts' outputs of the rows past the capacity are zeros as far as combine goes.
+    ys = [_expert_outputs(full, d, d.num_rows, gs) for d in refs]
+    for y in ys:
+        y[cfg.row_capacity:] = 0
+    torch.cuda.synchronize()
+    combined = []
+    for r, (buf, stream) in enumerate(zip(bufs, streams)):
+        with torch.cuda.stream(stream):
+            combined.append(buf.combine(ys[r][:cfg.row_capacity].clone(), outs[r].handle))
+    torch.cuda.synchronize()
+    for buf in bufs:
+        buf.check()  # nothing new: the combine completed
+    if fmt == "bf16":  # quantized rows past the capacity were never written: nothing to compare
+        want = reference.combine(full, ys, refs, tokens, ws)
+        for r in range(cfg.ranks):
+            bound = reference.combine(full, [y.abs() for y in ys], refs, tokens,
+                                      [w.abs() for w in ws])[r].float() * 2.0 ** -6
+            err = (combined[r].float() - want[r].float()).abs()
+            assert (err - bound).max().item() <= 0, f"rank {r}: combine off by {err.max():g}"
+    _layer(bufs, 3, [16, 16])  # the Buffer is still usable

@@ -117,3 +117,27 @@ def test_bad_parameters_name_the_constraint(kwargs, constraint):
     base = dict(hidden=4096, topk=2, experts=8, ranks=2, max_tokens_per_rank=128, format="bf16")
     with pytest.raises(ValueError, match=constraint):
         EPConfig(**{**base, **kwargs})
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
+def test_a_receive_capacity_bounds_the_dispatch_outputs(fmt):
+    """`recv_capacity` sizes every row buffer of the output (FP8's padding and NVFP4's 128-row
+    scale blocks on top), is capped at the worst case, and is refused where it cannot hold."""
+    worst = EPConfig(7168, 8, 256, 8, 4096, fmt)
+    cfg = dataclasses.replace(worst, recv_capacity=65536)
+    pad = 3 * cfg.segments if fmt == "fp8" else 0
+    assert worst.recv_rows == worst.max_recv == 262144
+    assert cfg.recv_rows == 65536 and cfg.row_capacity == 65536 + pad
+    width = {"bf16": 2 * 7168, "fp8": 7168, "nvfp4": 3584}[fmt]
+    assert output_tokens(cfg).nbytes == cfg.row_capacity * width
+    if fmt == "nvfp4":
+        assert output_scales(cfg).layout.mode(0).size() == 65536 + 128 * cfg.segments
+    if fmt == "fp8":
+        assert output_scales(cfg).layout((7, 2)) == 2 * cfg.row_capacity + 7
+    assert dataclasses.replace(worst, recv_capacity=10 ** 9).row_capacity == worst.row_capacity
+    with pytest.raises(ValueError, match="slabs are sized by max_tokens_per_rank"):
+        EPConfig(7168, 8, 256, 8, 128, "bf16", layout="slabs", recv_capacity=512)
+    with pytest.raises(ValueError, match="at least 1"):
+        dataclasses.replace(worst, recv_capacity=0)
+    with pytest.raises(ValueError, match="at least 4096 .*shared expert"):
+        EPConfig(7168, 8, 256, 8, 4096, fmt, fused_shared_expert=True, recv_capacity=4095)
