@@ -519,8 +519,6 @@ class Buffer:
         (t, k) in `x` ([E_loc, R * M, H] bf16, the slabs' order), in fp32."""
         if use_logfmt:
             raise NotImplementedError("use_logfmt: cute-ep's combine moves bf16 rows")
-        if zero_copy:
-            raise NotImplementedError("zero_copy: write the expert outputs into x instead")
         if combine_wait_recv_cost_stats is not None:
             raise NotImplementedError("combine_wait_recv_cost_stats: not recorded by cute-ep")
         if not isinstance(handle, _LowLatencyHandle):
@@ -528,7 +526,9 @@ class Buffer:
         if tuple(topk_idx.shape) != tuple(handle.inner.routing.topk_ids.shape):
             raise ValueError("topk_idx must be the one given to low_latency_dispatch")
         core = handle.core
-        y = x.reshape(-1, x.shape[-1])
+        # zero_copy: the experts wrote their outputs into the shape's combine buffer
+        # (get_next_low_latency_combine_buffer), which combine then reads in place of x.
+        y = _combine_buffer(core) if zero_copy else x.reshape(-1, x.shape[-1])
         combined = core.combine(y, handle.inner, topk_weights=topk_weights.float().contiguous())
         if out is not None:
             out.copy_(combined)
@@ -541,7 +541,12 @@ class Buffer:
         """Nothing to clean: cute-ep's counters only grow, so no buffer holds stale flags."""
 
     def get_next_low_latency_combine_buffer(self, handle):
-        raise NotImplementedError("zero-copy low-latency combine")
+        """The bf16 [E_loc, R * M, H] buffer that a `zero_copy=True` low_latency_combine of this
+        shape reads: the experts write their outputs straight into it, in the slabs' order."""
+        if not isinstance(handle, _LowLatencyHandle):
+            raise TypeError("handle must come from this module's low_latency_dispatch")
+        cfg = handle.core.cfg
+        return _combine_buffer(handle.core).view(cfg.local_experts, cfg.slab_rows, cfg.hidden)
 
     # Internals ------------------------------------------------------------------------------
 
@@ -577,6 +582,15 @@ class Buffer:
                                  f"taken by other shapes); the Buffer was given {name}={budget}")
             core = self._cores[key] = _Core(cfg, self.group, sms=sms)
         return core
+
+
+def _combine_buffer(core: _Core) -> torch.Tensor:
+    """The bf16 [row_capacity, H] input of zero-copy combines of `core`'s shape, made once."""
+    buf = getattr(core, "_zero_copy_rows", None)
+    if buf is None:
+        buf = core._zero_copy_rows = torch.empty(core.cfg.row_capacity, core.cfg.hidden,
+                                                 dtype=torch.bfloat16, device=core.device)
+    return buf
 
 
 def _nothing() -> None:
