@@ -17,7 +17,10 @@ on first use, a collective: every rank makes the same calls, as DeepEP requires)
   weighs each (token, k) row at home with the weights given to it.
 
 What cannot be honoured raises `NotImplementedError` naming the argument (internode, MNNVL,
-`bias`, UE8M0 / rounded FP8 scales, LogFMT, zero-copy combine, wait-time statistics). `Config`'s
+`bias`, LogFMT, wait-time statistics). Low-latency FP8 `round_scale` rounds each block scale
+up to a power of two in the encoder (`EPConfig.fp8_scales="pow2"`); `use_ue8m0` hands out those
+scales' exponent bytes packed four to an int32; `zero_copy` combines read the shape's combine
+buffer (`get_next_low_latency_combine_buffer`). `Config`'s
 chunk sizes describe DeepEP's own ring geometry; cute-ep's rings have theirs (`layouts.channels`),
 so only `Config.num_sms` (the SMs the transport occupies) changes what runs. Everything runs on
 the current stream: `async_finish` returns an event recorded there, `previous_event` is waited
@@ -238,11 +241,12 @@ class Buffer:
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int,
                                        num_ranks: int, num_experts: int) -> int:
-        """Peer-visible bytes of the low-latency transport at the current `num_sms`, for any
-        top-k up to 16 (FP8 or BF16, whichever is larger)."""
-        return max(_peer_bytes(hidden, num_ranks, Buffer.num_sms, fmt, 16, num_experts,
+        """Peer-visible bytes of the low-latency transports at the current `num_sms`, for any
+        top-k up to 16: one each for BF16, FP8 and FP8 with rounded scales (`round_scale`), the
+        shapes a caller like DeepEP's test_low_latency.py makes side by side."""
+        return sum(_peer_bytes(hidden, num_ranks, Buffer.num_sms, fmt, 16, num_experts,
                                num_max_dispatch_tokens_per_rank, "slabs")
-                   for fmt in ("bf16", "fp8"))
+                   for fmt in ("bf16", "fp8", "fp8"))
 
     def destroy(self) -> None:
         if not self.explicitly_destroy:
@@ -490,19 +494,29 @@ class Buffer:
         the shape's transport exists (the first call makes it)."""
         if dispatch_wait_recv_cost_stats is not None:
             raise NotImplementedError("dispatch_wait_recv_cost_stats: not recorded by cute-ep")
-        if use_fp8 and (round_scale or use_ue8m0):
-            raise NotImplementedError("round_scale / use_ue8m0: cute-ep's FP8 scales are "
-                                      "max(amax, 1e-4) / 448, not powers of two")
         m, r = int(num_max_dispatch_tokens_per_rank), self.group_size
         hidden = x.shape[1]
+        if use_fp8 and use_ue8m0 and not round_scale:
+            raise ValueError("use_ue8m0 needs round_scale=True (UE8M0 holds powers of two)")
+        if use_fp8 and use_ue8m0 and hidden % 512:
+            raise ValueError(f"use_ue8m0 packs four 128-value blocks' scales in an int32: "
+                             f"hidden must be a multiple of 512, got {hidden}")
         fmt = "fp8" if use_fp8 else "bf16"
-        core = self._core(("ll", hidden, fmt, topk_idx.shape[1], num_experts, m),
+        scales = "pow2" if use_fp8 and round_scale else "exact"
+        core = self._core(("ll", hidden, fmt, topk_idx.shape[1], num_experts, m, scales),
                           EPConfig(hidden, topk_idx.shape[1], num_experts, r, m, fmt,
-                                   layout="slabs"), self.num_sms)
+                                   layout="slabs", fp8_scales=scales), self.num_sms)
         out = core.dispatch(x, topk_idx.to(torch.int32), None, num_input_tokens=m)
         e_loc, rows = num_experts // r, r * m
         recv_x = out.tokens.view(e_loc, rows, -1)
-        if use_fp8:
+        if use_fp8 and use_ue8m0:
+            # Each power-of-two scale's exponent byte (UE8M0), four blocks to an int32, in
+            # DeepEP's [E_loc, R * M, H / 512] M-major layout.
+            exps = ((out.scales.view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
+            packed = exps.view(hidden // 128, e_loc, rows).permute(1, 2, 0).contiguous() \
+                .view(torch.int32)
+            recv_x = (recv_x, packed.transpose(1, 2).contiguous().transpose(1, 2))
+        elif use_fp8:
             recv_x = (recv_x, out.scales.view(hidden // 128, e_loc, rows).permute(1, 2, 0))
         if cumulative_local_expert_recv_stats is not None:
             cumulative_local_expert_recv_stats.add_(out.counts)

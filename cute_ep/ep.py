@@ -305,7 +305,8 @@ class Buffer:
             if cfg.format == "nvfp4" else 0
 
         rt = runtime()
-        encode = {"e2m1": E2M1_OF_ARCH[device_arch(dev)]} if cfg.format == "nvfp4" else {}
+        encode = {"e2m1": E2M1_OF_ARCH[device_arch(dev)]} if cfg.format == "nvfp4" else \
+            {"scales": cfg.fp8_scales} if cfg.format == "fp8" else {}
         self.k_encode = rt.select("ep_encode", dev, format=cfg.format, **encode) \
             if cfg.format != "bf16" else None
         self.k_dispatch = rt.select("ep_dispatch", dev, format=cfg.format)

@@ -171,6 +171,18 @@ def ptx_signature(ptx: str) -> tuple[str, list[int]]:
     return symbol, sizes
 
 
+def symbol_prefix(spec: KernelSpec) -> str:
+    """What a kernel's function is named: `cute_ep::<family>[_<format>]` (the family without its
+    `ep_`) in the C++ ABI's mangling of a local entity, `_ZZ7cute_epE<length><name>`, to which
+    the DSL appends `_0`, read as the entity's discriminator. Profilers then show
+    `cute_ep::dispatch_fp8` (DeepEP's test_low_latency.py finds its kernels by `::dispatch` and
+    `::combine`)."""
+    name = spec.family.removeprefix("ep_")
+    if "format" in spec.config:
+        name += f"_{spec.config['format']}"
+    return f"_ZZ7cute_epE{len(name)}{name}"
+
+
 def compile_kernel(kernel, spec: KernelSpec, arch: str) -> tuple[str, bytes]:
     """Compile one configuration for one arch; returns (symbol, cubin)."""
     symbol, cubin, _ = compile_with_ptx(kernel, spec, arch)
@@ -179,6 +191,10 @@ def compile_kernel(kernel, spec: KernelSpec, arch: str) -> tuple[str, bytes]:
 
 def compile_with_ptx(kernel, spec: KernelSpec, arch: str) -> tuple[str, bytes, str]:
     """Compile one configuration for one arch; returns (symbol, cubin, PTX)."""
+    device_function = getattr(kernel, "kernel", None)  # every kernel class's @cute.kernel
+    if hasattr(device_function, "set_name_prefix"):
+        device_function.set_name_prefix(symbol_prefix(spec), remove_cutlass_symbol=True,
+                                        keep_mangled_name=False)
     with tempfile.TemporaryDirectory(prefix="cute-ep-build-") as tmp:
         compiled = cute.compile(
             kernel, *compile_args(spec),

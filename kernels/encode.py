@@ -17,6 +17,7 @@ from kernels.memory import gmem_ptr, load_f32, store_u8
 from kernels.nvfp4 import (SCALE_TABLE_BYTES, fill_scale_table, quantize_nvfp4_block,
                            scale_table_layout)
 from layouts.abi import ARCHES, GridRule, KernelSpec, Param
+from layouts.config import FP8_SCALES
 
 WARP = 32
 FORMATS = ("fp8", "nvfp4")
@@ -26,15 +27,22 @@ NVFP4_BLOCK = 16  # elements per e4m3 scale
 
 
 class EpEncode:
-    def __init__(self, fmt: str, e2m1: str | None = None, threads: int = 128):
-        """`e2m1` ("software" for sm_90a, "hardware" for sm_100a) is for NVFP4 only."""
+    def __init__(self, fmt: str, e2m1: str | None = None, threads: int = 128,
+                 scales: str | None = None):
+        """`e2m1` ("software" for sm_90a, "hardware" for sm_100a) is for NVFP4 only; `scales`
+        (FP8_SCALES, default "exact") for FP8 only."""
         if fmt not in FORMATS:
             raise ValueError(f"ep_encode formats: {FORMATS}, not {fmt!r}")
         if (fmt == "nvfp4") != (e2m1 is not None) or (e2m1 and e2m1 not in E2M1_ARCHES):
             raise ValueError(f"ep_encode: nvfp4 needs e2m1 software|hardware, other formats "
                              f"none; got {fmt}, {e2m1}")
+        if scales is not None and fmt != "fp8":
+            raise ValueError(f"ep_encode: scales are for fp8, got {fmt}, {scales}")
+        if fmt == "fp8" and (scales or "exact") not in FP8_SCALES:
+            raise ValueError(f"ep_encode fp8 scales: {FP8_SCALES}, not {scales!r}")
         self.fmt = fmt
         self.e2m1 = e2m1
+        self.scales = (scales or "exact") if fmt == "fp8" else None
         self.threads = threads
         self.arches = E2M1_ARCHES[e2m1] if e2m1 else ARCHES
 
@@ -42,6 +50,8 @@ class EpEncode:
         config = {"format": self.fmt, "threads": self.threads}
         if self.e2m1:
             config["e2m1"] = self.e2m1
+        if self.scales:
+            config["scales"] = self.scales
         return KernelSpec(
             family="ep_encode",
             config=config,
@@ -133,7 +143,8 @@ class EpEncode:
             cute.copy(bf16_copy, t_x, regs, pred=pred)
             vals = cute.make_fragment_like(regs, Float32)
             vals.store(regs.load().to(Float32))
-            scale = scale_fp8_block(vals, BF16_PER_VECTOR, vectors_per_block)
+            scale = scale_fp8_block(vals, BF16_PER_VECTOR, vectors_per_block,
+                                    self.scales == "pow2")
             q = cute.make_fragment_like(t_q)
             q.store(vals.load().to(Float8E4M3FN))
             cute.copy(fp8_copy, q, t_q, pred=pred)
@@ -143,4 +154,5 @@ class EpEncode:
 
 
 def encode_kernels() -> list:
-    return [EpEncode("fp8"), EpEncode("nvfp4", "software"), EpEncode("nvfp4", "hardware")]
+    return [*(EpEncode("fp8", scales=s) for s in FP8_SCALES), EpEncode("nvfp4", "software"),
+            EpEncode("nvfp4", "hardware")]

@@ -13,6 +13,9 @@ FP8_ROW_ALIGN = 4  # FP8 output pads every expert segment to 4 rows
 # case long ([E_loc, R * max_tokens_per_rank, H], the masked grouped GEMM's input and DeepEP's
 # low-latency layout; rows past a segment's count are undefined).
 LAYOUTS = ("packed", "slabs")
+# FP8 block scales: "exact" max(amax, 1e-4) / 448, or "pow2" that rounded up to a power of two
+# (DeepEP's round_scale; the exponent byte is a UE8M0 scale).
+FP8_SCALES = ("exact", "pow2")
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,7 @@ class EPConfig:
     # padding added on top); None: the worst case, `max_recv`. A dispatch that receives more
     # writes none past it and reports the overflow (`Buffer.check`).
     recv_capacity: int | None = None
+    fp8_scales: str = "exact"
 
     def __post_init__(self):
         fmt = token_format(self.format)
@@ -48,6 +52,10 @@ class EPConfig:
         if self.layout == "slabs" and (self.format == "nvfp4" or self.fused_shared_expert):
             raise ValueError("the slabs layout is for bf16 and fp8 routed experts only (no "
                              "nvfp4 128x4 scale blocks, no fused shared expert)")
+        if self.fp8_scales not in FP8_SCALES:
+            raise ValueError(f"fp8_scales must be one of {FP8_SCALES}, got {self.fp8_scales!r}")
+        if self.fp8_scales != "exact" and self.format != "fp8":
+            raise ValueError(f"fp8_scales={self.fp8_scales!r} is for the fp8 format")
         if self.recv_capacity is not None:
             if self.layout != "packed":
                 raise ValueError("recv_capacity bounds the packed layout; slabs are sized by "

@@ -169,6 +169,11 @@ def test_the_built_library_lists_every_kernel_for_both_arches():
     for entry in manifest.entries.values():
         assert entry.cubin.read_bytes()[:4] == b"\x7fELF"
         assert entry.symbol.encode() in entry.cubin.read_bytes()
+        # cute_ep::<family>[_<format>], mangled as a local entity (profilers demangle it).
+        name = entry.spec.family.removeprefix("ep_")
+        if "format" in entry.spec.config:
+            name += "_" + entry.spec.config["format"]
+        assert entry.symbol == f"_ZZ7cute_epE{len(name)}{name}_0", entry.symbol
 
 
 def test_missing_library_names_the_build_command(tmp_path):

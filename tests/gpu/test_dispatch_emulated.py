@@ -511,3 +511,16 @@ def test_a_dispatch_past_its_receive_capacity_says_so_and_its_combine_still_runs
             err = (combined[r].float() - want[r].float()).abs()
             assert (err - bound).max().item() <= 0, f"rank {r}: combine off by {err.max():g}"
     _layer(bufs, 3, [16, 16])  # the Buffer is still usable
+
+
+@pytest.mark.parametrize("layout", ["packed", "slabs"])
+def test_fp8_rounded_scales_match_the_reference(layout):
+    """`fp8_scales="pow2"` (DeepEP's round_scale): the encoder's power-of-two scales and codes
+    are the reference's, byte for byte, in both layouts; combine as usual."""
+    from cute_ep.ep import Buffer
+    from layouts import EPConfig
+
+    cfg = EPConfig(2048, 8, 32, 2, 256, "fp8", layout=layout, fp8_scales="pow2")
+    bufs = Buffer.emulated(cfg, timeout_s=20.0, sms=8)
+    for seed, tokens in ((11, [200, 100]), (12, [0, 37]), (13, [256, 256])):
+        _layer(bufs, seed, tokens)
