@@ -24,7 +24,9 @@ buffer (`get_next_low_latency_combine_buffer`). `Config`'s
 chunk sizes describe DeepEP's own ring geometry; cute-ep's rings have theirs (`layouts.channels`),
 so only `Config.num_sms` (the SMs the transport occupies) changes what runs. Everything runs on
 the current stream: `async_finish` returns an event recorded there, `previous_event` is waited
-for there, and `return_recv_hook`'s hook has nothing left to do (the one kernel also receives).
+for there. A low-latency dispatch's `return_recv_hook` sends now and receives when the hook is
+called (`cute_ep.Buffer.dispatch_send`); a low-latency combine's hook has nothing left to do
+(its one kernel also receives).
 """
 
 from __future__ import annotations
@@ -506,7 +508,11 @@ class Buffer:
         core = self._core(("ll", hidden, fmt, topk_idx.shape[1], num_experts, m, scales),
                           EPConfig(hidden, topk_idx.shape[1], num_experts, r, m, fmt,
                                    layout="slabs", fp8_scales=scales), self.num_sms)
-        out = core.dispatch(x, topk_idx.to(torch.int32), None, num_input_tokens=m)
+        ids = topk_idx.to(torch.int32)
+        if return_recv_hook:  # the receive launch waits for the hook
+            out, receive = core.dispatch_send(x, ids, None, num_input_tokens=m)
+        else:
+            out = core.dispatch(x, ids, None, num_input_tokens=m)
         e_loc, rows = num_experts // r, r * m
         recv_x = out.tokens.view(e_loc, rows, -1)
         if use_fp8 and use_ue8m0:
@@ -518,11 +524,19 @@ class Buffer:
             recv_x = (recv_x, packed.transpose(1, 2).contiguous().transpose(1, 2))
         elif use_fp8:
             recv_x = (recv_x, out.scales.view(hidden // 128, e_loc, rows).permute(1, 2, 0))
-        if cumulative_local_expert_recv_stats is not None:
-            cumulative_local_expert_recv_stats.add_(out.counts)
+        stats = cumulative_local_expert_recv_stats
+        if return_recv_hook:
+            def hook() -> None:
+                receive()
+                if stats is not None:  # the counts exist once the receive part has run
+                    stats.add_(out.counts)
+        else:
+            hook = None
+            if stats is not None:
+                stats.add_(out.counts)
         handle = _LowLatencyHandle(core, out.handle, out.src_info, m, hidden, num_experts)
         return (recv_x, out.counts, handle, EventOverlap(_event() if async_finish else None),
-                _nothing if return_recv_hook else None)
+                hook)
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor,
                             topk_weights: torch.Tensor, handle, use_logfmt: bool = False,

@@ -58,7 +58,8 @@ from layouts.buffers import (AT_EXPERTS, AT_HOME, ERROR_CAPACITY, ERROR_CHANNELS
                              ERROR_ID_RANGE, ERROR_ID_TWICE, UNREDUCED, buffer_sizes,
                              channel_messages, combine_routes, control_buffers,
                              dispatch_scale_rows, output_scales, total_bytes)
-from layouts.channels import DEFAULT_CHANNELS, ChannelGeometry, active_channels
+from layouts.channels import (DEFAULT_CHANNELS, DISPATCH_RECEIVE, DISPATCH_SEND,
+                              STAGE_BATCH_TOKENS, ChannelGeometry, active_channels)
 
 # The SM budget engines give communication (DeepEP's tuned default is 20-24): the rest of the GPU
 # stays free for the other micro-batch's GEMMs. Dispatch runs one persistent CTA per SM of it.
@@ -81,7 +82,7 @@ DISPATCH_VARYING = ("source", "source_stride", "load_bytes", "scale_source", "sc
                     "row_offsets", "expert_ids", "seg_counts", "src_info", "comb_rows",
                     "comb_weights", "comb_tokens", "comb_counts", "chan_msgs", "num_tokens",
                     "skip_a2a", "shared_begin", "shared_end", "has_weights", "active", "trace",
-                    "tracing")
+                    "tracing", "phases")
 COMBINE_VARYING = ("y", "comb_rows", "comb_weights", "chan_msgs", "topk_ids", "out",
                    "home_weights", "num_tokens", "weighted", "skip_a2a", "shared_begin",
                    "shared_end", "active", "trace", "tracing")
@@ -282,6 +283,7 @@ class Buffer:
         self.rank = rank
         self.cfg = cfg
         self.device = dev
+        self._receive_pending = None  # a dispatch_send whose hook has not run: its launch
         self.calls = [0, 0]  # dispatches and combines launched (what `stall_report` compares)
         _LIVE.add(self)
         self._device_index = dev.index  # what the input checks compare get_device() with
@@ -432,6 +434,8 @@ class Buffer:
         num_tokens = self._check_dispatch_inputs(x, topk_ids, topk_weights)
         if global_scale is not None or self._takes_global_scale:  # else nothing to check
             self._check_global_scale(global_scale, type(x) is tuple)
+        if self._receive_pending is not None:
+            self._no_receive_pending()
         if num_input_tokens is not None and not 0 <= num_tokens <= int(num_input_tokens):
             raise ValueError(f"num_input_tokens={num_input_tokens} is below this rank's "
                              f"{num_tokens} tokens")
@@ -445,15 +449,60 @@ class Buffer:
         return self._checked_dispatch(x, topk_ids, topk_weights, skip_a2a, num_input_tokens,
                                       global_scale, separate=True)
 
+    def dispatch_send(self, x, topk_ids, topk_weights=None, *, skip_a2a=False,
+                      num_input_tokens=None, global_scale=None):
+        """The send part of `dispatch` now and its receive part when the returned hook is called
+        (DeepEP's `return_recv_hook`): `(output, hook)`. The send launch returns once this
+        rank's tokens are staged and announced, so compute queued between it and `hook()`
+        overlaps the peers' transfers; the output is valid on the stream after `hook()`, which
+        must run (on every rank) before this Buffer's next dispatch or combine. The tokens must
+        fit the staging (at most channels x stage_batches x 16 a rank): the send then waits for
+        no receiver."""
+        num_tokens = self._check_dispatch_inputs(x, topk_ids, topk_weights)
+        if global_scale is not None or self._takes_global_scale:
+            self._check_global_scale(global_scale, type(x) is tuple)
+        if num_input_tokens is not None and not 0 <= num_tokens <= int(num_input_tokens):
+            raise ValueError(f"num_input_tokens={num_input_tokens} is below this rank's "
+                             f"{num_tokens} tokens")
+        self._no_receive_pending()
+        active = self._active.get(num_input_tokens)
+        if active is None:
+            active = self._active[num_input_tokens] = self.active_channels(num_input_tokens)
+        per_channel = -(-num_tokens // active)
+        if -(-per_channel // STAGE_BATCH_TOKENS) > self.geo.stage_batches:
+            raise ValueError(f"dispatch_send stages every token before any is received: "
+                             f"{num_tokens} tokens over {active} channels need "
+                             f"{-(-per_channel // STAGE_BATCH_TOKENS)} batches a channel, the "
+                             f"staging holds {self.geo.stage_batches} (use dispatch, fewer "
+                             f"tokens or more SMs)")
+        out = self._launch_dispatch(x, topk_ids, topk_weights, num_tokens, skip_a2a,
+                                    num_input_tokens, global_scale, phases=DISPATCH_SEND)
+        pending = self._receive_pending
+
+        def hook() -> None:
+            if self._receive_pending is not pending:
+                raise RuntimeError("this dispatch_send's hook already ran")
+            self._receive_pending = None
+            self._dispatch_launch(*pending[0], DISPATCH_RECEIVE)
+        return out, hook
+
+    def _no_receive_pending(self) -> None:
+        if self._receive_pending is not None:
+            raise RuntimeError("a dispatch_send's receive hook has not run: call it (on every "
+                               "rank) before this Buffer's next dispatch or combine")
+
     def dispatch_wait(self, pending: _PendingDispatch) -> DispatchOutput:
         """The expert-grouped rows of the dispatch `pending` came from (stream-ordered: kernels
         queued after this see them)."""
         return pending.output
 
     def _launch_dispatch(self, x, topk_ids, topk_weights, num_tokens, skip_a2a,
-                         num_input_tokens, global_scale, separate=False) -> DispatchOutput:
+                         num_input_tokens, global_scale, separate=False,
+                         phases: int = DISPATCH_SEND | DISPATCH_RECEIVE) -> DispatchOutput:
         """Allocate the outputs and launch (inputs checked). The outputs' small tensors share
-        one allocation unless `separate` (the custom operator's outputs may not alias)."""
+        one allocation unless `separate` (the custom operator's outputs may not alias). With
+        `phases` DISPATCH_SEND alone, the arguments of the receive launch are kept for the
+        hook (`dispatch_send`)."""
         cfg = self.cfg
         ids = topk_ids if topk_ids.dtype is torch.int32 and topk_ids.is_contiguous() \
             else topk_ids.to(torch.int32).contiguous()
@@ -495,7 +544,7 @@ class Buffer:
                 [h._address(name) for name in self._carved_names[4:]]
         trace = self.trace
         self.calls[0] += 1
-        self._dispatch_launch(
+        args = (
             source, source_stride, load_bytes, scale_source, scale_stride, ids.data_ptr(),
             topk_weights.data_ptr() if weighted else self._no_f32_at,
             out.tokens.data_ptr(),
@@ -503,6 +552,10 @@ class Buffer:
             out._address("scales_offsets") if cfg.format == "nvfp4" else self._no_i32_at,
             *carved, num_tokens, int(skip_a2a), shared_begin, shared_end, int(weighted), active,
             self._no_i64_at if trace is None else trace.data_ptr(), int(trace is not None))
+        self._dispatch_launch(*args, phases)
+        if phases == DISPATCH_SEND:
+            # The receive launch reads what these arguments point at: keep the tensors alive.
+            self._receive_pending = (args, (x, ids, topk_weights, out))
         return out
 
     def _plan_outputs(self) -> None:
@@ -584,6 +637,8 @@ class Buffer:
     def _checked_combine(self, y, handle: DispatchHandle, topk_weights) -> torch.Tensor:
         """`combine_async`'s checks and launch; returns the output."""
         cfg, r = self.cfg, handle.routing
+        if self._receive_pending is not None:
+            self._no_receive_pending()
         if not (type(y) is torch.Tensor and y.dtype is torch.bfloat16 and y.dim() == 2
                 and y.shape[1] == cfg.hidden and y.shape[0] >= cfg.row_capacity
                 and y.get_device() == self._device_index and y.is_contiguous()

@@ -44,7 +44,7 @@ class _Kernel:
 
 @pytest.fixture
 def cpu_buffer(monkeypatch):
-    def make(fmt="bf16", **cfg):
+    def make(fmt="bf16", tokens=T, geometry=None, **cfg):
         monkeypatch.setattr(ep, "runtime", lambda: SimpleNamespace(
             select=lambda family, dev, **fields: _Kernel(family, fields)))
         monkeypatch.setattr(ep, "device_arch", lambda dev: "sm_90a")
@@ -52,7 +52,8 @@ def cpu_buffer(monkeypatch):
                             lambda dev: SimpleNamespace(multi_processor_count=132))
         buf = ep.Buffer.__new__(ep.Buffer)
         buf.group = None
-        buf._setup(EPConfig(H, K, E, R, T, fmt, **cfg), 0, torch.device("cpu"), 60.0, 4)
+        buf._setup(EPConfig(H, K, E, R, tokens, fmt, **cfg), 0, torch.device("cpu"), 60.0, 4,
+                   geometry)
         buf._attach(torch.zeros(16, dtype=torch.uint8), [0] * R)
         buf._device_index = -1  # what get_device() says of a CPU tensor
         return buf
@@ -196,3 +197,46 @@ def test_a_receive_capacity_sizes_the_outputs_bounds_both_kernels_and_names_an_o
                                          "recv_capacity"):
         buf.check()
     buf.check()  # reported once
+
+
+def test_dispatch_send_launches_the_send_part_and_its_hook_the_receive_part(cpu_buffer):
+    from layouts.channels import DISPATCH_RECEIVE, DISPATCH_SEND
+
+    buf = cpu_buffer()
+    x, ids, w = _inputs()
+    buf.dispatch(x, ids, w)
+    assert buf._dispatch_launch.calls[-1]["phases"] == DISPATCH_SEND | DISPATCH_RECEIVE
+    out, hook = buf.dispatch_send(x, ids, w)
+    send = buf._dispatch_launch.calls[-1]
+    assert send["phases"] == DISPATCH_SEND and send["tokens"] == out.tokens.data_ptr()
+    # Until the hook runs, the Buffer refuses the next dispatch and combine (they would wait for
+    # a receive that never comes).
+    y = torch.zeros(buf.cfg.row_capacity, H, dtype=torch.bfloat16)
+    for call in (lambda: buf.dispatch(x, ids, w), lambda: buf.dispatch_send(x, ids, w),
+                 lambda: buf.combine(y, out.handle)):
+        with pytest.raises(RuntimeError, match="receive hook has not run"):
+            call()
+    launched = len(buf._dispatch_launch.calls)
+    hook()
+    receive = buf._dispatch_launch.calls[-1]
+    assert len(buf._dispatch_launch.calls) == launched + 1
+    assert receive == dict(send, phases=DISPATCH_RECEIVE)  # the same arguments otherwise
+    with pytest.raises(RuntimeError, match="already ran"):
+        hook()
+    assert buf.combine(y, out.handle).shape == (T, H)
+
+
+def test_dispatch_send_refuses_more_tokens_than_the_staging_holds(cpu_buffer):
+    """4 channels of one staged batch (16 tokens) hold 64 tokens: 65 would make a sender wait
+    for credit that only the receive launch gives."""
+    buf = cpu_buffer(tokens=80, geometry={"stage_batches": 1})
+    x, ids, w = _inputs(64)
+    out, hook = buf.dispatch_send(x, ids, w)
+    hook()
+    x, ids, w = _inputs(65)
+    launched = len(buf._dispatch_launch.calls)
+    with pytest.raises(ValueError, match="65 tokens over 4 channels need 2 batches a channel, "
+                                         "the staging holds 1"):
+        buf.dispatch_send(x, ids, w)
+    assert len(buf._dispatch_launch.calls) == launched
+    buf.dispatch(x, ids, w)  # one launch: receivers free the staging as it fills

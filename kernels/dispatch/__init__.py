@@ -67,8 +67,8 @@ from kernels.dispatch.scales import ScalesPhase
 from kernels.dispatch.send import SendPhase
 from kernels.routing import channel_tokens
 from layouts.abi import GridRule, KernelSpec, Param
-from layouts.channels import (COUNT_SEGMENTS, SEND_TIMES, count_flags_layout, counters_layout,
-                              counts_layout)
+from layouts.channels import (COUNT_SEGMENTS, DISPATCH_RECEIVE, DISPATCH_SEND, SEND_TIMES,
+                              count_flags_layout, counters_layout, counts_layout)
 from layouts.config import FP8_ROW_ALIGN
 
 
@@ -185,6 +185,7 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                 Param("timeout_ns", "i64"),
                 Param("trace", "ptr", "int64", align=8, writes=True),
                 Param("tracing", "i32"),
+                Param("phases", "i32"),
             ),
             block=(self.threads, 1, 1),
             grid=(GridRule(ceil_div=("active", 1)), GridRule(constant=1),
@@ -215,7 +216,7 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                  headers_offset: Int64, staging_offset: Int64, counts_offset: Int64,
                  flags_offset: Int64,
                  counters_offset: Int64, timeout_ns: Int64, trace: cute.Pointer,
-                 tracing: Int32, stream):
+                 tracing: Int32, phases: Int32, stream):
         self.kernel(peer_bases, source, scale_source, scale_stride, topk_ids, topk_weights,
                     streams, rounds, done, error,
                     tokens, scales, scale_rows, scales_offsets, row_offsets, expert_ids, seg_counts,
@@ -226,7 +227,7 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                     load_bytes, stage_bytes, stage_batches, payload_vectors, scales_offset,
                     row_capacity, segment_rows, channels, active,
                     headers_offset, staging_offset, counts_offset, flags_offset,
-                    counters_offset, timeout_ns, trace, tracing,
+                    counters_offset, timeout_ns, trace, tracing, phases,
                     row_tiled_copy(WARP, Uint8, self.vector_bytes),
                     row_tiled_copy(WARP, Uint8, 16)).launch(
             grid=(active, 1, 1), block=(self.threads, 1, 1), smem=self.smem_bytes,
@@ -253,7 +254,7 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                headers_offset: Int64, staging_offset: Int64, counts_offset: Int64,
                flags_offset: Int64,
                counters_offset: Int64, timeout_ns: Int64, trace: cute.Pointer, tracing: Int32,
-               warp_copy: cute.TiledCopy, send_copy: cute.TiledCopy):
+               phases: Int32, warp_copy: cute.TiledCopy, send_copy: cute.TiledCopy):
         tidx, _, _ = cute.arch.thread_idx()
         channel, _, _ = cute.arch.block_idx()
         warp = tidx // WARP
@@ -325,55 +326,64 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
 
         t0, t1 = channel_tokens(channel, num_tokens, active)
 
-        # 1. Counts --------------------------------------------------------------------------
-        self._publish_counts(tidx, channel, t0, t1, topk_ids, topk, experts, local_experts,
-                             my_rank, skip_a2a, shared, shared_begin, shared_end, ranks, entries,
-                             peers, counts_offset, counts_at, flags_offset, flags_at, parity,
-                             epoch, active, error, s_cnt, trace, tracing)
+        # A launch runs the phases `phases` names (DISPATCH_SEND, DISPATCH_RECEIVE, or both):
+        # a dispatch whose receive part runs later (`Buffer.dispatch_send` and its hook) sends
+        # in one launch and receives in the next; its sends fit the staging (checked on the
+        # host), so they complete without any receiver.
+        if phases & DISPATCH_SEND != 0:
+            # 1. Counts ----------------------------------------------------------------------
+            self._publish_counts(tidx, channel, t0, t1, topk_ids, topk, experts,
+                                 local_experts, my_rank, skip_a2a, shared, shared_begin,
+                                 shared_end, ranks, entries, peers, counts_offset, counts_at,
+                                 flags_offset, flags_at, parity, epoch, active, error, s_cnt,
+                                 trace, tracing)
 
-        # 2. Send ----------------------------------------------------------------------------
-        if warp < SEND_WARPS:
-            self._send(warp, lane, channel, t0, t1, peers, here, source, scale_source,
-                       scale_stride, topk_ids, topk_weights, streams, error, topk, ranks,
-                       my_rank, has_weights, header_bytes, source_stride, load_bytes,
-                       stage_bytes, stage_batches, channels, headers_offset, staging_offset,
-                       counters_offset, counters, timeout_ns, payload_vectors, scales_offset,
-                       send_copy, s_arrive, s_head, s_time, trace, tracing)
+            # 2. Send ------------------------------------------------------------------------
+            if warp < SEND_WARPS:
+                self._send(warp, lane, channel, t0, t1, peers, here, source, scale_source,
+                           scale_stride, topk_ids, topk_weights, streams, error, topk, ranks,
+                           my_rank, has_weights, header_bytes, source_stride, load_bytes,
+                           stage_bytes, stage_batches, channels, headers_offset, staging_offset,
+                           counters_offset, counters, timeout_ns, payload_vectors, scales_offset,
+                           send_copy, s_arrive, s_head, s_time, trace, tracing)
 
-        # 3. Receive -------------------------------------------------------------------------
-        if warp >= SEND_WARPS:
-            self._receive(tidx - SEND_WARPS * WARP, channel, peers, here, streams, error, tokens,
-                          scales, scale_rows, scales_offsets, row_offsets, expert_ids, seg_counts,
-                          src_info, comb_rows, comb_weights, comb_tokens, comb_counts, chan_msgs,
-                          max_tokens, topk, local_experts, ranks, my_rank, shared, skip_a2a,
-                          shared_begin, shared_end, header_bytes, stage_bytes, stage_batches,
-                          payload_vectors, scales_offset, row_capacity, segment_rows, channels,
-                          active, headers_offset, staging_offset, counts_offset, flags_offset,
-                          counters_offset, counters, counts_at, flags_at, parity, epoch,
-                          timeout_ns, s_next, s_totals, s_off, s_tot, s_raw, s_first, s_src,
-                          s_rows, s_wts, s_ring, s_full, s_piece, warp_copy, trace, tracing)
+        if phases & DISPATCH_RECEIVE != 0:
+            # 3. Receive ---------------------------------------------------------------------
+            if warp >= SEND_WARPS:
+                self._receive(tidx - SEND_WARPS * WARP, channel, peers, here, streams, error,
+                              tokens, scales, scale_rows, scales_offsets, row_offsets,
+                              expert_ids, seg_counts, src_info, comb_rows, comb_weights,
+                              comb_tokens, comb_counts, chan_msgs, max_tokens, topk,
+                              local_experts, ranks, my_rank, shared, skip_a2a, shared_begin,
+                              shared_end, header_bytes, stage_bytes, stage_batches,
+                              payload_vectors, scales_offset, row_capacity, segment_rows,
+                              channels, active, headers_offset, staging_offset, counts_offset,
+                              flags_offset, counters_offset, counters, counts_at, flags_at,
+                              parity, epoch, timeout_ns, s_next, s_totals, s_off, s_tot, s_raw,
+                              s_first, s_src, s_rows, s_wts, s_ring, s_full, s_piece, warp_copy,
+                              trace, tracing)
 
-        # The last CTA to finish advances the round.
-        cute.arch.sync_threads()
-        if tidx == 0:
-            cute.arch.fence_acq_rel_gpu()  # this CTA's rows before its arrival
-            old = cute.arch.atomic_add(done, Int32(1), sem="acq_rel", scope="gpu")
-            if old == active - 1:
-                cute.arch.store(done, Int32(0))
-                cute.arch.store(rounds, epoch, sem="release", scope="gpu")
-            _stamp(trace, tracing, channel, "round_done", cute.arch.globaltimer())
-        if cutlass.const_expr(self.fmt != "bf16"):
-            # (Not after an overflow of the output's rows: the layout runs past the buffers.)
-            if segment_rows == 0 and s_off[local_experts + shared] <= row_capacity:
-                # Every CTA's received scales are in scale_rows once the round has advanced:
-                # then all of them write the output's layout, a share each.
-                if tidx == 0:
-                    _wait_at_least(rounds.toint(), epoch, timeout_ns, error, my_rank,
-                                   Int32(PHASE_DISPATCH))
-                cute.arch.sync_threads()
-                self._write_scales(warp, lane, channel, active, scales, scale_rows, s_off, s_raw,
-                                   s_first, s_tile, local_experts + shared, row_capacity,
-                                   payload_vectors)
+            # The last CTA to finish advances the round.
+            cute.arch.sync_threads()
+            if tidx == 0:
+                cute.arch.fence_acq_rel_gpu()  # this CTA's rows before its arrival
+                old = cute.arch.atomic_add(done, Int32(1), sem="acq_rel", scope="gpu")
+                if old == active - 1:
+                    cute.arch.store(done, Int32(0))
+                    cute.arch.store(rounds, epoch, sem="release", scope="gpu")
+                _stamp(trace, tracing, channel, "round_done", cute.arch.globaltimer())
+            if cutlass.const_expr(self.fmt != "bf16"):
+                # (Not after an overflow of the output's rows: the layout runs past the buffers.)
+                if segment_rows == 0 and s_off[local_experts + shared] <= row_capacity:
+                    # Every CTA's received scales are in scale_rows once the round has advanced:
+                    # then all of them write the output's layout, a share each.
+                    if tidx == 0:
+                        _wait_at_least(rounds.toint(), epoch, timeout_ns, error, my_rank,
+                                       Int32(PHASE_DISPATCH))
+                    cute.arch.sync_threads()
+                    self._write_scales(warp, lane, channel, active, scales, scale_rows, s_off,
+                                       s_raw, s_first, s_tile, local_experts + shared,
+                                       row_capacity, payload_vectors)
         if tidx == 0:
             _stamp(trace, tracing, channel, "end", cute.arch.globaltimer())
 

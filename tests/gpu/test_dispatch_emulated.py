@@ -524,3 +524,37 @@ def test_fp8_rounded_scales_match_the_reference(layout):
     bufs = Buffer.emulated(cfg, timeout_s=20.0, sms=8)
     for seed, tokens in ((11, [200, 100]), (12, [0, 37]), (13, [256, 256])):
         _layer(bufs, seed, tokens)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_a_dispatch_sent_now_and_received_by_its_hook_matches_the_reference(fmt):
+    """`dispatch_send` on every rank (each send launch completes with no receiver running),
+    then every rank's hook (the receive launches): the outputs are the reference's; combine and
+    the next layers run as usual."""
+    from cute_ep.ep import Buffer
+    from cute_ep.reference import ep as reference
+    from cute_ep.reference.ep import dispatch_mismatch
+    from layouts import EPConfig
+
+    cfg = EPConfig(2048, 8, 32, 2, 128, fmt)
+    bufs = Buffer.emulated(cfg, timeout_s=20.0, sms=8)
+    streams = _streams(bufs)
+    for seed, tokens in ((21, [128, 40]), (22, [0, 7])):
+        xs, ids, ws = _inputs(cfg, seed, tokens, "uniform")
+        torch.cuda.synchronize()
+        sent = []
+        for buf, stream, x, i, w in zip(bufs, streams, xs, ids, ws):
+            with torch.cuda.stream(stream):
+                sent.append(buf.dispatch_send(x, i, w))
+        torch.cuda.synchronize()  # every send finished before any receive started
+        for (_, hook), stream in zip(sent, streams):
+            with torch.cuda.stream(stream):
+                hook()
+        torch.cuda.synchronize()
+        for buf in bufs:
+            buf.check()
+        refs = reference.dispatch(cfg, xs, ids)
+        for r, (out, _) in enumerate(sent):
+            problem = dispatch_mismatch(cfg, out, refs[r])
+            assert problem is None, f"seed {seed}, rank {r}: {problem}"
+        _layer(bufs, seed + 10, tokens)  # a whole layer after it, with its combine
