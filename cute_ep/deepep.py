@@ -7,11 +7,12 @@ row per (token, destination rank), rows from source 0 first, inside a source in 
 `[E_loc, R * max_tokens, H]` with `recv_count`. Underneath, a `cute_ep.Buffer` per shape (made
 on first use, a collective: every rank makes the same calls, as DeepEP requires) moves the bytes:
 
-- dispatch runs cute-ep's one-kernel dispatch (ids padded with -1, DeepEP's empty slot), then
-  takes each message's row out of the expert-grouped output into DeepEP's order, with its top-k
-  ids made local (-1 where the expert lives elsewhere) and weights (0 there);
-- combine sends each row home as a one-row "message" of weight 1, so the home rank's fp32 sum
-  over the ranks the token went to is DeepEP's unweighted reduction; `topk_weights` given to
+- dispatch runs cute-ep's one-kernel dispatch in the "sources" layout (ids padded with -1,
+  DeepEP's empty slot): the kernel writes each received token's row in DeepEP's order with its
+  top-k ids made local (-1 where the expert lives elsewhere) and weights (0 there), so nothing
+  is reordered afterwards;
+- combine sends each row home once with weight 1, so the home rank's fp32 sum over the ranks
+  the token went to is DeepEP's unweighted reduction; `topk_weights` given to
   combine are summed over those ranks too (an all-to-all of the [N, K] weights in the group);
 - low-latency dispatch runs cute-ep's dispatch in the "slabs" layout, and low-latency combine
   weighs each (token, k) row at home with the weights given to it.
@@ -38,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from cute_ep.ep import Buffer as _Core
-from cute_ep.ep import DispatchHandle, Routing
+from cute_ep.ep import DispatchHandle
 from layouts import EPConfig
 from layouts.buffers import ERROR_CAPACITY, peer_visible_bytes
 
@@ -122,7 +123,7 @@ class _Handle:
 
     rank_prefix_matrix: torch.Tensor
     core: _Core
-    combine: DispatchHandle  # every received row as a one-row message of weight 1
+    combine: DispatchHandle  # every received row goes home once, weight 1
     received: list[int]  # rows received from each rank
     is_token_in_rank: torch.Tensor
     num_tokens: int
@@ -373,53 +374,50 @@ class Buffer:
 
     def _dispatch_pairs(self, x, topk_idx, topk_weights, in_rank, experts, t, hidden, fp8,
                         config, num_worst_tokens):
-        """With top-k: the (token, expert) pairs go to their experts' rows, so each message's
-        K local ids and weights are known here; its first row is then taken out into DeepEP's
-        order, and combine gets a handle of one-row messages over those rows."""
+        """With top-k: cute-ep's dispatch in the "sources" layout, DeepEP's own: one row per
+        received token, sources in order, each in its token order, with its K ids made local
+        (-1 elsewhere) and weights (0 elsewhere) written beside it by the kernel; its handle
+        sends each row home once (weight 1), DeepEP's unweighted combine."""
         r = self.group_size
         dev = in_rank.device
         ids = topk_idx.to(torch.int32).contiguous()
         width = ids.shape[1]
-        core = self._normal_core(hidden, fp8, width, experts, config, num_worst_tokens)
+        core = self._sources_core(hidden, fp8, width, experts, config, num_worst_tokens)
         weights = topk_weights.float().contiguous() if topk_weights is not None else \
             torch.zeros(ids.shape, dtype=torch.float32, device=dev)
         out = core.dispatch(x, ids, weights)
-        h = out.handle
-        cap = core.cfg.max_tokens_per_rank
         # One read back: messages per source, rows per expert, what the device reported (a
         # peer timeout, bad ids) and whether is_token_in_rank (what combine's weights follow)
         # is the routing of topk_idx (what the rows follow).
         differs = (_ranks_of(topk_idx.long(), experts, r) != in_rank).any().int().view(1)
-        counts = _read_back(core, h.messages, out.counts, differs, worst=num_worst_tokens)
+        counts = _read_back(core, out.handle.messages, out.counts, differs,
+                            worst=num_worst_tokens)
         received, per_expert = counts[:r], counts[r:-1]
         if counts[-1]:
             raise ValueError("is_token_in_rank does not match topk_idx (pass "
                              "get_dispatch_layout's for these ids)")
         total = sum(received)
         n_out = self._rows_out(num_worst_tokens, total)
-        got = torch.tensor(received, device=dev)
-        m = torch.arange(cap, device=dev)
-        live = m.unsqueeze(0) < got.unsqueeze(1)  # [R, M] messages that arrived
-        rows = h.rows  # [R, M, K] row of (source, message, k), or -1
-        has = rows >= 0
-        k0 = has.int().argmax(dim=2, keepdim=True)  # a message's first local k
-        first = rows.gather(2, k0).squeeze(2)[live]  # its row, in DeepEP's order
-        recv_x = _rows(out.tokens, first, n_out)
+        recv_x = out.tokens[:n_out]
         if fp8:
-            recv_x = (recv_x, _rows(out.scales.t(), first, n_out).contiguous())
-        seg = torch.bucketize(rows, out.row_offsets[1:].long(), right=True)
-        recv_idx = torch.full((n_out, width), -1, dtype=topk_idx.dtype, device=dev)
-        recv_idx[:total] = torch.where(has, seg, -1)[live].to(topk_idx.dtype)
-        recv_w = torch.zeros((n_out, width), dtype=torch.float32, device=dev)
-        recv_w[:total] = torch.where(has, h.weights, 0.0)[live]
-        n_of = (got.cumsum(0) - got).unsqueeze(1) + m
-        one_row = torch.full_like(rows, -1)
-        one_row.scatter_(2, k0, torch.where(live, n_of, -1).int().unsqueeze(2))
-        comb = DispatchHandle(Routing(h.routing.channels, t, True, False, 0, t, ids),
-                              one_row, (one_row >= 0).float(), h.tokens, h.messages,
-                              h.channels)
-        return recv_x, recv_idx, recv_w, per_expert, self._handle(core, comb, received,
+            recv_x = (recv_x, out.scales[:, :n_out].t().contiguous())
+        recv_idx = out.recv_topk_ids[:n_out].to(topk_idx.dtype)
+        recv_w = out.recv_topk_weights[:n_out]
+        if n_out > total:  # DeepEP's rows past the received ones: ids -1, weights 0
+            recv_idx[total:] = -1
+            recv_w[total:] = 0.0
+        return recv_x, recv_idx, recv_w, per_expert, self._handle(core, out.handle, received,
                                                                   in_rank, t)
+
+    def _sources_core(self, hidden, fp8, width, experts, config, num_worst_tokens) -> _Core:
+        """The core layer of a normal-mode dispatch with top-k ("sources" layout); with
+        `num_worst_tokens` its output holds that many rows instead of the worst case."""
+        fmt = "fp8" if fp8 else "bf16"
+        rows = num_worst_tokens or None
+        return self._core(("sources", hidden, fmt, width, experts, config.num_sms, rows),
+                          EPConfig(hidden, width, experts, self.group_size,
+                                   self.max_tokens_per_rank, fmt, layout="sources",
+                                   recv_capacity=rows), config.num_sms)
 
     def _handle(self, core, comb, received, in_rank, t) -> _Handle:
         r = self.group_size
@@ -594,7 +592,7 @@ class Buffer:
     def _core(self, key: tuple, cfg: EPConfig, sms: int) -> _Core:
         core = self._cores.get(key)
         if core is None:
-            normal = key[0] == "normal"
+            normal = key[0] in ("normal", "sources")  # normal mode's transports
             if not normal and not self.low_latency_mode:
                 raise ValueError("low-latency calls need a Buffer made with "
                                  "low_latency_mode=True")
@@ -602,7 +600,7 @@ class Buffer:
                 torch.cuda.current_device()).multi_processor_count
             need = peer_visible_bytes(cfg, min(sms, device_sms))
             used = sum(c.peer_visible_bytes for c in self._cores.values()
-                       if (c.cfg.layout == "packed") == normal)
+                       if (c.cfg.layout != "slabs") == normal)
             name, budget = ("num_nvl_bytes", self.num_nvl_bytes) if normal else \
                 ("num_rdma_bytes", self.num_rdma_bytes)
             if used + need > budget:

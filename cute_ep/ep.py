@@ -80,7 +80,8 @@ DISPATCH_VARYING = ("source", "source_stride", "load_bytes", "scale_source", "sc
                     "topk_ids",
                     "topk_weights", "tokens", "scales", "scales_offsets",
                     "row_offsets", "expert_ids", "seg_counts", "src_info", "comb_rows",
-                    "comb_weights", "comb_tokens", "comb_counts", "chan_msgs", "num_tokens",
+                    "comb_weights", "comb_tokens", "comb_counts", "chan_msgs", "recv_ids",
+                    "recv_weights", "num_tokens",
                     "skip_a2a", "shared_begin", "shared_end", "has_weights", "active", "trace",
                     "tracing", "phases")
 COMBINE_VARYING = ("y", "comb_rows", "comb_weights", "chan_msgs", "topk_ids", "out",
@@ -211,6 +212,11 @@ class DispatchOutput(_Carved):
     # row_offsets[g] // 128 + scales_offsets[g]; None for the other formats (no default: a
     # class attribute would hide the carved field from `_Carved.__getattr__`)
     scales_offsets: torch.Tensor | None
+    # layout "sources" (one row per received token): int32 / float32 [row_capacity, K], each
+    # row's K expert ids made local (-1 where the expert lives on another rank) and weights (0
+    # there); None in the other layouts
+    recv_topk_ids: torch.Tensor | None
+    recv_topk_weights: torch.Tensor | None
 
 
 @dataclass
@@ -375,7 +381,7 @@ class Buffer:
             header_bytes=geo.header_bytes, stage_bytes=self.msg.staged_bytes,
             stage_batches=geo.stage_batches,
             payload_vectors=self.payload_vectors, scales_offset=self.scales_at,
-            row_capacity=cfg.row_capacity, segment_rows=cfg.slab_rows,
+            row_capacity=cfg.row_capacity, segment_rows=cfg.segment_rows,
             scale_rows=self.scale_rows if self.scale_rows is not None else self._no_i32,
             headers_offset=off["batch_headers"],
             staging_offset=off["staging"], counts_offset=off["counts"],
@@ -511,6 +517,7 @@ class Buffer:
             raise ValueError("fused_shared_expert needs topk_weights: the unreduced [T, K, H] "
                              "combine output has no slot for the shared expert")
         shared_begin, shared_end = self._shared_tokens(num_tokens, skip_a2a)
+        by_source = cfg.layout == "sources"
         active = self._active.get(num_input_tokens)
         if active is None:
             active = self._active[num_input_tokens] = self.active_channels(num_input_tokens)
@@ -550,7 +557,10 @@ class Buffer:
             out.tokens.data_ptr(),
             out._address("scales") if cfg.format != "bf16" else self._no_f32_at,
             out._address("scales_offsets") if cfg.format == "nvfp4" else self._no_i32_at,
-            *carved, num_tokens, int(skip_a2a), shared_begin, shared_end, int(weighted), active,
+            *carved,
+            out._address("recv_topk_ids") if by_source else self._no_i32_at,
+            out._address("recv_topk_weights") if by_source else self._no_f32_at,
+            num_tokens, int(skip_a2a), shared_begin, shared_end, int(weighted), active,
             self._no_i64_at if trace is None else trace.data_ptr(), int(trace is not None))
         self._dispatch_launch(*args, phases)
         if phases == DISPATCH_SEND:
@@ -574,6 +584,8 @@ class Buffer:
         # The DispatchOutput fields this format leaves None.
         self._absent = {"bf16": {"scales": None, "scales_offsets": None},
                         "fp8": {"scales_offsets": None}, "nvfp4": {}}[cfg.format]
+        if cfg.layout != "sources":
+            self._absent = {**self._absent, "recv_topk_ids": None, "recv_topk_weights": None}
         outputs = [("row_offsets", (segs + 1,), torch.int32), ("expert_ids", (segs,), torch.int32),
                    ("counts", (segs,), torch.int32), ("src_info", (cap, 2), torch.int32)]
         if cfg.format == "fp8":
@@ -581,6 +593,9 @@ class Buffer:
         if cfg.format == "nvfp4":
             outputs += [("scales", (self.nvfp4_scale_bytes,), torch.uint8),
                         ("scales_offsets", (segs,), torch.int32)]
+        if cfg.layout == "sources":
+            outputs += [("recv_topk_ids", (cap, cfg.topk), torch.int32),
+                        ("recv_topk_weights", (cap, cfg.topk), torch.float32)]
         self._output_carve = _Carve(outputs)
         names = ("rows", "weights", "tokens", "messages", "channels")  # self._routes' order
         self._handle_carve = _Carve([(name, b.torch_shape, getattr(torch, b.dtype))
@@ -612,6 +627,8 @@ class Buffer:
         """`dispatch_async` then `dispatch_wait` (see both). Under `torch.compile` this is the
         `cute_ep::dispatch` operator (`cute_ep.torch_ops`)."""
         if torch.compiler.is_compiling():
+            if self.cfg.layout == "sources":
+                raise NotImplementedError("the sources layout is eager only")
             if type(x) is tuple:
                 raise NotImplementedError("a pre-quantized (codes, scales) input is eager "
                                           "only; under torch.compile pass bf16 x")
@@ -795,7 +812,7 @@ class Buffer:
         return DispatchOutput(fields["tokens"], fields["scales"] if fmt != "bf16" else None,
                               fields["row_offsets"], fields["expert_ids"], fields["src_info"],
                               fields["counts"], handle,
-                              fields["scales_offsets"] if fmt == "nvfp4" else None)
+                              fields["scales_offsets"] if fmt == "nvfp4" else None, None, None)
 
     def output_shapes(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """(shape, dtype) of every tensor `torch.ops.cute_ep.dispatch` returns, in its order:

@@ -191,6 +191,13 @@ def output_metadata(cfg: EPConfig) -> list[Buffer]:
     if token_format(cfg.format).payload_bits == 4:
         out.append(Buffer("scales_offsets", "int32", Layout(cfg.segments, 1),
                           "extra 128-row scale blocks before each segment"))
+    if cfg.layout == "sources":
+        out += [Buffer("recv_topk_ids", "int32", Layout((cfg.topk, cfg.row_capacity),
+                                                        (1, cfg.topk)),
+                       "each row's K expert ids made local (-1: another rank's)"),
+                Buffer("recv_topk_weights", "float32", Layout((cfg.topk, cfg.row_capacity),
+                                                              (1, cfg.topk)),
+                       "each row's K weights (0 where the expert is another rank's)")]
     return out
 
 

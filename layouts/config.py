@@ -11,8 +11,11 @@ FP8_ROW_ALIGN = 4  # FP8 output pads every expert segment to 4 rows
 # Where a dispatch puts an expert's rows: "packed" segments back to back (row_offsets, the
 # grouped GEMM's input), or "slabs": segment g at row g * slab_rows, every segment the worst
 # case long ([E_loc, R * max_tokens_per_rank, H], the masked grouped GEMM's input and DeepEP's
-# low-latency layout; rows past a segment's count are undefined).
-LAYOUTS = ("packed", "slabs")
+# low-latency layout; rows past a segment's count are undefined); or "sources": one row per
+# received token, sources in order and each in its token order, with the token's K ids made
+# local and their weights beside it (DeepEP's normal-mode layout; `cute_ep.deepep` uses it).
+LAYOUTS = ("packed", "slabs", "sources")
+SOURCE_ROWS = -1  # the dispatch kernel's segment_rows for the "sources" layout
 # FP8 block scales: "exact" max(amax, 1e-4) / 448, or "pow2" that rounded up to a power of two
 # (DeepEP's round_scale; the exponent byte is a UE8M0 scale).
 FP8_SCALES = ("exact", "pow2")
@@ -49,17 +52,17 @@ class EPConfig:
         fmt.validate_hidden(self.hidden)
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
-        if self.layout == "slabs" and (self.format == "nvfp4" or self.fused_shared_expert):
-            raise ValueError("the slabs layout is for bf16 and fp8 routed experts only (no "
-                             "nvfp4 128x4 scale blocks, no fused shared expert)")
+        if self.layout != "packed" and (self.format == "nvfp4" or self.fused_shared_expert):
+            raise ValueError(f"the {self.layout} layout is for bf16 and fp8 routed experts only "
+                             f"(no nvfp4 128x4 scale blocks, no fused shared expert)")
         if self.fp8_scales not in FP8_SCALES:
             raise ValueError(f"fp8_scales must be one of {FP8_SCALES}, got {self.fp8_scales!r}")
         if self.fp8_scales != "exact" and self.format != "fp8":
             raise ValueError(f"fp8_scales={self.fp8_scales!r} is for the fp8 format")
         if self.recv_capacity is not None:
-            if self.layout != "packed":
-                raise ValueError("recv_capacity bounds the packed layout; slabs are sized by "
-                                 "max_tokens_per_rank")
+            if self.layout == "slabs":
+                raise ValueError("recv_capacity bounds the packed and sources layouts; slabs are "
+                                 "sized by max_tokens_per_rank")
             least = self.max_tokens_per_rank if self.fused_shared_expert else 1
             if self.recv_capacity < least:
                 raise ValueError(f"recv_capacity must be at least {least} (rows"
@@ -82,7 +85,10 @@ class EPConfig:
 
     @property
     def max_recv(self) -> int:
-        """Rows a rank can receive: every token of every rank, once per expert it routes here."""
+        """Rows a rank can receive: every token of every rank, once per expert it routes here
+        (by source: once)."""
+        if self.layout == "sources":
+            return self.ranks * self.max_tokens_per_rank
         rows = self.max_tokens_per_rank * min(self.experts, self.ranks * self.topk)
         return rows + self.max_tokens_per_rank * int(self.fused_shared_expert)
 
@@ -95,7 +101,12 @@ class EPConfig:
 
     @property
     def row_align(self) -> int:
-        return FP8_ROW_ALIGN if self.format == "fp8" else 1
+        return FP8_ROW_ALIGN if self.format == "fp8" and self.layout == "packed" else 1
+
+    @property
+    def segment_rows(self) -> int:
+        """The dispatch kernel's segment_rows: 0 packed, a slab's rows, or SOURCE_ROWS."""
+        return SOURCE_ROWS if self.layout == "sources" else self.slab_rows
 
     @property
     def slab_rows(self) -> int:

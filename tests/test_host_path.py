@@ -240,3 +240,22 @@ def test_dispatch_send_refuses_more_tokens_than_the_staging_holds(cpu_buffer):
         buf.dispatch_send(x, ids, w)
     assert len(buf._dispatch_launch.calls) == launched
     buf.dispatch(x, ids, w)  # one launch: receivers free the staging as it fills
+
+
+def test_a_sources_layout_dispatch_passes_its_rows_ids_and_weights(cpu_buffer):
+    buf = cpu_buffer(layout="sources")
+    assert buf._dispatch_launch.constants["segment_rows"] == -1
+    x, ids, w = _inputs()
+    out = buf.dispatch(x, ids, w)
+    d = buf._dispatch_launch.calls[-1]
+    assert out.recv_topk_ids.shape == (R * T, K) and out.recv_topk_ids.dtype == torch.int32
+    assert out.recv_topk_weights.shape == (R * T, K)
+    assert (d["recv_ids"], d["recv_weights"]) == (out.recv_topk_ids.data_ptr(),
+                                                  out.recv_topk_weights.data_ptr())
+    packed = cpu_buffer()
+    out = packed.dispatch(x, ids, w)
+    assert out.recv_topk_ids is None and out.recv_topk_weights is None
+    assert packed._dispatch_launch.constants["segment_rows"] == 0
+    d = packed._dispatch_launch.calls[-1]
+    assert (d["recv_ids"], d["recv_weights"]) == (packed._no_i32.data_ptr(),
+                                                  packed._no_f32.data_ptr())

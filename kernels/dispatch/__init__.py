@@ -155,6 +155,9 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                       min_elements=("ranks", 1)),
                 Param("chan_msgs", "ptr", "int32", align=4, writes=True,
                       min_elements=("ranks", 1)),
+                # Rows by source (layout "sources"): each row's K local ids and weights.
+                Param("recv_ids", "ptr", "int32", align=4, writes=True),
+                Param("recv_weights", "ptr", "float32", align=4, writes=True),
                 Param("num_tokens", "i32"),
                 Param("max_tokens", "i32"),
                 Param("topk", "i32"),
@@ -204,7 +207,8 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                  scales_offsets: cute.Pointer, row_offsets: cute.Pointer,
                  expert_ids: cute.Pointer, seg_counts: cute.Pointer, src_info: cute.Pointer,
                  comb_rows: cute.Pointer, comb_weights: cute.Pointer, comb_tokens: cute.Pointer,
-                 comb_counts: cute.Pointer, chan_msgs: cute.Pointer, num_tokens: Int32,
+                 comb_counts: cute.Pointer, chan_msgs: cute.Pointer, recv_ids: cute.Pointer,
+               recv_weights: cute.Pointer, num_tokens: Int32,
                  max_tokens: Int32, topk: Int32,
                  local_experts: Int32, ranks: Int32, my_rank: Int32, shared: Int32,
                  skip_a2a: Int32, shared_begin: Int32, shared_end: Int32, has_weights: Int32,
@@ -221,6 +225,7 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                     streams, rounds, done, error,
                     tokens, scales, scale_rows, scales_offsets, row_offsets, expert_ids, seg_counts,
                     src_info, comb_rows, comb_weights, comb_tokens, comb_counts, chan_msgs,
+                    recv_ids, recv_weights,
                     num_tokens,
                     max_tokens, topk, local_experts, ranks, my_rank, shared, skip_a2a,
                     shared_begin, shared_end, has_weights, header_bytes, source_stride,
@@ -242,7 +247,8 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                scales_offsets: cute.Pointer, row_offsets: cute.Pointer,
                expert_ids: cute.Pointer, seg_counts: cute.Pointer, src_info: cute.Pointer,
                comb_rows: cute.Pointer, comb_weights: cute.Pointer, comb_tokens: cute.Pointer,
-               comb_counts: cute.Pointer, chan_msgs: cute.Pointer, num_tokens: Int32,
+               comb_counts: cute.Pointer, chan_msgs: cute.Pointer, recv_ids: cute.Pointer,
+               recv_weights: cute.Pointer, num_tokens: Int32,
                max_tokens: Int32, topk: Int32, local_experts: Int32, ranks: Int32,
                my_rank: Int32, shared: Int32,
                skip_a2a: Int32, shared_begin: Int32, shared_end: Int32, has_weights: Int32,
@@ -353,7 +359,8 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                 self._receive(tidx - SEND_WARPS * WARP, channel, peers, here, streams, error,
                               tokens, scales, scale_rows, scales_offsets, row_offsets,
                               expert_ids, seg_counts, src_info, comb_rows, comb_weights,
-                              comb_tokens, comb_counts, chan_msgs, max_tokens, topk,
+                              comb_tokens, comb_counts, chan_msgs, recv_ids, recv_weights,
+                              max_tokens, topk,
                               local_experts, ranks, my_rank, shared, skip_a2a, shared_begin,
                               shared_end, header_bytes, stage_bytes, stage_batches,
                               payload_vectors, scales_offset, row_capacity, segment_rows,
@@ -374,7 +381,7 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                 _stamp(trace, tracing, channel, "round_done", cute.arch.globaltimer())
             if cutlass.const_expr(self.fmt != "bf16"):
                 # (Not after an overflow of the output's rows: the layout runs past the buffers.)
-                if segment_rows == 0 and s_off[local_experts + shared] <= row_capacity:
+                if segment_rows <= 0 and s_off[local_experts + shared] <= row_capacity:
                     # Every CTA's received scales are in scale_rows once the round has advanced:
                     # then all of them write the output's layout, a share each.
                     if tidx == 0:

@@ -64,8 +64,9 @@ ROWS_AT = STAGE_AT + MAX_CHUNK
 SROWS_AT = ROWS_AT + MAX_CHUNK * ROWS
 SCRATCH = SROWS_AT + MAX_CHUNK * ROWS
 # s_src words per source: messages, messages of the channels before, messages in all, the
-# chunk decision of its first warp, tokens of its channel.
-SRC_WORDS = 5
+# chunk decision of its first warp, tokens of its channel, its first row (rows by source).
+SRC_WORDS = 6
+
 
 
 @cute.jit

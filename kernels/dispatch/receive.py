@@ -21,6 +21,7 @@ from layouts.buffers import ERROR_CAPACITY, ERROR_CHANNELS, ERROR_COUNTS, scale_
 from layouts.channels import (COUNT_MESSAGES, COUNT_SEGMENTS, COUNT_TOKENS, DISPATCH, HEADS, TAILS,
                               batch_header_layout, channel_messages_layout, header_token_word,
                               headers_layout, staging_layout)
+from layouts.config import SOURCE_ROWS
 from layouts.scales import ATOM_ROWS
 
 
@@ -34,7 +35,8 @@ class ReceivePhase:
                  scales_offsets: cute.Pointer, row_offsets: cute.Pointer,
                  expert_ids: cute.Pointer, seg_counts: cute.Pointer, src_info: cute.Pointer,
                  comb_rows: cute.Pointer, comb_weights: cute.Pointer, comb_tokens: cute.Pointer,
-                 comb_counts: cute.Pointer, chan_msgs: cute.Pointer, max_tokens, topk,
+                 comb_counts: cute.Pointer, chan_msgs: cute.Pointer, recv_ids: cute.Pointer,
+                 recv_weights: cute.Pointer, max_tokens, topk,
                  local_experts, ranks, my_rank, shared, skip_a2a, shared_begin, shared_end,
                  header_bytes, stage_bytes, stage_batches, payload_vectors, scales_offset,
                  row_capacity, segment_rows, channels, active, headers_offset, staging_offset,
@@ -133,6 +135,19 @@ class ReceivePhase:
             if cutlass.const_expr(self.fmt == "nvfp4"):
                 warp_exclusive_scan(s_first, s_first, segments, lane)
         cute.arch.barrier(barrier_id=1, number_of_threads=threads)
+        if segment_rows == SOURCE_ROWS:
+            # Rows by source: source s's messages from row base[s] (the messages of the sources
+            # before it); the output's rows end at the messages in all (s_off[segments], which
+            # the capacity check and the scales' write-out read).
+            if rt == 0:
+                run = Int32(0)
+                for s in cutlass.range(ranks):
+                    s_src[5 * MAX_RANKS + s] = run
+                    run = run + s_src[2 * MAX_RANKS + s]
+                for g in cutlass.range(segments):
+                    s_off[g] = Int32(0)
+                s_off[segments] = run
+            cute.arch.barrier(barrier_id=1, number_of_threads=threads)
         # The segment offsets (and nvfp4 scale blocks), once per rank; padding, shared out.
         if channel == 0:
             offsets = cute.make_tensor(row_offsets, cute.make_layout(segments + 1))
@@ -193,7 +208,8 @@ class ReceivePhase:
                          scales_offset, row_capacity, channels, headers_offset, staging_offset,
                          counters_offset, counters, timeout_ns, s_next, s_off, s_first, s_src,
                          s_rows, s_wts, s_ring, s_full, s_piece, rwarp, warp_copy,
-                         payload_bytes, blocks, scale_cols, rk, trace, tracing)
+                         payload_bytes, blocks, scale_cols, rk, recv_ids, recv_weights, trace,
+                         tracing)
 
     @cute.jit
     def _expand(self, lane, sub, per_source, s, channel, peers: cute.Tensor, here,
@@ -208,7 +224,8 @@ class ReceivePhase:
                 s_first: cute.Tensor, s_src: cute.Tensor, s_scratch: cute.Tensor,
                 s_wts: cute.Tensor, s_ring: cute.Tensor, s_full: cute.Pointer,
                 s_piece: cute.Tensor, rwarp, warp_copy: cute.TiledCopy, payload_bytes, blocks,
-                scale_cols, rk, trace: cute.Pointer, tracing):
+                scale_cols, rk, recv_ids: cute.Pointer, recv_weights: cute.Pointer,
+                trace: cute.Pointer, tracing):
         """One warp of source s: s's batches of this channel in order, once each is published,
         until the last message from s has landed. Every warp of s reads the batch's header and
         places the rows of its messages (so each keeps the same next-row counters), MAX_CHUNK
@@ -341,8 +358,9 @@ class ReceivePhase:
                         my_rank, shared, shared_begin, shared_end, staging, stage, channel,
                         tokens, scales, scale_rows, segment_rows, src_info, comb_rows,
                         comb_weights, comb_tokens, scales_offset, row_capacity, s_next, s_off,
-                        s_first, s_scratch, s_wts, scratch, wts,
-                        next_at, pieces_at, full, s_piece, held, pieces, payload_bytes, blocks,
+                        s_first, s_scratch, s_wts, scratch, wts, next_at,
+                        s_src[5 * MAX_RANKS + s], recv_ids, recv_weights, shared,
+                        pieces_at, full, s_piece, held, pieces, payload_bytes, blocks,
                         scale_cols, rk, layout, tiler, g_crd, thr, tiles, warp_copy,
                         payload_vectors, issued, drained, trace, tracing,
                         Int32(i == 0 and h == 0))
@@ -402,7 +420,8 @@ class ReceivePhase:
                src_info: cute.Pointer, comb_rows: cute.Pointer, comb_weights: cute.Pointer,
                comb_tokens: cute.Pointer, scales_offset, row_capacity, s_next: cute.Tensor,
                s_off: cute.Tensor, s_first: cute.Tensor, s_scratch: cute.Tensor,
-               s_wts: cute.Tensor, scratch, wts, next_at, pieces_at: cute.Pointer,
+               s_wts: cute.Tensor, scratch, wts, next_at, src_base, recv_ids: cute.Pointer,
+               recv_weights: cute.Pointer, local_base, pieces_at: cute.Pointer,
                full: cute.Pointer, s_piece: cute.Tensor, held, pieces, payload_bytes, blocks,
                scale_cols, rk, layout, tiler, g_crd, thr, tiles, warp_copy: cute.TiledCopy,
                payload_vectors, issued, drained, trace: cute.Pointer, tracing, first_chunk):
@@ -416,8 +435,16 @@ class ReceivePhase:
         for m in cutlass.range(cnt):
             c = s_scratch[scratch + MAP_AT + m]
             row = Int32(-1)
+            g = Int32(-1)
             if lane < topk:
                 g = s_scratch[scratch + SEGS_AT + c * topk + lane]
+            if segment_rows == SOURCE_ROWS:
+                # One row per message, sources in order, each in its token order: held by the
+                # message's first local k.
+                local = cute.arch.vote_ballot_sync(g >= 0)
+                if g >= 0 and (local & ((Int32(1) << lane) - 1)) == 0:
+                    row = src_base + first + m
+            elif lane < topk:
                 if g >= 0:
                     row = s_next[next_at + g]
                     s_next[next_at + g] = row + 1
@@ -439,7 +466,8 @@ class ReceivePhase:
             cute.arch.sync_warp()
         if sub == 0:
             self._record(lane, s, first, cnt, topk, max_tokens, src_info, comb_rows,
-                         comb_weights, comb_tokens, s_scratch, s_wts, scratch, wts)
+                         comb_weights, comb_tokens, s_scratch, s_wts, scratch, wts,
+                         segment_rows, recv_ids, recv_weights, local_base)
         if lane == 0 and first_chunk != 0:
             _stamp_max(trace, tracing, channel, "chunk_placed", cute.arch.globaltimer())
         if cutlass.const_expr(self.bulk):
@@ -529,7 +557,8 @@ class ReceivePhase:
     @cute.jit
     def _record(self, lane, s, first, cnt, topk, max_tokens, src_info: cute.Pointer,
                 comb_rows: cute.Pointer, comb_weights: cute.Pointer, comb_tokens: cute.Pointer,
-                s_scratch: cute.Tensor, s_wts: cute.Tensor, scratch, wts):
+                s_scratch: cute.Tensor, s_wts: cute.Tensor, scratch, wts, segment_rows,
+                recv_ids: cute.Pointer, recv_weights: cute.Pointer, local_base):
         """What combine needs of the chunk's messages first .. first + cnt - 1 of source s (row
         and weight per k, source token), and src_info of every row they filled (a message's
         weights are those of its token of the chunk, `MAP_AT`)."""
@@ -541,8 +570,26 @@ class ReceivePhase:
             if row < -1:
                 row = -2 - row  # a row past the capacity: combine reads zeros for it
             store_i32(comb_rows.toint() + at * 4, row)
-            store_f32(comb_weights.toint() + at * 4,
-                      s_wts[wts + s_scratch[scratch + MAP_AT + m] * topk + k])
+            weight = s_wts[wts + s_scratch[scratch + MAP_AT + m] * topk + k]
+            if segment_rows == SOURCE_ROWS:
+                # Rows by source: the message's row, with its K ids made local (-1 where the
+                # expert lives elsewhere) and their weights (0 there); combine adds the row once
+                # (weight 1), DeepEP's unweighted reduction.
+                r = s_scratch[scratch + ROWS_AT + m * ROWS + Int32(0)]
+                for k2 in cutlass.range(topk):
+                    r = cutlass.max(r, s_scratch[scratch + ROWS_AT + m * ROWS + k2])
+                g = s_scratch[scratch + SEGS_AT + s_scratch[scratch + MAP_AT + m] * topk + k]
+                local_id = Int32(-1)
+                local_weight = Float32(0.0)
+                if g >= 0:
+                    local_id = g - local_base
+                    local_weight = weight
+                if r >= 0:
+                    at_row = (Int64(r) * Int64(topk) + Int64(k)) * 4
+                    store_i32(recv_ids.toint() + at_row, local_id)
+                    store_f32(recv_weights.toint() + at_row, local_weight)
+                weight = Float32(1.0)
+            store_f32(comb_weights.toint() + at * 4, weight)
         if lane < cnt:
             store_i32(comb_tokens.toint()
                       + (Int64(s) * Int64(max_tokens) + Int64(first + lane)) * 4,
@@ -602,7 +649,7 @@ class ReceivePhase:
                      row, scale_row, row_capacity, rk, words):
         """Scale word c of a row: packed, word c of row `row` of `scale_rows`; slabs (FP8 only),
         block c's fp32 scale of row `row` in the transposed output."""
-        if segment_rows == 0:
+        if segment_rows <= 0:
             store_i32(scale_rows.toint() + Int64(scale_rows_layout(words, row_capacity)(
                 (Int64(c), Int64(row)))) * 4, word)
         else:

@@ -558,3 +558,67 @@ def test_a_dispatch_sent_now_and_received_by_its_hook_matches_the_reference(fmt)
             problem = dispatch_mismatch(cfg, out, refs[r])
             assert problem is None, f"seed {seed}, rank {r}: {problem}"
         _layer(bufs, seed + 10, tokens)  # a whole layer after it, with its combine
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_the_sources_layout_gives_deepeps_rows_ids_and_weights(fmt):
+    """`EPConfig(layout="sources")`, against plain torch: one row per received token, sources
+    in order and each in its token order, its K ids made local (-1 elsewhere) and weights (0
+    there), src_info (token, first local k); combine adds each row once (weight 1)."""
+    from cute_ep.ep import Buffer
+    from cute_ep.reference.ep import quantize_fp8_blockwise
+    from layouts import EPConfig
+
+    cfg = EPConfig(2048, 8, 32, 2, 256, fmt, layout="sources")
+    loc = cfg.local_experts
+    bufs = Buffer.emulated(cfg, timeout_s=20.0, sms=8)
+    streams = _streams(bufs)
+    for seed, tokens in ((31, [256, 100]), (32, [0, 9]), (33, [77, 256])):
+        xs, ids, ws = _inputs(cfg, seed, tokens, "uniform" if seed != 32 else "hot")
+        torch.cuda.synchronize()
+        outs = []
+        for buf, stream, x, i, w in zip(bufs, streams, xs, ids, ws):
+            with torch.cuda.stream(stream):
+                outs.append(buf.dispatch(x, i, w))
+        torch.cuda.synchronize()
+        for buf in bufs:
+            buf.check()
+        for d, out in enumerate(outs):
+            here = [(i.long() // loc) == d for i in ids]  # [T_s, K] per source
+            sel = [h.any(1).nonzero().flatten() for h in here]
+            want_x = torch.cat([x[s_] for x, s_ in zip(xs, sel)])
+            want_ids = torch.cat([torch.where(h[s_], i.long()[s_] - d * loc, -1)
+                                  for h, i, s_ in zip(here, ids, sel)]).int()
+            want_w = torch.cat([torch.where(h[s_], w[s_], 0.0) for h, w, s_ in zip(here, ws, sel)])
+            want_k0 = torch.cat([h[s_].int().argmax(1) for h, s_ in zip(here, sel)]).int()
+            n = want_x.shape[0]
+            what = f"{fmt} seed {seed} rank {d}"
+            assert int(out.counts.sum()) == int(torch.cat(here).sum()), what
+            if fmt == "bf16":
+                assert torch.equal(out.tokens[:n], want_x), what
+            else:
+                q, sc = quantize_fp8_blockwise(want_x)
+                assert torch.equal(out.tokens[:n].view(torch.uint8), q.view(torch.uint8)), what
+                assert torch.equal(out.scales[:, :n].t(), sc), what
+            assert torch.equal(out.recv_topk_ids[:n], want_ids), what
+            assert torch.equal(out.recv_topk_weights[:n], want_w), what
+            assert torch.equal(out.src_info[:n, 0], torch.cat(sel).int()), what
+            assert torch.equal(out.src_info[:n, 1], want_k0), what
+        if fmt == "bf16":
+            ys = []
+            for out in outs:
+                y = torch.zeros(cfg.row_capacity, cfg.hidden, dtype=torch.bfloat16,
+                                device="cuda")
+                y[:] = out.tokens * 2
+                ys.append(y)
+            torch.cuda.synchronize()
+            combined = []
+            for buf, stream, out, y in zip(bufs, streams, outs, ys):
+                with torch.cuda.stream(stream):
+                    combined.append(buf.combine(y, out.handle))
+            torch.cuda.synchronize()
+            for s_, (x, i) in enumerate(zip(xs, ids)):
+                dests = torch.stack([((i.long() // loc) == d).any(1)
+                                     for d in range(cfg.ranks)]).sum(0)
+                want = (x.float() * 2 * dests[:, None]).to(torch.bfloat16)
+                assert torch.equal(combined[s_], want), f"seed {seed}, rank {s_}: combine"

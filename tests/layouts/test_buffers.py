@@ -141,3 +141,24 @@ def test_a_receive_capacity_bounds_the_dispatch_outputs(fmt):
         dataclasses.replace(worst, recv_capacity=0)
     with pytest.raises(ValueError, match="at least 4096 .*shared expert"):
         EPConfig(7168, 8, 256, 8, 4096, fmt, fused_shared_expert=True, recv_capacity=4095)
+
+
+def test_the_sources_layout_holds_one_row_per_received_token():
+    """DeepEP's normal-mode layout: at most every token of every rank, once; no alignment
+    rows; each row's K local ids and weights beside it; bf16 and fp8 routed experts only."""
+    cfg = EPConfig(7168, 8, 256, 8, 4096, "fp8", layout="sources")
+    assert cfg.max_recv == cfg.recv_rows == cfg.row_capacity == 8 * 4096
+    assert cfg.row_align == 1 and cfg.segment_rows == -1 and cfg.slab_rows == 0
+    assert EPConfig(7168, 8, 256, 8, 4096, "fp8").segment_rows == 0
+    assert EPConfig(7168, 8, 256, 8, 128, "bf16", layout="slabs").segment_rows == 8 * 128
+    names = {b.name: b for b in dispatch_outputs(cfg)}
+    for name, dtype in (("recv_topk_ids", "int32"), ("recv_topk_weights", "float32")):
+        assert names[name].dtype == dtype
+        assert names[name].layout((3, 5)) == 5 * 8 + 3  # [rows, K], row-major
+        assert names[name].layout.size() == cfg.row_capacity * 8
+    assert "recv_topk_ids" not in {b.name for b in dispatch_outputs(
+        dataclasses.replace(cfg, layout="packed"))}
+    assert dataclasses.replace(cfg, recv_capacity=1000).row_capacity == 1000
+    for bad in (dict(format="nvfp4"), dict(fused_shared_expert=True)):
+        with pytest.raises(ValueError, match="the sources layout is for bf16 and fp8 routed"):
+            dataclasses.replace(cfg, **bad)
