@@ -668,6 +668,13 @@ class Buffer:
                 raise ValueError(f"y has {y.shape[0]} rows; dispatch's outputs have "
                                  f"row_capacity={cfg.row_capacity} rows (pass the full expert "
                                  f"output buffer)")
+        if cfg.layout == "sources":
+            # One row per received token, weight 1 (the kernel recorded it so): each token's
+            # rows from the ranks it went to, added (DeepEP's combine), weighted or not.
+            if topk_weights is not None:
+                raise ValueError("the sources layout's combine adds each received row once; "
+                                 "weigh the rows before combine")
+            return self._launch_combine(y, handle, AT_EXPERTS, self._no_f32)
         if topk_weights is None:
             return self._launch_combine(y, handle, AT_EXPERTS if r.weighted else UNREDUCED,
                                         self._no_f32)

@@ -252,6 +252,13 @@ def test_a_sources_layout_dispatch_passes_its_rows_ids_and_weights(cpu_buffer):
     assert out.recv_topk_weights.shape == (R * T, K)
     assert (d["recv_ids"], d["recv_weights"]) == (out.recv_topk_ids.data_ptr(),
                                                   out.recv_topk_weights.data_ptr())
+    # Its combine adds each row once, whether the dispatch carried weights or not.
+    y = torch.zeros(buf.cfg.row_capacity, H, dtype=torch.bfloat16)
+    for weights in (w, None):
+        buf.combine(y, buf.dispatch(x, ids, weights).handle)
+        assert buf._combine_launch.calls[-1]["weighted"] == ep.AT_EXPERTS
+    with pytest.raises(ValueError, match="adds each received row once"):
+        buf.combine(y, buf.dispatch(x, ids).handle, topk_weights=w)
     packed = cpu_buffer()
     out = packed.dispatch(x, ids, w)
     assert out.recv_topk_ids is None and out.recv_topk_weights is None
