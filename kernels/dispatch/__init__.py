@@ -31,8 +31,10 @@ has SEND_WARPS sender warps and RECV_WARPS[format] receiver warps, and runs thre
    through PIECES pieces of shared memory per warp, each piece bulk-stored to every row as it
    lands; FP8 and NVFP4 through registers, a row's scales contiguously into `scale_rows`
    (row-major, `layouts.buffers.scale_rows_layout`); the rows, weights and source token are
-   recorded for combine. Credit returns to the source after every batch, and for all the rest of
-   the round's batches once the last message from the source has landed (their slots are not read).
+   recorded for combine. Credit returns to the source after every batch (BF16's a batch late: a
+   chunk's bulk loads land while the next chunk is placed, and the ring never empties between
+   chunks), and for all the rest of the round's batches once the last message from the source
+   has landed (their slots are not read).
 
 4. FP8 and NVFP4 (packed rows): once every CTA has finished (the round's advance below, which
    each CTA waits for), all warps write `scale_rows` into the output's scale layout, a tile of

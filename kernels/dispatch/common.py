@@ -61,7 +61,9 @@ MAP_AT = 2 * MAX_CHUNK * MAX_TOPK
 TOKS_AT = MAP_AT + MAX_CHUNK
 STAGE_AT = TOKS_AT + MAX_CHUNK
 ROWS_AT = STAGE_AT + MAX_CHUNK
-SROWS_AT = ROWS_AT + MAX_CHUNK * ROWS
+# The rows of two chunks (halves, by chunk parity): BF16 pieces of a chunk still in flight read
+# their rows while the next chunk is placed.
+SROWS_AT = ROWS_AT + 2 * MAX_CHUNK * ROWS
 SCRATCH = SROWS_AT + MAX_CHUNK * ROWS
 # s_src words per source: messages, messages of the channels before, messages in all, the
 # chunk decision of its first warp, tokens of its channel.

@@ -207,7 +207,8 @@ class ReceivePhase:
         places the rows of its messages (so each keeps the same next-row counters), MAX_CHUNK
         tokens at a time; message m of a chunk is then pulled from the source's staging by warp
         m % per_source and stored to its rows. The warps of s meet at a named barrier after
-        each batch, which then goes back to s."""
+        each batch, which then goes back to s (BF16: the batch before it, whose last pieces
+        land while this one is placed; the last once every piece has landed)."""
         stage = staging_layout(stage_bytes, stage_batches * BATCH, channels)
         headers = headers_layout(header_bytes, stage_batches, channels)
         hdr = batch_header_layout(topk)
@@ -239,6 +240,15 @@ class ReceivePhase:
         held = rwarp * PIECES  # s_piece words: what each piece of the ring holds
         issued = Int32(0)  # pieces loaded and stored by this warp, over the whole stream
         drained = Int32(0)
+        # BF16: the pieces issued once each half's last chunk was placed (that chunk's pieces
+        # read its rows), and once the previous batch was: a half is reused, and a batch
+        # credited, only when the warp has drained that far. So a chunk's loads land while the
+        # next chunk's header is read and its rows placed, and no chunk ends by emptying the
+        # ring.
+        mark0 = Int32(0)
+        mark1 = Int32(0)
+        batch_mark = Int32(0)
+        chunk = Int32(0)  # chunks this warp has placed; chunk % 2 is the half of its rows
         tail = consumed
         alive = Int32(1)
         waited = Int64(0)
@@ -272,6 +282,16 @@ class ReceivePhase:
                 in_batch = cutlass.min(Int32(BATCH), ntok - i * BATCH)
                 for h in cutlass.range(0, in_batch, MAX_CHUNK):
                     hn = cutlass.min(Int32(MAX_CHUNK), in_batch - h)
+                    half = chunk % 2
+                    if cutlass.const_expr(self.bulk):
+                        # The chunk two back used this half: its pieces must have landed.
+                        need = mark0
+                        if half != 0:
+                            need = mark1
+                        while drained < need:
+                            drained = self._store_piece(lane, drained, payload_bytes, pieces_at,
+                                                        full, s_piece, held, tokens, topk,
+                                                        s_scratch, scratch)
                     # The chunk's ids and weights (loads into shared memory, all in flight
                     # together) and source tokens.
                     for w in cutlass.range(lane, hn * topk, WARP, unroll=4):
@@ -334,22 +354,34 @@ class ReceivePhase:
                         my_rank, shared, shared_begin, shared_end, staging, stage, channel,
                         tokens, scales, scale_rows, segment_rows, src_info, comb_rows,
                         comb_weights, comb_tokens, scales_offset, row_capacity, s_next, s_off,
-                        s_first, s_scratch, s_wts, scratch, wts,
+                        s_first, s_scratch, s_wts, scratch, half, wts,
                         next_at, pieces_at, full, s_piece, held, pieces, payload_bytes, blocks,
                         scale_cols, rk, layout, tiler, g_crd, thr, tiles, warp_copy,
                         payload_vectors, issued, drained, trace, tracing,
                         Int32(i == 0 and h == 0))
-                    if cutlass.const_expr(self.bulk):
-                        # All of the chunk's pieces have landed (and their row stores are
-                        # issued) before the batch is credited.
-                        while drained < issued:
-                            drained = self._store_piece(lane, drained, payload_bytes, pieces_at,
-                                                        full, s_piece, held, tokens, topk,
-                                                        s_scratch, scratch)
+                    if half == 0:
+                        mark0 = issued
+                    else:
+                        mark1 = issued
+                    chunk = chunk + 1
                     if lane == 0 and i == 0 and h == 0:
                         _stamp_max(trace, tracing, channel, "chunk_stored",
                                    cute.arch.globaltimer())
                     placed = placed + cnt
+            done_through = at + 1  # the batches (counted across rounds) this warp is done with
+            if cutlass.const_expr(self.bulk):
+                # The previous batch's pieces have landed: that batch goes back to s now, this
+                # one after the next (its last pieces land while the next is placed). A ring of
+                # one batch cannot wait for the next: its batch goes back at once.
+                target = batch_mark
+                if stage_batches == 1:
+                    target = issued
+                while drained < target:
+                    drained = self._store_piece(lane, drained, payload_bytes, pieces_at, full,
+                                                s_piece, held, tokens, topk, s_scratch, scratch)
+                batch_mark = issued
+                if stage_batches > 1:
+                    done_through = at
             if per_source > 1:
                 # The warps of s agree on going on: a warp whose wait failed says so before the
                 # barrier (the word is only ever set in this kernel).
@@ -361,13 +393,20 @@ class ReceivePhase:
             if alive == 0:
                 placed = n  # a rank timed out: the rest of this stream is given up
             elif sub == 0 and lane == 0:
-                # Every warp of s is done with the batch: its slot goes back to s. Relaxed: its
-                # header and payloads are loaded (their values in shared memory or stored to
-                # rows), which is all the source needs; a release would also wait until the
-                # row stores are acknowledged.
-                cute.arch.store(gmem_ptr(Int64, head_word, 8), at + 1, sem="relaxed",
+                # Every warp of s is done with the batches through `done_through`: their slots
+                # go back to s. Relaxed: their headers and payloads are loaded (their values in
+                # shared memory or stored to rows), which is all the source needs; a release
+                # would also wait until the row stores are acknowledged.
+                cute.arch.store(gmem_ptr(Int64, head_word, 8), done_through, sem="relaxed",
                                 scope="sys")
             i = i + 1
+        if cutlass.const_expr(self.bulk):
+            # Every piece has landed before the stream's slots go back to s.
+            while drained < issued:
+                drained = self._store_piece(lane, drained, payload_bytes, pieces_at, full,
+                                            s_piece, held, tokens, topk, s_scratch, scratch)
+            if per_source > 1:
+                cute.arch.barrier(barrier_id=2 + s, number_of_threads=WARP * per_source)
         # The batches past s's last message here are not read at all: they all go back to s.
         if placed < n and alive != 0:  # the batches held fewer messages than the counts said
             if lane == 0:
@@ -395,7 +434,7 @@ class ReceivePhase:
                src_info: cute.Pointer, comb_rows: cute.Pointer, comb_weights: cute.Pointer,
                comb_tokens: cute.Pointer, scales_offset, row_capacity, s_next: cute.Tensor,
                s_off: cute.Tensor, s_first: cute.Tensor, s_scratch: cute.Tensor,
-               s_wts: cute.Tensor, scratch, wts, next_at, pieces_at: cute.Pointer,
+               s_wts: cute.Tensor, scratch, half, wts, next_at, pieces_at: cute.Pointer,
                full: cute.Pointer, s_piece: cute.Tensor, held, pieces, payload_bytes, blocks,
                scale_cols, rk, layout, tiler, g_crd, thr, tiles, warp_copy: cute.TiledCopy,
                payload_vectors, issued, drained, trace: cute.Pointer, tracing, first_chunk):
@@ -403,9 +442,10 @@ class ReceivePhase:
         rows, message by message (the experts of one message differ, so its lanes never share a
         counter; a warp barrier between messages); what combine needs of them (the first warp of
         s); then this warp's messages m = sub, sub + per_source, ... pulled from the source's
-        staging into their rows.
+        staging into their rows. The rows go to half `half` of the warp's chunk rows.
         Returns the warp's (issued, drained) pieces of the bulk path."""
         vec = self.vector_bytes
+        rows0 = scratch + ROWS_AT + half * MAX_CHUNK * ROWS  # message m's at rows0 + m * ROWS
         for m in cutlass.range(cnt):
             c = s_scratch[scratch + MAP_AT + m]
             row = Int32(-1)
@@ -424,13 +464,13 @@ class ReceivePhase:
                 if cutlass.const_expr(self.fmt == "nvfp4"):
                     s_scratch[scratch + SROWS_AT + m * ROWS + lane] = row
             if lane <= topk:
-                s_scratch[scratch + ROWS_AT + m * ROWS + lane] = row
+                s_scratch[rows0 + m * ROWS + lane] = row
             # The next message's lanes read counters this one's lanes just wrote (the same
             # expert under another k): ordered by the warp barrier, not by lockstep.
             cute.arch.sync_warp()
         if sub == 0:
             self._record(lane, s, first, cnt, topk, max_tokens, src_info, comb_rows,
-                         comb_weights, comb_tokens, s_scratch, s_wts, scratch, wts)
+                         comb_weights, comb_tokens, s_scratch, s_wts, scratch, rows0, wts)
         if lane == 0 and first_chunk != 0:
             _stamp_max(trace, tracing, channel, "chunk_placed", cute.arch.globaltimer())
         if cutlass.const_expr(self.bulk):
@@ -439,12 +479,12 @@ class ReceivePhase:
                 msg = staging + Int64(stage((0, s_scratch[scratch + STAGE_AT + m], channel)))
                 for p in cutlass.range(pieces):
                     issued, drained = self._pull_piece(
-                        lane, msg, m, p, issued, drained, payload_bytes, pieces_at, full,
+                        lane, msg, half * MAX_CHUNK + m, p, issued, drained, payload_bytes, pieces_at, full,
                         s_piece, held, tokens, topk, s_scratch, scratch)
         else:
             for m in cutlass.range(sub, cnt, per_source):
                 msg = staging + Int64(stage((0, s_scratch[scratch + STAGE_AT + m], channel)))
-                rows_at = scratch + ROWS_AT + m * ROWS
+                rows_at = rows0 + m * ROWS
                 scale_words = blocks if self.fmt == "fp8" else rk
                 sregs = self._load_scales(lane, msg, scales_offset, scale_words, scale_cols)
                 g_src = cute.zipped_divide(cute.make_tensor(gmem_ptr(Uint8, msg, 16), layout),
@@ -520,15 +560,16 @@ class ReceivePhase:
     @cute.jit
     def _record(self, lane, s, first, cnt, topk, max_tokens, src_info: cute.Pointer,
                 comb_rows: cute.Pointer, comb_weights: cute.Pointer, comb_tokens: cute.Pointer,
-                s_scratch: cute.Tensor, s_wts: cute.Tensor, scratch, wts):
+                s_scratch: cute.Tensor, s_wts: cute.Tensor, scratch, rows0, wts):
         """What combine needs of the chunk's messages first .. first + cnt - 1 of source s (row
-        and weight per k, source token), and src_info of every row they filled (a message's
-        weights are those of its token of the chunk, `MAP_AT`)."""
+        and weight per k, source token), and src_info of every row they filled (message m's rows
+        at word rows0 + m * ROWS of s_scratch; its weights are those of its token of the chunk,
+        `MAP_AT`)."""
         for i in cutlass.range(lane, cnt * topk, WARP):
             m = i // topk
             k = i - m * topk
             at = (Int64(s) * Int64(max_tokens) + Int64(first + m)) * Int64(topk) + Int64(k)
-            store_i32(comb_rows.toint() + at * 4, s_scratch[scratch + ROWS_AT + m * ROWS + k])
+            store_i32(comb_rows.toint() + at * 4, s_scratch[rows0 + m * ROWS + k])
             store_f32(comb_weights.toint() + at * 4,
                       s_wts[wts + s_scratch[scratch + MAP_AT + m] * topk + k])
         if lane < cnt:
@@ -538,7 +579,7 @@ class ReceivePhase:
         for i in cutlass.range(lane, cnt * (topk + 1), WARP):
             m = i // (topk + 1)
             k = i - m * (topk + 1)
-            r = s_scratch[scratch + ROWS_AT + m * ROWS + k]
+            r = s_scratch[rows0 + m * ROWS + k]
             if r >= 0:
                 slot = Int32(-1)
                 if k < topk:
