@@ -16,10 +16,12 @@ MAX_TOPK = 16
 MAX_SEGMENTS = 272  # local experts + a shared expert, with slack
 MAX_EXPERTS = 2176  # MAX_RANKS x 272
 SEND_WARPS = 4
-# Receiver warps per CTA, by format. BF16 receivers move messages by bulk copies through shared
-# memory (218 KB of it); FP8 and NVFP4 ones through registers, so more warps keep more messages
-# in flight: 20 warps of a CTA fit 96 registers a thread (the block size caps them).
-RECV_WARPS = {"bf16": 8, "fp8": 16, "nvfp4": 16}
+# The formats whose receivers move messages by bulk copies through shared memory, RECV_WARPS_BULK
+# warps a CTA (their pieces take most of the shared memory); the others move them through
+# registers, RECV_WARPS_REGISTERS warps (20 warps of a CTA fit 96 registers a thread).
+BULK_FORMATS = ("bf16", "fp8", "nvfp4")
+RECV_WARPS_BULK = 8
+RECV_WARPS_REGISTERS = 16
 BATCH = STAGE_BATCH_TOKENS  # tokens staged together: a header, tails and credit per batch
 MAX_STAGE_BATCHES = 16  # a channel's staging ring, in batches
 # 16-byte vectors per lane a sender warp loads before storing them (FP8 and NVFP4 messages of
@@ -43,6 +45,10 @@ SEND_BARRIER = 15  # the named barrier of the sender warps (receivers use 1 and 
 PIECE = 4096
 PIECES = 5
 LAG = PIECES - 2
+# How a bulk-moved FP8 / NVFP4 message's scale bytes reach each row (`_store_piece`): bulk
+# stores into `scale_rows` (rows of 16-byte multiples), the lanes' word stores there (NVFP4's
+# padding bytes cleared), or the lanes' stores into FP8's transposed slabs output.
+SCALES_BULK, SCALES_LANES, SCALES_SLABS = 0, 1, 2
 ROWS = MAX_TOPK + 1  # rows a message can land in: its K experts and the shared expert
 FP8_BLOCK = 128
 NVFP4_BLOCK = 16

@@ -13,6 +13,7 @@ from kernels.copy import row_predicate
 from kernels.dispatch.common import (BATCH, FLAG_ROUND, FP8_BLOCK, IDS, IDS_AT, LAG, MAP_AT,
                                      MAX_CHUNK, MAX_RANKS, MAX_SEGMENTS, MAX_TOPK, NVFP4_BLOCK,
                                      PHASE_DISPATCH, PIECE, PIECES, ROWS, ROWS_AT, SCALE_REGS,
+                                     SCALES_BULK, SCALES_LANES, SCALES_SLABS,
                                      SCRATCH, SEGS_AT, SROWS_AT, STAGE_AT, TOKS_AT, WARP, WEIGHTS,
                                      _stamp, _stamp_max, _wait_at_least)
 from kernels.memory import error_field, gmem_ptr, store_f32, store_i32
@@ -234,7 +235,19 @@ class ReceivePhase:
         tiles = cute.ceil_div(payload_vectors, WARP * self.tile_vectors)
         # BF16 rows (16-byte multiples: H is a multiple of 8) move by bulk copies through the
         # warp's pieces.
-        pieces = Int32((payload_bytes + PIECE - 1) // PIECE)
+        # FP8 and NVFP4 messages move whole (payload, then scales at scales_offset): the pieces
+        # holding scale bytes also store those to each row's scales (`_store_piece`).
+        msg_bytes = Int64(payload_bytes)
+        scale_bytes = Int32(0)
+        scale_mode = Int32(SCALES_BULK)
+        if cutlass.const_expr(self.fmt != "bf16"):
+            msg_bytes = Int64(stage_bytes)
+            scale_bytes = (blocks if self.fmt == "fp8" else rk) * 4
+            if segment_rows > 0:
+                scale_mode = Int32(SCALES_SLABS)
+            elif scale_bytes % 16 != 0 or (self.fmt == "nvfp4" and scale_cols % 4 != 0):
+                scale_mode = Int32(SCALES_LANES)
+        pieces = Int32((msg_bytes + PIECE - 1) // PIECE)
         pieces_at = s_ring.iterator + rwarp * PIECES * PIECE
         full = s_full + rwarp * PIECES
         held = rwarp * PIECES  # s_piece words: what each piece of the ring holds
@@ -289,9 +302,10 @@ class ReceivePhase:
                         if half != 0:
                             need = mark1
                         while drained < need:
-                            drained = self._store_piece(lane, drained, payload_bytes, pieces_at,
-                                                        full, s_piece, held, tokens, topk,
-                                                        s_scratch, scratch)
+                            drained = self._store_piece(
+                    lane, drained, msg_bytes, payload_bytes, pieces_at, full, s_piece, held,
+                    tokens, topk, s_scratch, scratch, scale_rows, scales, scale_mode,
+                    scales_offset, scale_bytes, scale_cols, row_capacity)
                     # The chunk's ids and weights (loads into shared memory, all in flight
                     # together) and source tokens.
                     for w in cutlass.range(lane, hn * topk, WARP, unroll=4):
@@ -355,10 +369,10 @@ class ReceivePhase:
                         tokens, scales, scale_rows, segment_rows, src_info, comb_rows,
                         comb_weights, comb_tokens, scales_offset, row_capacity, s_next, s_off,
                         s_first, s_scratch, s_wts, scratch, half, wts,
-                        next_at, pieces_at, full, s_piece, held, pieces, payload_bytes, blocks,
-                        scale_cols, rk, layout, tiler, g_crd, thr, tiles, warp_copy,
-                        payload_vectors, issued, drained, trace, tracing,
-                        Int32(i == 0 and h == 0))
+                        next_at, pieces_at, full, s_piece, held, pieces, msg_bytes,
+                        payload_bytes, blocks, scale_cols, rk, scale_mode, scale_bytes, layout,
+                        tiler, g_crd, thr, tiles, warp_copy, payload_vectors, issued, drained,
+                        trace, tracing, Int32(i == 0 and h == 0))
                     if half == 0:
                         mark0 = issued
                     else:
@@ -377,8 +391,10 @@ class ReceivePhase:
                 if stage_batches == 1:
                     target = issued
                 while drained < target:
-                    drained = self._store_piece(lane, drained, payload_bytes, pieces_at, full,
-                                                s_piece, held, tokens, topk, s_scratch, scratch)
+                    drained = self._store_piece(
+                    lane, drained, msg_bytes, payload_bytes, pieces_at, full, s_piece, held,
+                    tokens, topk, s_scratch, scratch, scale_rows, scales, scale_mode,
+                    scales_offset, scale_bytes, scale_cols, row_capacity)
                 batch_mark = issued
                 if stage_batches > 1:
                     done_through = at
@@ -403,8 +419,10 @@ class ReceivePhase:
         if cutlass.const_expr(self.bulk):
             # Every piece has landed before the stream's slots go back to s.
             while drained < issued:
-                drained = self._store_piece(lane, drained, payload_bytes, pieces_at, full,
-                                            s_piece, held, tokens, topk, s_scratch, scratch)
+                drained = self._store_piece(
+                    lane, drained, msg_bytes, payload_bytes, pieces_at, full, s_piece, held,
+                    tokens, topk, s_scratch, scratch, scale_rows, scales, scale_mode,
+                    scales_offset, scale_bytes, scale_cols, row_capacity)
             if per_source > 1:
                 cute.arch.barrier(barrier_id=2 + s, number_of_threads=WARP * per_source)
         # The batches past s's last message here are not read at all: they all go back to s.
@@ -435,9 +453,10 @@ class ReceivePhase:
                comb_tokens: cute.Pointer, scales_offset, row_capacity, s_next: cute.Tensor,
                s_off: cute.Tensor, s_first: cute.Tensor, s_scratch: cute.Tensor,
                s_wts: cute.Tensor, scratch, half, wts, next_at, pieces_at: cute.Pointer,
-               full: cute.Pointer, s_piece: cute.Tensor, held, pieces, payload_bytes, blocks,
-               scale_cols, rk, layout, tiler, g_crd, thr, tiles, warp_copy: cute.TiledCopy,
-               payload_vectors, issued, drained, trace: cute.Pointer, tracing, first_chunk):
+               full: cute.Pointer, s_piece: cute.Tensor, held, pieces, msg_bytes, payload_bytes,
+               blocks, scale_cols, rk, scale_mode, scale_bytes, layout, tiler, g_crd, thr, tiles,
+               warp_copy: cute.TiledCopy, payload_vectors, issued, drained, trace: cute.Pointer,
+               tracing, first_chunk):
         """A chunk's `cnt` messages (messages first .. first + cnt - 1 of source s here): their
         rows, message by message (the experts of one message differ, so its lanes never share a
         counter; a warp barrier between messages); what combine needs of them (the first warp of
@@ -479,8 +498,10 @@ class ReceivePhase:
                 msg = staging + Int64(stage((0, s_scratch[scratch + STAGE_AT + m], channel)))
                 for p in cutlass.range(pieces):
                     issued, drained = self._pull_piece(
-                        lane, msg, half * MAX_CHUNK + m, p, issued, drained, payload_bytes, pieces_at, full,
-                        s_piece, held, tokens, topk, s_scratch, scratch)
+                        lane, msg, half * MAX_CHUNK + m, p, issued, drained, msg_bytes,
+                        payload_bytes, pieces_at, full, s_piece, held, tokens, topk, s_scratch,
+                        scratch, scale_rows, scales, scale_mode, scales_offset, scale_bytes,
+                        scale_cols, row_capacity)
         else:
             for m in cutlass.range(sub, cnt, per_source):
                 msg = staging + Int64(stage((0, s_scratch[scratch + STAGE_AT + m], channel)))
@@ -512,49 +533,92 @@ class ReceivePhase:
         return issued, drained
 
     @cute.jit
-    def _pull_piece(self, lane, msg, m, p, issued, drained, payload_bytes, ring: cute.Pointer,
-                    full: cute.Pointer, s_piece: cute.Tensor, held, tokens: cute.Pointer, topk,
-                    s_scratch: cute.Tensor, scratch):
+    def _pull_piece(self, lane, msg, m, p, issued, drained, msg_bytes, payload_bytes,
+                    ring: cute.Pointer, full: cute.Pointer, s_piece: cute.Tensor, held,
+                    tokens: cute.Pointer, topk, s_scratch: cute.Tensor, scratch,
+                    scale_rows: cute.Pointer, scales: cute.Pointer, scale_mode, scales_offset,
+                    scale_bytes, scale_cols, row_capacity):
         """Bulk-load piece p of message m of the chunk (staged at `msg`) into the warp's next
         piece of shared memory once the stores that read it last are done reading it; then
         store the oldest piece if LAG pieces are in flight. Returns (issued, drained)."""
         at = issued % PIECES
         offset = Int64(p) * PIECE
-        nbytes = cutlass.min(Int32(PIECE), Int32(Int64(payload_bytes) - offset))
+        nbytes = cutlass.min(Int32(PIECE), Int32(Int64(msg_bytes) - offset))
         if lane == 0:
             # Piece `issued - PIECES` last held this one; of the store groups committed since
             # (one per piece drained), at most PIECES - 1 - LAG are newer than its own.
             cute.arch.cp_async_bulk_wait_group(PIECES - 1 - LAG, read=True)
+            if cutlass.const_expr(self.fmt != "bf16"):
+                # The lanes' loads of scale words from the piece this one replaces
+                # (`_store_piece`) before the bulk load writes it.
+                cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.mbarrier_arrive_and_expect_tx(full + at, nbytes)
             bulk_load(ring + at * PIECE, msg + offset, nbytes, full + at)
         s_piece[held + at] = m * 64 + p  # (message of the chunk, piece): every lane writes it
         cute.arch.sync_warp()  # ... before any lane reads it back in `_store_piece`
         issued = issued + 1
         if issued - drained > LAG:
-            drained = self._store_piece(lane, drained, payload_bytes, ring, full, s_piece, held,
-                                        tokens, topk, s_scratch, scratch)
+            drained = self._store_piece(lane, drained, msg_bytes, payload_bytes, ring, full,
+                                        s_piece, held, tokens, topk, s_scratch, scratch,
+                                        scale_rows, scales, scale_mode, scales_offset,
+                                        scale_bytes, scale_cols, row_capacity)
         return issued, drained
 
     @cute.jit
-    def _store_piece(self, lane, drained, payload_bytes, ring: cute.Pointer, full: cute.Pointer,
-                     s_piece: cute.Tensor, held, tokens: cute.Pointer, topk,
-                     s_scratch: cute.Tensor, scratch):
-        """Wait for the warp's oldest piece in flight to land and bulk-store it to every row of
-        its message (one async group a piece). Returns drained + 1."""
+    def _store_piece(self, lane, drained, msg_bytes, payload_bytes, ring: cute.Pointer,
+                     full: cute.Pointer, s_piece: cute.Tensor, held, tokens: cute.Pointer, topk,
+                     s_scratch: cute.Tensor, scratch, scale_rows: cute.Pointer,
+                     scales: cute.Pointer, scale_mode, scales_offset, scale_bytes, scale_cols,
+                     row_capacity):
+        """Wait for the warp's oldest piece in flight to land and store it to every row of its
+        message (one async group a piece): the payload bytes it holds by bulk stores to the
+        rows; FP8 and NVFP4 scale bytes it holds by `scale_mode` (SCALES_BULK: bulk stores to
+        the rows of `scale_rows`; SCALES_LANES: the lanes' word stores there, NVFP4's padding
+        bytes cleared; SCALES_SLABS: the lanes' stores into FP8's transposed output).
+        Returns drained + 1."""
         at = drained % PIECES
         cute.arch.mbarrier_wait(full + at, (drained // PIECES) % 2)
         what = s_piece[held + at]
         m = what // 64
         rows_at = scratch + ROWS_AT + m * ROWS
+        offset = Int64(what - m * 64) * PIECE
+        end = offset + Int64(cutlass.min(Int32(PIECE), Int32(Int64(msg_bytes) - offset)))
+        pay = Int32(cutlass.min(end, Int64(payload_bytes)) - offset)  # <= 0: scales only
+        sc_lo = cutlass.max(offset, Int64(scales_offset))  # the scale bytes the piece holds
+        sc_hi = cutlass.min(end, Int64(scales_offset) + Int64(scale_bytes))
         if lane == 0:
-            offset = Int64(what - m * 64) * PIECE
-            nbytes = cutlass.min(Int32(PIECE), Int32(Int64(payload_bytes) - offset))
             for k in cutlass.range(topk + 1):
                 r = s_scratch[rows_at + k]
                 if r >= 0:
-                    bulk_store(tokens.toint() + Int64(r) * payload_bytes + offset,
-                               ring + at * PIECE, nbytes)
+                    if pay > 0:
+                        bulk_store(tokens.toint() + Int64(r) * payload_bytes + offset,
+                                   ring + at * PIECE, pay)
+                    if cutlass.const_expr(self.fmt != "bf16"):
+                        if scale_mode == SCALES_BULK and sc_hi > sc_lo:
+                            bulk_store(scale_rows.toint() + Int64(r) * Int64(scale_bytes)
+                                       + sc_lo - Int64(scales_offset),
+                                       ring + at * PIECE + Int32(sc_lo - offset),
+                                       Int32(sc_hi - sc_lo))
             cute.arch.cp_async_bulk_commit_group()
+        if cutlass.const_expr(self.fmt != "bf16"):
+            if scale_mode != SCALES_BULK and sc_hi > sc_lo:
+                words = cute.make_tensor(cute.recast_ptr((ring + at * PIECE).align(16),
+                                                         dtype=Int32),
+                                         cute.make_layout(PIECE // 4))
+                first = Int32((sc_lo - Int64(scales_offset)) // 4)  # the piece's first word
+                for k in cutlass.range(topk + 1):
+                    r = s_scratch[rows_at + k]
+                    if r >= 0:
+                        for c in cutlass.range(first + lane, Int32(sc_hi - Int64(scales_offset))
+                                               // 4, WARP):
+                            at_word = Int32((Int64(scales_offset) - offset) // 4) + c
+                            word = self._scale_word(words[at_word], c, scale_cols)
+                            if scale_mode == SCALES_LANES:
+                                store_i32(scale_rows.toint() + (Int64(r) * Int64(scale_bytes)
+                                                                + Int64(c) * 4), word)
+                            else:
+                                store_i32(scales.toint() + (Int64(c) * Int64(row_capacity)
+                                                            + Int64(r)) * 4, word)
         return drained + 1
 
     @cute.jit
