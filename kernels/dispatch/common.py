@@ -38,10 +38,9 @@ SCALE_REGS = 4  # FP8 / NVFP4 scale words per lane a receiver loads with a messa
 TILE_ROWS, TILE_COLS = 128, 8
 TILE_STRIDE = TILE_COLS + 1
 SEND_BARRIER = 15  # the named barrier of the sender warps (receivers use 1 and 2 + source)
-# BF16: a receiver warp pulls messages through its own ring of PIECES shared-memory pieces of
-# PIECE bytes (bulk loads from the source's staging, bulk stores to the rows), LAG pieces in
-# flight ahead of the stores. (FP8 and NVFP4 messages, a half and a quarter as large with
-# scales that go to scattered words, move through registers: their bulk pulls measured slower.)
+# A receiver warp of a bulk format pulls messages through its own ring of PIECES shared-memory
+# pieces of PIECE bytes (bulk loads from the source's staging, bulk stores to the rows), LAG
+# pieces in flight ahead of the stores.
 PIECE = 4096
 PIECES = 5
 LAG = PIECES - 2
