@@ -1,7 +1,8 @@
 """`ep_dispatch`: one persistent launch per dispatch, a CTA per channel (transport v2).
 
 Channel c of every rank owns a contiguous run of that rank's tokens (`layouts.channels`). Its CTA
-has SEND_WARPS sender warps and RECV_WARPS[format] receiver warps, and runs three parts:
+has SEND_WARPS sender warps and RECV_WARPS_BULK (or, for a format moved through registers,
+RECV_WARPS_REGISTERS) receiver warps, and runs three parts:
 
 1. Counts (all warps): the channel's tokens are routed (each valid (token, k) pair, a later k
    naming the same expert dropped, ids outside [0, E) dropped and reported) and counted per
@@ -31,8 +32,10 @@ has SEND_WARPS sender warps and RECV_WARPS[format] receiver warps, and runs thre
    through PIECES pieces of shared memory per warp, each piece bulk-stored to every row as it
    lands; FP8 and NVFP4 through registers, a row's scales contiguously into `scale_rows`
    (row-major, `layouts.buffers.scale_rows_layout`); the rows, weights and source token are
-   recorded for combine. Credit returns to the source after every batch, and for all the rest of
-   the round's batches once the last message from the source has landed (their slots are not read).
+   recorded for combine. Credit returns to the source after every batch (BF16's a batch late: a
+   chunk's bulk loads land while the next chunk is placed, and the ring never empties between
+   chunks), and for all the rest of the round's batches once the last message from the source
+   has landed (their slots are not read).
 
 4. FP8 and NVFP4 (packed rows): once every CTA has finished (the round's advance below, which
    each CTA waits for), all warps write `scale_rows` into the output's scale layout, a tile of
@@ -58,7 +61,8 @@ from cutlass import Float32, Int32, Int64, Uint8
 from kernels.copy import row_tiled_copy
 from kernels.dispatch.common import (FORMATS, LIMITS, MAX_CHUNK, MAX_EXPERTS, MAX_RANKS,
                                      MAX_SEGMENTS, MAX_STAGE_BATCHES, MAX_TOPK, PHASE_DISPATCH,
-                                     PIECE, PIECES, RECV_WARPS, SCRATCH, SEND_VECTORS, SEND_WARPS,
+                                     PIECE, PIECES, BULK_FORMATS, RECV_WARPS_BULK,
+                                     RECV_WARPS_REGISTERS, SCRATCH, SEND_VECTORS, SEND_WARPS,
                                      SRC_WORDS, TILE_ROWS, TILE_STRIDE, TILE_VECTORS, WARP, _stamp,
                                      _wait_at_least)
 from kernels.dispatch.counts import CountsPhase
@@ -77,7 +81,7 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
         if fmt not in FORMATS:
             raise ValueError(f"ep_dispatch formats: {FORMATS}, not {fmt!r}")
         self.fmt = fmt
-        self.recv_warps = RECV_WARPS[fmt]
+        self.recv_warps = RECV_WARPS_BULK if fmt in BULK_FORMATS else RECV_WARPS_REGISTERS
         self.send_vectors = SEND_VECTORS[fmt]
         # Per lane: a receiver warp loads this many vectors of a message before storing them.
         self.tile_vectors = TILE_VECTORS[fmt]
@@ -97,7 +101,8 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                  + self.recv_warps * (SCRATCH + MAX_CHUNK * MAX_TOPK)  # s_scratch, s_wts
                  + MAX_STAGE_BATCHES)  # s_arrive
         dwords = SEND_WARPS * MAX_RANKS + SEND_WARPS * len(SEND_TIMES)  # s_head, s_time
-        return 4 * words + 8 * dwords + 14 * 16 + 128 + self.ring_bytes + 4 * self.tile_words
+        tiles = 0 if self.tiles_in_ring else 4 * self.tile_words
+        return 4 * words + 8 * dwords + 14 * 16 + 128 + self.ring_bytes + tiles
 
     @property
     def tile_words(self) -> int:
@@ -105,9 +110,15 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
         return 4 if self.fmt == "bf16" else (SEND_WARPS + self.recv_warps) * TILE_ROWS * TILE_STRIDE
 
     @property
+    def tiles_in_ring(self) -> bool:
+        """Whether the scale tiles reuse the receivers' pieces (bulk FP8 / NVFP4): the scales are
+        written out only after every piece has been stored."""
+        return self.bulk and self.fmt != "bf16"
+
+    @property
     def bulk(self) -> bool:
-        """Whether receivers pull payloads by bulk copies (BF16) or through registers."""
-        return self.fmt == "bf16"
+        """Whether receivers pull messages by bulk copies or through registers."""
+        return self.fmt in BULK_FORMATS
 
     @property
     def ring_shape(self) -> tuple[int, int]:
@@ -295,10 +306,16 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                                       byte_alignment=16)
         s_time = smem.allocate_tensor(Int64, cute.make_layout(SEND_WARPS * len(SEND_TIMES)),
                                       byte_alignment=16)
-        s_tile = smem.allocate_tensor(Int32, cute.make_layout(self.tile_words), byte_alignment=16)
         # Per receiver warp: PIECES pieces of messages, their mbarriers and what each holds.
         pieces, piece = self.ring_shape
         s_ring = smem.allocate_tensor(Uint8, cute.make_layout(pieces * piece), byte_alignment=128)
+        if cutlass.const_expr(self.tiles_in_ring):
+            assert self.tile_words * 4 <= pieces * piece
+            s_tile = cute.make_tensor(cute.recast_ptr(s_ring.iterator, dtype=Int32),
+                                      cute.make_layout(self.tile_words))
+        else:
+            s_tile = smem.allocate_tensor(Int32, cute.make_layout(self.tile_words),
+                                          byte_alignment=16)
         s_full = smem.allocate_array(Int64, pieces, byte_alignment=8)
         s_piece = smem.allocate_tensor(Int32, cute.make_layout(pieces), byte_alignment=16)
 
@@ -387,6 +404,10 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                     if tidx == 0:
                         _wait_at_least(rounds.toint(), epoch, timeout_ns, error, my_rank,
                                        Int32(PHASE_DISPATCH))
+                    if cutlass.const_expr(self.tiles_in_ring):
+                        # The pieces' last bulk accesses are done (waited for) before the tiles
+                        # write the same shared memory.
+                        cute.arch.fence_proxy("async.shared", space="cta")
                     cute.arch.sync_threads()
                     self._write_scales(warp, lane, channel, active, scales, scale_rows, s_off,
                                        s_raw, s_first, s_tile, local_experts + shared,
