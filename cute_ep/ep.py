@@ -391,9 +391,12 @@ class Buffer:
             ring_slots=geo.ring_slots,
             chunk_tokens=geo.chunk_tokens, ring_offset=off["combine_rings"])
         self._encode_launch = self.k_encode.bind(
-            ("x", "global_scale", "num_tokens"), send_buf=self.send_buf, hidden=cfg.hidden,
-            msg_bytes=self.msg.size, scales_offset=self.scales_at) \
+            ("x", "global_scale", "num_tokens", "ctas"), send_buf=self.send_buf,
+            hidden=cfg.hidden, msg_bytes=self.msg.size, scales_offset=self.scales_at) \
             if self.k_encode is not None else None
+        # The encoder keeps the SM budget: a CTA a budgeted SM, each `groups` tokens at once.
+        self._encode_groups = self.k_encode.spec.config["groups"] \
+            if self.k_encode is not None else 1
 
     # Sizes -------------------------------------------------------------------------------
 
@@ -536,7 +539,8 @@ class Buffer:
             load_bytes = source_stride
         else:
             self._encode_launch(x.data_ptr(), global_scale.data_ptr()
-                                if global_scale is not None else self._no_f32_at, num_tokens)
+                                if global_scale is not None else self._no_f32_at, num_tokens,
+                                min(self._sms, -(-num_tokens // self._encode_groups)))
             source, source_stride, scale_source, scale_stride, load_bytes = self._encoded
 
         out = self._dispatch_outputs(Routing(active, num_tokens, weighted, skip_a2a,

@@ -36,7 +36,8 @@ class _Kernel:
     def __init__(self, family, fields):
         vector_bytes = 8 if fields.get("format") == "nvfp4" else 16
         self.spec = SimpleNamespace(sizes={"max_stage_batches": 1 << 20, "max_chunk": 1 << 20,
-                                           "vector_bytes": vector_bytes})
+                                           "vector_bytes": vector_bytes},
+                                    config={"groups": 4} if family == "ep_encode" else {})
 
     def bind(self, varying, **constants):
         return _Recorder(varying, constants)
@@ -164,6 +165,10 @@ def test_a_quantized_layer_encodes_bf16_input_then_dispatches_its_messages(cpu_b
     out = buf.dispatch(x, ids, w, global_scale=gs)
     e, d = buf._encode_launch.calls[-1], buf._dispatch_launch.calls[-1]
     assert (e["x"], e["num_tokens"]) == (x.data_ptr(), T)
+    # The encoder keeps the SM budget (4 here): a CTA an SM, 4 tokens a CTA at once.
+    assert e["ctas"] == min(buf.sms, -(-T // 4))
+    buf.dispatch(x[:5], ids[:5], w[:5], global_scale=gs)
+    assert buf._encode_launch.calls[-1]["ctas"] == 2
     assert e["global_scale"] == (gs if gs is not None else buf._no_f32).data_ptr()
     send, msg = buf.send_buf.data_ptr(), buf.msg
     assert (d["source"], d["source_stride"]) == (send, msg.size)
