@@ -317,7 +317,10 @@ class Buffer:
             {"scales": cfg.fp8_scales} if cfg.format == "fp8" else {}
         self.k_encode = rt.select("ep_encode", dev, format=cfg.format, **encode) \
             if cfg.format != "bf16" else None
-        self.k_dispatch = rt.select("ep_dispatch", dev, format=cfg.format)
+        # Bulk copies move 16-byte multiples: NVFP4 rows (H / 2 bytes) of an H that is not a
+        # multiple of 32 go through the receivers' registers.
+        self.k_dispatch = rt.select("ep_dispatch", dev, format=cfg.format,
+                                    bulk=int(cfg.format != "nvfp4" or cfg.hidden % 32 == 0))
         self.k_combine = rt.select("ep_combine", dev)
         sizes = self.k_dispatch.spec.sizes
         if self.geo.ring_slots < max(self.geo.chunk_tokens, cfg.topk):

@@ -91,10 +91,11 @@ def scale_rows_layout(words, rows) -> Layout:
 def dispatch_scale_rows(cfg: EPConfig) -> Buffer | None:
     """(scale word, row): the received rows' scales row by row, as the receivers store them
     (one contiguous run a row), before the dispatch writes them out in the output's layout (FP8
-    transposed, NVFP4 128x4) a whole tile at a time. None for bf16 and for the slabs layout
-    (whose decode-sized dispatch stores the output's layout directly)."""
+    transposed, NVFP4 128x4) a whole tile at a time (the packed and sources layouts). None for
+    bf16 and for the slabs layout (whose decode-sized dispatch stores the output's layout
+    directly)."""
     words = scale_words(cfg)
-    if not words or cfg.layout != "packed":
+    if not words or cfg.layout == "slabs":
         return None
     return Buffer("dispatch_scale_rows", "int32", scale_rows_layout(words, cfg.row_capacity),
                   "received rows' scales, row-major, before the output layout")

@@ -360,7 +360,7 @@ def _stages(world, args, fmt, tokens, rank) -> dict:
     del buf
     totals = dict.fromkeys(STAGE_KERNELS, 0.0)
     for item in prof.key_averages():
-        m = re.search(r"cute_ep::(encode|dispatch|combine)", item.key)  # kernels/build.py names
+        m = re.search(r"cute_ep::cutlass::(encode|dispatch|combine)", item.key)  # build.py
         if m and m.group(1).capitalize() in totals:
             total = getattr(item, "device_time_total", None)
             if total is None:

@@ -77,11 +77,19 @@ from layouts.config import FP8_ROW_ALIGN
 
 
 class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
-    def __init__(self, fmt: str):
+    def __init__(self, fmt: str, bulk: bool | None = None):
+        """`bulk`: receivers pull messages by bulk copies (the default of BULK_FORMATS) or
+        through registers; NVFP4 rows of H / 2 bytes that are not 16-byte multiples (H not a
+        multiple of 32) cannot be bulk-stored and take the register path."""
         if fmt not in FORMATS:
             raise ValueError(f"ep_dispatch formats: {FORMATS}, not {fmt!r}")
+        if bulk is None:
+            bulk = fmt in BULK_FORMATS
+        if not bulk and fmt == "bf16":
+            raise ValueError("bf16 dispatch receivers always pull by bulk copies")
         self.fmt = fmt
-        self.recv_warps = RECV_WARPS_BULK if fmt in BULK_FORMATS else RECV_WARPS_REGISTERS
+        self._bulk = bool(bulk)
+        self.recv_warps = RECV_WARPS_BULK if self._bulk else RECV_WARPS_REGISTERS
         self.send_vectors = SEND_VECTORS[fmt]
         # Per lane: a receiver warp loads this many vectors of a message before storing them.
         self.tile_vectors = TILE_VECTORS[fmt]
@@ -118,7 +126,7 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
     @property
     def bulk(self) -> bool:
         """Whether receivers pull messages by bulk copies or through registers."""
-        return self.fmt in BULK_FORMATS
+        return self._bulk
 
     @property
     def ring_shape(self) -> tuple[int, int]:
@@ -136,7 +144,7 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
     def spec(self) -> KernelSpec:
         return KernelSpec(
             family="ep_dispatch",
-            config={"format": self.fmt},
+            config={"format": self.fmt, "bulk": int(self.bulk)},
             params=(
                 Param("peer_bases", "ptr", "int64", align=8, min_elements=("ranks", 1)),
                 Param("source", "ptr", "uint8", align=16),
@@ -417,5 +425,7 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
 
 
 def dispatch_kernels() -> list:
-    return [EpDispatch(f) for f in FORMATS]
+    """Every format's kernel, and NVFP4's register-path one for rows that are not 16-byte
+    multiples."""
+    return [EpDispatch(f) for f in FORMATS] + [EpDispatch("nvfp4", bulk=False)]
 

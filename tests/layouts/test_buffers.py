@@ -58,6 +58,12 @@ def test_buffers_at_model_shapes(cfg, rng):
         assert staged.nbytes == -(-cfg.row_capacity * words * 4 // 16) * 16
     if cfg.format == "fp8":  # the slabs layout stores the output's layout directly
         assert dispatch_scale_rows(dataclasses.replace(cfg, layout="slabs")) is None
+        # The sources layout's receivers store scales row by row as the packed one's do: one
+        # row a received token.
+        by_source = dataclasses.replace(cfg, layout="sources")
+        staged = dispatch_scale_rows(by_source)
+        assert staged is not None and staged.layout.cosize() == by_source.row_capacity * words
+        staged = dispatch_scale_rows(cfg)
 
     for channels in (5, 24):
         sizes = buffer_sizes(cfg, channels)
