@@ -114,8 +114,9 @@ def dispatch_timeline(record_path: str, fmt: str, sms, rank: int) -> Path:
         bars.append(("round done, scales out", d["recv_done"], d["end"], COLORS["scales"]))
     stamps = [(k, d[k]) for k in ("counts_sent", "counts_arrived", "layout_ready", "send_done",
                                   "end") if k in d]
+    how = "GPU time" if record.get("timing") == "gpu" else "host launch included"
     _gantt(axes[0][0], bars, stamps, f"dispatch ({entry['dispatch_us']:.0f} us by CUDA events, "
-           f"host launch included)", xmax)
+           f"{how})", xmax)
     _waits(axes[0][1], [("sender: credit wait", d["credit_wait_us"], COLORS["wait"]),
                         ("sender: per-batch work", d["batch_us"], COLORS["send"]),
                         ("sender: token copies", d["copy_us"], COLORS["send"]),

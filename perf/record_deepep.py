@@ -8,6 +8,13 @@ same as `cute-ep bench`). The record keeps the correctness cases it passed and i
 dispatch (FP8, BF16) and combine: SMs, time and its NVL GB/s, and names the bench record it
 stands beside (date, device, GPU count copied from it). Written next to that record as
 `deepep-<date>-<N>xH200.json`.
+
+Or the output of its `tests/test_low_latency.py` (decode: 128 tokens per rank by default):
+every rank's dispatch and combine times (its "Dispatch bandwidth ... | Combine bandwidth" line,
+FP8 dispatch), its dispatch + combine time and the send / receive split of each, with the
+slowest rank's as the headline; written as `deepep-ll-<date>-<N>xH200.json`. `--face` records
+the same logs of DeepEP's tests run against `cute_ep.deepep` (`perf/deepep_test.sh`), written as
+`deepep_face-...` / `deepep_face-ll-...`.
 """
 
 from __future__ import annotations
@@ -21,6 +28,34 @@ _CONFIG = re.compile(r"\[config\] num_tokens=(\d+), hidden=(\d+), num_topk=(\d+)
 _BEST = re.compile(r"\[tuning\] Best (dispatch \((\w+)\)|combine): SMs (\d+), NVL chunk (\d+)"
                    r"[,:]? ([\d.]+) GB/s \(NVL\), t: ([\d.]+) us")
 _CASE = re.compile(r"^\[testing\] Running with .* \.\.\. (passed|failed)", re.MULTILINE)
+_LL_BOTH = re.compile(r"\[rank (\d+)\] Dispatch \+ combine bandwidth: ([\d.]+) GB/s, "
+                      r"avg_t=([\d.]+) us")
+_LL_EACH = re.compile(r"\[rank (\d+)\] Dispatch bandwidth: ([\d.]+) GB/s, avg_t=([\d.]+) us \| "
+                      r"Combine bandwidth: ([\d.]+) GB/s, avg_t=([\d.]+) us")
+_LL_SPLIT = re.compile(r"\[rank (\d+)\] Dispatch send/recv time: ([\d.]+) \+ ([\d.]+) us \| "
+                       r"Combine send/recv time: ([\d.]+) \+ ([\d.]+) us")
+
+
+def parse_low_latency(text: str) -> dict:
+    """Every rank's figures of a test_low_latency log, and the slowest rank's."""
+    ranks: dict[int, dict] = {}
+    for m in _LL_BOTH.finditer(text):
+        ranks.setdefault(int(m.group(1)), {})["dispatch_combine_us"] = float(m.group(3))
+    for m in _LL_EACH.finditer(text):
+        ranks.setdefault(int(m.group(1)), {}).update(
+            dispatch_us=float(m.group(3)), dispatch_gbps=float(m.group(2)),
+            combine_us=float(m.group(5)), combine_gbps=float(m.group(4)))
+    for m in _LL_SPLIT.finditer(text):
+        ranks.setdefault(int(m.group(1)), {}).update(
+            dispatch_send_us=float(m.group(2)), dispatch_recv_us=float(m.group(3)),
+            combine_send_us=float(m.group(4)), combine_recv_us=float(m.group(5)))
+    if not any("dispatch_us" in r for r in ranks.values()):
+        raise ValueError("no 'Dispatch bandwidth ... | Combine bandwidth' line: not a finished "
+                         "DeepEP test_low_latency log")
+    timed = [r for r in ranks.values() if "dispatch_us" in r]
+    return {"ranks": [ranks[k] for k in sorted(ranks)],
+            "dispatch_us": max(r["dispatch_us"] for r in timed),
+            "combine_us": max(r["combine_us"] for r in timed)}
 
 
 def parse(text: str) -> dict:
@@ -46,15 +81,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("log")
     parser.add_argument("--beside", required=True, help="the cute-ep bench JSON of the lease")
+    parser.add_argument("--face", action="store_true",
+                        help="the log is of DeepEP's test run against cute_ep.deepep")
     args = parser.parse_args()
     bench_path = Path(args.beside)
     bench = json.loads(bench_path.read_text())
-    record = {"baseline": "DeepEP v1.2.1 tests/test_intranode.py (intranode, no NVSHMEM)",
-              "beside": bench_path.name, "date": bench["date"], "device": bench["device"],
-              "gpus": bench["gpus"], **parse(Path(args.log).read_text())}
-    out = bench_path.with_name(bench_path.name.replace("bench-", "deepep-", 1))
+    text = Path(args.log).read_text()
+    low_latency = "[config]" not in text and "Dispatch bandwidth" in text
+    test = "test_low_latency.py" if low_latency else "test_intranode.py"
+    what = "cute_ep.deepep (DeepEP's test, its import line changed)" if args.face else \
+        "DeepEP v1.2.1 " + ("(its NVSHMEM build)" if low_latency else "(intranode, no NVSHMEM)")
+    record = {"baseline": f"{what}: tests/{test}", "beside": bench_path.name,
+              "date": bench["date"], "device": bench["device"], "gpus": bench["gpus"],
+              **(parse_low_latency(text) if low_latency else parse(text))}
+    name = ("deepep_face-" if args.face else "deepep-") + ("ll-" if low_latency else "")
+    out = bench_path.with_name(bench_path.name.replace("bench-", name, 1))
     out.write_text(json.dumps(record, indent=1) + "\n")
-    print(f"{out}: " + ", ".join(f"{k} {v['us']:.0f} us" for k, v in record["best"].items()))
+    if low_latency:
+        print(f"{out}: dispatch {record['dispatch_us']:.1f} us, combine "
+              f"{record['combine_us']:.1f} us (slowest rank)")
+    else:
+        print(f"{out}: " + ", ".join(f"{k} {v['us']:.0f} us" for k, v in record["best"].items()))
 
 
 if __name__ == "__main__":

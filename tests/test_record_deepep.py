@@ -8,7 +8,7 @@ import sys
 import pytest
 
 sys.path.insert(0, "perf")
-from record_deepep import parse  # noqa: E402
+from record_deepep import parse, parse_low_latency  # noqa: E402
 
 LOG = """[config] num_tokens=4096, hidden=7168, num_topk=8
 [layout] Kernel performance: 0.034 ms
@@ -50,6 +50,43 @@ def test_the_record_lands_beside_the_bench_record(tmp_path):
     record = json.loads((tmp_path / "deepep-2026-11-22-4xH200.json").read_text())
     assert (record["beside"], record["gpus"], record["best"]["dispatch_bf16"]["us"]) == \
         (bench.name, 4, 527.31)
+
+
+LL_LOG = """Allocating buffer size: 1234.5 MB ...
+[rank 1] Dispatch + combine bandwidth: 40.10 GB/s, avg_t=101.50 us, min_t=99.00 us, max_t=110.00 us
+[rank 0] Dispatch + combine bandwidth: 41.20 GB/s, avg_t=98.25 us, min_t=97.00 us, max_t=105.00 us
+[rank 0] Dispatch bandwidth: 80.00 GB/s, avg_t=33.10 us | Combine bandwidth: 90.00 GB/s, avg_t=55.50 us
+[rank 1] Dispatch bandwidth: 78.50 GB/s, avg_t=34.25 us | Combine bandwidth: 91.00 GB/s, avg_t=54.75 us
+[rank 0] Dispatch send/recv time: 10.00 + 20.00 us | Combine send/recv time: 15.00 + 30.00 us
+[rank 1] Dispatch send/recv time: 11.50 + 19.25 us | Combine send/recv time: 14.00 + 31.00 us
+"""
+
+
+def test_a_low_latency_log_gives_every_rank_and_the_slowest():
+    record = parse_low_latency(LL_LOG)
+    assert (record["dispatch_us"], record["combine_us"]) == (34.25, 55.5)
+    assert record["ranks"][1] == {
+        "dispatch_combine_us": 101.5, "dispatch_us": 34.25, "dispatch_gbps": 78.5,
+        "combine_us": 54.75, "combine_gbps": 91.0, "dispatch_send_us": 11.5,
+        "dispatch_recv_us": 19.25, "combine_send_us": 14.0, "combine_recv_us": 31.0}
+    with pytest.raises(ValueError, match="not a finished DeepEP test_low_latency log"):
+        parse_low_latency(LL_LOG.split("[rank 0] Dispatch bandwidth")[0])
+
+
+@pytest.mark.parametrize("face", [False, True])
+def test_a_low_latency_record_is_named_for_its_test_and_side(tmp_path, face):
+    bench = tmp_path / "bench-2026-11-26-2xH200.json"
+    bench.write_text(json.dumps({"date": "2026-11-26T08:00:00+00:00", "device": "NVIDIA H200",
+                                 "gpus": 2}))
+    log = tmp_path / "ll.log"
+    log.write_text(LL_LOG)
+    subprocess.run([sys.executable, "perf/record_deepep.py", str(log), "--beside", str(bench),
+                    *(["--face"] if face else [])], check=True, capture_output=True)
+    name = ("deepep_face-ll-" if face else "deepep-ll-") + "2026-11-26-2xH200.json"
+    record = json.loads((tmp_path / name).read_text())
+    assert record["beside"] == bench.name and record["dispatch_us"] == 34.25
+    assert ("cute_ep.deepep" in record["baseline"]) == face
+    assert "test_low_latency.py" in record["baseline"]
 
 
 def test_the_committed_baselines_name_a_committed_bench_record():

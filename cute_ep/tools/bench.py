@@ -2,8 +2,10 @@
 
 For each token format, on every rank, with the same inputs each time:
 - **throughput** (`--tokens` per rank, default 4096): `Buffer.dispatch` and `Buffer.combine`,
-  each bracketed by CUDA events after a device synchronisation, an L2 flush and a barrier
-  (host launch included); median of `--iters` (>= 50) after 5 warm-ups; once per SM budget of
+  each bracketed by CUDA events after a device synchronisation, a barrier and an L2 flush; the
+  calls are queued behind the flush, so the events time the GPU's work as DeepEP's and NCCL's
+  benchmarks do, not the host's launch path (whose time the decode section reports); median of
+  `--iters` (>= 50) after 5 warm-ups; once per SM budget of
   `--sms` (`Buffer(sms=)`: the SMs the layer's communication occupies; "all" = every SM);
 - **where dispatch's time goes**: one traced dispatch per budget (`Buffer.trace_dispatch`): when
   each channel sent its counts, had every rank's, knew its row layout, finished sending, ended,
@@ -95,6 +97,9 @@ def main(argv=None) -> int:
         "device": torch.cuda.get_device_name(0),
         "gpus": world,
         "library_version": _version(),
+        # "gpu": events time the GPU's work, the calls queued behind the L2 flush (records
+        # without this key timed from an idle GPU, the host's launch included).
+        "timing": "gpu",
         "config": {"tokens": args.tokens, "decode_tokens": args.decode_tokens,
                    "hidden": args.hidden, "topk": args.topk, "experts": args.experts,
                    "iters": args.iters, "sms": [s or "all" for s in budgets],
@@ -174,14 +179,17 @@ def _inputs(cfg, tokens, seed, fmt=None):
 
 def _timed_steps(steps, iters, flush, group=None) -> list[list[float]]:
     """Per-iteration GPU times (us) of each of `steps`, run in order every iteration after
-    sync + L2 flush + barrier, one CUDA event between consecutive steps."""
+    sync + barrier + L2 flush, one CUDA event between consecutive steps. The flush (256 MiB of
+    stores, about 90 us) is queued first, so the first step's launch reaches the GPU while it
+    is still busy: the GPU's time of the steps, without the host's launch path or an idle GPU
+    waiting for it (host time is measured on its own)."""
     import torch.distributed as dist
 
     times = [[] for _ in steps]
     for i in range(iters + WARMUP):
-        flush.zero_()
         torch.cuda.synchronize()
         dist.barrier(group)
+        flush.zero_()
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(len(steps) + 1)]
         ev[0].record()
         for step, after in zip(steps, ev[1:]):
