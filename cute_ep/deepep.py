@@ -513,23 +513,35 @@ class Buffer:
             out = core.dispatch(x, ids, None, num_input_tokens=m)
         e_loc, rows = num_experts // r, r * m
         recv_x = out.tokens.view(e_loc, rows, -1)
+        pack = None
         if use_fp8 and use_ue8m0:
             # Each power-of-two scale's exponent byte (UE8M0), four blocks to an int32, in
-            # DeepEP's [E_loc, R * M, H / 512] M-major layout.
-            exps = ((out.scales.view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
-            packed = exps.view(hidden // 128, e_loc, rows).permute(1, 2, 0).contiguous() \
-                .view(torch.int32)
-            recv_x = (recv_x, packed.transpose(1, 2).contiguous().transpose(1, 2))
+            # DeepEP's [E_loc, R * M, H / 512] M-major layout; packed once the scales exist
+            # (with a receive hook: when it has run).
+            packed = torch.empty(e_loc, hidden // 512, rows, dtype=torch.int32,
+                                 device=x.device).transpose(1, 2)
+
+            def pack_exponents() -> None:
+                exps = ((out.scales.view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
+                packed.copy_(exps.view(hidden // 128, e_loc, rows).permute(1, 2, 0)
+                             .contiguous().view(torch.int32))
+            pack = pack_exponents
+            recv_x = (recv_x, packed)
         elif use_fp8:
             recv_x = (recv_x, out.scales.view(hidden // 128, e_loc, rows).permute(1, 2, 0))
         stats = cumulative_local_expert_recv_stats
         if return_recv_hook:
             def hook() -> None:
                 receive()
-                if stats is not None:  # the counts exist once the receive part has run
+                # The counts and scales exist once the receive part has run.
+                if pack is not None:
+                    pack()
+                if stats is not None:
                     stats.add_(out.counts)
         else:
             hook = None
+            if pack is not None:
+                pack()
             if stats is not None:
                 stats.add_(out.counts)
         handle = _LowLatencyHandle(core, out.handle, out.src_info, m, hidden, num_experts)

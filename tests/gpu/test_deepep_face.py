@@ -120,6 +120,14 @@ def _face(rank, world):
                                           rq[e0, :n0].view(torch.uint8)) and \
         torch.equal(us.contiguous().view(torch.uint8).view(E, m, H // 128)[e0, :n0],
                     exps[e0, :n0])
+    # The same with a receive hook: the exponent bytes are packed when the hook has run (the
+    # scales exist only then).
+    (hq, hs), _, _, _, hook = buf.low_latency_dispatch(lx, lids, m, E, use_fp8=True,
+                                                       round_scale=True, use_ue8m0=True,
+                                                       return_recv_hook=True)
+    hook()
+    results["ll ue8m0 hook"] = torch.equal(hs[e0, :n0], us[e0, :n0]) and \
+        torch.equal(hq[e0, :n0].view(torch.uint8), uq[e0, :n0].view(torch.uint8))
     # zero_copy: the experts' outputs written into the shape's combine buffer instead.
     zb = buf.get_next_low_latency_combine_buffer(ll)
     zb.copy_(ys)
