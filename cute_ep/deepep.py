@@ -7,21 +7,27 @@ row per (token, destination rank), rows from source 0 first, inside a source in 
 `[E_loc, R * max_tokens, H]` with `recv_count`. Underneath, a `cute_ep.Buffer` per shape (made
 on first use, a collective: every rank makes the same calls, as DeepEP requires) moves the bytes:
 
-- dispatch runs cute-ep's one-kernel dispatch (ids padded with -1, DeepEP's empty slot), then
-  takes each message's row out of the expert-grouped output into DeepEP's order, with its top-k
-  ids made local (-1 where the expert lives elsewhere) and weights (0 there);
-- combine sends each row home as a one-row "message" of weight 1, so the home rank's fp32 sum
-  over the ranks the token went to is DeepEP's unweighted reduction; `topk_weights` given to
+- dispatch runs cute-ep's one-kernel dispatch in the "sources" layout (ids padded with -1,
+  DeepEP's empty slot): the kernel writes each received token's row in DeepEP's order with its
+  top-k ids made local (-1 where the expert lives elsewhere) and weights (0 there), so nothing
+  is reordered afterwards;
+- combine sends each row home once with weight 1, so the home rank's fp32 sum over the ranks
+  the token went to is DeepEP's unweighted reduction; `topk_weights` given to
   combine are summed over those ranks too (an all-to-all of the [N, K] weights in the group);
 - low-latency dispatch runs cute-ep's dispatch in the "slabs" layout, and low-latency combine
   weighs each (token, k) row at home with the weights given to it.
 
 What cannot be honoured raises `NotImplementedError` naming the argument (internode, MNNVL,
-`bias`, UE8M0 / rounded FP8 scales, LogFMT, zero-copy combine, wait-time statistics). `Config`'s
+`bias`, LogFMT, wait-time statistics). Low-latency FP8 `round_scale` rounds each block scale
+up to a power of two in the encoder (`EPConfig.fp8_scales="pow2"`); `use_ue8m0` hands out those
+scales' exponent bytes packed four to an int32; `zero_copy` combines read the shape's combine
+buffer (`get_next_low_latency_combine_buffer`). `Config`'s
 chunk sizes describe DeepEP's own ring geometry; cute-ep's rings have theirs (`layouts.channels`),
 so only `Config.num_sms` (the SMs the transport occupies) changes what runs. Everything runs on
 the current stream: `async_finish` returns an event recorded there, `previous_event` is waited
-for there, and `return_recv_hook`'s hook has nothing left to do (the one kernel also receives).
+for there. A low-latency dispatch's `return_recv_hook` sends now and receives when the hook is
+called (`cute_ep.Buffer.dispatch_send`); a low-latency combine's hook has nothing left to do
+(its one kernel also receives).
 """
 
 from __future__ import annotations
@@ -33,9 +39,9 @@ import torch
 import torch.distributed as dist
 
 from cute_ep.ep import Buffer as _Core
-from cute_ep.ep import DispatchHandle, Routing
+from cute_ep.ep import DispatchHandle
 from layouts import EPConfig
-from layouts.buffers import peer_visible_bytes
+from layouts.buffers import ERROR_CAPACITY, peer_visible_bytes
 
 __all__ = ["Buffer", "Config", "EventOverlap"]
 
@@ -117,7 +123,7 @@ class _Handle:
 
     rank_prefix_matrix: torch.Tensor
     core: _Core
-    combine: DispatchHandle  # every received row as a one-row message of weight 1
+    combine: DispatchHandle  # every received row goes home once, weight 1
     received: list[int]  # rows received from each rank
     is_token_in_rank: torch.Tensor
     num_tokens: int
@@ -238,11 +244,12 @@ class Buffer:
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int,
                                        num_ranks: int, num_experts: int) -> int:
-        """Peer-visible bytes of the low-latency transport at the current `num_sms`, for any
-        top-k up to 16 (FP8 or BF16, whichever is larger)."""
-        return max(_peer_bytes(hidden, num_ranks, Buffer.num_sms, fmt, 16, num_experts,
+        """Peer-visible bytes of the low-latency transports at the current `num_sms`, for any
+        top-k up to 16: one each for BF16, FP8 and FP8 with rounded scales (`round_scale`), the
+        shapes a caller like DeepEP's test_low_latency.py makes side by side."""
+        return sum(_peer_bytes(hidden, num_ranks, Buffer.num_sms, fmt, 16, num_experts,
                                num_max_dispatch_tokens_per_rank, "slabs")
-                   for fmt in ("bf16", "fp8"))
+                   for fmt in ("bf16", "fp8", "fp8"))
 
     def destroy(self) -> None:
         if not self.explicitly_destroy:
@@ -334,11 +341,17 @@ class Buffer:
         return (recv_x, recv_idx, recv_w, per_expert_list, new,
                 EventOverlap(_event() if async_finish else None))
 
-    def _normal_core(self, hidden, fp8, width, experts, config) -> _Core:
+    def _normal_core(self, hidden, fp8, width, experts, config, num_worst_tokens=0) -> _Core:
+        """The core layer of a normal-mode dispatch; with `num_worst_tokens` its output holds
+        the rows of that many received tokens (each at most min(K, local experts) rows) instead
+        of the worst case."""
         fmt = "fp8" if fp8 else "bf16"
-        return self._core(("normal", hidden, fmt, width, experts, config.num_sms),
+        rows = num_worst_tokens * min(width, experts // self.group_size) \
+            if num_worst_tokens else None
+        return self._core(("normal", hidden, fmt, width, experts, config.num_sms, rows),
                           EPConfig(hidden, width, experts, self.group_size,
-                                   self.max_tokens_per_rank, fmt), config.num_sms)
+                                   self.max_tokens_per_rank, fmt, recv_capacity=rows),
+                          config.num_sms)
 
     def _dispatch_rows(self, x, in_rank, t, hidden, fp8, config, num_worst_tokens):
         """Without top-k: a layer of one expert per rank and one pair per destination (weight
@@ -349,9 +362,9 @@ class Buffer:
         dev = in_rank.device
         ranks = torch.arange(r, dtype=torch.int32, device=dev)
         ids = torch.where(in_rank, ranks, -1).to(torch.int32).contiguous()
-        core = self._normal_core(hidden, fp8, r, r, config)
+        core = self._normal_core(hidden, fp8, r, r, config, num_worst_tokens)
         out = core.dispatch(x, ids, in_rank.float())
-        received = _read_back(core, out.handle.messages)
+        received = _read_back(core, out.handle.messages, worst=num_worst_tokens)
         total = sum(received)
         n_out = self._rows_out(num_worst_tokens, total)
         recv_x = out.tokens[:n_out]
@@ -361,53 +374,50 @@ class Buffer:
 
     def _dispatch_pairs(self, x, topk_idx, topk_weights, in_rank, experts, t, hidden, fp8,
                         config, num_worst_tokens):
-        """With top-k: the (token, expert) pairs go to their experts' rows, so each message's
-        K local ids and weights are known here; its first row is then taken out into DeepEP's
-        order, and combine gets a handle of one-row messages over those rows."""
+        """With top-k: cute-ep's dispatch in the "sources" layout, DeepEP's own: one row per
+        received token, sources in order, each in its token order, with its K ids made local
+        (-1 elsewhere) and weights (0 elsewhere) written beside it by the kernel; its handle
+        sends each row home once (weight 1), DeepEP's unweighted combine."""
         r = self.group_size
         dev = in_rank.device
         ids = topk_idx.to(torch.int32).contiguous()
         width = ids.shape[1]
-        core = self._normal_core(hidden, fp8, width, experts, config)
+        core = self._sources_core(hidden, fp8, width, experts, config, num_worst_tokens)
         weights = topk_weights.float().contiguous() if topk_weights is not None else \
             torch.zeros(ids.shape, dtype=torch.float32, device=dev)
         out = core.dispatch(x, ids, weights)
-        h = out.handle
-        cap = core.cfg.max_tokens_per_rank
         # One read back: messages per source, rows per expert, what the device reported (a
         # peer timeout, bad ids) and whether is_token_in_rank (what combine's weights follow)
         # is the routing of topk_idx (what the rows follow).
         differs = (_ranks_of(topk_idx.long(), experts, r) != in_rank).any().int().view(1)
-        counts = _read_back(core, h.messages, out.counts, differs)
+        counts = _read_back(core, out.handle.messages, out.counts, differs,
+                            worst=num_worst_tokens)
         received, per_expert = counts[:r], counts[r:-1]
         if counts[-1]:
             raise ValueError("is_token_in_rank does not match topk_idx (pass "
                              "get_dispatch_layout's for these ids)")
         total = sum(received)
         n_out = self._rows_out(num_worst_tokens, total)
-        got = torch.tensor(received, device=dev)
-        m = torch.arange(cap, device=dev)
-        live = m.unsqueeze(0) < got.unsqueeze(1)  # [R, M] messages that arrived
-        rows = h.rows  # [R, M, K] row of (source, message, k), or -1
-        has = rows >= 0
-        k0 = has.int().argmax(dim=2, keepdim=True)  # a message's first local k
-        first = rows.gather(2, k0).squeeze(2)[live]  # its row, in DeepEP's order
-        recv_x = _rows(out.tokens, first, n_out)
+        recv_x = out.tokens[:n_out]
         if fp8:
-            recv_x = (recv_x, _rows(out.scales.t(), first, n_out).contiguous())
-        seg = torch.bucketize(rows, out.row_offsets[1:].long(), right=True)
-        recv_idx = torch.full((n_out, width), -1, dtype=topk_idx.dtype, device=dev)
-        recv_idx[:total] = torch.where(has, seg, -1)[live].to(topk_idx.dtype)
-        recv_w = torch.zeros((n_out, width), dtype=torch.float32, device=dev)
-        recv_w[:total] = torch.where(has, h.weights, 0.0)[live]
-        n_of = (got.cumsum(0) - got).unsqueeze(1) + m
-        one_row = torch.full_like(rows, -1)
-        one_row.scatter_(2, k0, torch.where(live, n_of, -1).int().unsqueeze(2))
-        comb = DispatchHandle(Routing(h.routing.channels, t, True, False, 0, t, ids),
-                              one_row, (one_row >= 0).float(), h.tokens, h.messages,
-                              h.channels)
-        return recv_x, recv_idx, recv_w, per_expert, self._handle(core, comb, received,
+            recv_x = (recv_x, out.scales[:, :n_out].t().contiguous())
+        recv_idx = out.recv_topk_ids[:n_out].to(topk_idx.dtype)
+        recv_w = out.recv_topk_weights[:n_out]
+        if n_out > total:  # DeepEP's rows past the received ones: ids -1, weights 0
+            recv_idx[total:] = -1
+            recv_w[total:] = 0.0
+        return recv_x, recv_idx, recv_w, per_expert, self._handle(core, out.handle, received,
                                                                   in_rank, t)
+
+    def _sources_core(self, hidden, fp8, width, experts, config, num_worst_tokens) -> _Core:
+        """The core layer of a normal-mode dispatch with top-k ("sources" layout); with
+        `num_worst_tokens` its output holds that many rows instead of the worst case."""
+        fmt = "fp8" if fp8 else "bf16"
+        rows = num_worst_tokens or None
+        return self._core(("sources", hidden, fmt, width, experts, config.num_sms, rows),
+                          EPConfig(hidden, width, experts, self.group_size,
+                                   self.max_tokens_per_rank, fmt, layout="sources",
+                                   recv_capacity=rows), config.num_sms)
 
     def _handle(self, core, comb, received, in_rank, t) -> _Handle:
         r = self.group_size
@@ -484,25 +494,59 @@ class Buffer:
         the shape's transport exists (the first call makes it)."""
         if dispatch_wait_recv_cost_stats is not None:
             raise NotImplementedError("dispatch_wait_recv_cost_stats: not recorded by cute-ep")
-        if use_fp8 and (round_scale or use_ue8m0):
-            raise NotImplementedError("round_scale / use_ue8m0: cute-ep's FP8 scales are "
-                                      "max(amax, 1e-4) / 448, not powers of two")
         m, r = int(num_max_dispatch_tokens_per_rank), self.group_size
         hidden = x.shape[1]
+        if use_fp8 and use_ue8m0 and not round_scale:
+            raise ValueError("use_ue8m0 needs round_scale=True (UE8M0 holds powers of two)")
+        if use_fp8 and use_ue8m0 and hidden % 512:
+            raise ValueError(f"use_ue8m0 packs four 128-value blocks' scales in an int32: "
+                             f"hidden must be a multiple of 512, got {hidden}")
         fmt = "fp8" if use_fp8 else "bf16"
-        core = self._core(("ll", hidden, fmt, topk_idx.shape[1], num_experts, m),
+        scales = "pow2" if use_fp8 and round_scale else "exact"
+        core = self._core(("ll", hidden, fmt, topk_idx.shape[1], num_experts, m, scales),
                           EPConfig(hidden, topk_idx.shape[1], num_experts, r, m, fmt,
-                                   layout="slabs"), self.num_sms)
-        out = core.dispatch(x, topk_idx.to(torch.int32), None, num_input_tokens=m)
+                                   layout="slabs", fp8_scales=scales), self.num_sms)
+        ids = topk_idx.to(torch.int32)
+        if return_recv_hook:  # the receive launch waits for the hook
+            out, receive = core.dispatch_send(x, ids, None, num_input_tokens=m)
+        else:
+            out = core.dispatch(x, ids, None, num_input_tokens=m)
         e_loc, rows = num_experts // r, r * m
         recv_x = out.tokens.view(e_loc, rows, -1)
-        if use_fp8:
+        pack = None
+        if use_fp8 and use_ue8m0:
+            # Each power-of-two scale's exponent byte (UE8M0), four blocks to an int32, in
+            # DeepEP's [E_loc, R * M, H / 512] M-major layout; packed once the scales exist
+            # (with a receive hook: when it has run).
+            packed = torch.empty(e_loc, hidden // 512, rows, dtype=torch.int32,
+                                 device=x.device).transpose(1, 2)
+
+            def pack_exponents() -> None:
+                exps = ((out.scales.view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
+                packed.copy_(exps.view(hidden // 128, e_loc, rows).permute(1, 2, 0)
+                             .contiguous().view(torch.int32))
+            pack = pack_exponents
+            recv_x = (recv_x, packed)
+        elif use_fp8:
             recv_x = (recv_x, out.scales.view(hidden // 128, e_loc, rows).permute(1, 2, 0))
-        if cumulative_local_expert_recv_stats is not None:
-            cumulative_local_expert_recv_stats.add_(out.counts)
+        stats = cumulative_local_expert_recv_stats
+        if return_recv_hook:
+            def hook() -> None:
+                receive()
+                # The counts and scales exist once the receive part has run.
+                if pack is not None:
+                    pack()
+                if stats is not None:
+                    stats.add_(out.counts)
+        else:
+            hook = None
+            if pack is not None:
+                pack()
+            if stats is not None:
+                stats.add_(out.counts)
         handle = _LowLatencyHandle(core, out.handle, out.src_info, m, hidden, num_experts)
         return (recv_x, out.counts, handle, EventOverlap(_event() if async_finish else None),
-                _nothing if return_recv_hook else None)
+                hook)
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor,
                             topk_weights: torch.Tensor, handle, use_logfmt: bool = False,
@@ -513,8 +557,6 @@ class Buffer:
         (t, k) in `x` ([E_loc, R * M, H] bf16, the slabs' order), in fp32."""
         if use_logfmt:
             raise NotImplementedError("use_logfmt: cute-ep's combine moves bf16 rows")
-        if zero_copy:
-            raise NotImplementedError("zero_copy: write the expert outputs into x instead")
         if combine_wait_recv_cost_stats is not None:
             raise NotImplementedError("combine_wait_recv_cost_stats: not recorded by cute-ep")
         if not isinstance(handle, _LowLatencyHandle):
@@ -522,7 +564,9 @@ class Buffer:
         if tuple(topk_idx.shape) != tuple(handle.inner.routing.topk_ids.shape):
             raise ValueError("topk_idx must be the one given to low_latency_dispatch")
         core = handle.core
-        y = x.reshape(-1, x.shape[-1])
+        # zero_copy: the experts wrote their outputs into the shape's combine buffer
+        # (get_next_low_latency_combine_buffer), which combine then reads in place of x.
+        y = _combine_buffer(core) if zero_copy else x.reshape(-1, x.shape[-1])
         combined = core.combine(y, handle.inner, topk_weights=topk_weights.float().contiguous())
         if out is not None:
             out.copy_(combined)
@@ -535,7 +579,12 @@ class Buffer:
         """Nothing to clean: cute-ep's counters only grow, so no buffer holds stale flags."""
 
     def get_next_low_latency_combine_buffer(self, handle):
-        raise NotImplementedError("zero-copy low-latency combine")
+        """The bf16 [E_loc, R * M, H] buffer that a `zero_copy=True` low_latency_combine of this
+        shape reads: the experts write their outputs straight into it, in the slabs' order."""
+        if not isinstance(handle, _LowLatencyHandle):
+            raise TypeError("handle must come from this module's low_latency_dispatch")
+        cfg = handle.core.cfg
+        return _combine_buffer(handle.core).view(cfg.local_experts, cfg.slab_rows, cfg.hidden)
 
     # Internals ------------------------------------------------------------------------------
 
@@ -555,7 +604,7 @@ class Buffer:
     def _core(self, key: tuple, cfg: EPConfig, sms: int) -> _Core:
         core = self._cores.get(key)
         if core is None:
-            normal = key[0] == "normal"
+            normal = key[0] in ("normal", "sources")  # normal mode's transports
             if not normal and not self.low_latency_mode:
                 raise ValueError("low-latency calls need a Buffer made with "
                                  "low_latency_mode=True")
@@ -563,7 +612,7 @@ class Buffer:
                 torch.cuda.current_device()).multi_processor_count
             need = peer_visible_bytes(cfg, min(sms, device_sms))
             used = sum(c.peer_visible_bytes for c in self._cores.values()
-                       if (c.cfg.layout == "packed") == normal)
+                       if (c.cfg.layout != "slabs") == normal)
             name, budget = ("num_nvl_bytes", self.num_nvl_bytes) if normal else \
                 ("num_rdma_bytes", self.num_rdma_bytes)
             if used + need > budget:
@@ -571,6 +620,15 @@ class Buffer:
                                  f"taken by other shapes); the Buffer was given {name}={budget}")
             core = self._cores[key] = _Core(cfg, self.group, sms=sms)
         return core
+
+
+def _combine_buffer(core: _Core) -> torch.Tensor:
+    """The bf16 [row_capacity, H] input of zero-copy combines of `core`'s shape, made once."""
+    buf = getattr(core, "_zero_copy_rows", None)
+    if buf is None:
+        buf = core._zero_copy_rows = torch.empty(core.cfg.row_capacity, core.cfg.hidden,
+                                                 dtype=torch.bfloat16, device=core.device)
+    return buf
 
 
 def _nothing() -> None:
@@ -594,11 +652,16 @@ def _ranks_of(ids: torch.Tensor, experts: int, ranks: int) -> torch.Tensor:
     return in_rank[:, :ranks].contiguous()
 
 
-def _read_back(core, *tensors) -> list:
+def _read_back(core, *tensors, worst: int = 0) -> list:
     """The values of the int32 `tensors`, concatenated, in one read from the device together
-    with `core`'s error words; raises what the kernel recorded (`core.check()`) if any is set."""
+    with `core`'s error words; raises what the kernel recorded (`core.check()`) if any is set,
+    an overflow of the output sized by `num_worst_tokens` (`worst`) in DeepEP's terms."""
     got = torch.cat([*tensors, core.error]).tolist()
     words = core.error.numel()
     if any(got[-words:]):
+        if worst and got[-1] & ERROR_CAPACITY and not any(got[-words:-1]):
+            core.error[2:].zero_()  # reported here, once
+            raise ValueError(f"num_worst_tokens={worst} is below the tokens this rank "
+                             f"received (their rows did not fit the output it sizes)")
         core.check()
     return got[:-words]

@@ -54,11 +54,12 @@ from cute_ep.runtime.comm import (DEFAULT_TIMEOUT_S, ConfigMismatch, PeerTimeout
 from cute_ep.runtime.launch import check_tensor, device_arch, runtime
 from cute_ep.torch_ops import DISPATCH_FIELDS, register_buffer
 from layouts import EPConfig
-from layouts.buffers import (AT_EXPERTS, AT_HOME, ERROR_CHANNELS, ERROR_ID_RANGE,
-                             ERROR_ID_TWICE, UNREDUCED, buffer_sizes,
+from layouts.buffers import (AT_EXPERTS, AT_HOME, ERROR_CAPACITY, ERROR_CHANNELS,
+                             ERROR_ID_RANGE, ERROR_ID_TWICE, UNREDUCED, buffer_sizes,
                              channel_messages, combine_routes, control_buffers,
                              dispatch_scale_rows, output_scales, total_bytes)
-from layouts.channels import DEFAULT_CHANNELS, ChannelGeometry, active_channels
+from layouts.channels import (DEFAULT_CHANNELS, DISPATCH_RECEIVE, DISPATCH_SEND,
+                              STAGE_BATCH_TOKENS, ChannelGeometry, active_channels)
 
 # The SM budget engines give communication (DeepEP's tuned default is 20-24): the rest of the GPU
 # stays free for the other micro-batch's GEMMs. Dispatch runs one persistent CTA per SM of it.
@@ -79,9 +80,10 @@ DISPATCH_VARYING = ("source", "source_stride", "load_bytes", "scale_source", "sc
                     "topk_ids",
                     "topk_weights", "tokens", "scales", "scales_offsets",
                     "row_offsets", "expert_ids", "seg_counts", "src_info", "comb_rows",
-                    "comb_weights", "comb_tokens", "comb_counts", "chan_msgs", "num_tokens",
+                    "comb_weights", "comb_tokens", "comb_counts", "chan_msgs", "recv_ids",
+                    "recv_weights", "num_tokens",
                     "skip_a2a", "shared_begin", "shared_end", "has_weights", "active", "trace",
-                    "tracing")
+                    "tracing", "phases")
 COMBINE_VARYING = ("y", "comb_rows", "comb_weights", "chan_msgs", "topk_ids", "out",
                    "home_weights", "num_tokens", "weighted", "skip_a2a", "shared_begin",
                    "shared_end", "active", "trace", "tracing")
@@ -199,7 +201,7 @@ class DispatchOutput(_Carved):
 
     tokens: torch.Tensor  # [row_capacity, H] bf16 or float8_e4m3fn; nvfp4: uint8 [.., H / 2]
     # fp8: float32 [H / 128, row_capacity]; nvfp4: uint8 e4m3 bytes in the 128x4 layout for
-    # max_recv + 128 * segments rows (layouts.buffers.output_scales), padding of used blocks 0
+    # recv_rows + 128 * segments rows (layouts.buffers.output_scales), padding of used blocks 0
     scales: torch.Tensor | None
     row_offsets: torch.Tensor  # int32 [segments + 1]
     expert_ids: torch.Tensor  # int32 [segments]
@@ -210,6 +212,11 @@ class DispatchOutput(_Carved):
     # row_offsets[g] // 128 + scales_offsets[g]; None for the other formats (no default: a
     # class attribute would hide the carved field from `_Carved.__getattr__`)
     scales_offsets: torch.Tensor | None
+    # layout "sources" (one row per received token): int32 / float32 [row_capacity, K], each
+    # row's K expert ids made local (-1 where the expert lives on another rank) and weights (0
+    # there); None in the other layouts
+    recv_topk_ids: torch.Tensor | None
+    recv_topk_weights: torch.Tensor | None
 
 
 @dataclass
@@ -282,6 +289,7 @@ class Buffer:
         self.rank = rank
         self.cfg = cfg
         self.device = dev
+        self._receive_pending = None  # a dispatch_send whose hook has not run: its launch
         self.calls = [0, 0]  # dispatches and combines launched (what `stall_report` compares)
         _LIVE.add(self)
         self._device_index = dev.index  # what the input checks compare get_device() with
@@ -305,10 +313,14 @@ class Buffer:
             if cfg.format == "nvfp4" else 0
 
         rt = runtime()
-        encode = {"e2m1": E2M1_OF_ARCH[device_arch(dev)]} if cfg.format == "nvfp4" else {}
+        encode = {"e2m1": E2M1_OF_ARCH[device_arch(dev)]} if cfg.format == "nvfp4" else \
+            {"scales": cfg.fp8_scales} if cfg.format == "fp8" else {}
         self.k_encode = rt.select("ep_encode", dev, format=cfg.format, **encode) \
             if cfg.format != "bf16" else None
-        self.k_dispatch = rt.select("ep_dispatch", dev, format=cfg.format)
+        # Bulk copies move 16-byte multiples: NVFP4 rows (H / 2 bytes) of an H that is not a
+        # multiple of 32 go through the receivers' registers.
+        self.k_dispatch = rt.select("ep_dispatch", dev, format=cfg.format,
+                                    bulk=int(cfg.format != "nvfp4" or cfg.hidden % 32 == 0))
         self.k_combine = rt.select("ep_combine", dev)
         sizes = self.k_dispatch.spec.sizes
         if self.geo.ring_slots < max(self.geo.chunk_tokens, cfg.topk):
@@ -372,18 +384,22 @@ class Buffer:
             header_bytes=geo.header_bytes, stage_bytes=self.msg.staged_bytes,
             stage_batches=geo.stage_batches,
             payload_vectors=self.payload_vectors, scales_offset=self.scales_at,
-            row_capacity=cfg.row_capacity, segment_rows=cfg.slab_rows,
+            row_capacity=cfg.row_capacity, segment_rows=cfg.segment_rows,
             scale_rows=self.scale_rows if self.scale_rows is not None else self._no_i32,
             headers_offset=off["batch_headers"],
             staging_offset=off["staging"], counts_offset=off["counts"],
             flags_offset=off["count_flags"])
         self._combine_launch = self.k_combine.bind(
-            COMBINE_VARYING, **common, hidden=cfg.hidden, ring_slots=geo.ring_slots,
+            COMBINE_VARYING, **common, hidden=cfg.hidden, row_capacity=cfg.row_capacity,
+            ring_slots=geo.ring_slots,
             chunk_tokens=geo.chunk_tokens, ring_offset=off["combine_rings"])
         self._encode_launch = self.k_encode.bind(
-            ("x", "global_scale", "num_tokens"), send_buf=self.send_buf, hidden=cfg.hidden,
-            msg_bytes=self.msg.size, scales_offset=self.scales_at) \
+            ("x", "global_scale", "num_tokens", "ctas"), send_buf=self.send_buf,
+            hidden=cfg.hidden, msg_bytes=self.msg.size, scales_offset=self.scales_at) \
             if self.k_encode is not None else None
+        # The encoder keeps the SM budget: a CTA a budgeted SM, each `groups` tokens at once.
+        self._encode_groups = self.k_encode.spec.config["groups"] \
+            if self.k_encode is not None else 1
 
     # Sizes -------------------------------------------------------------------------------
 
@@ -430,6 +446,8 @@ class Buffer:
         num_tokens = self._check_dispatch_inputs(x, topk_ids, topk_weights)
         if global_scale is not None or self._takes_global_scale:  # else nothing to check
             self._check_global_scale(global_scale, type(x) is tuple)
+        if self._receive_pending is not None:
+            self._no_receive_pending()
         if num_input_tokens is not None and not 0 <= num_tokens <= int(num_input_tokens):
             raise ValueError(f"num_input_tokens={num_input_tokens} is below this rank's "
                              f"{num_tokens} tokens")
@@ -443,15 +461,60 @@ class Buffer:
         return self._checked_dispatch(x, topk_ids, topk_weights, skip_a2a, num_input_tokens,
                                       global_scale, separate=True)
 
+    def dispatch_send(self, x, topk_ids, topk_weights=None, *, skip_a2a=False,
+                      num_input_tokens=None, global_scale=None):
+        """The send part of `dispatch` now and its receive part when the returned hook is called
+        (DeepEP's `return_recv_hook`): `(output, hook)`. The send launch returns once this
+        rank's tokens are staged and announced, so compute queued between it and `hook()`
+        overlaps the peers' transfers; the output is valid on the stream after `hook()`, which
+        must run (on every rank) before this Buffer's next dispatch or combine. The tokens must
+        fit the staging (at most channels x stage_batches x 16 a rank): the send then waits for
+        no receiver."""
+        num_tokens = self._check_dispatch_inputs(x, topk_ids, topk_weights)
+        if global_scale is not None or self._takes_global_scale:
+            self._check_global_scale(global_scale, type(x) is tuple)
+        if num_input_tokens is not None and not 0 <= num_tokens <= int(num_input_tokens):
+            raise ValueError(f"num_input_tokens={num_input_tokens} is below this rank's "
+                             f"{num_tokens} tokens")
+        self._no_receive_pending()
+        active = self._active.get(num_input_tokens)
+        if active is None:
+            active = self._active[num_input_tokens] = self.active_channels(num_input_tokens)
+        per_channel = -(-num_tokens // active)
+        if -(-per_channel // STAGE_BATCH_TOKENS) > self.geo.stage_batches:
+            raise ValueError(f"dispatch_send stages every token before any is received: "
+                             f"{num_tokens} tokens over {active} channels need "
+                             f"{-(-per_channel // STAGE_BATCH_TOKENS)} batches a channel, the "
+                             f"staging holds {self.geo.stage_batches} (use dispatch, fewer "
+                             f"tokens or more SMs)")
+        out = self._launch_dispatch(x, topk_ids, topk_weights, num_tokens, skip_a2a,
+                                    num_input_tokens, global_scale, phases=DISPATCH_SEND)
+        pending = self._receive_pending
+
+        def hook() -> None:
+            if self._receive_pending is not pending:
+                raise RuntimeError("this dispatch_send's hook already ran")
+            self._receive_pending = None
+            self._dispatch_launch(*pending[0], DISPATCH_RECEIVE)
+        return out, hook
+
+    def _no_receive_pending(self) -> None:
+        if self._receive_pending is not None:
+            raise RuntimeError("a dispatch_send's receive hook has not run: call it (on every "
+                               "rank) before this Buffer's next dispatch or combine")
+
     def dispatch_wait(self, pending: _PendingDispatch) -> DispatchOutput:
         """The expert-grouped rows of the dispatch `pending` came from (stream-ordered: kernels
         queued after this see them)."""
         return pending.output
 
     def _launch_dispatch(self, x, topk_ids, topk_weights, num_tokens, skip_a2a,
-                         num_input_tokens, global_scale, separate=False) -> DispatchOutput:
+                         num_input_tokens, global_scale, separate=False,
+                         phases: int = DISPATCH_SEND | DISPATCH_RECEIVE) -> DispatchOutput:
         """Allocate the outputs and launch (inputs checked). The outputs' small tensors share
-        one allocation unless `separate` (the custom operator's outputs may not alias)."""
+        one allocation unless `separate` (the custom operator's outputs may not alias). With
+        `phases` DISPATCH_SEND alone, the arguments of the receive launch are kept for the
+        hook (`dispatch_send`)."""
         cfg = self.cfg
         ids = topk_ids if topk_ids.dtype is torch.int32 and topk_ids.is_contiguous() \
             else topk_ids.to(torch.int32).contiguous()
@@ -460,6 +523,7 @@ class Buffer:
             raise ValueError("fused_shared_expert needs topk_weights: the unreduced [T, K, H] "
                              "combine output has no slot for the shared expert")
         shared_begin, shared_end = self._shared_tokens(num_tokens, skip_a2a)
+        by_source = cfg.layout == "sources"
         active = self._active.get(num_input_tokens)
         if active is None:
             active = self._active[num_input_tokens] = self.active_channels(num_input_tokens)
@@ -478,7 +542,8 @@ class Buffer:
             load_bytes = source_stride
         else:
             self._encode_launch(x.data_ptr(), global_scale.data_ptr()
-                                if global_scale is not None else self._no_f32_at, num_tokens)
+                                if global_scale is not None else self._no_f32_at, num_tokens,
+                                min(self._sms, -(-num_tokens // self._encode_groups)))
             source, source_stride, scale_source, scale_stride, load_bytes = self._encoded
 
         out = self._dispatch_outputs(Routing(active, num_tokens, weighted, skip_a2a,
@@ -493,14 +558,21 @@ class Buffer:
                 [h._address(name) for name in self._carved_names[4:]]
         trace = self.trace
         self.calls[0] += 1
-        self._dispatch_launch(
+        args = (
             source, source_stride, load_bytes, scale_source, scale_stride, ids.data_ptr(),
             topk_weights.data_ptr() if weighted else self._no_f32_at,
             out.tokens.data_ptr(),
             out._address("scales") if cfg.format != "bf16" else self._no_f32_at,
             out._address("scales_offsets") if cfg.format == "nvfp4" else self._no_i32_at,
-            *carved, num_tokens, int(skip_a2a), shared_begin, shared_end, int(weighted), active,
+            *carved,
+            out._address("recv_topk_ids") if by_source else self._no_i32_at,
+            out._address("recv_topk_weights") if by_source else self._no_f32_at,
+            num_tokens, int(skip_a2a), shared_begin, shared_end, int(weighted), active,
             self._no_i64_at if trace is None else trace.data_ptr(), int(trace is not None))
+        self._dispatch_launch(*args, phases)
+        if phases == DISPATCH_SEND:
+            # The receive launch reads what these arguments point at: keep the tensors alive.
+            self._receive_pending = (args, (x, ids, topk_weights, out))
         return out
 
     def _plan_outputs(self) -> None:
@@ -519,6 +591,8 @@ class Buffer:
         # The DispatchOutput fields this format leaves None.
         self._absent = {"bf16": {"scales": None, "scales_offsets": None},
                         "fp8": {"scales_offsets": None}, "nvfp4": {}}[cfg.format]
+        if cfg.layout != "sources":
+            self._absent = {**self._absent, "recv_topk_ids": None, "recv_topk_weights": None}
         outputs = [("row_offsets", (segs + 1,), torch.int32), ("expert_ids", (segs,), torch.int32),
                    ("counts", (segs,), torch.int32), ("src_info", (cap, 2), torch.int32)]
         if cfg.format == "fp8":
@@ -526,6 +600,9 @@ class Buffer:
         if cfg.format == "nvfp4":
             outputs += [("scales", (self.nvfp4_scale_bytes,), torch.uint8),
                         ("scales_offsets", (segs,), torch.int32)]
+        if cfg.layout == "sources":
+            outputs += [("recv_topk_ids", (cap, cfg.topk), torch.int32),
+                        ("recv_topk_weights", (cap, cfg.topk), torch.float32)]
         self._output_carve = _Carve(outputs)
         names = ("rows", "weights", "tokens", "messages", "channels")  # self._routes' order
         self._handle_carve = _Carve([(name, b.torch_shape, getattr(torch, b.dtype))
@@ -557,6 +634,8 @@ class Buffer:
         """`dispatch_async` then `dispatch_wait` (see both). Under `torch.compile` this is the
         `cute_ep::dispatch` operator (`cute_ep.torch_ops`)."""
         if torch.compiler.is_compiling():
+            if self.cfg.layout == "sources":
+                raise NotImplementedError("the sources layout is eager only")
             if type(x) is tuple:
                 raise NotImplementedError("a pre-quantized (codes, scales) input is eager "
                                           "only; under torch.compile pass bf16 x")
@@ -582,6 +661,8 @@ class Buffer:
     def _checked_combine(self, y, handle: DispatchHandle, topk_weights) -> torch.Tensor:
         """`combine_async`'s checks and launch; returns the output."""
         cfg, r = self.cfg, handle.routing
+        if self._receive_pending is not None:
+            self._no_receive_pending()
         if not (type(y) is torch.Tensor and y.dtype is torch.bfloat16 and y.dim() == 2
                 and y.shape[1] == cfg.hidden and y.shape[0] >= cfg.row_capacity
                 and y.get_device() == self._device_index and y.is_contiguous()
@@ -594,6 +675,13 @@ class Buffer:
                 raise ValueError(f"y has {y.shape[0]} rows; dispatch's outputs have "
                                  f"row_capacity={cfg.row_capacity} rows (pass the full expert "
                                  f"output buffer)")
+        if cfg.layout == "sources":
+            # One row per received token, weight 1 (the kernel recorded it so): each token's
+            # rows from the ranks it went to, added (DeepEP's combine), weighted or not.
+            if topk_weights is not None:
+                raise ValueError("the sources layout's combine adds each received row once; "
+                                 "weigh the rows before combine")
+            return self._launch_combine(y, handle, AT_EXPERTS, self._no_f32)
         if topk_weights is None:
             return self._launch_combine(y, handle, AT_EXPERTS if r.weighted else UNREDUCED,
                                         self._no_f32)
@@ -676,6 +764,14 @@ class Buffer:
             raise ValueError("ranks dispatched with different num_input_tokens (so over different "
                              "numbers of channels); pass the same value on every rank. This "
                              "Buffer's streams are now out of step: recreate it")
+        if bad_counts & ERROR_CAPACITY:
+            raise ValueError(f"a dispatch received more rows than its output holds "
+                             f"(EPConfig.recv_capacity={self.cfg.recv_capacity}, "
+                             f"row_capacity={self.cfg.row_capacity} with padding): the rows "
+                             f"past it, their padding and scales were not written (its "
+                             f"row_offsets[-1] is the rows it needed) and its combine adds "
+                             f"zeros for them. Raise recv_capacity (None: the worst case, "
+                             f"{self.cfg.max_recv} rows)")
         if bad_counts:
             raise RuntimeError("received counts were inconsistent; the affected rows were "
                                "dropped")
@@ -730,7 +826,7 @@ class Buffer:
         return DispatchOutput(fields["tokens"], fields["scales"] if fmt != "bf16" else None,
                               fields["row_offsets"], fields["expert_ids"], fields["src_info"],
                               fields["counts"], handle,
-                              fields["scales_offsets"] if fmt == "nvfp4" else None)
+                              fields["scales_offsets"] if fmt == "nvfp4" else None, None, None)
 
     def output_shapes(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """(shape, dtype) of every tensor `torch.ops.cute_ep.dispatch` returns, in its order:

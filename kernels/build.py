@@ -16,6 +16,7 @@ import hashlib
 import inspect
 import json
 import re
+import struct
 import sys
 import tempfile
 import traceback
@@ -171,6 +172,67 @@ def ptx_signature(ptx: str) -> tuple[str, list[int]]:
     return symbol, sizes
 
 
+def symbol_prefix(spec: KernelSpec) -> str:
+    """What a kernel's function is named: `cute_ep::cutlass::<family>[_<format>]` (the family
+    without its `ep_`) in the C++ ABI's mangling of a local entity,
+    `_ZZN7cute_ep7cutlassEE<length><name>`, to which the DSL appends `_0`, read as the entity's
+    discriminator. Profilers show `cute_ep::cutlass::dispatch_fp8` (DeepEP's
+    test_low_latency.py finds its kernels by `dispatch` and `combine`).
+
+    The `cutlass` in the name is load-bearing: ptxas allocates registers differently for a
+    kernel whose name lacks it. Built without it on 2026-11-26 (same PTX but the name),
+    `ep_combine` got 80 registers and a 152-byte stack of spills instead of 146 registers and
+    none, and ran 100 us slower at 24 SMs on 2 x H100; `cubin_resources` reads both numbers and
+    the manifest keeps them."""
+    name = spec.family.removeprefix("ep_")
+    if "format" in spec.config:
+        name += f"_{spec.config['format']}"
+    if spec.config.get("bulk") == 0:
+        name += "_registers"  # dispatch's register-path receivers
+    return f"_ZZN7cute_ep7cutlassEE{len(name)}{name}"
+
+
+# The .nv.info attributes `cubin_resources` reads: registers a thread, and the stack frame
+# (spilled registers and local arrays) in bytes.
+_EIATTR_REGCOUNT, _EIATTR_FRAME_SIZE = 0x2F, 0x11
+_EIFMT_SVAL = 0x04  # an attribute with a 16-bit size and that many bytes of value
+
+
+def cubin_resources(cubin: bytes) -> dict[str, int]:
+    """`{"registers": per thread, "stack_bytes": frame}` of a one-kernel cubin, read from its
+    ELF `.nv.info` section (attributes of (format, id, 16-bit size, value); a register count or
+    frame size value is (symbol index, u32))."""
+    if cubin[:4] != b"\x7fELF" or cubin[4] != 2:
+        raise BuildError("not a 64-bit ELF cubin")
+    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+
+    def section(i):
+        name, _, _, _, offset, size = struct.unpack_from("<IIQQQQ", cubin, shoff + i * shentsize)
+        return name, offset, size
+
+    _, names_at, _ = section(shstrndx)
+    found = {}
+    for i in range(shnum):
+        name_at, offset, size = section(i)
+        end = cubin.index(b"\0", names_at + name_at)
+        if cubin[names_at + name_at:end] != b".nv.info":
+            continue
+        at = offset
+        while at < offset + size:
+            fmt, attr = cubin[at], cubin[at + 1]
+            if fmt != _EIFMT_SVAL:
+                at += 4 if fmt in (0x02, 0x03) else 2
+                continue
+            length, = struct.unpack_from("<H", cubin, at + 2)
+            if attr in (_EIATTR_REGCOUNT, _EIATTR_FRAME_SIZE) and length >= 8:
+                found.setdefault(attr, struct.unpack_from("<I", cubin, at + 8)[0])
+            at += 4 + length
+    if _EIATTR_REGCOUNT not in found:
+        raise BuildError("the cubin's .nv.info has no register count")
+    return {"registers": found[_EIATTR_REGCOUNT], "stack_bytes": found.get(_EIATTR_FRAME_SIZE, 0)}
+
+
 def compile_kernel(kernel, spec: KernelSpec, arch: str) -> tuple[str, bytes]:
     """Compile one configuration for one arch; returns (symbol, cubin)."""
     symbol, cubin, _ = compile_with_ptx(kernel, spec, arch)
@@ -179,6 +241,10 @@ def compile_kernel(kernel, spec: KernelSpec, arch: str) -> tuple[str, bytes]:
 
 def compile_with_ptx(kernel, spec: KernelSpec, arch: str) -> tuple[str, bytes, str]:
     """Compile one configuration for one arch; returns (symbol, cubin, PTX)."""
+    device_function = getattr(kernel, "kernel", None)  # every kernel class's @cute.kernel
+    if hasattr(device_function, "set_name_prefix"):
+        device_function.set_name_prefix(symbol_prefix(spec), remove_cutlass_symbol=True,
+                                        keep_mangled_name=False)
     with tempfile.TemporaryDirectory(prefix="cute-ep-build-") as tmp:
         compiled = cute.compile(
             kernel, *compile_args(spec),
@@ -253,6 +319,8 @@ def build(kernels: list, out: Path, arches=ARCHES, force: bool = False,
             key = build_key(kernel, spec, arch)
             old = existing.get((spec.key, arch))
             if not force and old and old.get("build_key") == key and _intact(out, old):
+                if "registers" not in old:  # listed by a build before the manifest kept them
+                    old = {**old, **cubin_resources((out / old["cubin"]).read_bytes())}
                 entries[(spec.key, arch)] = old
                 report.results.append(Result(spec.key, arch, "unchanged"))
                 bar.advance(task)
@@ -276,6 +344,7 @@ def build(kernels: list, out: Path, arches=ARCHES, force: bool = False,
                 "symbol": symbol,
                 "cubin": rel,
                 "sha256": hashlib.sha256(cubin).hexdigest(),
+                **cubin_resources(cubin),
                 "build_key": key,
                 "spec": spec.to_json(),
             }

@@ -125,6 +125,7 @@ class EpCombine:
                 Param("shared_begin", "i32"),
                 Param("shared_end", "i32"),
                 Param("hidden", "i32"),
+                Param("row_capacity", "i32"),
                 Param("channels", "i32"),
                 Param("active", "i32"),
                 Param("ring_slots", "i32"),
@@ -149,15 +150,15 @@ class EpCombine:
                  error: cute.Pointer, num_tokens: Int32, max_tokens: Int32, topk: Int32,
                  local_experts: Int32, ranks: Int32, my_rank: Int32, weighted: Int32,
                  skip_a2a: Int32, shared: Int32, shared_begin: Int32, shared_end: Int32,
-                 hidden: Int32, channels: Int32,
+                 hidden: Int32, row_capacity: Int32, channels: Int32,
                  active: Int32, ring_slots: Int32, chunk_tokens: Int32, ring_offset: Int64,
                  counters_offset: Int64, timeout_ns: Int64, trace: cute.Pointer,
                  tracing: Int32, stream):
         self.kernel(peer_bases, y, comb_rows, comb_weights, chan_msgs, topk_ids, out,
                     home_weights, streams, error, num_tokens, max_tokens, topk, local_experts,
                     ranks, my_rank, weighted, skip_a2a, shared, shared_begin, shared_end,
-                    hidden, channels, active, ring_slots, chunk_tokens, ring_offset,
-                    counters_offset, timeout_ns, trace, tracing,
+                    hidden, row_capacity, channels, active, ring_slots, chunk_tokens,
+                    ring_offset, counters_offset, timeout_ns, trace, tracing,
                     row_tiled_copy(WARP, BFloat16, ROW_VECTOR)).launch(
             grid=(active, 1, 1), block=(self.threads, 1, 1), smem=self.smem_bytes,
             stream=stream)
@@ -169,7 +170,7 @@ class EpCombine:
                error: cute.Pointer, num_tokens: Int32, max_tokens: Int32, topk: Int32,
                local_experts: Int32, ranks: Int32, my_rank: Int32, weighted: Int32,
                skip_a2a: Int32, shared: Int32, shared_begin: Int32, shared_end: Int32,
-               hidden: Int32, channels: Int32,
+               hidden: Int32, row_capacity: Int32, channels: Int32,
                active: Int32, ring_slots: Int32, chunk_tokens: Int32, ring_offset: Int64,
                counters_offset: Int64, timeout_ns: Int64, trace: cute.Pointer, tracing: Int32,
                row_copy: cute.TiledCopy):
@@ -223,8 +224,9 @@ class EpCombine:
         steps = cute.ceil_div(vectors, WARP * self.vectors)
         if warp < SEND_WARPS:
             self._send(warp, lane, channel, peers, here, y, comb_rows, comb_weights, chan_msgs,
-                       streams, error, max_tokens, topk, ranks, my_rank, weighted, channels,
-                       ring_slots, chunk_tokens, ring_offset, counters_offset, counters, ring,
+                       streams, error, max_tokens, topk, ranks, my_rank, weighted, row_capacity,
+                       channels, ring_slots, chunk_tokens, ring_offset, counters_offset, counters,
+                       ring,
                        timeout_ns, layout, tiler, g_crd, steps, vectors, thr, row_copy,
                        s_rows, s_w, s_sa, stages, trace, tracing)
         else:
@@ -245,8 +247,9 @@ class EpCombine:
     def _send(self, w, lane, channel, peers: cute.Tensor, here, y: cute.Pointer,
               comb_rows: cute.Pointer, comb_weights: cute.Pointer, chan_msgs: cute.Pointer,
               streams: cute.Pointer, error: cute.Pointer, max_tokens, topk, ranks, my_rank,
-              weighted, channels, ring_slots, chunk_tokens, ring_offset, counters_offset,
-              counters, ring, timeout_ns, layout, tiler, g_crd, steps, vectors, thr,
+              weighted, row_capacity, channels, ring_slots, chunk_tokens, ring_offset,
+              counters_offset, counters, ring, timeout_ns, layout, tiler, g_crd, steps, vectors,
+              thr,
               row_copy: cute.TiledCopy, s_rows: cute.Tensor, s_w: cute.Tensor,
               s_sa: cute.Tensor, stages, trace: cute.Pointer, tracing):
         per_home = SEND_WARPS // ranks
@@ -325,10 +328,16 @@ class EpCombine:
                         if lane < topk:
                             row = s_rows[mat + lane]
                             wk = s_w[mat + lane]
-                        here_rows = cute.arch.vote_ballot_sync(row >= 0)
+                        # A row past the dispatch output's capacity (never written: its
+                        # dispatch reported the overflow) adds nothing to a weighted sum and
+                        # goes home as zeros unreduced, so every rank still gets each item.
+                        keep = Int32(row >= 0)
+                        if weighted == AT_EXPERTS and row >= row_capacity:
+                            keep = Int32(0)
+                        here_rows = cute.arch.vote_ballot_sync(keep != 0)
                         live = cute.arch.popc(here_rows)
                         cute.arch.sync_warp()
-                        if row >= 0:
+                        if keep != 0:
                             p = cute.arch.popc(here_rows & ((Int32(1) << lane) - Int32(1)))
                             s_rows[mat + p] = row
                             s_w[mat + p] = wk
@@ -346,7 +355,8 @@ class EpCombine:
                         else:
                             self._send_rows(lane, peers[s], ring_offset, ring, item, ring_slots,
                                             channel, my_rank, y, live, s_rows, mat, layout,
-                                            tiler, g_crd, steps, vectors, thr, row_copy)
+                                            tiler, g_crd, steps, vectors, thr, row_copy,
+                                            row_capacity)
                         cute.arch.sync_warp()
                 # The chunk is written by every warp of s: publish it.
                 cute.arch.barrier(barrier_id=1 + s, number_of_threads=WARP * per_home)
@@ -522,9 +532,9 @@ class EpCombine:
     @cute.jit
     def _send_rows(self, lane, peer, ring_offset, ring, item, ring_slots, channel, my_rank,
                    y: cute.Pointer, live, s_rows: cute.Tensor, at, layout, tiler, g_crd, steps,
-                   vectors, thr, row_copy: cute.TiledCopy):
+                   vectors, thr, row_copy: cute.TiledCopy, row_capacity):
         """Unreduced: each of the message's `live` rows here (s_rows[at ..], in k order), to
-        items item, item + 1..."""
+        items item, item + 1...; a row past the output's capacity as zeros."""
         idx = Int64(0)
         for k in cutlass.range(live):
             row = s_rows[at + k]
@@ -539,7 +549,9 @@ class EpCombine:
                     crd = thr.partition_S(g_crd[((None, None), step)])
                     t_src = thr.partition_S(src[((None, None), step)])
                     regs = cute.make_fragment_like(t_src)
-                    cute.copy(row_copy, t_src, regs, pred=row_predicate(crd, vectors))
+                    regs.fill(0.0)
+                    if row < row_capacity:
+                        cute.copy(row_copy, t_src, regs, pred=row_predicate(crd, vectors))
                     cute.copy(row_copy, regs, thr.partition_D(dst[((None, None), step)]),
                               pred=row_predicate(crd, vectors))
                 idx = idx + 1

@@ -1,7 +1,9 @@
 """`ep_encode`: the message of each token in the quantized formats, built once.
 
-One CTA per token writes its message's payload and scales (`layouts.formats`) into the local send
-buffer that `ep_dispatch` (`kernels.dispatch`) streams from: FP8 blockwise quantized with fp32
+It runs on the layer's SM budget: `ctas` CTAs (at most the budget's SMs), each of GROUPS groups
+of `threads` threads, group g of CTA c taking tokens c * GROUPS + g, + ctas * GROUPS, ...; a
+group writes a token's message payload and scales (`layouts.formats`) into the local send buffer
+that `ep_dispatch` (`kernels.dispatch`) streams from: FP8 blockwise quantized with fp32
 scales per 128 elements, or NVFP4 with e4m3 scales per 16 under the rank's global scale (read on
 the device). The dispatch kernel writes the metadata itself. The NVFP4 encoder exists twice, like
 `quantize_nvfp4`: software e2m1 for sm_90a, the hardware conversion for sm_100a.
@@ -17,31 +19,44 @@ from kernels.memory import gmem_ptr, load_f32, store_u8
 from kernels.nvfp4 import (SCALE_TABLE_BYTES, fill_scale_table, quantize_nvfp4_block,
                            scale_table_layout)
 from layouts.abi import ARCHES, GridRule, KernelSpec, Param
+from layouts.config import FP8_SCALES
 
 WARP = 32
 FORMATS = ("fp8", "nvfp4")
 E2M1_ARCHES = {"software": ("sm_90a",), "hardware": ("sm_100a",)}
 BF16_PER_VECTOR = 8  # bf16 elements in one 128-bit access
 NVFP4_BLOCK = 16  # elements per e4m3 scale
+# Tokens a CTA encodes at once, a group of `threads` threads each: a budget of SMs runs one CTA
+# each, so a CTA needs several tokens in flight to keep its SM's loads going.
+GROUPS = 4
 
 
 class EpEncode:
-    def __init__(self, fmt: str, e2m1: str | None = None, threads: int = 128):
-        """`e2m1` ("software" for sm_90a, "hardware" for sm_100a) is for NVFP4 only."""
+    def __init__(self, fmt: str, e2m1: str | None = None, threads: int = 128,
+                 scales: str | None = None):
+        """`e2m1` ("software" for sm_90a, "hardware" for sm_100a) is for NVFP4 only; `scales`
+        (FP8_SCALES, default "exact") for FP8 only."""
         if fmt not in FORMATS:
             raise ValueError(f"ep_encode formats: {FORMATS}, not {fmt!r}")
         if (fmt == "nvfp4") != (e2m1 is not None) or (e2m1 and e2m1 not in E2M1_ARCHES):
             raise ValueError(f"ep_encode: nvfp4 needs e2m1 software|hardware, other formats "
                              f"none; got {fmt}, {e2m1}")
+        if scales is not None and fmt != "fp8":
+            raise ValueError(f"ep_encode: scales are for fp8, got {fmt}, {scales}")
+        if fmt == "fp8" and (scales or "exact") not in FP8_SCALES:
+            raise ValueError(f"ep_encode fp8 scales: {FP8_SCALES}, not {scales!r}")
         self.fmt = fmt
         self.e2m1 = e2m1
+        self.scales = (scales or "exact") if fmt == "fp8" else None
         self.threads = threads
         self.arches = E2M1_ARCHES[e2m1] if e2m1 else ARCHES
 
     def spec(self) -> KernelSpec:
-        config = {"format": self.fmt, "threads": self.threads}
+        config = {"format": self.fmt, "threads": self.threads, "groups": GROUPS}
         if self.e2m1:
             config["e2m1"] = self.e2m1
+        if self.scales:
+            config["scales"] = self.scales
         return KernelSpec(
             family="ep_encode",
             config=config,
@@ -51,13 +66,13 @@ class EpEncode:
                 Param("x", "ptr", "bfloat16", align=16, min_elements=("num_tokens", 8)),
                 Param("global_scale", "ptr", "float32", align=4),
                 Param("num_tokens", "i32"),
+                Param("ctas", "i32"),
                 Param("hidden", "i32"),
                 Param("msg_bytes", "i32"),
                 Param("scales_offset", "i32"),
             ),
-            block=(self.threads, 1, 1),
-            grid=(GridRule(ceil_div=("num_tokens", 1)), GridRule(constant=1),
-                  GridRule(constant=1)),
+            block=(self.threads * GROUPS, 1, 1),
+            grid=(GridRule(ceil_div=("ctas", 1)), GridRule(constant=1), GridRule(constant=1)),
             smem_bytes=self.smem_bytes,
             sizes={},
         )
@@ -68,34 +83,40 @@ class EpEncode:
 
     @cute.jit
     def __call__(self, send_buf: cute.Pointer, x: cute.Pointer, global_scale: cute.Pointer,
-                 num_tokens: Int32, hidden: Int32, msg_bytes: Int32, scales_offset: Int32,
-                 stream):
-        self.kernel(send_buf, x, global_scale, num_tokens, hidden, msg_bytes, scales_offset,
-                    row_tiled_copy(self.threads, BFloat16, BF16_PER_VECTOR),
+                 num_tokens: Int32, ctas: Int32, hidden: Int32, msg_bytes: Int32,
+                 scales_offset: Int32, stream):
+        self.kernel(send_buf, x, global_scale, num_tokens, ctas, hidden, msg_bytes,
+                    scales_offset, row_tiled_copy(self.threads, BFloat16, BF16_PER_VECTOR),
                     row_tiled_copy(self.threads, Float8E4M3FN, BF16_PER_VECTOR)).launch(
-            grid=(num_tokens, 1, 1), block=(self.threads, 1, 1), smem=self.smem_bytes,
+            grid=(ctas, 1, 1), block=(self.threads * GROUPS, 1, 1), smem=self.smem_bytes,
             stream=stream)
 
     @cute.kernel
     def kernel(self, send_buf: cute.Pointer, x: cute.Pointer, global_scale: cute.Pointer,
-               num_tokens: Int32, hidden: Int32, msg_bytes: Int32, scales_offset: Int32,
-               bf16_copy: cute.TiledCopy, fp8_copy: cute.TiledCopy):
-        tidx, _, _ = cute.arch.thread_idx()
-        t, _, _ = cute.arch.block_idx()
-        msg = send_buf.toint() + Int64(t) * Int64(msg_bytes)
-        row = x.toint() + Int64(t) * Int64(hidden) * 2
-
+               num_tokens: Int32, ctas: Int32, hidden: Int32, msg_bytes: Int32,
+               scales_offset: Int32, bf16_copy: cute.TiledCopy, fp8_copy: cute.TiledCopy):
+        tid, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        group = tid // self.threads
+        tidx = tid - group * self.threads  # the thread within its group
         if cutlass.const_expr(self.fmt == "fp8"):
-            self._quantize_fp8(tidx, row, msg, msg + Int64(scales_offset), hidden, bf16_copy,
-                               fp8_copy)
+            for t in cutlass.range(cta * GROUPS + group, num_tokens, ctas * GROUPS):
+                msg = send_buf.toint() + Int64(t) * Int64(msg_bytes)
+                row = x.toint() + Int64(t) * Int64(hidden) * 2
+                self._quantize_fp8(tidx, row, msg, msg + Int64(scales_offset), hidden,
+                                   bf16_copy, fp8_copy)
         else:
             smem = cutlass.memory.SmemAllocator()
             table = smem.allocate_tensor(Float32, scale_table_layout(), byte_alignment=16)
-            fill_scale_table(table, tidx, self.threads)
+            fill_scale_table(table, tid, self.threads * GROUPS)
             cute.arch.sync_threads()
             gs = load_f32(global_scale.toint())
-            for kb in cutlass.range(tidx, hidden // NVFP4_BLOCK, self.threads):
-                self._quantize_nvfp4_block(row, msg, msg + Int64(scales_offset), kb, gs, table)
+            for t in cutlass.range(cta * GROUPS + group, num_tokens, ctas * GROUPS):
+                msg = send_buf.toint() + Int64(t) * Int64(msg_bytes)
+                row = x.toint() + Int64(t) * Int64(hidden) * 2
+                for kb in cutlass.range(tidx, hidden // NVFP4_BLOCK, self.threads):
+                    self._quantize_nvfp4_block(row, msg, msg + Int64(scales_offset), kb, gs,
+                                               table)
 
     @cute.jit
     def _quantize_nvfp4_block(self, src_addr, codes_addr, scales_addr, kb, gs,
@@ -133,7 +154,8 @@ class EpEncode:
             cute.copy(bf16_copy, t_x, regs, pred=pred)
             vals = cute.make_fragment_like(regs, Float32)
             vals.store(regs.load().to(Float32))
-            scale = scale_fp8_block(vals, BF16_PER_VECTOR, vectors_per_block)
+            scale = scale_fp8_block(vals, BF16_PER_VECTOR, vectors_per_block,
+                                    self.scales == "pow2")
             q = cute.make_fragment_like(t_q)
             q.store(vals.load().to(Float8E4M3FN))
             cute.copy(fp8_copy, q, t_q, pred=pred)
@@ -143,4 +165,5 @@ class EpEncode:
 
 
 def encode_kernels() -> list:
-    return [EpEncode("fp8"), EpEncode("nvfp4", "software"), EpEncode("nvfp4", "hardware")]
+    return [*(EpEncode("fp8", scales=s) for s in FP8_SCALES), EpEncode("nvfp4", "software"),
+            EpEncode("nvfp4", "hardware")]

@@ -31,9 +31,10 @@ PHASES = 2  # dispatch, combine: the error record's phase is 1 + this order
 # outside [0, E) other than -1, an empty slot) and ERROR_ID_TWICE (a token listing one expert at two k).
 ERROR_FIELDS = ("missing_rank", "phase", "bad_ids", "bad_counts")
 ERROR_ID_RANGE, ERROR_ID_TWICE = 1, 2
-# bad_counts holds bits ERROR_COUNTS (a count outside [0, max tokens]) and ERROR_CHANNELS (ranks
-# split their tokens over different numbers of channels: different num_input_tokens).
-ERROR_COUNTS, ERROR_CHANNELS = 1, 2
+# bad_counts holds bits ERROR_COUNTS (a count outside [0, max tokens]), ERROR_CHANNELS (ranks
+# split their tokens over different numbers of channels: different num_input_tokens) and
+# ERROR_CAPACITY (a dispatch received more rows than its output holds: `EPConfig.recv_capacity`).
+ERROR_COUNTS, ERROR_CHANNELS, ERROR_CAPACITY = 1, 2, 4
 # How combine reduces a token's rows (its `weighted` argument): not at all (every (token, k)
 # row comes home: [T, K, H]), on the expert side with dispatch's weights, or on the home side
 # with weights given to combine (DeepEP's low-latency combine).
@@ -90,10 +91,11 @@ def scale_rows_layout(words, rows) -> Layout:
 def dispatch_scale_rows(cfg: EPConfig) -> Buffer | None:
     """(scale word, row): the received rows' scales row by row, as the receivers store them
     (one contiguous run a row), before the dispatch writes them out in the output's layout (FP8
-    transposed, NVFP4 128x4) a whole tile at a time. None for bf16 and for the slabs layout
-    (whose decode-sized dispatch stores the output's layout directly)."""
+    transposed, NVFP4 128x4) a whole tile at a time (the packed and sources layouts). None for
+    bf16 and for the slabs layout (whose decode-sized dispatch stores the output's layout
+    directly)."""
     words = scale_words(cfg)
-    if not words or cfg.layout != "packed":
+    if not words or cfg.layout == "slabs":
         return None
     return Buffer("dispatch_scale_rows", "int32", scale_rows_layout(words, cfg.row_capacity),
                   "received rows' scales, row-major, before the output layout")
@@ -172,7 +174,7 @@ def output_scales(cfg: EPConfig) -> Buffer | None:
         return Buffer("scales", "float32", Layout((cfg.row_capacity, blocks), (1, cfg.row_capacity)),
                       "fp32 scales, transposed [H/128, rows]")
     if fmt.block > 1:
-        rows = scale_rows_capacity(cfg.max_recv, cfg.segments)
+        rows = scale_rows_capacity(cfg.recv_rows, cfg.segments)
         return Buffer("scales", "uint8", scale_layout(rows, cfg.hidden, fmt.block),
                       f"{cfg.format} scales in 128x4 blocks, each segment on its own block")
     return None
@@ -190,6 +192,13 @@ def output_metadata(cfg: EPConfig) -> list[Buffer]:
     if token_format(cfg.format).payload_bits == 4:
         out.append(Buffer("scales_offsets", "int32", Layout(cfg.segments, 1),
                           "extra 128-row scale blocks before each segment"))
+    if cfg.layout == "sources":
+        out += [Buffer("recv_topk_ids", "int32", Layout((cfg.topk, cfg.row_capacity),
+                                                        (1, cfg.topk)),
+                       "each row's K expert ids made local (-1: another rank's)"),
+                Buffer("recv_topk_weights", "float32", Layout((cfg.topk, cfg.row_capacity),
+                                                              (1, cfg.topk)),
+                       "each row's K weights (0 where the expert is another rank's)")]
     return out
 
 

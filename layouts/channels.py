@@ -48,6 +48,10 @@ COUNTER_BYTES = 8  # a 64-bit message count, written with a release store
 PARITIES = 2  # counts of round n and n + 1 live side by side (see `counts_layout`)
 DISPATCH, COMBINE = 0, 1  # the phase mode of `counters_layout`
 TAILS, HEADS = 0, 1  # the kind mode of `counters_layout`
+# The parts of a dispatch a launch runs (its `phases` bits): counts and send, receive (rows, the
+# round's advance, the scales' write-out). One launch runs both; a dispatch with a receive hook
+# runs them in two.
+DISPATCH_SEND, DISPATCH_RECEIVE = 1, 2
 # Tokens a dispatch channel stages together (a batch): one header, tails and credit per batch,
 # staging slots reused a whole batch at a time.
 STAGE_BATCH_TOKENS = 16

@@ -175,17 +175,19 @@ def test_every_kernel_asks_for_at_most_the_shared_memory_a_block_may_have():
 
 
 @pytest.mark.build
-def test_only_bf16_dispatch_receivers_pull_by_bulk_copies():
+def test_dispatch_receivers_of_the_bulk_formats_pull_by_bulk_copies():
     from kernels.build import compile_with_ptx
     from kernels.dispatch import FORMATS, EpDispatch
+    from kernels.dispatch.common import BULK_FORMATS
 
-    for fmt in FORMATS:
-        kernel = EpDispatch(fmt)
+    for kernel in [EpDispatch(fmt) for fmt in FORMATS] + [EpDispatch("nvfp4", bulk=False)]:
+        bulk = kernel.fmt in BULK_FORMATS and kernel.spec().config["bulk"] == 1
         ptx = compile_with_ptx(kernel, kernel.spec(), "sm_90a")[2]
         pulls = "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in ptx
         stores = "cp.async.bulk.global.shared::cta.bulk_group" in ptx
-        assert pulls == stores == (fmt == "bf16"), fmt
-        assert (kernel.ring_bytes > 100 * 1024) == (fmt == "bf16")  # the pieces' shared memory
+        assert pulls == stores == bulk, kernel.spec().key
+        # the pieces' shared memory
+        assert (kernel.ring_bytes > 100 * 1024) == bulk
 
 
 @pytest.mark.parametrize("warps", [1, 8, 27, 28, 32])

@@ -24,8 +24,8 @@ class _OnDevice(torch.Tensor):
 class _Recorder:
     """A bound launch that records its varying arguments by name."""
 
-    def __init__(self, varying):
-        self.varying, self.calls = varying, []
+    def __init__(self, varying, constants):
+        self.varying, self.constants, self.calls = varying, constants, []
 
     def __call__(self, *values):
         assert len(values) == len(self.varying)
@@ -36,15 +36,16 @@ class _Kernel:
     def __init__(self, family, fields):
         vector_bytes = 8 if fields.get("format") == "nvfp4" else 16
         self.spec = SimpleNamespace(sizes={"max_stage_batches": 1 << 20, "max_chunk": 1 << 20,
-                                           "vector_bytes": vector_bytes})
+                                           "vector_bytes": vector_bytes},
+                                    config={"groups": 4} if family == "ep_encode" else {})
 
     def bind(self, varying, **constants):
-        return _Recorder(varying)
+        return _Recorder(varying, constants)
 
 
 @pytest.fixture
 def cpu_buffer(monkeypatch):
-    def make(fmt="bf16", **cfg):
+    def make(fmt="bf16", tokens=T, geometry=None, **cfg):
         monkeypatch.setattr(ep, "runtime", lambda: SimpleNamespace(
             select=lambda family, dev, **fields: _Kernel(family, fields)))
         monkeypatch.setattr(ep, "device_arch", lambda dev: "sm_90a")
@@ -52,7 +53,8 @@ def cpu_buffer(monkeypatch):
                             lambda dev: SimpleNamespace(multi_processor_count=132))
         buf = ep.Buffer.__new__(ep.Buffer)
         buf.group = None
-        buf._setup(EPConfig(H, K, E, R, T, fmt, **cfg), 0, torch.device("cpu"), 60.0, 4)
+        buf._setup(EPConfig(H, K, E, R, tokens, fmt, **cfg), 0, torch.device("cpu"), 60.0, 4,
+                   geometry)
         buf._attach(torch.zeros(16, dtype=torch.uint8), [0] * R)
         buf._device_index = -1  # what get_device() says of a CPU tensor
         return buf
@@ -163,6 +165,10 @@ def test_a_quantized_layer_encodes_bf16_input_then_dispatches_its_messages(cpu_b
     out = buf.dispatch(x, ids, w, global_scale=gs)
     e, d = buf._encode_launch.calls[-1], buf._dispatch_launch.calls[-1]
     assert (e["x"], e["num_tokens"]) == (x.data_ptr(), T)
+    # The encoder keeps the SM budget (4 here): a CTA an SM, 4 tokens a CTA at once.
+    assert e["ctas"] == min(buf.sms, -(-T // 4))
+    buf.dispatch(x[:5], ids[:5], w[:5], global_scale=gs)
+    assert buf._encode_launch.calls[-1]["ctas"] == 2
     assert e["global_scale"] == (gs if gs is not None else buf._no_f32).data_ptr()
     send, msg = buf.send_buf.data_ptr(), buf.msg
     assert (d["source"], d["source_stride"]) == (send, msg.size)
@@ -174,3 +180,94 @@ def test_a_quantized_layer_encodes_bf16_input_then_dispatches_its_messages(cpu_b
         assert (d["scale_source"], d["scale_stride"]) == (buf._no_f32.data_ptr(), 0)
         assert d["load_bytes"] == msg.staged_bytes
         assert d["scales_offsets"] == out.scales_offsets.data_ptr()
+
+
+def test_a_receive_capacity_sizes_the_outputs_bounds_both_kernels_and_names_an_overflow(
+        cpu_buffer, monkeypatch):
+    worst = cpu_buffer().cfg.row_capacity
+    buf = cpu_buffer(recv_capacity=7)
+    assert buf.cfg.row_capacity == 7 < worst
+    x, ids, w = _inputs()
+    out = buf.dispatch(x, ids, w)
+    assert out.tokens.shape == (7, H) and out.src_info.shape == (7, 2)
+    # Both kernels know where the output ends: dispatch writes no row past it, combine reads
+    # none (zeros instead).
+    assert buf._dispatch_launch.constants["row_capacity"] == 7
+    assert buf._combine_launch.constants["row_capacity"] == 7
+    # An overflow the kernel recorded is raised by check(), once, naming the option.
+    monkeypatch.setattr(ep, "_wait_interruptibly", lambda stream: None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    buf.error = torch.tensor([0, 0, 0, ep.ERROR_CAPACITY], dtype=torch.int32)
+    with pytest.raises(ValueError, match="recv_capacity=7, row_capacity=7 .* Raise "
+                                         "recv_capacity"):
+        buf.check()
+    buf.check()  # reported once
+
+
+def test_dispatch_send_launches_the_send_part_and_its_hook_the_receive_part(cpu_buffer):
+    from layouts.channels import DISPATCH_RECEIVE, DISPATCH_SEND
+
+    buf = cpu_buffer()
+    x, ids, w = _inputs()
+    buf.dispatch(x, ids, w)
+    assert buf._dispatch_launch.calls[-1]["phases"] == DISPATCH_SEND | DISPATCH_RECEIVE
+    out, hook = buf.dispatch_send(x, ids, w)
+    send = buf._dispatch_launch.calls[-1]
+    assert send["phases"] == DISPATCH_SEND and send["tokens"] == out.tokens.data_ptr()
+    # Until the hook runs, the Buffer refuses the next dispatch and combine (they would wait for
+    # a receive that never comes).
+    y = torch.zeros(buf.cfg.row_capacity, H, dtype=torch.bfloat16)
+    for call in (lambda: buf.dispatch(x, ids, w), lambda: buf.dispatch_send(x, ids, w),
+                 lambda: buf.combine(y, out.handle)):
+        with pytest.raises(RuntimeError, match="receive hook has not run"):
+            call()
+    launched = len(buf._dispatch_launch.calls)
+    hook()
+    receive = buf._dispatch_launch.calls[-1]
+    assert len(buf._dispatch_launch.calls) == launched + 1
+    assert receive == dict(send, phases=DISPATCH_RECEIVE)  # the same arguments otherwise
+    with pytest.raises(RuntimeError, match="already ran"):
+        hook()
+    assert buf.combine(y, out.handle).shape == (T, H)
+
+
+def test_dispatch_send_refuses_more_tokens_than_the_staging_holds(cpu_buffer):
+    """4 channels of one staged batch (16 tokens) hold 64 tokens: 65 would make a sender wait
+    for credit that only the receive launch gives."""
+    buf = cpu_buffer(tokens=80, geometry={"stage_batches": 1})
+    x, ids, w = _inputs(64)
+    out, hook = buf.dispatch_send(x, ids, w)
+    hook()
+    x, ids, w = _inputs(65)
+    launched = len(buf._dispatch_launch.calls)
+    with pytest.raises(ValueError, match="65 tokens over 4 channels need 2 batches a channel, "
+                                         "the staging holds 1"):
+        buf.dispatch_send(x, ids, w)
+    assert len(buf._dispatch_launch.calls) == launched
+    buf.dispatch(x, ids, w)  # one launch: receivers free the staging as it fills
+
+
+def test_a_sources_layout_dispatch_passes_its_rows_ids_and_weights(cpu_buffer):
+    buf = cpu_buffer(layout="sources")
+    assert buf._dispatch_launch.constants["segment_rows"] == -1
+    x, ids, w = _inputs()
+    out = buf.dispatch(x, ids, w)
+    d = buf._dispatch_launch.calls[-1]
+    assert out.recv_topk_ids.shape == (R * T, K) and out.recv_topk_ids.dtype == torch.int32
+    assert out.recv_topk_weights.shape == (R * T, K)
+    assert (d["recv_ids"], d["recv_weights"]) == (out.recv_topk_ids.data_ptr(),
+                                                  out.recv_topk_weights.data_ptr())
+    # Its combine adds each row once, whether the dispatch carried weights or not.
+    y = torch.zeros(buf.cfg.row_capacity, H, dtype=torch.bfloat16)
+    for weights in (w, None):
+        buf.combine(y, buf.dispatch(x, ids, weights).handle)
+        assert buf._combine_launch.calls[-1]["weighted"] == ep.AT_EXPERTS
+    with pytest.raises(ValueError, match="adds each received row once"):
+        buf.combine(y, buf.dispatch(x, ids).handle, topk_weights=w)
+    packed = cpu_buffer()
+    out = packed.dispatch(x, ids, w)
+    assert out.recv_topk_ids is None and out.recv_topk_weights is None
+    assert packed._dispatch_launch.constants["segment_rows"] == 0
+    d = packed._dispatch_launch.calls[-1]
+    assert (d["recv_ids"], d["recv_weights"]) == (packed._no_i32.data_ptr(),
+                                                  packed._no_f32.data_ptr())

@@ -169,6 +169,25 @@ def test_the_built_library_lists_every_kernel_for_both_arches():
     for entry in manifest.entries.values():
         assert entry.cubin.read_bytes()[:4] == b"\x7fELF"
         assert entry.symbol.encode() in entry.cubin.read_bytes()
+        # cute_ep::cutlass::<family>[_<format>], mangled as a local entity (profilers demangle
+        # it); `cutlass` in the name keeps ptxas's register allocation (kernels/build.py).
+        name = entry.spec.family.removeprefix("ep_")
+        if "format" in entry.spec.config:
+            name += "_" + entry.spec.config["format"]
+        if entry.spec.config.get("bulk") == 0:
+            name += "_registers"
+        assert entry.symbol == f"_ZZN7cute_ep7cutlassEE{len(name)}{name}_0", entry.symbol
+
+
+def test_the_manifest_keeps_each_kernels_registers_and_the_transport_does_not_spill():
+    """Registers and stack bytes come from each cubin's .nv.info; the combine kernel, whose
+    row sums are register-bound, keeps its values in registers (a name without `cutlass` made
+    ptxas spill 152 bytes of them: kernels/build.py)."""
+    manifest = _library_or_skip()
+    for e in manifest.data["kernels"]:
+        assert 0 < e["registers"] <= 255 and e["stack_bytes"] >= 0, e["cubin"]
+        if e["spec"]["family"] == "ep_combine":
+            assert e["stack_bytes"] == 0 and e["registers"] > 128, e
 
 
 def test_missing_library_names_the_build_command(tmp_path):

@@ -139,6 +139,44 @@ def test_fp8_scale_is_the_correctly_rounded_quotient(device):
     assert torch.equal(q.view(torch.uint8), codes.view(torch.uint8))
 
 
+def test_fp8_pow2_scales_are_the_least_power_of_two_at_or_above_the_rounded_quotient():
+    """`fp8_scales="pow2"` (DeepEP's round_scale): 2^ceil(log2(max(amax, 1e-4) * RN(1/448))),
+    written out with math.frexp from each block's amax; codes x / s (exact: s is a power of
+    two); a NaN block keeps NaN."""
+    import math
+
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(4, 512, generator=gen) * torch.tensor([1e-6, 1.0, 300.0, 3e4]).unsqueeze(1)
+    x[1, 0] = 448.0 * 2 ** -3  # amax * RN(1/448) lands on (or next to) a power of two
+    x[2, 128:256] = float("nan")
+    x = x.to(torch.bfloat16)
+    q, scale = ref.quantize_fp8_blockwise(x, pow2=True)
+    inv448 = float(torch.tensor(1 / 448.0, dtype=torch.float32))
+    for t in range(4):
+        for b in range(4):
+            block = x[t, b * 128:(b + 1) * 128].float()
+            if torch.isnan(block).any():
+                assert math.isnan(scale[t, b]) and torch.isnan(q[t, b * 128:(b + 1) * 128]
+                                                                .float()).all()
+                continue
+            raw = float(torch.tensor(max(block.abs().max().item(), 1e-4), dtype=torch.float32)
+                        * torch.tensor(inv448, dtype=torch.float32))
+            mant, exp = math.frexp(raw)  # raw = mant * 2^exp, mant in [0.5, 1)
+            want = 2.0 ** (exp - 1) if mant == 0.5 else 2.0 ** exp
+            assert scale[t, b].item() == want, (t, b)
+            codes = (block / want).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+            assert torch.equal(q[t, b * 128:(b + 1) * 128].view(torch.uint8),
+                               codes.view(torch.uint8))
+    exact = ref.quantize_fp8_blockwise(x)[1]
+    finite = ~torch.isnan(exact)
+    assert (scale[finite] >= exact[finite] * (1 - 2 ** -23)).all()
+    assert (scale[finite] < 2 * exact[finite]).all()
+    with pytest.raises(ValueError, match="fp8_scales='pow2' is for the fp8 format"):
+        EPConfig(H, 2, 8, 2, 9, format="bf16", fp8_scales="pow2")
+    with pytest.raises(ValueError, match="fp8_scales must be one of"):
+        EPConfig(H, 2, 8, 2, 9, format="fp8", fp8_scales="ue8m0")
+
+
 def test_fp8_dispatch_transposes_scales_and_zeroes_padding():
     cfg = EPConfig(H, 2, 8, 2, 9, format="fp8")
     gen = torch.Generator().manual_seed(5)

@@ -63,11 +63,21 @@ class DispatchResult:
         return int(self.row_offsets[-1])
 
 
-def quantize_fp8_blockwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[T, H] -> (e4m3 [T, H], fp32 scales [T, H / 128]) per SPEC section 4."""
+def quantize_fp8_blockwise(x: torch.Tensor,
+                           pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, H] -> (e4m3 [T, H], fp32 scales [T, H / 128]) per SPEC section 4. `pow2`
+    (`EPConfig.fp8_scales="pow2"`): each scale is 2^ceil(log2(max(amax, 1e-4) * RN(1/448))),
+    the codes x times its exact reciprocal."""
     t, h = x.shape
     blocks = x.float().reshape(t, h // FP8_BLOCK, FP8_BLOCK)
     amax = blocks.abs().amax(dim=-1)
+    if pow2:
+        raw = torch.clamp(amax, min=FP8_MIN_AMAX) * torch.full_like(amax, 1.0 / FP8_MAX)
+        bits = raw.view(torch.int32)
+        up = (bits & 0x7F800000) + torch.where((bits & 0x007FFFFF) != 0, 0x00800000, 0)
+        scale = torch.where(torch.isnan(raw), raw, up.int().view(torch.float32))
+        q = torch.clamp(blocks * (1.0 / scale).unsqueeze(-1), -FP8_MAX, FP8_MAX)
+        return q.to(torch.float8_e4m3fn).reshape(t, h), scale
     # Divide by a tensor, not a Python number: for a scalar divisor torch on CUDA multiplies by
     # the rounded reciprocal, which is not the correctly rounded quotient the kernels compute.
     scale = torch.clamp(amax, min=FP8_MIN_AMAX) / torch.full_like(amax, FP8_MAX)
@@ -262,7 +272,7 @@ def _dispatch_to(cfg, x, topk_ids, dest, sources, e_loc, shared, shared_tokens,
         rows_bf16[rows] = torch.cat([xr.to(device) for xr in x])[token_at]
         valid = source_rank != PAD
         if cfg.format == "fp8":
-            q, scale = quantize_fp8_blockwise(rows_bf16)
+            q, scale = quantize_fp8_blockwise(rows_bf16, cfg.fp8_scales == "pow2")
             q.view(torch.uint8)[~valid] = 0
             scale[~valid] = 0
             tokens, scales = q, scale.t().contiguous()

@@ -368,12 +368,12 @@ def _stages(world, args, fmt, tokens, rank) -> dict:
     del buf
     totals = dict.fromkeys(STAGE_KERNELS, 0.0)
     for item in prof.key_averages():
-        m = re.search(r"kernels(?:encode|dispatch|combine)Ep([A-Za-z]+)_object", item.key)
-        if m and m.group(1) in totals:
+        m = re.search(r"cute_ep::cutlass::(encode|dispatch|combine)", item.key)  # build.py
+        if m and m.group(1).capitalize() in totals:
             total = getattr(item, "device_time_total", None)
             if total is None:
                 total = item.cuda_time_total
-            totals[m.group(1)] += total / STAGE_ITERS
+            totals[m.group(1).capitalize()] += total / STAGE_ITERS
     return {"tokens": tokens, **{f"{k.lower()}_us": v for k, v in totals.items()}}
 
 

@@ -66,13 +66,16 @@ def _layouts(argv) -> int:
     parser.add_argument("--ranks", type=int, default=8, help="R")
     parser.add_argument("--max-tokens", type=int, default=4096, help="max tokens per rank")
     parser.add_argument("--shared-expert", action="store_true", help="fused shared expert")
+    parser.add_argument("--recv-capacity", type=int, default=None,
+                        help="received rows a rank's dispatch output holds (default: the "
+                             "worst case)")
     parser.add_argument("--sms", type=int, default=DEFAULT_CHANNELS,
                         help=f"SM budget = dispatch channels (default {DEFAULT_CHANNELS})")
     args = parser.parse_args(argv)
     console = Console()
     try:
         cfg = EPConfig(args.hidden, args.topk, args.experts, args.ranks, args.max_tokens,
-                       args.format, args.shared_expert)
+                       args.format, args.shared_expert, recv_capacity=args.recv_capacity)
     except ValueError as exc:
         console.print(f"[red]invalid config:[/] {exc}")
         return 2
@@ -94,7 +97,8 @@ def _layouts(argv) -> int:
 
     sizes = Table(title=f"buffers: E={cfg.experts} over R={cfg.ranks} ranks "
                         f"({cfg.local_experts} local), max {cfg.max_tokens_per_rank} tokens "
-                        f"per rank, up to {cfg.max_recv} received rows")
+                        f"per rank, up to {cfg.max_recv} received rows"
+                        + (f", outputs for {cfg.recv_rows}" if cfg.recv_capacity else ""))
     for col in ("where", "buffer", "bytes", "MiB"):
         sizes.add_column(col, justify="right" if col in ("bytes", "MiB") else "left")
     for where, buffers in buffer_sizes(cfg, args.sms).items():

@@ -1,7 +1,8 @@
 """`ep_dispatch`: one persistent launch per dispatch, a CTA per channel (transport v2).
 
 Channel c of every rank owns a contiguous run of that rank's tokens (`layouts.channels`). Its CTA
-has SEND_WARPS sender warps and RECV_WARPS[format] receiver warps, and runs three parts:
+has SEND_WARPS sender warps and RECV_WARPS_BULK (or, for a format moved through registers,
+RECV_WARPS_REGISTERS) receiver warps, and runs three parts:
 
 1. Counts (all warps): the channel's tokens are routed (each valid (token, k) pair, a later k
    naming the same expert dropped, ids outside [0, E) dropped and reported) and counted per
@@ -31,8 +32,10 @@ has SEND_WARPS sender warps and RECV_WARPS[format] receiver warps, and runs thre
    through PIECES pieces of shared memory per warp, each piece bulk-stored to every row as it
    lands; FP8 and NVFP4 through registers, a row's scales contiguously into `scale_rows`
    (row-major, `layouts.buffers.scale_rows_layout`); the rows, weights and source token are
-   recorded for combine. Credit returns to the source after every batch, and for all the rest of
-   the round's batches once the last message from the source has landed (their slots are not read).
+   recorded for combine. Credit returns to the source after every batch (BF16's a batch late: a
+   chunk's bulk loads land while the next chunk is placed, and the ring never empties between
+   chunks), and for all the rest of the round's batches once the last message from the source
+   has landed (their slots are not read).
 
 4. FP8 and NVFP4 (packed rows): once every CTA has finished (the round's advance below, which
    each CTA waits for), all warps write `scale_rows` into the output's scale layout, a tile of
@@ -58,7 +61,8 @@ from cutlass import Float32, Int32, Int64, Uint8
 from kernels.copy import row_tiled_copy
 from kernels.dispatch.common import (FORMATS, LIMITS, MAX_CHUNK, MAX_EXPERTS, MAX_RANKS,
                                      MAX_SEGMENTS, MAX_STAGE_BATCHES, MAX_TOPK, PHASE_DISPATCH,
-                                     PIECE, PIECES, RECV_WARPS, SCRATCH, SEND_VECTORS, SEND_WARPS,
+                                     PIECE, PIECES, BULK_FORMATS, RECV_WARPS_BULK,
+                                     RECV_WARPS_REGISTERS, SCRATCH, SEND_VECTORS, SEND_WARPS,
                                      SRC_WORDS, TILE_ROWS, TILE_STRIDE, TILE_VECTORS, WARP, _stamp,
                                      _wait_at_least)
 from kernels.dispatch.counts import CountsPhase
@@ -67,17 +71,25 @@ from kernels.dispatch.scales import ScalesPhase
 from kernels.dispatch.send import SendPhase
 from kernels.routing import channel_tokens
 from layouts.abi import GridRule, KernelSpec, Param
-from layouts.channels import (COUNT_SEGMENTS, SEND_TIMES, count_flags_layout, counters_layout,
-                              counts_layout)
+from layouts.channels import (COUNT_SEGMENTS, DISPATCH_RECEIVE, DISPATCH_SEND, SEND_TIMES,
+                              count_flags_layout, counters_layout, counts_layout)
 from layouts.config import FP8_ROW_ALIGN
 
 
 class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
-    def __init__(self, fmt: str):
+    def __init__(self, fmt: str, bulk: bool | None = None):
+        """`bulk`: receivers pull messages by bulk copies (the default of BULK_FORMATS) or
+        through registers; NVFP4 rows of H / 2 bytes that are not 16-byte multiples (H not a
+        multiple of 32) cannot be bulk-stored and take the register path."""
         if fmt not in FORMATS:
             raise ValueError(f"ep_dispatch formats: {FORMATS}, not {fmt!r}")
+        if bulk is None:
+            bulk = fmt in BULK_FORMATS
+        if not bulk and fmt == "bf16":
+            raise ValueError("bf16 dispatch receivers always pull by bulk copies")
         self.fmt = fmt
-        self.recv_warps = RECV_WARPS[fmt]
+        self._bulk = bool(bulk)
+        self.recv_warps = RECV_WARPS_BULK if self._bulk else RECV_WARPS_REGISTERS
         self.send_vectors = SEND_VECTORS[fmt]
         # Per lane: a receiver warp loads this many vectors of a message before storing them.
         self.tile_vectors = TILE_VECTORS[fmt]
@@ -97,7 +109,8 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                  + self.recv_warps * (SCRATCH + MAX_CHUNK * MAX_TOPK)  # s_scratch, s_wts
                  + MAX_STAGE_BATCHES)  # s_arrive
         dwords = SEND_WARPS * MAX_RANKS + SEND_WARPS * len(SEND_TIMES)  # s_head, s_time
-        return 4 * words + 8 * dwords + 14 * 16 + 128 + self.ring_bytes + 4 * self.tile_words
+        tiles = 0 if self.tiles_in_ring else 4 * self.tile_words
+        return 4 * words + 8 * dwords + 14 * 16 + 128 + self.ring_bytes + tiles
 
     @property
     def tile_words(self) -> int:
@@ -105,9 +118,15 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
         return 4 if self.fmt == "bf16" else (SEND_WARPS + self.recv_warps) * TILE_ROWS * TILE_STRIDE
 
     @property
+    def tiles_in_ring(self) -> bool:
+        """Whether the scale tiles reuse the receivers' pieces (bulk FP8 / NVFP4): the scales are
+        written out only after every piece has been stored."""
+        return self.bulk and self.fmt != "bf16"
+
+    @property
     def bulk(self) -> bool:
-        """Whether receivers pull payloads by bulk copies (BF16) or through registers."""
-        return self.fmt == "bf16"
+        """Whether receivers pull messages by bulk copies or through registers."""
+        return self._bulk
 
     @property
     def ring_shape(self) -> tuple[int, int]:
@@ -125,7 +144,7 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
     def spec(self) -> KernelSpec:
         return KernelSpec(
             family="ep_dispatch",
-            config={"format": self.fmt},
+            config={"format": self.fmt, "bulk": int(self.bulk)},
             params=(
                 Param("peer_bases", "ptr", "int64", align=8, min_elements=("ranks", 1)),
                 Param("source", "ptr", "uint8", align=16),
@@ -155,6 +174,9 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                       min_elements=("ranks", 1)),
                 Param("chan_msgs", "ptr", "int32", align=4, writes=True,
                       min_elements=("ranks", 1)),
+                # Rows by source (layout "sources"): each row's K local ids and weights.
+                Param("recv_ids", "ptr", "int32", align=4, writes=True),
+                Param("recv_weights", "ptr", "float32", align=4, writes=True),
                 Param("num_tokens", "i32"),
                 Param("max_tokens", "i32"),
                 Param("topk", "i32"),
@@ -185,6 +207,7 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                 Param("timeout_ns", "i64"),
                 Param("trace", "ptr", "int64", align=8, writes=True),
                 Param("tracing", "i32"),
+                Param("phases", "i32"),
             ),
             block=(self.threads, 1, 1),
             grid=(GridRule(ceil_div=("active", 1)), GridRule(constant=1),
@@ -203,7 +226,8 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                  scales_offsets: cute.Pointer, row_offsets: cute.Pointer,
                  expert_ids: cute.Pointer, seg_counts: cute.Pointer, src_info: cute.Pointer,
                  comb_rows: cute.Pointer, comb_weights: cute.Pointer, comb_tokens: cute.Pointer,
-                 comb_counts: cute.Pointer, chan_msgs: cute.Pointer, num_tokens: Int32,
+                 comb_counts: cute.Pointer, chan_msgs: cute.Pointer, recv_ids: cute.Pointer,
+               recv_weights: cute.Pointer, num_tokens: Int32,
                  max_tokens: Int32, topk: Int32,
                  local_experts: Int32, ranks: Int32, my_rank: Int32, shared: Int32,
                  skip_a2a: Int32, shared_begin: Int32, shared_end: Int32, has_weights: Int32,
@@ -215,18 +239,19 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                  headers_offset: Int64, staging_offset: Int64, counts_offset: Int64,
                  flags_offset: Int64,
                  counters_offset: Int64, timeout_ns: Int64, trace: cute.Pointer,
-                 tracing: Int32, stream):
+                 tracing: Int32, phases: Int32, stream):
         self.kernel(peer_bases, source, scale_source, scale_stride, topk_ids, topk_weights,
                     streams, rounds, done, error,
                     tokens, scales, scale_rows, scales_offsets, row_offsets, expert_ids, seg_counts,
                     src_info, comb_rows, comb_weights, comb_tokens, comb_counts, chan_msgs,
+                    recv_ids, recv_weights,
                     num_tokens,
                     max_tokens, topk, local_experts, ranks, my_rank, shared, skip_a2a,
                     shared_begin, shared_end, has_weights, header_bytes, source_stride,
                     load_bytes, stage_bytes, stage_batches, payload_vectors, scales_offset,
                     row_capacity, segment_rows, channels, active,
                     headers_offset, staging_offset, counts_offset, flags_offset,
-                    counters_offset, timeout_ns, trace, tracing,
+                    counters_offset, timeout_ns, trace, tracing, phases,
                     row_tiled_copy(WARP, Uint8, self.vector_bytes),
                     row_tiled_copy(WARP, Uint8, 16)).launch(
             grid=(active, 1, 1), block=(self.threads, 1, 1), smem=self.smem_bytes,
@@ -241,7 +266,8 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                scales_offsets: cute.Pointer, row_offsets: cute.Pointer,
                expert_ids: cute.Pointer, seg_counts: cute.Pointer, src_info: cute.Pointer,
                comb_rows: cute.Pointer, comb_weights: cute.Pointer, comb_tokens: cute.Pointer,
-               comb_counts: cute.Pointer, chan_msgs: cute.Pointer, num_tokens: Int32,
+               comb_counts: cute.Pointer, chan_msgs: cute.Pointer, recv_ids: cute.Pointer,
+               recv_weights: cute.Pointer, num_tokens: Int32,
                max_tokens: Int32, topk: Int32, local_experts: Int32, ranks: Int32,
                my_rank: Int32, shared: Int32,
                skip_a2a: Int32, shared_begin: Int32, shared_end: Int32, has_weights: Int32,
@@ -253,7 +279,7 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                headers_offset: Int64, staging_offset: Int64, counts_offset: Int64,
                flags_offset: Int64,
                counters_offset: Int64, timeout_ns: Int64, trace: cute.Pointer, tracing: Int32,
-               warp_copy: cute.TiledCopy, send_copy: cute.TiledCopy):
+               phases: Int32, warp_copy: cute.TiledCopy, send_copy: cute.TiledCopy):
         tidx, _, _ = cute.arch.thread_idx()
         channel, _, _ = cute.arch.block_idx()
         warp = tidx // WARP
@@ -288,10 +314,16 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                                       byte_alignment=16)
         s_time = smem.allocate_tensor(Int64, cute.make_layout(SEND_WARPS * len(SEND_TIMES)),
                                       byte_alignment=16)
-        s_tile = smem.allocate_tensor(Int32, cute.make_layout(self.tile_words), byte_alignment=16)
         # Per receiver warp: PIECES pieces of messages, their mbarriers and what each holds.
         pieces, piece = self.ring_shape
         s_ring = smem.allocate_tensor(Uint8, cute.make_layout(pieces * piece), byte_alignment=128)
+        if cutlass.const_expr(self.tiles_in_ring):
+            assert self.tile_words * 4 <= pieces * piece
+            s_tile = cute.make_tensor(cute.recast_ptr(s_ring.iterator, dtype=Int32),
+                                      cute.make_layout(self.tile_words))
+        else:
+            s_tile = smem.allocate_tensor(Int32, cute.make_layout(self.tile_words),
+                                          byte_alignment=16)
         s_full = smem.allocate_array(Int64, pieces, byte_alignment=8)
         s_piece = smem.allocate_tensor(Int32, cute.make_layout(pieces), byte_alignment=16)
 
@@ -325,58 +357,75 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
 
         t0, t1 = channel_tokens(channel, num_tokens, active)
 
-        # 1. Counts --------------------------------------------------------------------------
-        self._publish_counts(tidx, channel, t0, t1, topk_ids, topk, experts, local_experts,
-                             my_rank, skip_a2a, shared, shared_begin, shared_end, ranks, entries,
-                             peers, counts_offset, counts_at, flags_offset, flags_at, parity,
-                             epoch, active, error, s_cnt, trace, tracing)
+        # A launch runs the phases `phases` names (DISPATCH_SEND, DISPATCH_RECEIVE, or both):
+        # a dispatch whose receive part runs later (`Buffer.dispatch_send` and its hook) sends
+        # in one launch and receives in the next; its sends fit the staging (checked on the
+        # host), so they complete without any receiver.
+        if phases & DISPATCH_SEND != 0:
+            # 1. Counts ----------------------------------------------------------------------
+            self._publish_counts(tidx, channel, t0, t1, topk_ids, topk, experts,
+                                 local_experts, my_rank, skip_a2a, shared, shared_begin,
+                                 shared_end, ranks, entries, peers, counts_offset, counts_at,
+                                 flags_offset, flags_at, parity, epoch, active, error, s_cnt,
+                                 trace, tracing)
 
-        # 2. Send ----------------------------------------------------------------------------
-        if warp < SEND_WARPS:
-            self._send(warp, lane, channel, t0, t1, peers, here, source, scale_source,
-                       scale_stride, topk_ids, topk_weights, streams, error, topk, ranks,
-                       my_rank, has_weights, header_bytes, source_stride, load_bytes,
-                       stage_bytes, stage_batches, channels, headers_offset, staging_offset,
-                       counters_offset, counters, timeout_ns, payload_vectors, scales_offset,
-                       send_copy, s_arrive, s_head, s_time, trace, tracing)
+            # 2. Send ------------------------------------------------------------------------
+            if warp < SEND_WARPS:
+                self._send(warp, lane, channel, t0, t1, peers, here, source, scale_source,
+                           scale_stride, topk_ids, topk_weights, streams, error, topk, ranks,
+                           my_rank, has_weights, header_bytes, source_stride, load_bytes,
+                           stage_bytes, stage_batches, channels, headers_offset, staging_offset,
+                           counters_offset, counters, timeout_ns, payload_vectors, scales_offset,
+                           send_copy, s_arrive, s_head, s_time, trace, tracing)
 
-        # 3. Receive -------------------------------------------------------------------------
-        if warp >= SEND_WARPS:
-            self._receive(tidx - SEND_WARPS * WARP, channel, peers, here, streams, error, tokens,
-                          scales, scale_rows, scales_offsets, row_offsets, expert_ids, seg_counts,
-                          src_info, comb_rows, comb_weights, comb_tokens, comb_counts, chan_msgs,
-                          max_tokens, topk, local_experts, ranks, my_rank, shared, skip_a2a,
-                          shared_begin, shared_end, header_bytes, stage_bytes, stage_batches,
-                          payload_vectors, scales_offset, row_capacity, segment_rows, channels,
-                          active, headers_offset, staging_offset, counts_offset, flags_offset,
-                          counters_offset, counters, counts_at, flags_at, parity, epoch,
-                          timeout_ns, s_next, s_totals, s_off, s_tot, s_raw, s_first, s_src,
-                          s_rows, s_wts, s_ring, s_full, s_piece, warp_copy, trace, tracing)
+        if phases & DISPATCH_RECEIVE != 0:
+            # 3. Receive ---------------------------------------------------------------------
+            if warp >= SEND_WARPS:
+                self._receive(tidx - SEND_WARPS * WARP, channel, peers, here, streams, error,
+                              tokens, scales, scale_rows, scales_offsets, row_offsets,
+                              expert_ids, seg_counts, src_info, comb_rows, comb_weights,
+                              comb_tokens, comb_counts, chan_msgs, recv_ids, recv_weights,
+                              max_tokens, topk,
+                              local_experts, ranks, my_rank, shared, skip_a2a, shared_begin,
+                              shared_end, header_bytes, stage_bytes, stage_batches,
+                              payload_vectors, scales_offset, row_capacity, segment_rows,
+                              channels, active, headers_offset, staging_offset, counts_offset,
+                              flags_offset, counters_offset, counters, counts_at, flags_at,
+                              parity, epoch, timeout_ns, s_next, s_totals, s_off, s_tot, s_raw,
+                              s_first, s_src, s_rows, s_wts, s_ring, s_full, s_piece, warp_copy,
+                              trace, tracing)
 
-        # The last CTA to finish advances the round.
-        cute.arch.sync_threads()
-        if tidx == 0:
-            cute.arch.fence_acq_rel_gpu()  # this CTA's rows before its arrival
-            old = cute.arch.atomic_add(done, Int32(1), sem="acq_rel", scope="gpu")
-            if old == active - 1:
-                cute.arch.store(done, Int32(0))
-                cute.arch.store(rounds, epoch, sem="release", scope="gpu")
-            _stamp(trace, tracing, channel, "round_done", cute.arch.globaltimer())
-        if cutlass.const_expr(self.fmt != "bf16"):
-            if segment_rows == 0:
-                # Every CTA's received scales are in scale_rows once the round has advanced:
-                # then all of them write the output's layout, a share each.
-                if tidx == 0:
-                    _wait_at_least(rounds.toint(), epoch, timeout_ns, error, my_rank,
-                                   Int32(PHASE_DISPATCH))
-                cute.arch.sync_threads()
-                self._write_scales(warp, lane, channel, active, scales, scale_rows, s_off, s_raw,
-                                   s_first, s_tile, local_experts + shared, row_capacity,
-                                   payload_vectors)
+            # The last CTA to finish advances the round.
+            cute.arch.sync_threads()
+            if tidx == 0:
+                cute.arch.fence_acq_rel_gpu()  # this CTA's rows before its arrival
+                old = cute.arch.atomic_add(done, Int32(1), sem="acq_rel", scope="gpu")
+                if old == active - 1:
+                    cute.arch.store(done, Int32(0))
+                    cute.arch.store(rounds, epoch, sem="release", scope="gpu")
+                _stamp(trace, tracing, channel, "round_done", cute.arch.globaltimer())
+            if cutlass.const_expr(self.fmt != "bf16"):
+                # (Not after an overflow of the output's rows: the layout runs past the buffers.)
+                if segment_rows <= 0 and s_off[local_experts + shared] <= row_capacity:
+                    # Every CTA's received scales are in scale_rows once the round has advanced:
+                    # then all of them write the output's layout, a share each.
+                    if tidx == 0:
+                        _wait_at_least(rounds.toint(), epoch, timeout_ns, error, my_rank,
+                                       Int32(PHASE_DISPATCH))
+                    if cutlass.const_expr(self.tiles_in_ring):
+                        # The pieces' last bulk accesses are done (waited for) before the tiles
+                        # write the same shared memory.
+                        cute.arch.fence_proxy("async.shared", space="cta")
+                    cute.arch.sync_threads()
+                    self._write_scales(warp, lane, channel, active, scales, scale_rows, s_off,
+                                       s_raw, s_first, s_tile, local_experts + shared,
+                                       row_capacity, payload_vectors)
         if tidx == 0:
             _stamp(trace, tracing, channel, "end", cute.arch.globaltimer())
 
 
 def dispatch_kernels() -> list:
-    return [EpDispatch(f) for f in FORMATS]
+    """Every format's kernel, and NVFP4's register-path one for rows that are not 16-byte
+    multiples."""
+    return [EpDispatch(f) for f in FORMATS] + [EpDispatch("nvfp4", bulk=False)]
 

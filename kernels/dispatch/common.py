@@ -16,10 +16,12 @@ MAX_TOPK = 16
 MAX_SEGMENTS = 272  # local experts + a shared expert, with slack
 MAX_EXPERTS = 2176  # MAX_RANKS x 272
 SEND_WARPS = 4
-# Receiver warps per CTA, by format. BF16 receivers move messages by bulk copies through shared
-# memory (218 KB of it); FP8 and NVFP4 ones through registers, so more warps keep more messages
-# in flight: 20 warps of a CTA fit 96 registers a thread (the block size caps them).
-RECV_WARPS = {"bf16": 8, "fp8": 16, "nvfp4": 16}
+# The formats whose receivers move messages by bulk copies through shared memory, RECV_WARPS_BULK
+# warps a CTA (their pieces take most of the shared memory); the others move them through
+# registers, RECV_WARPS_REGISTERS warps (20 warps of a CTA fit 96 registers a thread).
+BULK_FORMATS = ("bf16", "fp8", "nvfp4")
+RECV_WARPS_BULK = 8
+RECV_WARPS_REGISTERS = 16
 BATCH = STAGE_BATCH_TOKENS  # tokens staged together: a header, tails and credit per batch
 MAX_STAGE_BATCHES = 16  # a channel's staging ring, in batches
 # 16-byte vectors per lane a sender warp loads before storing them (FP8 and NVFP4 messages of
@@ -36,13 +38,16 @@ SCALE_REGS = 4  # FP8 / NVFP4 scale words per lane a receiver loads with a messa
 TILE_ROWS, TILE_COLS = 128, 8
 TILE_STRIDE = TILE_COLS + 1
 SEND_BARRIER = 15  # the named barrier of the sender warps (receivers use 1 and 2 + source)
-# BF16: a receiver warp pulls messages through its own ring of PIECES shared-memory pieces of
-# PIECE bytes (bulk loads from the source's staging, bulk stores to the rows), LAG pieces in
-# flight ahead of the stores. (FP8 and NVFP4 messages, a half and a quarter as large with
-# scales that go to scattered words, move through registers: their bulk pulls measured slower.)
+# A receiver warp of a bulk format pulls messages through its own ring of PIECES shared-memory
+# pieces of PIECE bytes (bulk loads from the source's staging, bulk stores to the rows), LAG
+# pieces in flight ahead of the stores.
 PIECE = 4096
 PIECES = 5
 LAG = PIECES - 2
+# How a bulk-moved FP8 / NVFP4 message's scale bytes reach each row (`_store_piece`): bulk
+# stores into `scale_rows` (rows of 16-byte multiples), the lanes' word stores there (NVFP4's
+# padding bytes cleared), or the lanes' stores into FP8's transposed slabs output.
+SCALES_BULK, SCALES_LANES, SCALES_SLABS = 0, 1, 2
 ROWS = MAX_TOPK + 1  # rows a message can land in: its K experts and the shared expert
 FP8_BLOCK = 128
 NVFP4_BLOCK = 16
@@ -61,11 +66,14 @@ MAP_AT = 2 * MAX_CHUNK * MAX_TOPK
 TOKS_AT = MAP_AT + MAX_CHUNK
 STAGE_AT = TOKS_AT + MAX_CHUNK
 ROWS_AT = STAGE_AT + MAX_CHUNK
-SROWS_AT = ROWS_AT + MAX_CHUNK * ROWS
+# The rows of two chunks (halves, by chunk parity): BF16 pieces of a chunk still in flight read
+# their rows while the next chunk is placed.
+SROWS_AT = ROWS_AT + 2 * MAX_CHUNK * ROWS
 SCRATCH = SROWS_AT + MAX_CHUNK * ROWS
 # s_src words per source: messages, messages of the channels before, messages in all, the
-# chunk decision of its first warp, tokens of its channel.
-SRC_WORDS = 5
+# chunk decision of its first warp, tokens of its channel, its first row (rows by source).
+SRC_WORDS = 6
+
 
 
 @cute.jit

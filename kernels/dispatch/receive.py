@@ -13,14 +13,16 @@ from kernels.copy import row_predicate
 from kernels.dispatch.common import (BATCH, FLAG_ROUND, FP8_BLOCK, IDS, IDS_AT, LAG, MAP_AT,
                                      MAX_CHUNK, MAX_RANKS, MAX_SEGMENTS, MAX_TOPK, NVFP4_BLOCK,
                                      PHASE_DISPATCH, PIECE, PIECES, ROWS, ROWS_AT, SCALE_REGS,
+                                     SCALES_BULK, SCALES_LANES, SCALES_SLABS,
                                      SCRATCH, SEGS_AT, SROWS_AT, STAGE_AT, TOKS_AT, WARP, WEIGHTS,
                                      _stamp, _stamp_max, _wait_at_least)
 from kernels.memory import error_field, gmem_ptr, store_f32, store_i32
 from kernels.scan import warp_exclusive_scan
-from layouts.buffers import ERROR_CHANNELS, ERROR_COUNTS, scale_rows_layout
+from layouts.buffers import ERROR_CAPACITY, ERROR_CHANNELS, ERROR_COUNTS, scale_rows_layout
 from layouts.channels import (COUNT_MESSAGES, COUNT_SEGMENTS, COUNT_TOKENS, DISPATCH, HEADS, TAILS,
                               batch_header_layout, channel_messages_layout, header_token_word,
                               headers_layout, staging_layout)
+from layouts.config import SOURCE_ROWS
 from layouts.scales import ATOM_ROWS
 
 
@@ -34,7 +36,8 @@ class ReceivePhase:
                  scales_offsets: cute.Pointer, row_offsets: cute.Pointer,
                  expert_ids: cute.Pointer, seg_counts: cute.Pointer, src_info: cute.Pointer,
                  comb_rows: cute.Pointer, comb_weights: cute.Pointer, comb_tokens: cute.Pointer,
-                 comb_counts: cute.Pointer, chan_msgs: cute.Pointer, max_tokens, topk,
+                 comb_counts: cute.Pointer, chan_msgs: cute.Pointer, recv_ids: cute.Pointer,
+                 recv_weights: cute.Pointer, max_tokens, topk,
                  local_experts, ranks, my_rank, shared, skip_a2a, shared_begin, shared_end,
                  header_bytes, stage_bytes, stage_batches, payload_vectors, scales_offset,
                  row_capacity, segment_rows, channels, active, headers_offset, staging_offset,
@@ -133,6 +136,19 @@ class ReceivePhase:
             if cutlass.const_expr(self.fmt == "nvfp4"):
                 warp_exclusive_scan(s_first, s_first, segments, lane)
         cute.arch.barrier(barrier_id=1, number_of_threads=threads)
+        if segment_rows == SOURCE_ROWS:
+            # Rows by source: source s's messages from row base[s] (the messages of the sources
+            # before it); the output's rows end at the messages in all (s_off[segments], which
+            # the capacity check and the scales' write-out read).
+            if rt == 0:
+                run = Int32(0)
+                for s in cutlass.range(ranks):
+                    s_src[5 * MAX_RANKS + s] = run
+                    run = run + s_src[2 * MAX_RANKS + s]
+                for g in cutlass.range(segments):
+                    s_off[g] = Int32(0)
+                s_off[segments] = run
+            cute.arch.barrier(barrier_id=1, number_of_threads=threads)
         # The segment offsets (and nvfp4 scale blocks), once per rank; padding, shared out.
         if channel == 0:
             offsets = cute.make_tensor(row_offsets, cute.make_layout(segments + 1))
@@ -147,13 +163,20 @@ class ReceivePhase:
             for s in cutlass.range(rt, ranks, threads):
                 cute.make_tensor(comb_counts, cute.make_layout(ranks))[s] = \
                     s_src[2 * MAX_RANKS + s]
+            if rt == 0 and s_off[segments] > row_capacity:
+                # More rows than the output holds (a receive capacity below the worst case):
+                # rows past it are not written (`_place`), nor the padding and the scales.
+                cute.arch.atomic_or(error_field(error, "bad_counts"), Int32(ERROR_CAPACITY),
+                                    sem="relaxed", scope="gpu")
         payload_bytes = Int64(payload_vectors) * self.vector_bytes
         blocks = payload_vectors * self.vector_bytes // FP8_BLOCK
         scale_cols = payload_vectors * self.vector_bytes * 2 // NVFP4_BLOCK
         rk = (scale_cols + 3) // 4
         # Padding: the receiver warps of every channel take a segment each in turn.
         if cutlass.const_expr(self.row_align > 1):
-            if segment_rows == 0:  # slabs leave the rows past a segment's count undefined
+            # (Slabs leave the rows past a segment's count undefined; an overflow, everything
+            # past the capacity.)
+            if segment_rows == 0 and s_off[segments] <= row_capacity:
                 self._zero_row_padding(channel * self.recv_warps + rwarp,
                                        active * self.recv_warps, lane, tokens, scale_rows,
                                        src_info, s_off, s_raw, segments, payload_bytes, blocks,
@@ -186,7 +209,8 @@ class ReceivePhase:
                          scales_offset, row_capacity, channels, headers_offset, staging_offset,
                          counters_offset, counters, timeout_ns, s_next, s_off, s_first, s_src,
                          s_rows, s_wts, s_ring, s_full, s_piece, rwarp, warp_copy,
-                         payload_bytes, blocks, scale_cols, rk, trace, tracing)
+                         payload_bytes, blocks, scale_cols, rk, recv_ids, recv_weights, trace,
+                         tracing)
 
     @cute.jit
     def _expand(self, lane, sub, per_source, s, channel, peers: cute.Tensor, here,
@@ -201,13 +225,15 @@ class ReceivePhase:
                 s_first: cute.Tensor, s_src: cute.Tensor, s_scratch: cute.Tensor,
                 s_wts: cute.Tensor, s_ring: cute.Tensor, s_full: cute.Pointer,
                 s_piece: cute.Tensor, rwarp, warp_copy: cute.TiledCopy, payload_bytes, blocks,
-                scale_cols, rk, trace: cute.Pointer, tracing):
+                scale_cols, rk, recv_ids: cute.Pointer, recv_weights: cute.Pointer,
+                trace: cute.Pointer, tracing):
         """One warp of source s: s's batches of this channel in order, once each is published,
         until the last message from s has landed. Every warp of s reads the batch's header and
         places the rows of its messages (so each keeps the same next-row counters), MAX_CHUNK
         tokens at a time; message m of a chunk is then pulled from the source's staging by warp
         m % per_source and stored to its rows. The warps of s meet at a named barrier after
-        each batch, which then goes back to s."""
+        each batch, which then goes back to s (BF16: the batch before it, whose last pieces
+        land while this one is placed; the last once every piece has landed)."""
         stage = staging_layout(stage_bytes, stage_batches * BATCH, channels)
         headers = headers_layout(header_bytes, stage_batches, channels)
         hdr = batch_header_layout(topk)
@@ -233,12 +259,33 @@ class ReceivePhase:
         tiles = cute.ceil_div(payload_vectors, WARP * self.tile_vectors)
         # BF16 rows (16-byte multiples: H is a multiple of 8) move by bulk copies through the
         # warp's pieces.
-        pieces = Int32((payload_bytes + PIECE - 1) // PIECE)
+        # FP8 and NVFP4 messages move whole (payload, then scales at scales_offset): the pieces
+        # holding scale bytes also store those to each row's scales (`_store_piece`).
+        msg_bytes = Int64(payload_bytes)
+        scale_bytes = Int32(0)
+        scale_mode = Int32(SCALES_BULK)
+        if cutlass.const_expr(self.fmt != "bf16"):
+            msg_bytes = Int64(stage_bytes)
+            scale_bytes = (blocks if self.fmt == "fp8" else rk) * 4
+            if segment_rows > 0:
+                scale_mode = Int32(SCALES_SLABS)
+            elif scale_bytes % 16 != 0 or (self.fmt == "nvfp4" and scale_cols % 4 != 0):
+                scale_mode = Int32(SCALES_LANES)
+        pieces = Int32((msg_bytes + PIECE - 1) // PIECE)
         pieces_at = s_ring.iterator + rwarp * PIECES * PIECE
         full = s_full + rwarp * PIECES
         held = rwarp * PIECES  # s_piece words: what each piece of the ring holds
         issued = Int32(0)  # pieces loaded and stored by this warp, over the whole stream
         drained = Int32(0)
+        # BF16: the pieces issued once each half's last chunk was placed (that chunk's pieces
+        # read its rows), and once the previous batch was: a half is reused, and a batch
+        # credited, only when the warp has drained that far. So a chunk's loads land while the
+        # next chunk's header is read and its rows placed, and no chunk ends by emptying the
+        # ring.
+        mark0 = Int32(0)
+        mark1 = Int32(0)
+        batch_mark = Int32(0)
+        chunk = Int32(0)  # chunks this warp has placed; chunk % 2 is the half of its rows
         tail = consumed
         alive = Int32(1)
         waited = Int64(0)
@@ -272,6 +319,17 @@ class ReceivePhase:
                 in_batch = cutlass.min(Int32(BATCH), ntok - i * BATCH)
                 for h in cutlass.range(0, in_batch, MAX_CHUNK):
                     hn = cutlass.min(Int32(MAX_CHUNK), in_batch - h)
+                    half = chunk % 2
+                    if cutlass.const_expr(self.bulk):
+                        # The chunk two back used this half: its pieces must have landed.
+                        need = mark0
+                        if half != 0:
+                            need = mark1
+                        while drained < need:
+                            drained = self._store_piece(
+                    lane, drained, msg_bytes, payload_bytes, pieces_at, full, s_piece, held,
+                    tokens, topk, s_scratch, scratch, scale_rows, scales, scale_mode,
+                    scales_offset, scale_bytes, scale_cols, row_capacity)
                     # The chunk's ids and weights (loads into shared memory, all in flight
                     # together) and source tokens.
                     for w in cutlass.range(lane, hn * topk, WARP, unroll=4):
@@ -334,22 +392,37 @@ class ReceivePhase:
                         my_rank, shared, shared_begin, shared_end, staging, stage, channel,
                         tokens, scales, scale_rows, segment_rows, src_info, comb_rows,
                         comb_weights, comb_tokens, scales_offset, row_capacity, s_next, s_off,
-                        s_first, s_scratch, s_wts, scratch, wts,
-                        next_at, pieces_at, full, s_piece, held, pieces, payload_bytes, blocks,
-                        scale_cols, rk, layout, tiler, g_crd, thr, tiles, warp_copy,
-                        payload_vectors, issued, drained, trace, tracing,
-                        Int32(i == 0 and h == 0))
-                    if cutlass.const_expr(self.bulk):
-                        # All of the chunk's pieces have landed (and their row stores are
-                        # issued) before the batch is credited.
-                        while drained < issued:
-                            drained = self._store_piece(lane, drained, payload_bytes, pieces_at,
-                                                        full, s_piece, held, tokens, topk,
-                                                        s_scratch, scratch)
+                        s_first, s_scratch, s_wts, scratch, half, wts, next_at,
+                        s_src[5 * MAX_RANKS + s], recv_ids, recv_weights, shared,
+                        pieces_at, full, s_piece, held, pieces, msg_bytes,
+                        payload_bytes, blocks, scale_cols, rk, scale_mode, scale_bytes, layout,
+                        tiler, g_crd, thr, tiles, warp_copy, payload_vectors, issued, drained,
+                        trace, tracing, Int32(i == 0 and h == 0))
+                    if half == 0:
+                        mark0 = issued
+                    else:
+                        mark1 = issued
+                    chunk = chunk + 1
                     if lane == 0 and i == 0 and h == 0:
                         _stamp_max(trace, tracing, channel, "chunk_stored",
                                    cute.arch.globaltimer())
                     placed = placed + cnt
+            done_through = at + 1  # the batches (counted across rounds) this warp is done with
+            if cutlass.const_expr(self.bulk):
+                # The previous batch's pieces have landed: that batch goes back to s now, this
+                # one after the next (its last pieces land while the next is placed). A ring of
+                # one batch cannot wait for the next: its batch goes back at once.
+                target = batch_mark
+                if stage_batches == 1:
+                    target = issued
+                while drained < target:
+                    drained = self._store_piece(
+                    lane, drained, msg_bytes, payload_bytes, pieces_at, full, s_piece, held,
+                    tokens, topk, s_scratch, scratch, scale_rows, scales, scale_mode,
+                    scales_offset, scale_bytes, scale_cols, row_capacity)
+                batch_mark = issued
+                if stage_batches > 1:
+                    done_through = at
             if per_source > 1:
                 # The warps of s agree on going on: a warp whose wait failed says so before the
                 # barrier (the word is only ever set in this kernel).
@@ -361,13 +434,22 @@ class ReceivePhase:
             if alive == 0:
                 placed = n  # a rank timed out: the rest of this stream is given up
             elif sub == 0 and lane == 0:
-                # Every warp of s is done with the batch: its slot goes back to s. Relaxed: its
-                # header and payloads are loaded (their values in shared memory or stored to
-                # rows), which is all the source needs; a release would also wait until the
-                # row stores are acknowledged.
-                cute.arch.store(gmem_ptr(Int64, head_word, 8), at + 1, sem="relaxed",
+                # Every warp of s is done with the batches through `done_through`: their slots
+                # go back to s. Relaxed: their headers and payloads are loaded (their values in
+                # shared memory or stored to rows), which is all the source needs; a release
+                # would also wait until the row stores are acknowledged.
+                cute.arch.store(gmem_ptr(Int64, head_word, 8), done_through, sem="relaxed",
                                 scope="sys")
             i = i + 1
+        if cutlass.const_expr(self.bulk):
+            # Every piece has landed before the stream's slots go back to s.
+            while drained < issued:
+                drained = self._store_piece(
+                    lane, drained, msg_bytes, payload_bytes, pieces_at, full, s_piece, held,
+                    tokens, topk, s_scratch, scratch, scale_rows, scales, scale_mode,
+                    scales_offset, scale_bytes, scale_cols, row_capacity)
+            if per_source > 1:
+                cute.arch.barrier(barrier_id=2 + s, number_of_threads=WARP * per_source)
         # The batches past s's last message here are not read at all: they all go back to s.
         if placed < n and alive != 0:  # the batches held fewer messages than the counts said
             if lane == 0:
@@ -395,22 +477,33 @@ class ReceivePhase:
                src_info: cute.Pointer, comb_rows: cute.Pointer, comb_weights: cute.Pointer,
                comb_tokens: cute.Pointer, scales_offset, row_capacity, s_next: cute.Tensor,
                s_off: cute.Tensor, s_first: cute.Tensor, s_scratch: cute.Tensor,
-               s_wts: cute.Tensor, scratch, wts, next_at, pieces_at: cute.Pointer,
-               full: cute.Pointer, s_piece: cute.Tensor, held, pieces, payload_bytes, blocks,
-               scale_cols, rk, layout, tiler, g_crd, thr, tiles, warp_copy: cute.TiledCopy,
-               payload_vectors, issued, drained, trace: cute.Pointer, tracing, first_chunk):
+               s_wts: cute.Tensor, scratch, half, wts, next_at, src_base,
+               recv_ids: cute.Pointer, recv_weights: cute.Pointer, local_base,
+               pieces_at: cute.Pointer, full: cute.Pointer, s_piece: cute.Tensor, held, pieces,
+               msg_bytes, payload_bytes, blocks, scale_cols, rk, scale_mode, scale_bytes, layout,
+               tiler, g_crd, thr, tiles, warp_copy: cute.TiledCopy, payload_vectors, issued,
+               drained, trace: cute.Pointer, tracing, first_chunk):
         """A chunk's `cnt` messages (messages first .. first + cnt - 1 of source s here): their
         rows, message by message (the experts of one message differ, so its lanes never share a
         counter; a warp barrier between messages); what combine needs of them (the first warp of
         s); then this warp's messages m = sub, sub + per_source, ... pulled from the source's
-        staging into their rows.
+        staging into their rows. The rows go to half `half` of the warp's chunk rows.
         Returns the warp's (issued, drained) pieces of the bulk path."""
         vec = self.vector_bytes
+        rows0 = scratch + ROWS_AT + half * MAX_CHUNK * ROWS  # message m's at rows0 + m * ROWS
         for m in cutlass.range(cnt):
             c = s_scratch[scratch + MAP_AT + m]
             row = Int32(-1)
+            g = Int32(-1)
             if lane < topk:
                 g = s_scratch[scratch + SEGS_AT + c * topk + lane]
+            if segment_rows == SOURCE_ROWS:
+                # One row per message, sources in order, each in its token order: held by the
+                # message's first local k.
+                local = cute.arch.vote_ballot_sync(g >= 0)
+                if g >= 0 and (local & ((Int32(1) << lane) - 1)) == 0:
+                    row = src_base + first + m
+            elif lane < topk:
                 if g >= 0:
                     row = s_next[next_at + g]
                     s_next[next_at + g] = row + 1
@@ -424,13 +517,16 @@ class ReceivePhase:
                 if cutlass.const_expr(self.fmt == "nvfp4"):
                     s_scratch[scratch + SROWS_AT + m * ROWS + lane] = row
             if lane <= topk:
-                s_scratch[scratch + ROWS_AT + m * ROWS + lane] = row
+                if row >= row_capacity:
+                    row = -2 - row  # past the output's capacity: recorded, not written
+                s_scratch[rows0 + m * ROWS + lane] = row
             # The next message's lanes read counters this one's lanes just wrote (the same
             # expert under another k): ordered by the warp barrier, not by lockstep.
             cute.arch.sync_warp()
         if sub == 0:
             self._record(lane, s, first, cnt, topk, max_tokens, src_info, comb_rows,
-                         comb_weights, comb_tokens, s_scratch, s_wts, scratch, wts)
+                         comb_weights, comb_tokens, s_scratch, s_wts, scratch, rows0, wts,
+                         segment_rows, recv_ids, recv_weights, local_base)
         if lane == 0 and first_chunk != 0:
             _stamp_max(trace, tracing, channel, "chunk_placed", cute.arch.globaltimer())
         if cutlass.const_expr(self.bulk):
@@ -439,12 +535,14 @@ class ReceivePhase:
                 msg = staging + Int64(stage((0, s_scratch[scratch + STAGE_AT + m], channel)))
                 for p in cutlass.range(pieces):
                     issued, drained = self._pull_piece(
-                        lane, msg, m, p, issued, drained, payload_bytes, pieces_at, full,
-                        s_piece, held, tokens, topk, s_scratch, scratch)
+                        lane, msg, half * MAX_CHUNK + m, p, issued, drained, msg_bytes,
+                        payload_bytes, pieces_at, full, s_piece, held, tokens, topk, s_scratch,
+                        scratch, scale_rows, scales, scale_mode, scales_offset, scale_bytes,
+                        scale_cols, row_capacity)
         else:
             for m in cutlass.range(sub, cnt, per_source):
                 msg = staging + Int64(stage((0, s_scratch[scratch + STAGE_AT + m], channel)))
-                rows_at = scratch + ROWS_AT + m * ROWS
+                rows_at = rows0 + m * ROWS
                 scale_words = blocks if self.fmt == "fp8" else rk
                 sregs = self._load_scales(lane, msg, scales_offset, scale_words, scale_cols)
                 g_src = cute.zipped_divide(cute.make_tensor(gmem_ptr(Uint8, msg, 16), layout),
@@ -472,65 +570,131 @@ class ReceivePhase:
         return issued, drained
 
     @cute.jit
-    def _pull_piece(self, lane, msg, m, p, issued, drained, payload_bytes, ring: cute.Pointer,
-                    full: cute.Pointer, s_piece: cute.Tensor, held, tokens: cute.Pointer, topk,
-                    s_scratch: cute.Tensor, scratch):
+    def _pull_piece(self, lane, msg, m, p, issued, drained, msg_bytes, payload_bytes,
+                    ring: cute.Pointer, full: cute.Pointer, s_piece: cute.Tensor, held,
+                    tokens: cute.Pointer, topk, s_scratch: cute.Tensor, scratch,
+                    scale_rows: cute.Pointer, scales: cute.Pointer, scale_mode, scales_offset,
+                    scale_bytes, scale_cols, row_capacity):
         """Bulk-load piece p of message m of the chunk (staged at `msg`) into the warp's next
         piece of shared memory once the stores that read it last are done reading it; then
         store the oldest piece if LAG pieces are in flight. Returns (issued, drained)."""
         at = issued % PIECES
         offset = Int64(p) * PIECE
-        nbytes = cutlass.min(Int32(PIECE), Int32(Int64(payload_bytes) - offset))
+        nbytes = cutlass.min(Int32(PIECE), Int32(Int64(msg_bytes) - offset))
         if lane == 0:
             # Piece `issued - PIECES` last held this one; of the store groups committed since
             # (one per piece drained), at most PIECES - 1 - LAG are newer than its own.
             cute.arch.cp_async_bulk_wait_group(PIECES - 1 - LAG, read=True)
+            if cutlass.const_expr(self.fmt != "bf16"):
+                # The lanes' loads of scale words from the piece this one replaces
+                # (`_store_piece`) before the bulk load writes it.
+                cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.mbarrier_arrive_and_expect_tx(full + at, nbytes)
             bulk_load(ring + at * PIECE, msg + offset, nbytes, full + at)
         s_piece[held + at] = m * 64 + p  # (message of the chunk, piece): every lane writes it
         cute.arch.sync_warp()  # ... before any lane reads it back in `_store_piece`
         issued = issued + 1
         if issued - drained > LAG:
-            drained = self._store_piece(lane, drained, payload_bytes, ring, full, s_piece, held,
-                                        tokens, topk, s_scratch, scratch)
+            drained = self._store_piece(lane, drained, msg_bytes, payload_bytes, ring, full,
+                                        s_piece, held, tokens, topk, s_scratch, scratch,
+                                        scale_rows, scales, scale_mode, scales_offset,
+                                        scale_bytes, scale_cols, row_capacity)
         return issued, drained
 
     @cute.jit
-    def _store_piece(self, lane, drained, payload_bytes, ring: cute.Pointer, full: cute.Pointer,
-                     s_piece: cute.Tensor, held, tokens: cute.Pointer, topk,
-                     s_scratch: cute.Tensor, scratch):
-        """Wait for the warp's oldest piece in flight to land and bulk-store it to every row of
-        its message (one async group a piece). Returns drained + 1."""
+    def _store_piece(self, lane, drained, msg_bytes, payload_bytes, ring: cute.Pointer,
+                     full: cute.Pointer, s_piece: cute.Tensor, held, tokens: cute.Pointer, topk,
+                     s_scratch: cute.Tensor, scratch, scale_rows: cute.Pointer,
+                     scales: cute.Pointer, scale_mode, scales_offset, scale_bytes, scale_cols,
+                     row_capacity):
+        """Wait for the warp's oldest piece in flight to land and store it to every row of its
+        message (one async group a piece): the payload bytes it holds by bulk stores to the
+        rows; FP8 and NVFP4 scale bytes it holds by `scale_mode` (SCALES_BULK: bulk stores to
+        the rows of `scale_rows`; SCALES_LANES: the lanes' word stores there, NVFP4's padding
+        bytes cleared; SCALES_SLABS: the lanes' stores into FP8's transposed output).
+        Returns drained + 1."""
         at = drained % PIECES
         cute.arch.mbarrier_wait(full + at, (drained // PIECES) % 2)
         what = s_piece[held + at]
         m = what // 64
         rows_at = scratch + ROWS_AT + m * ROWS
+        offset = Int64(what - m * 64) * PIECE
+        end = offset + Int64(cutlass.min(Int32(PIECE), Int32(Int64(msg_bytes) - offset)))
+        pay = Int32(cutlass.min(end, Int64(payload_bytes)) - offset)  # <= 0: scales only
+        sc_lo = cutlass.max(offset, Int64(scales_offset))  # the scale bytes the piece holds
+        sc_hi = cutlass.min(end, Int64(scales_offset) + Int64(scale_bytes))
         if lane == 0:
-            offset = Int64(what - m * 64) * PIECE
-            nbytes = cutlass.min(Int32(PIECE), Int32(Int64(payload_bytes) - offset))
             for k in cutlass.range(topk + 1):
                 r = s_scratch[rows_at + k]
                 if r >= 0:
-                    bulk_store(tokens.toint() + Int64(r) * payload_bytes + offset,
-                               ring + at * PIECE, nbytes)
+                    if pay > 0:
+                        bulk_store(tokens.toint() + Int64(r) * payload_bytes + offset,
+                                   ring + at * PIECE, pay)
+                    if cutlass.const_expr(self.fmt != "bf16"):
+                        if scale_mode == SCALES_BULK and sc_hi > sc_lo:
+                            bulk_store(scale_rows.toint() + Int64(r) * Int64(scale_bytes)
+                                       + sc_lo - Int64(scales_offset),
+                                       ring + at * PIECE + Int32(sc_lo - offset),
+                                       Int32(sc_hi - sc_lo))
             cute.arch.cp_async_bulk_commit_group()
+        if cutlass.const_expr(self.fmt != "bf16"):
+            if scale_mode != SCALES_BULK and sc_hi > sc_lo:
+                words = cute.make_tensor(cute.recast_ptr((ring + at * PIECE).align(16),
+                                                         dtype=Int32),
+                                         cute.make_layout(PIECE // 4))
+                first = Int32((sc_lo - Int64(scales_offset)) // 4)  # the piece's first word
+                for k in cutlass.range(topk + 1):
+                    r = s_scratch[rows_at + k]
+                    if r >= 0:
+                        for c in cutlass.range(first + lane, Int32(sc_hi - Int64(scales_offset))
+                                               // 4, WARP):
+                            at_word = Int32((Int64(scales_offset) - offset) // 4) + c
+                            word = self._scale_word(words[at_word], c, scale_cols)
+                            if scale_mode == SCALES_LANES:
+                                store_i32(scale_rows.toint() + (Int64(r) * Int64(scale_bytes)
+                                                                + Int64(c) * 4), word)
+                            else:
+                                store_i32(scales.toint() + (Int64(c) * Int64(row_capacity)
+                                                            + Int64(r)) * 4, word)
         return drained + 1
 
     @cute.jit
     def _record(self, lane, s, first, cnt, topk, max_tokens, src_info: cute.Pointer,
                 comb_rows: cute.Pointer, comb_weights: cute.Pointer, comb_tokens: cute.Pointer,
-                s_scratch: cute.Tensor, s_wts: cute.Tensor, scratch, wts):
+                s_scratch: cute.Tensor, s_wts: cute.Tensor, scratch, rows0, wts, segment_rows,
+                recv_ids: cute.Pointer, recv_weights: cute.Pointer, local_base):
         """What combine needs of the chunk's messages first .. first + cnt - 1 of source s (row
-        and weight per k, source token), and src_info of every row they filled (a message's
-        weights are those of its token of the chunk, `MAP_AT`)."""
+        and weight per k, source token), and src_info of every row they filled (message m's rows
+        at word rows0 + m * ROWS of s_scratch; its weights are those of its token of the chunk,
+        `MAP_AT`)."""
         for i in cutlass.range(lane, cnt * topk, WARP):
             m = i // topk
             k = i - m * topk
             at = (Int64(s) * Int64(max_tokens) + Int64(first + m)) * Int64(topk) + Int64(k)
-            store_i32(comb_rows.toint() + at * 4, s_scratch[scratch + ROWS_AT + m * ROWS + k])
-            store_f32(comb_weights.toint() + at * 4,
-                      s_wts[wts + s_scratch[scratch + MAP_AT + m] * topk + k])
+            row = s_scratch[rows0 + m * ROWS + k]
+            if row < -1:
+                row = -2 - row  # a row past the capacity: combine reads zeros for it
+            store_i32(comb_rows.toint() + at * 4, row)
+            weight = s_wts[wts + s_scratch[scratch + MAP_AT + m] * topk + k]
+            if segment_rows == SOURCE_ROWS:
+                # Rows by source: the message's row, with its K ids made local (-1 where the
+                # expert lives elsewhere) and their weights (0 there); combine adds the row once
+                # (weight 1), DeepEP's unweighted reduction.
+                r = s_scratch[rows0 + m * ROWS]
+                for k2 in cutlass.range(topk):
+                    r = cutlass.max(r, s_scratch[rows0 + m * ROWS + k2])
+                g = s_scratch[scratch + SEGS_AT + s_scratch[scratch + MAP_AT + m] * topk + k]
+                local_id = Int32(-1)
+                local_weight = Float32(0.0)
+                if g >= 0:
+                    local_id = g - local_base
+                    local_weight = weight
+                if r >= 0:
+                    at_row = (Int64(r) * Int64(topk) + Int64(k)) * 4
+                    store_i32(recv_ids.toint() + at_row, local_id)
+                    store_f32(recv_weights.toint() + at_row, local_weight)
+                weight = Float32(1.0)
+            store_f32(comb_weights.toint() + at * 4, weight)
         if lane < cnt:
             store_i32(comb_tokens.toint()
                       + (Int64(s) * Int64(max_tokens) + Int64(first + lane)) * 4,
@@ -538,7 +702,7 @@ class ReceivePhase:
         for i in cutlass.range(lane, cnt * (topk + 1), WARP):
             m = i // (topk + 1)
             k = i - m * (topk + 1)
-            r = s_scratch[scratch + ROWS_AT + m * ROWS + k]
+            r = s_scratch[rows0 + m * ROWS + k]
             if r >= 0:
                 slot = Int32(-1)
                 if k < topk:
@@ -590,7 +754,7 @@ class ReceivePhase:
                      row, scale_row, row_capacity, rk, words):
         """Scale word c of a row: packed, word c of row `row` of `scale_rows`; slabs (FP8 only),
         block c's fp32 scale of row `row` in the transposed output."""
-        if segment_rows == 0:
+        if segment_rows <= 0:
             store_i32(scale_rows.toint() + Int64(scale_rows_layout(words, row_capacity)(
                 (Int64(c), Int64(row)))) * 4, word)
         else:

@@ -61,3 +61,23 @@ def test_pulled_chunks_land_where_pushed_ones_do(chunk_bytes, stages, ranks, chu
     for me in range(ranks):
         kernel.launch(bases, recv[me], chunks, ranks, me, ctas)
     _assert_all_to_all(recv, sources, chunk_bytes * chunks, nbytes)
+
+
+@pytest.mark.parametrize("mode", ["bulk", "lanes"])
+def test_store_rate_writes_every_piece_of_every_cta(mode):
+    """`store_rate` (perf/bench_sm_stores.py's kernel): each CTA's share, piece by piece, the
+    bulk mode from its warps' shared-memory pieces, the lanes mode each piece's index % 251."""
+    kernel = runtime().select("store_rate", "cuda", mode=mode)
+    piece, ctas, per_cta = 4096, 5, 4096 * 19
+    dst = torch.zeros(ctas * per_cta + 4096, dtype=torch.uint8, device="cuda")
+    kernel.launch(dst, per_cta, ctas)
+    torch.cuda.synchronize()
+    got = dst[:ctas * per_cta].view(ctas, -1, piece)
+    p = torch.arange(per_cta // piece, device="cuda")
+    if mode == "bulk":
+        smem = (torch.arange(8 * piece, device="cuda") % 251).to(torch.uint8).view(8, piece)
+        want = smem[p % 8].expand(ctas, -1, -1)
+    else:
+        want = (p % 251).to(torch.uint8)[None, :, None].expand(ctas, -1, piece)
+    assert torch.equal(got, want)
+    assert not dst[ctas * per_cta:].any()  # nothing past the CTAs' shares

@@ -49,6 +49,13 @@ def _face(rank, world):
     n = recv.shape[0]
     results["worst"] = (worst[0].shape[0] == T and torch.equal(worst[0][:n], recv)
                         and bool((worst[1][n:] == -1).all()) and worst[3] == [])
+    # num_worst_tokens also bounds the rows the core's output holds: fewer than arrive is an
+    # error in DeepEP's terms, and nothing past the output is written.
+    try:
+        buf.dispatch(x, topk_idx=ids, topk_weights=w, num_worst_tokens=100, **args)
+        results["worst too small"] = False
+    except ValueError as exc:
+        results["worst too small"] = "num_worst_tokens=100 is below" in str(exc)
 
     cached = buf.dispatch(x * 2, handle=handle, config=cfg)[0]
     results["cached"] = torch.equal(cached, (x * 2)[routed])
@@ -96,6 +103,36 @@ def _face(rank, world):
     deq = fq[e0, :len(toks)].float() * fs[e0, :len(toks)].repeat_interleave(128, dim=1)
     results["ll fp8"] = fs.shape == (E, m, H // 128) and fs.stride(1) == 1 and \
         (deq - lx[toks].float()).abs().max().item() <= 0.07 * lx[toks].float().abs().max().item()
+    # round_scale: every block scale a power of two; use_ue8m0: their exponent bytes, four to an
+    # int32, [E, m, H / 512] M-major, over the same codes.
+    (rq, rs), _, _, _, _ = buf.low_latency_dispatch(lx, lids, m, E, use_fp8=True,
+                                                    round_scale=True)
+    n0 = len(toks)
+    mant = torch.frexp(rs[e0, :n0])[0]
+    rdeq = rq[e0, :n0].float() * rs[e0, :n0].repeat_interleave(128, dim=1)
+    results["ll round_scale"] = bool((mant == 0.5).all()) and \
+        (rdeq - lx[toks].float()).abs().max().item() <= 0.13 * lx[toks].float().abs().max().item()
+    (uq, us), _, _, _, _ = buf.low_latency_dispatch(lx, lids, m, E, use_fp8=True,
+                                                    round_scale=True, use_ue8m0=True)
+    exps = ((rs.contiguous().view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
+    results["ll ue8m0"] = us.dtype == torch.int32 and us.shape == (E, m, H // 512) and \
+        us.stride(1) == 1 and torch.equal(uq[e0, :n0].view(torch.uint8),
+                                          rq[e0, :n0].view(torch.uint8)) and \
+        torch.equal(us.contiguous().view(torch.uint8).view(E, m, H // 128)[e0, :n0],
+                    exps[e0, :n0])
+    # The same with a receive hook: the exponent bytes are packed when the hook has run (the
+    # scales exist only then).
+    (hq, hs), _, _, _, hook = buf.low_latency_dispatch(lx, lids, m, E, use_fp8=True,
+                                                       round_scale=True, use_ue8m0=True,
+                                                       return_recv_hook=True)
+    hook()
+    results["ll ue8m0 hook"] = torch.equal(hs[e0, :n0], us[e0, :n0]) and \
+        torch.equal(hq[e0, :n0].view(torch.uint8), uq[e0, :n0].view(torch.uint8))
+    # zero_copy: the experts' outputs written into the shape's combine buffer instead.
+    zb = buf.get_next_low_latency_combine_buffer(ll)
+    zb.copy_(ys)
+    zc = buf.low_latency_combine(torch.zeros_like(ys), lids, lw, ll, zero_copy=True)[0]
+    results["ll zero_copy"] = zb.shape == (E, m, H) and torch.equal(zc, got)
 
     wrong = in_rank.clone()
     wrong[0] = ~wrong[0]
@@ -103,10 +140,6 @@ def _face(rank, world):
         ("bias", lambda: buf.combine(y, handle, bias=y), "bias"),
         ("use_logfmt", lambda: buf.low_latency_combine(ys, lids, lw, ll, use_logfmt=True),
          "use_logfmt"),
-        ("zero_copy", lambda: buf.low_latency_combine(ys, lids, lw, ll, zero_copy=True),
-         "zero_copy"),
-        ("round_scale", lambda: buf.low_latency_dispatch(lx, lids, m, E, round_scale=True),
-         "round_scale"),
         ("rdma", lambda: buf.dispatch(x, num_tokens_per_rdma_rank=per_rank, **args),
          "num_tokens_per_rdma_rank"),
         ("mnnvl", lambda: deep_ep.Buffer(None, 1, allow_mnnvl=True), "allow_mnnvl")))
@@ -114,7 +147,9 @@ def _face(rank, world):
         ("layout", lambda: buf.dispatch(x, topk_idx=ids, topk_weights=w, **dict(
             args, is_token_in_rank=wrong)), "is_token_in_rank does not match topk_idx"),
         ("id", lambda: buf.dispatch(x, topk_idx=torch.where(ids == 3, E + 5, ids),
-                                    topk_weights=w, **args), "expert id outside")))
+                                    topk_weights=w, **args), "expert id outside"),
+        ("ue8m0", lambda: buf.low_latency_dispatch(lx, lids, m, E, use_ue8m0=True),
+         "use_ue8m0 needs round_scale=True")))
     again = buf.dispatch(x, topk_idx=ids, topk_weights=w, **args)[0]  # still usable
     results["usable after"] = torch.equal(again, recv)
     small = deep_ep.Buffer(None, 1024)

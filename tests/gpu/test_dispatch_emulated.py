@@ -5,6 +5,8 @@ stream positions across many rounds, without NVLink."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -450,3 +452,173 @@ def test_emulated_ranks_that_cannot_all_be_resident_are_refused():
     with pytest.raises(ValueError, match=f"need {2 * (sms // 2 + 1)} SMs at once"):
         Buffer.emulated(cfg, sms=sms // 2 + 1)
     assert len(Buffer.emulated(cfg, sms=sms // 2)) == 2
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
+def test_a_dispatch_past_its_receive_capacity_says_so_and_its_combine_still_runs(fmt):
+    """A receive capacity far below what a layer needs: every rank's check() names the
+    overflow; the rows below the capacity are the reference's (BF16); combine runs to the end
+    on every rank (no peer waits for rows that were dropped) and adds zeros for the rows past
+    the capacity; the next layer that fits is exact. (Under `tests/sanitize.sh` memcheck also
+    sees that no row past the capacity is written.)"""
+    from cute_ep.ep import Buffer
+    from cute_ep.reference import ep as reference
+    from layouts import EPConfig
+
+    cap = 300
+    cfg = EPConfig(2048, 8, 32, 2, 256, fmt, recv_capacity=cap)
+    full = dataclasses.replace(cfg, recv_capacity=None)  # the reference's room for every row
+    bufs = Buffer.emulated(cfg, timeout_s=20.0, sms=8)
+    _layer(bufs, 1, [16, 16])  # fits: exact, as without a capacity
+    tokens = [256, 256]
+    xs, ids, ws = _inputs(cfg, 2, tokens, "uniform")
+    gs = _global_scales(cfg, 2)
+    streams = _streams(bufs)
+    torch.cuda.synchronize()
+    outs = []
+    for r, (buf, stream) in enumerate(zip(bufs, streams)):
+        quant = {} if gs is None else {
+            "global_scale": torch.tensor([gs[r]], dtype=torch.float32, device="cuda")}
+        with torch.cuda.stream(stream):
+            outs.append(buf.dispatch(xs[r], ids[r], ws[r], **quant))
+    torch.cuda.synchronize()
+    refs = reference.dispatch(full, xs, ids, global_scales=gs)
+    for r, buf in enumerate(bufs):
+        assert refs[r].num_rows > cap
+        with pytest.raises(ValueError, match=f"recv_capacity={cap}"):
+            buf.check()
+        assert outs[r].row_offsets[-1].item() >= refs[r].num_rows  # the rows it needed
+        if fmt == "bf16":
+            assert torch.equal(outs[r].tokens[:cap], refs[r].tokens[:cap]), f"rank {r}"
+            assert torch.equal(outs[r].src_info[:cap], refs[r].src_info[:cap]), f"rank {r}"
+    # The experts' outputs of the rows past the capacity are zeros as far as combine goes.
+    ys = [_expert_outputs(full, d, d.num_rows, gs) for d in refs]
+    for y in ys:
+        y[cfg.row_capacity:] = 0
+    torch.cuda.synchronize()
+    combined = []
+    for r, (buf, stream) in enumerate(zip(bufs, streams)):
+        with torch.cuda.stream(stream):
+            combined.append(buf.combine(ys[r][:cfg.row_capacity].clone(), outs[r].handle))
+    torch.cuda.synchronize()
+    for buf in bufs:
+        buf.check()  # nothing new: the combine completed
+    if fmt == "bf16":  # quantized rows past the capacity were never written: nothing to compare
+        want = reference.combine(full, ys, refs, tokens, ws)
+        for r in range(cfg.ranks):
+            bound = reference.combine(full, [y.abs() for y in ys], refs, tokens,
+                                      [w.abs() for w in ws])[r].float() * 2.0 ** -6
+            err = (combined[r].float() - want[r].float()).abs()
+            assert (err - bound).max().item() <= 0, f"rank {r}: combine off by {err.max():g}"
+    _layer(bufs, 3, [16, 16])  # the Buffer is still usable
+
+
+@pytest.mark.parametrize("layout", ["packed", "slabs"])
+def test_fp8_rounded_scales_match_the_reference(layout):
+    """`fp8_scales="pow2"` (DeepEP's round_scale): the encoder's power-of-two scales and codes
+    are the reference's, byte for byte, in both layouts; combine as usual."""
+    from cute_ep.ep import Buffer
+    from layouts import EPConfig
+
+    cfg = EPConfig(2048, 8, 32, 2, 256, "fp8", layout=layout, fp8_scales="pow2")
+    bufs = Buffer.emulated(cfg, timeout_s=20.0, sms=8)
+    for seed, tokens in ((11, [200, 100]), (12, [0, 37]), (13, [256, 256])):
+        _layer(bufs, seed, tokens)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_a_dispatch_sent_now_and_received_by_its_hook_matches_the_reference(fmt):
+    """`dispatch_send` on every rank (each send launch completes with no receiver running),
+    then every rank's hook (the receive launches): the outputs are the reference's; combine and
+    the next layers run as usual."""
+    from cute_ep.ep import Buffer
+    from cute_ep.reference import ep as reference
+    from cute_ep.reference.ep import dispatch_mismatch
+    from layouts import EPConfig
+
+    cfg = EPConfig(2048, 8, 32, 2, 128, fmt)
+    bufs = Buffer.emulated(cfg, timeout_s=20.0, sms=8)
+    streams = _streams(bufs)
+    for seed, tokens in ((21, [128, 40]), (22, [0, 7])):
+        xs, ids, ws = _inputs(cfg, seed, tokens, "uniform")
+        torch.cuda.synchronize()
+        sent = []
+        for buf, stream, x, i, w in zip(bufs, streams, xs, ids, ws):
+            with torch.cuda.stream(stream):
+                sent.append(buf.dispatch_send(x, i, w))
+        torch.cuda.synchronize()  # every send finished before any receive started
+        for (_, hook), stream in zip(sent, streams):
+            with torch.cuda.stream(stream):
+                hook()
+        torch.cuda.synchronize()
+        for buf in bufs:
+            buf.check()
+        refs = reference.dispatch(cfg, xs, ids)
+        for r, (out, _) in enumerate(sent):
+            problem = dispatch_mismatch(cfg, out, refs[r])
+            assert problem is None, f"seed {seed}, rank {r}: {problem}"
+        _layer(bufs, seed + 10, tokens)  # a whole layer after it, with its combine
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_the_sources_layout_gives_deepeps_rows_ids_and_weights(fmt):
+    """`EPConfig(layout="sources")`, against plain torch: one row per received token, sources
+    in order and each in its token order, its K ids made local (-1 elsewhere) and weights (0
+    there), src_info (token, first local k); combine adds each row once (weight 1)."""
+    from cute_ep.ep import Buffer
+    from cute_ep.reference.ep import quantize_fp8_blockwise
+    from layouts import EPConfig
+
+    cfg = EPConfig(2048, 8, 32, 2, 256, fmt, layout="sources")
+    loc = cfg.local_experts
+    bufs = Buffer.emulated(cfg, timeout_s=20.0, sms=8)
+    streams = _streams(bufs)
+    for seed, tokens in ((31, [256, 100]), (32, [0, 9]), (33, [77, 256])):
+        xs, ids, ws = _inputs(cfg, seed, tokens, "uniform" if seed != 32 else "hot")
+        torch.cuda.synchronize()
+        outs = []
+        for buf, stream, x, i, w in zip(bufs, streams, xs, ids, ws):
+            with torch.cuda.stream(stream):
+                outs.append(buf.dispatch(x, i, w))
+        torch.cuda.synchronize()
+        for buf in bufs:
+            buf.check()
+        for d, out in enumerate(outs):
+            here = [(i.long() // loc) == d for i in ids]  # [T_s, K] per source
+            sel = [h.any(1).nonzero().flatten() for h in here]
+            want_x = torch.cat([x[s_] for x, s_ in zip(xs, sel)])
+            want_ids = torch.cat([torch.where(h[s_], i.long()[s_] - d * loc, -1)
+                                  for h, i, s_ in zip(here, ids, sel)]).int()
+            want_w = torch.cat([torch.where(h[s_], w[s_], 0.0) for h, w, s_ in zip(here, ws, sel)])
+            want_k0 = torch.cat([h[s_].int().argmax(1) for h, s_ in zip(here, sel)]).int()
+            n = want_x.shape[0]
+            what = f"{fmt} seed {seed} rank {d}"
+            assert int(out.counts.sum()) == int(torch.cat(here).sum()), what
+            if fmt == "bf16":
+                assert torch.equal(out.tokens[:n], want_x), what
+            else:
+                q, sc = quantize_fp8_blockwise(want_x)
+                assert torch.equal(out.tokens[:n].view(torch.uint8), q.view(torch.uint8)), what
+                assert torch.equal(out.scales[:, :n].t(), sc), what
+            assert torch.equal(out.recv_topk_ids[:n], want_ids), what
+            assert torch.equal(out.recv_topk_weights[:n], want_w), what
+            assert torch.equal(out.src_info[:n, 0], torch.cat(sel).int()), what
+            assert torch.equal(out.src_info[:n, 1], want_k0), what
+        if fmt == "bf16":
+            ys = []
+            for out in outs:
+                y = torch.zeros(cfg.row_capacity, cfg.hidden, dtype=torch.bfloat16,
+                                device="cuda")
+                y[:] = out.tokens * 2
+                ys.append(y)
+            torch.cuda.synchronize()
+            combined = []
+            for buf, stream, out, y in zip(bufs, streams, outs, ys):
+                with torch.cuda.stream(stream):
+                    combined.append(buf.combine(y, out.handle))
+            torch.cuda.synchronize()
+            for s_, (x, i) in enumerate(zip(xs, ids)):
+                dests = torch.stack([((i.long() // loc) == d).any(1)
+                                     for d in range(cfg.ranks)]).sum(0)
+                want = (x.float() * 2 * dests[:, None]).to(torch.bfloat16)
+                assert torch.equal(combined[s_], want), f"seed {seed}, rank {s_}: combine"

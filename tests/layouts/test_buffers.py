@@ -58,6 +58,12 @@ def test_buffers_at_model_shapes(cfg, rng):
         assert staged.nbytes == -(-cfg.row_capacity * words * 4 // 16) * 16
     if cfg.format == "fp8":  # the slabs layout stores the output's layout directly
         assert dispatch_scale_rows(dataclasses.replace(cfg, layout="slabs")) is None
+        # The sources layout's receivers store scales row by row as the packed one's do: one
+        # row a received token.
+        by_source = dataclasses.replace(cfg, layout="sources")
+        staged = dispatch_scale_rows(by_source)
+        assert staged is not None and staged.layout.cosize() == by_source.row_capacity * words
+        staged = dispatch_scale_rows(cfg)
 
     for channels in (5, 24):
         sizes = buffer_sizes(cfg, channels)
@@ -117,3 +123,48 @@ def test_bad_parameters_name_the_constraint(kwargs, constraint):
     base = dict(hidden=4096, topk=2, experts=8, ranks=2, max_tokens_per_rank=128, format="bf16")
     with pytest.raises(ValueError, match=constraint):
         EPConfig(**{**base, **kwargs})
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
+def test_a_receive_capacity_bounds_the_dispatch_outputs(fmt):
+    """`recv_capacity` sizes every row buffer of the output (FP8's padding and NVFP4's 128-row
+    scale blocks on top), is capped at the worst case, and is refused where it cannot hold."""
+    worst = EPConfig(7168, 8, 256, 8, 4096, fmt)
+    cfg = dataclasses.replace(worst, recv_capacity=65536)
+    pad = 3 * cfg.segments if fmt == "fp8" else 0
+    assert worst.recv_rows == worst.max_recv == 262144
+    assert cfg.recv_rows == 65536 and cfg.row_capacity == 65536 + pad
+    width = {"bf16": 2 * 7168, "fp8": 7168, "nvfp4": 3584}[fmt]
+    assert output_tokens(cfg).nbytes == cfg.row_capacity * width
+    if fmt == "nvfp4":
+        assert output_scales(cfg).layout.mode(0).size() == 65536 + 128 * cfg.segments
+    if fmt == "fp8":
+        assert output_scales(cfg).layout((7, 2)) == 2 * cfg.row_capacity + 7
+    assert dataclasses.replace(worst, recv_capacity=10 ** 9).row_capacity == worst.row_capacity
+    with pytest.raises(ValueError, match="slabs are sized by max_tokens_per_rank"):
+        EPConfig(7168, 8, 256, 8, 128, "bf16", layout="slabs", recv_capacity=512)
+    with pytest.raises(ValueError, match="at least 1"):
+        dataclasses.replace(worst, recv_capacity=0)
+    with pytest.raises(ValueError, match="at least 4096 .*shared expert"):
+        EPConfig(7168, 8, 256, 8, 4096, fmt, fused_shared_expert=True, recv_capacity=4095)
+
+
+def test_the_sources_layout_holds_one_row_per_received_token():
+    """DeepEP's normal-mode layout: at most every token of every rank, once; no alignment
+    rows; each row's K local ids and weights beside it; bf16 and fp8 routed experts only."""
+    cfg = EPConfig(7168, 8, 256, 8, 4096, "fp8", layout="sources")
+    assert cfg.max_recv == cfg.recv_rows == cfg.row_capacity == 8 * 4096
+    assert cfg.row_align == 1 and cfg.segment_rows == -1 and cfg.slab_rows == 0
+    assert EPConfig(7168, 8, 256, 8, 4096, "fp8").segment_rows == 0
+    assert EPConfig(7168, 8, 256, 8, 128, "bf16", layout="slabs").segment_rows == 8 * 128
+    names = {b.name: b for b in dispatch_outputs(cfg)}
+    for name, dtype in (("recv_topk_ids", "int32"), ("recv_topk_weights", "float32")):
+        assert names[name].dtype == dtype
+        assert names[name].layout((3, 5)) == 5 * 8 + 3  # [rows, K], row-major
+        assert names[name].layout.size() == cfg.row_capacity * 8
+    assert "recv_topk_ids" not in {b.name for b in dispatch_outputs(
+        dataclasses.replace(cfg, layout="packed"))}
+    assert dataclasses.replace(cfg, recv_capacity=1000).row_capacity == 1000
+    for bad in (dict(format="nvfp4"), dict(fused_shared_expert=True)):
+        with pytest.raises(ValueError, match="the sources layout is for bf16 and fp8 routed"):
+            dataclasses.replace(cfg, **bad)

@@ -1,0 +1,57 @@
+"""How fast a number of SMs writes global memory and does nothing else: the ceiling of a dispatch
+receiver's row stores at an SM budget (a BF16 dispatch of 4096 tokens a rank, top-8 of 256
+experts, writes about 470 MB of expert rows per rank on 2 GPUs).
+
+    python perf/bench_sm_stores.py [--mib 512] [--reps 20] [--ctas 8,16,24,32,66,132]
+
+`store_rate` (kernels/store_rate.py): one CTA an SM, 8 warps, each writing 4 KiB pieces of its
+CTA's share, by bulk copies from shared memory ("bulk") or by 16-byte stores from registers
+("lanes"), beside torch's fill of the same bytes (every SM). GB/s = bytes written / median time;
+the last column divides it by the CTAs: what one SM writes.
+"""
+
+import argparse
+
+import torch
+from timing import median_ms, report_copies
+
+from cute_ep.runtime.launch import runtime
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mib", type=int, default=512)
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--ctas", default="8,16,24,32,66,132")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    total = args.mib << 20
+    dst = torch.empty(total, dtype=torch.uint8, device="cuda")
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    rows = []
+    ms = median_ms(lambda: dst.fill_(7), args.reps, flush)
+    rows.append({"kernel": "torch fill_ (every SM)", "ctas": "all", "us": ms * 1e3,
+                 "gbs": total / ms / 1e6, "gbs_per_cta": None})
+    for mode in ("bulk", "lanes"):
+        kernel = runtime().select("store_rate", "cuda", mode=mode)
+        piece = kernel.spec.sizes["piece"]
+        for ctas in map(int, args.ctas.split(",")):
+            per_cta = total // ctas // piece * piece
+            ms = median_ms(lambda: kernel.launch(dst, per_cta, ctas), args.reps, flush)
+            written = per_cta * ctas
+            gbs = written / ms / 1e6
+            rows.append({"kernel": f"store_rate {mode} ({gbs / ctas:.0f} GB/s an SM)",
+                         "ctas": ctas, "us": ms * 1e3, "gbs": gbs, "gbs_per_cta": gbs / ctas})
+        if mode == "bulk":  # what the bulk stores wrote: the pieces of shared memory
+            piece_bytes = torch.arange(8 * piece, device="cuda") % 251
+            got = dst[:per_cta].view(-1, piece)
+            warps = torch.arange(got.shape[0], device="cuda") % 8
+            want = piece_bytes.view(8, piece)[warps].to(torch.uint8)
+            assert torch.equal(got, want), "bulk stores wrote other bytes"
+    report_copies(f"{torch.cuda.get_device_name()}: {args.mib} MiB written, median of "
+                  f"{args.reps}, L2 flushed", "CTAs", "GB/s = bytes written / t", rows,
+                  torch.cuda.get_device_name(), args.json)
+
+
+if __name__ == "__main__":
+    main()
