@@ -27,7 +27,10 @@ from pathlib import Path
 _CONFIG = re.compile(r"\[config\] num_tokens=(\d+), hidden=(\d+), num_topk=(\d+)")
 _BEST = re.compile(r"\[tuning\] Best (dispatch \((\w+)\)|combine): SMs (\d+), NVL chunk (\d+)"
                    r"[,:]? ([\d.]+) GB/s \(NVL\), t: ([\d.]+) us")
-_CASE = re.compile(r"^\[testing\] Running with .* \.\.\. (passed|failed)", re.MULTILINE)
+# A case's verdict ends its line, on the case's own line or a later one when other output (a
+# warning on stderr) came in between, never past the next case.
+_CASE = re.compile(r"^\[testing\] Running with [^\n]*?\.\.\.(?:(?!^\[testing\])[\s\S])*?"
+                   r"\b(passed|failed)$", re.MULTILINE)
 _LL_BOTH = re.compile(r"\[rank (\d+)\] Dispatch \+ combine bandwidth: ([\d.]+) GB/s, "
                       r"avg_t=([\d.]+) us")
 _LL_EACH = re.compile(r"\[rank (\d+)\] Dispatch bandwidth: ([\d.]+) GB/s, avg_t=([\d.]+) us \| "

@@ -32,6 +32,18 @@ def test_the_best_lines_and_cases_are_read_exactly():
         "combine": {"sms": 24, "nvl_chunk": 9, "nvl_gbps": 355.82, "us": 595.57}}
 
 
+def test_a_verdict_after_interleaved_output_is_its_cases_and_no_other():
+    """A warning printed inside a case's line puts its verdict on a later line; a case that
+    never printed one (the run died) does not take the next case's."""
+    split = LOG.replace(
+        "(async=False, previous=False) ... passed",
+        "(async=False, previous=False) .../face.py:98: UserWarning: NVLink chunk sizes\n"
+        "  recv_x = buffer.dispatch(**args)\n passed")
+    assert (parse(split)["cases_passed"], parse(split)["cases_failed"]) == (2, 1)
+    dead = LOG.replace("(async=True, previous=True) ... passed", "(async=True, previous=True) ...")
+    assert (parse(dead)["cases_passed"], parse(dead)["cases_failed"]) == (1, 1)
+
+
 def test_a_log_without_config_or_results_is_refused():
     with pytest.raises(ValueError, match="not a DeepEP"):
         parse("Traceback (most recent call last):\n")
