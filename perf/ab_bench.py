@@ -9,7 +9,8 @@ A side is a name, a source tree (its `cute_ep`, whose Python drives its kernels)
 library folder; each run calls every side's `cute-ep bench` once, in the order given, in its own
 processes (`CUTE_EP_LIBRARY` and `PYTHONPATH` set to the side's). The table gives, per operation,
 format and SM budget (and decode's CUDA-graph times), each side's slowest-rank time as the range
-over runs, and each later side's median change from the first; `--json` keeps every run's
+over runs, and each later side's median change from the first; a second table the traced
+calls' stamps and waits (TRACE_FIELDS) per side, when the bench recorded them; `--json` keeps every run's
 record. A tree without the change can be exported next to the working tree, e.g.
 `git archive main cute_ep perf kernels layouts | tar -x -C build/tree-main`.
 """
@@ -45,6 +46,44 @@ def bench_times(record: dict) -> dict[tuple, float]:
             for key in DECODE:
                 out[(key.split("_")[1], fmt, "decode")] = max(d[key] for d in decode)
     return out
+
+
+# The traced calls' stamps and waits a side-by-side table shows (us, the slowest rank's).
+TRACE_FIELDS = {"dispatch": ("counts_arrived", "first_batch", "send_done", "recv_done", "end",
+                             "fence_us", "copy_us", "credit_wait_us"),
+                "combine": ("send_done", "end", "tail_wait_us", "credit_wait_us")}
+
+
+def trace_times(record: dict) -> dict[tuple, float]:
+    """{(operation, format, SMs, field): the slowest rank's value} of the traced dispatch and
+    combine a `cute-ep bench` record keeps per format and SM budget (TRACE_FIELDS)."""
+    out: dict[tuple, float] = {}
+    for rank in record["ranks"]:
+        for fmt, entry in rank["formats"].items():
+            for point in entry["throughput"]["sweep"]:
+                sms = str(record["config"]["sms_per_gpu"] if point["sms"] == "all"
+                          else point["sms"])
+                for op, fields in TRACE_FIELDS.items():
+                    trace = point.get(f"{op}_trace_us") or {}
+                    for field in fields:
+                        if field in trace:
+                            key = (op, fmt, sms, field)
+                            out[key] = max(out.get(key, float("-inf")), trace[field])
+    return out
+
+
+def trace_rows(runs: dict[str, list[dict]], sides: list[str]) -> list[list[str]]:
+    """Rows (operation, format, SMs, field, each side's median over its runs) of the traced
+    calls, in the first side's order; a field a side did not record is '-'."""
+    per_side = {side: [trace_times(r) for r in records] for side, records in runs.items()}
+    rows = []
+    for key in per_side[sides[0]][0]:
+        cells = []
+        for side in sides:
+            values = sorted(t[key] for t in per_side[side] if key in t)
+            cells.append(f"{values[len(values) // 2]:.1f}" if values else "-")
+        rows.append([*key, *cells])
+    return rows
 
 
 def collect(runs: dict[str, list[dict]]) -> dict[tuple, dict[str, list[float]]]:
@@ -110,7 +149,18 @@ def main() -> None:
         view.add_column(col, justify="left" if col in ("operation", "format") else "right")
     for row in summary_rows(collect(runs), sides):
         view.add_row(*row)
-    Console(width=160).print(view)
+    console = Console(width=160)
+    console.print(view)
+    traces = trace_rows(runs, sides)
+    if traces:
+        view = Table(title="where the time goes: one traced call per run, the slowest rank's "
+                           "stamp or wait (us), median over runs")
+        for col in ["operation", "format", "SMs", "field", *sides]:
+            view.add_column(col, justify="left" if col in ("operation", "format", "field")
+                            else "right")
+        for row in traces:
+            view.add_row(*row)
+        console.print(view)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ decode, gathered per side, and the summary's ranges and median changes."""
 import sys
 
 sys.path.insert(0, "perf")
-from ab_bench import bench_times, collect  # noqa: E402
+from ab_bench import bench_times, collect, trace_rows, trace_times  # noqa: E402
 from ab_quant import summary_rows  # noqa: E402
 
 
@@ -27,6 +27,25 @@ def test_a_records_times_are_its_slowest_ranks():
         ("dispatch", "fp8", "24"): 420.0, ("dispatch", "fp8", "132"): 200.0,
         ("combine", "fp8", "24"): 310.0, ("combine", "fp8", "132"): 160.0,
         ("dispatch", "fp8", "decode"): 50.0, ("combine", "fp8", "decode"): 33.0}
+
+
+def _traced(send_done):
+    record = _record()
+    for r, rank in enumerate(record["ranks"]):
+        for point in rank["formats"]["fp8"]["throughput"]["sweep"]:
+            point["dispatch_trace_us"] = {"send_done": send_done + r, "fence_us": 10.0 * r}
+            point["combine_trace_us"] = {"end": 7.0}
+    return record
+
+
+def test_the_traced_calls_are_read_per_field_as_the_slowest_ranks_and_medians_per_side():
+    assert trace_times(_traced(100.0))[("dispatch", "fp8", "132", "send_done")] == 101.0
+    assert trace_times(_traced(100.0))[("dispatch", "fp8", "24", "fence_us")] == 10.0
+    assert trace_times(_record()) == {}  # a record without traces
+    rows = trace_rows({"main": [_traced(100.0), _traced(300.0), _traced(200.0)],
+                       "new": [_record()]}, ["main", "new"])
+    assert ["dispatch", "fp8", "24", "send_done", "201.0", "-"] in rows
+    assert ["combine", "fp8", "132", "end", "7.0", "-"] in rows
 
 
 def test_sides_runs_become_ranges_and_the_median_change():
