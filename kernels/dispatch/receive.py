@@ -325,11 +325,10 @@ class ReceivePhase:
                         need = mark0
                         if half != 0:
                             need = mark1
-                        while drained < need:
-                            drained = self._store_piece(
-                    lane, drained, msg_bytes, payload_bytes, pieces_at, full, s_piece, held,
-                    tokens, topk, s_scratch, scratch, scale_rows, scales, scale_mode,
-                    scales_offset, scale_bytes, scale_cols, row_capacity)
+                        drained = self._drain_pieces(
+                            need, lane, drained, msg_bytes, payload_bytes, pieces_at, full,
+                            s_piece, held, tokens, topk, s_scratch, scratch, scale_rows, scales,
+                            scale_mode, scales_offset, scale_bytes, scale_cols, row_capacity)
                     # The chunk's ids and weights (loads into shared memory, all in flight
                     # together) and source tokens.
                     for w in cutlass.range(lane, hn * topk, WARP, unroll=4):
@@ -415,10 +414,9 @@ class ReceivePhase:
                 target = batch_mark
                 if stage_batches == 1:
                     target = issued
-                while drained < target:
-                    drained = self._store_piece(
-                    lane, drained, msg_bytes, payload_bytes, pieces_at, full, s_piece, held,
-                    tokens, topk, s_scratch, scratch, scale_rows, scales, scale_mode,
+                drained = self._drain_pieces(
+                    target, lane, drained, msg_bytes, payload_bytes, pieces_at, full, s_piece,
+                    held, tokens, topk, s_scratch, scratch, scale_rows, scales, scale_mode,
                     scales_offset, scale_bytes, scale_cols, row_capacity)
                 batch_mark = issued
                 if stage_batches > 1:
@@ -443,11 +441,10 @@ class ReceivePhase:
             i = i + 1
         if cutlass.const_expr(self.bulk):
             # Every piece has landed before the stream's slots go back to s.
-            while drained < issued:
-                drained = self._store_piece(
-                    lane, drained, msg_bytes, payload_bytes, pieces_at, full, s_piece, held,
-                    tokens, topk, s_scratch, scratch, scale_rows, scales, scale_mode,
-                    scales_offset, scale_bytes, scale_cols, row_capacity)
+            drained = self._drain_pieces(
+                issued, lane, drained, msg_bytes, payload_bytes, pieces_at, full, s_piece,
+                held, tokens, topk, s_scratch, scratch, scale_rows, scales, scale_mode,
+                scales_offset, scale_bytes, scale_cols, row_capacity)
             if per_source > 1:
                 cute.arch.barrier(barrier_id=2 + s, number_of_threads=WARP * per_source)
         # The batches past s's last message here are not read at all: they all go back to s.
@@ -600,6 +597,20 @@ class ReceivePhase:
                                         scale_rows, scales, scale_mode, scales_offset,
                                         scale_bytes, scale_cols, row_capacity)
         return issued, drained
+
+    @cute.jit
+    def _drain_pieces(self, until, lane, drained, msg_bytes, payload_bytes, ring: cute.Pointer,
+                      full: cute.Pointer, s_piece: cute.Tensor, held, tokens: cute.Pointer,
+                      topk, s_scratch: cute.Tensor, scratch, scale_rows: cute.Pointer,
+                      scales: cute.Pointer, scale_mode, scales_offset, scale_bytes, scale_cols,
+                      row_capacity):
+        """`_store_piece` until the warp has stored `until` pieces; returns drained."""
+        while drained < until:
+            drained = self._store_piece(lane, drained, msg_bytes, payload_bytes, ring, full,
+                                        s_piece, held, tokens, topk, s_scratch, scratch,
+                                        scale_rows, scales, scale_mode, scales_offset,
+                                        scale_bytes, scale_cols, row_capacity)
+        return drained
 
     @cute.jit
     def _store_piece(self, lane, drained, msg_bytes, payload_bytes, ring: cute.Pointer,
