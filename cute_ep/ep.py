@@ -443,6 +443,15 @@ class Buffer:
 
     def _checked_dispatch(self, x, topk_ids, topk_weights, skip_a2a, num_input_tokens,
                           global_scale, separate=False) -> DispatchOutput:
+        num_tokens = self._checked_inputs(x, topk_ids, topk_weights, num_input_tokens,
+                                          global_scale)
+        return self._launch_dispatch(x, topk_ids, topk_weights, num_tokens, skip_a2a,
+                                     num_input_tokens, global_scale, separate)
+
+    def _checked_inputs(self, x, topk_ids, topk_weights, num_input_tokens,
+                        global_scale) -> int:
+        """A dispatch's checks (inputs, global scale, no receive hook pending, the token bound);
+        returns the token count."""
         num_tokens = self._check_dispatch_inputs(x, topk_ids, topk_weights)
         if global_scale is not None or self._takes_global_scale:  # else nothing to check
             self._check_global_scale(global_scale, type(x) is tuple)
@@ -451,8 +460,14 @@ class Buffer:
         if num_input_tokens is not None and not 0 <= num_tokens <= int(num_input_tokens):
             raise ValueError(f"num_input_tokens={num_input_tokens} is below this rank's "
                              f"{num_tokens} tokens")
-        return self._launch_dispatch(x, topk_ids, topk_weights, num_tokens, skip_a2a,
-                                     num_input_tokens, global_scale, separate)
+        return num_tokens
+
+    def _active_for(self, num_input_tokens) -> int:
+        """`active_channels(num_input_tokens)`, computed once per bound."""
+        active = self._active.get(num_input_tokens)
+        if active is None:
+            active = self._active[num_input_tokens] = self.active_channels(num_input_tokens)
+        return active
 
     def dispatch_for_operator(self, x, topk_ids, topk_weights, skip_a2a, num_input_tokens,
                               global_scale) -> DispatchOutput:
@@ -470,16 +485,9 @@ class Buffer:
         must run (on every rank) before this Buffer's next dispatch or combine. The tokens must
         fit the staging (at most channels x stage_batches x 16 a rank): the send then waits for
         no receiver."""
-        num_tokens = self._check_dispatch_inputs(x, topk_ids, topk_weights)
-        if global_scale is not None or self._takes_global_scale:
-            self._check_global_scale(global_scale, type(x) is tuple)
-        if num_input_tokens is not None and not 0 <= num_tokens <= int(num_input_tokens):
-            raise ValueError(f"num_input_tokens={num_input_tokens} is below this rank's "
-                             f"{num_tokens} tokens")
-        self._no_receive_pending()
-        active = self._active.get(num_input_tokens)
-        if active is None:
-            active = self._active[num_input_tokens] = self.active_channels(num_input_tokens)
+        num_tokens = self._checked_inputs(x, topk_ids, topk_weights, num_input_tokens,
+                                          global_scale)
+        active = self._active_for(num_input_tokens)
         per_channel = -(-num_tokens // active)
         if -(-per_channel // STAGE_BATCH_TOKENS) > self.geo.stage_batches:
             raise ValueError(f"dispatch_send stages every token before any is received: "
@@ -524,9 +532,7 @@ class Buffer:
                              "combine output has no slot for the shared expert")
         shared_begin, shared_end = self._shared_tokens(num_tokens, skip_a2a)
         by_source = cfg.layout == "sources"
-        active = self._active.get(num_input_tokens)
-        if active is None:
-            active = self._active[num_input_tokens] = self.active_channels(num_input_tokens)
+        active = self._active_for(num_input_tokens)
 
         # The rows the senders read (bytes a token, loaded by 16-byte vectors), and the rows of
         # the scales where those come from rows of their own (scale_stride 0: none).
