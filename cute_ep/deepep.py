@@ -341,17 +341,18 @@ class Buffer:
         return (recv_x, recv_idx, recv_w, per_expert_list, new,
                 EventOverlap(_event() if async_finish else None))
 
-    def _normal_core(self, hidden, fp8, width, experts, config, num_worst_tokens=0) -> _Core:
-        """The core layer of a normal-mode dispatch; with `num_worst_tokens` its output holds
-        the rows of that many received tokens (each at most min(K, local experts) rows) instead
-        of the worst case."""
+    def _normal_core(self, layout, hidden, fp8, width, experts, config,
+                     num_worst_tokens) -> _Core:
+        """The core layer of a normal-mode dispatch: "packed" with one expert a rank (no
+        top-k), "sources" with top-k. Either gives a received token one row, so with
+        `num_worst_tokens` its output holds that many rows instead of the worst case."""
         fmt = "fp8" if fp8 else "bf16"
-        rows = num_worst_tokens * min(width, experts // self.group_size) \
-            if num_worst_tokens else None
-        return self._core(("normal", hidden, fmt, width, experts, config.num_sms, rows),
+        rows = num_worst_tokens or None
+        return self._core(("normal" if layout == "packed" else layout, hidden, fmt, width,
+                           experts, config.num_sms, rows),
                           EPConfig(hidden, width, experts, self.group_size,
-                                   self.max_tokens_per_rank, fmt, recv_capacity=rows),
-                          config.num_sms)
+                                   self.max_tokens_per_rank, fmt, layout=layout,
+                                   recv_capacity=rows), config.num_sms)
 
     def _dispatch_rows(self, x, in_rank, t, hidden, fp8, config, num_worst_tokens):
         """Without top-k: a layer of one expert per rank and one pair per destination (weight
@@ -362,7 +363,7 @@ class Buffer:
         dev = in_rank.device
         ranks = torch.arange(r, dtype=torch.int32, device=dev)
         ids = torch.where(in_rank, ranks, -1).to(torch.int32).contiguous()
-        core = self._normal_core(hidden, fp8, r, r, config, num_worst_tokens)
+        core = self._normal_core("packed", hidden, fp8, r, r, config, num_worst_tokens)
         out = core.dispatch(x, ids, in_rank.float())
         received = _read_back(core, out.handle.messages, worst=num_worst_tokens)
         total = sum(received)
@@ -382,7 +383,8 @@ class Buffer:
         dev = in_rank.device
         ids = topk_idx.to(torch.int32).contiguous()
         width = ids.shape[1]
-        core = self._sources_core(hidden, fp8, width, experts, config, num_worst_tokens)
+        core = self._normal_core("sources", hidden, fp8, width, experts, config,
+                                 num_worst_tokens)
         weights = topk_weights.float().contiguous() if topk_weights is not None else \
             torch.zeros(ids.shape, dtype=torch.float32, device=dev)
         out = core.dispatch(x, ids, weights)
@@ -408,16 +410,6 @@ class Buffer:
             recv_w[total:] = 0.0
         return recv_x, recv_idx, recv_w, per_expert, self._handle(core, out.handle, received,
                                                                   in_rank, t)
-
-    def _sources_core(self, hidden, fp8, width, experts, config, num_worst_tokens) -> _Core:
-        """The core layer of a normal-mode dispatch with top-k ("sources" layout); with
-        `num_worst_tokens` its output holds that many rows instead of the worst case."""
-        fmt = "fp8" if fp8 else "bf16"
-        rows = num_worst_tokens or None
-        return self._core(("sources", hidden, fmt, width, experts, config.num_sms, rows),
-                          EPConfig(hidden, width, experts, self.group_size,
-                                   self.max_tokens_per_rank, fmt, layout="sources",
-                                   recv_capacity=rows), config.num_sms)
 
     def _handle(self, core, comb, received, in_rank, t) -> _Handle:
         r = self.group_size
