@@ -362,8 +362,8 @@ class EpCombine:
                 cute.arch.barrier(barrier_id=1 + s, number_of_threads=WARP * per_home)
                 pos = pos + Int64(total)
                 if sub == 0 and lane == 0 and alive != 0:
-                    cute.arch.fence_acq_rel_sys()
-                    cute.arch.store(gmem_ptr(Int64, tail_word, 8), pos, sem="release",
+                    cute.arch.fence_acq_rel_sys()  # with the relaxed store: a release
+                    cute.arch.store(gmem_ptr(Int64, tail_word, 8), pos, sem="relaxed",
                                     scope="sys")
             if sub == 0 and lane == 0:
                 cute.arch.store(gmem_ptr(Int64, streams.toint() + Int64(

@@ -139,10 +139,12 @@ class SendPhase:
                     # for this one, so the counter is reset before anyone arrives there again.
                     s_arrive[slot] = Int32(0)
                     cute.arch.fence_acq_rel_sys()
+                    # After the fence, strong relaxed stores are releases (PTX's release
+                    # pattern): one system-scope fence a batch, not one a destination more.
                     for d in cutlass.range(ranks):
                         tail = peers[d] + counters_offset + Int64(
                             counters((channel, my_rank, TAILS, DISPATCH))) * 8
-                        cute.arch.store(gmem_ptr(Int64, tail, 8), at + 1, sem="release",
+                        cute.arch.store(gmem_ptr(Int64, tail, 8), at + 1, sem="relaxed",
                                         scope="sys")
                 if tracing != 0:
                     s_time[times + 3] += cute.arch.globaltimer() - start
