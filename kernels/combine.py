@@ -161,7 +161,7 @@ class EpCombine:
                     ring_offset, counters_offset, timeout_ns, trace, tracing,
                     row_tiled_copy(WARP, BFloat16, ROW_VECTOR)).launch(
             grid=(active, 1, 1), block=(self.threads, 1, 1), smem=self.smem_bytes,
-            stream=stream)
+            min_blocks_per_mp=1, stream=stream)
 
     @cute.kernel
     def kernel(self, peer_bases: cute.Pointer, y: cute.Pointer, comb_rows: cute.Pointer,
