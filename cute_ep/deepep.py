@@ -321,7 +321,7 @@ class Buffer:
             x = (x[0].contiguous(), x[1].contiguous())
         if topk_idx is None:
             recv_x, received, new = self._dispatch_rows(x, in_rank, t, hidden, fp8, config,
-                                                        num_worst_tokens)
+                                                        num_worst_tokens, cached=handle)
             if handle is not None:
                 return recv_x, None, None, None, None, EventOverlap(
                     _event() if async_finish else None)
@@ -354,24 +354,36 @@ class Buffer:
                                    self.max_tokens_per_rank, fmt, layout=layout,
                                    recv_capacity=rows), config.num_sms)
 
-    def _dispatch_rows(self, x, in_rank, t, hidden, fp8, config, num_worst_tokens):
+    def _dispatch_rows(self, x, in_rank, t, hidden, fp8, config, num_worst_tokens,
+                       cached=None):
         """Without top-k: a layer of one expert per rank and one pair per destination (weight
         1), so each message lands in exactly one row and the expert-grouped output already is
         DeepEP's order (by source, by token): recv_x is a view of it (R * max_tokens_per_rank
-        rows at most), and the dispatch's own handle serves combine."""
+        rows at most), and the dispatch's own handle serves combine. A cached dispatch (the
+        handle `cached` of the same routing) knows its rows from the handle and does not wait
+        for the device: what the kernels report is raised by the core's next read-back (DeepEP's
+        cached dispatch does not synchronise either)."""
         r = self.group_size
         dev = in_rank.device
         ranks = torch.arange(r, dtype=torch.int32, device=dev)
         ids = torch.where(in_rank, ranks, -1).to(torch.int32).contiguous()
         core = self._normal_core("packed", hidden, fp8, r, r, config, num_worst_tokens)
         out = core.dispatch(x, ids, in_rank.float())
-        received = _read_back(core, out.handle.messages, worst=num_worst_tokens)
-        total = sum(received)
-        n_out = self._rows_out(num_worst_tokens, total)
+        # Everything the caller gets is queued before the one read-back: after it only views
+        # are taken, so the GPU does not idle while the host works.
+        scales = out.scales.t().contiguous() if fp8 else None
+        if cached is not None:
+            received = cached.received
+            new = None
+        else:
+            new = self._handle(core, out.handle, in_rank, t)
+            received = new.received = _read_back(core, out.handle.messages,
+                                                 worst=num_worst_tokens)
+        n_out = self._rows_out(num_worst_tokens, sum(received))
         recv_x = out.tokens[:n_out]
         if fp8:
-            recv_x = (recv_x, out.scales[:, :n_out].t().contiguous())
-        return recv_x, received, self._handle(core, out.handle, received, in_rank, t)
+            recv_x = (recv_x, scales[:n_out])
+        return recv_x, received, new
 
     def _dispatch_pairs(self, x, topk_idx, topk_weights, in_rank, experts, t, hidden, fp8,
                         config, num_worst_tokens):
@@ -388,13 +400,19 @@ class Buffer:
         weights = topk_weights.float().contiguous() if topk_weights is not None else \
             torch.zeros(ids.shape, dtype=torch.float32, device=dev)
         out = core.dispatch(x, ids, weights)
-        # One read back: messages per source, rows per expert, what the device reported (a
-        # peer timeout, bad ids) and whether is_token_in_rank (what combine's weights follow)
-        # is the routing of topk_idx (what the rows follow).
+        # Everything the caller gets is queued before the one read-back (messages per source,
+        # rows per expert, what the device reported (a peer timeout, bad ids) and whether
+        # is_token_in_rank (what combine's weights follow) is the routing of topk_idx (what the
+        # rows follow)): after it only views are taken, so the GPU does not idle while the host
+        # works.
         differs = (_ranks_of(topk_idx.long(), experts, r) != in_rank).any().int().view(1)
+        scales = out.scales.t().contiguous() if fp8 else None
+        all_idx = out.recv_topk_ids.to(topk_idx.dtype)
+        new = self._handle(core, out.handle, in_rank, t)
         counts = _read_back(core, out.handle.messages, out.counts, differs,
                             worst=num_worst_tokens)
         received, per_expert = counts[:r], counts[r:-1]
+        new.received = received
         if counts[-1]:
             raise ValueError("is_token_in_rank does not match topk_idx (pass "
                              "get_dispatch_layout's for these ids)")
@@ -402,20 +420,21 @@ class Buffer:
         n_out = self._rows_out(num_worst_tokens, total)
         recv_x = out.tokens[:n_out]
         if fp8:
-            recv_x = (recv_x, out.scales[:, :n_out].t().contiguous())
-        recv_idx = out.recv_topk_ids[:n_out].to(topk_idx.dtype)
+            recv_x = (recv_x, scales[:n_out])
+        recv_idx = all_idx[:n_out]
         recv_w = out.recv_topk_weights[:n_out]
         if n_out > total:  # DeepEP's rows past the received ones: ids -1, weights 0
             recv_idx[total:] = -1
             recv_w[total:] = 0.0
-        return recv_x, recv_idx, recv_w, per_expert, self._handle(core, out.handle, received,
-                                                                  in_rank, t)
+        return recv_x, recv_idx, recv_w, per_expert, new
 
-    def _handle(self, core, comb, received, in_rank, t) -> _Handle:
+    def _handle(self, core, comb, in_rank, t) -> _Handle:
+        """The handle of a dispatch whose routes are `comb`, its prefix matrix computed on the
+        device (queued before the read-back); `received` is filled in once read."""
         r = self.group_size
         prefix = torch.full((r, r), -1, dtype=torch.int32, device=in_rank.device)
-        prefix[:, self.rank] = torch.tensor(received, device=in_rank.device).cumsum(0).int()
-        return _Handle(prefix, core, comb, received, in_rank, t)
+        prefix[:, self.rank] = comb.messages.cumsum(0).int()
+        return _Handle(prefix, core, comb, [], in_rank, t)
 
     @staticmethod
     def _rows_out(num_worst_tokens: int, total: int) -> int:

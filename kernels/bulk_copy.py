@@ -69,6 +69,17 @@ def cp_async_16(dst: cute.Pointer, src_addr: Int64, *, loc=None, ip=None) -> Non
                     is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
 
+@dsl_user_op
+def bulk_prefetch_l2(src_addr: Int64, nbytes: Int32, *, loc=None, ip=None) -> None:
+    """`cp.async.bulk.prefetch.L2` of `nbytes` (a multiple of 16) at global address `src_addr`
+    (16-byte aligned): the lines are brought into L2 and nothing waits for them, so a later load
+    of them costs an L2 hit instead of a trip to HBM."""
+    llvm.inline_asm(None, [Int64(src_addr).ir_value(loc=loc, ip=ip),
+                           Int32(nbytes).ir_value(loc=loc, ip=ip)],
+                    "cp.async.bulk.prefetch.L2.global [$0], $1;", "l,r", has_side_effects=True,
+                    is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
 @cute.jit
 def init_stage_barriers(bars: cute.Pointer, stages: cutlass.Constexpr, leader):
     """`leader` initialises the `stages` mbarriers at `bars`, each completed by one arrival (the

@@ -161,7 +161,7 @@ class EpCombine:
                     ring_offset, counters_offset, timeout_ns, trace, tracing,
                     row_tiled_copy(WARP, BFloat16, ROW_VECTOR)).launch(
             grid=(active, 1, 1), block=(self.threads, 1, 1), smem=self.smem_bytes,
-            stream=stream)
+            min_blocks_per_mp=1, stream=stream)
 
     @cute.kernel
     def kernel(self, peer_bases: cute.Pointer, y: cute.Pointer, comb_rows: cute.Pointer,
@@ -274,17 +274,17 @@ class EpCombine:
             head = pos
             alive = Int32(1)
             at = w * MAX_CHUNK * MAX_TOPK
-            # A chunk's rows must fit a ring: unreduced, a message's rows (<= K) at a time.
-            step = chunk_tokens
-            if weighted != AT_EXPERTS:
-                step = Int32(1)
-            for j0 in cutlass.range(0, n, step):
-                cnt = n - j0
-                if cnt > step:
-                    cnt = step
-                # Items of the chunk's messages: 1 each (weighted), or their rows here.
+            # A chunk is up to chunk_tokens messages whose items fit a ring: weighted, one item
+            # a message; unreduced, a message's rows here (at most K, which the ring holds), as
+            # many messages as fit.
+            j0 = Int32(0)
+            while j0 < n:
+                cap = n - j0
+                if cap > chunk_tokens:
+                    cap = chunk_tokens
+                # Items of the candidate messages: 1 each (weighted), or their rows here.
                 mine = Int32(0)
-                if lane < cnt:
+                if lane < cap:
                     mine = Int32(1)
                     if weighted != AT_EXPERTS:
                         mine = self._rows_here(comb_rows, s, first + j0 + lane, topk, max_tokens)
@@ -293,7 +293,12 @@ class EpCombine:
                     up = cute.arch.shuffle_sync_up(incl, 1 << shift)
                     if lane >= (1 << shift):
                         incl = incl + up
-                total = cute.arch.shuffle_sync(incl, MAX_CHUNK - 1)
+                # The messages whose items, with those before them, fit the ring (a prefix).
+                cnt = cute.arch.popc(cute.arch.vote_ballot_sync(
+                    lane < cap and incl <= ring_slots))
+                if cnt == 0:
+                    cnt = Int32(1)  # not reached: a message's rows fit (Buffer checks K <= slots)
+                total = cute.arch.shuffle_sync(incl, cnt - 1)
                 if lane == 0 and alive != 0 and pos + Int64(total) - head > Int64(ring_slots):
                     start = Int64(0)
                     if tracing != 0:
@@ -361,9 +366,10 @@ class EpCombine:
                 # The chunk is written by every warp of s: publish it.
                 cute.arch.barrier(barrier_id=1 + s, number_of_threads=WARP * per_home)
                 pos = pos + Int64(total)
+                j0 = j0 + cnt
                 if sub == 0 and lane == 0 and alive != 0:
-                    cute.arch.fence_acq_rel_sys()
-                    cute.arch.store(gmem_ptr(Int64, tail_word, 8), pos, sem="release",
+                    cute.arch.fence_acq_rel_sys()  # with the relaxed store: a release
+                    cute.arch.store(gmem_ptr(Int64, tail_word, 8), pos, sem="relaxed",
                                     scope="sys")
             if sub == 0 and lane == 0:
                 cute.arch.store(gmem_ptr(Int64, streams.toint() + Int64(

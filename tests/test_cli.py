@@ -157,3 +157,19 @@ def test_bench_prints_the_traced_timelines_of_a_committed_record(capsys):
     slowest = max(r["formats"]["bf16"]["throughput"]["sweep"][0]["dispatch_trace_us"]["end"]
                   for r in record["ranks"])
     assert f"{slowest:.1f}" in out
+
+
+def test_the_deepep_gather_index_puts_each_received_token_in_every_row_of_its_pairs():
+    """`gather_index`: recv_x rows are messages, sources in order; the handle's rows of each
+    (source, message, k) take that message's recv_x row, and unfilled rows (padding) row 0."""
+    import torch
+
+    from cute_ep.tools.bench import gather_index
+
+    messages = torch.tensor([2, 1], dtype=torch.int32)  # source 0 sent 2 messages, source 1 one
+    rows = torch.full((2, 3, 2), -1, dtype=torch.int32)  # [R, max_tokens, K]
+    rows[0, 0] = torch.tensor([0, 3])  # source 0's message 0: rows 0 and 3 (two experts)
+    rows[0, 1] = torch.tensor([4, -1])
+    rows[1, 0] = torch.tensor([1, 5])
+    rows[1, 2] = torch.tensor([6, 6])  # past source 1's count: stale, not read
+    assert gather_index(messages, rows, 7).tolist() == [0, 2, 0, 0, 1, 2, 0]

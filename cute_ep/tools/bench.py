@@ -13,7 +13,9 @@ For each token format, on every rank, with the same inputs each time:
 - **baselines in the same run**: NCCL `all_to_all_single` moving the same token bytes (each token
   once to every rank hosting one of its experts; it produces no expert-grouped rows), and a
   copy-engine peer-to-peer copy of this rank's outgoing bytes into every peer's memory, one
-  stream per peer (the practical NVLink ceiling);
+  stream per peer (the practical NVLink ceiling); and for bf16 and fp8-input, the torch gather a
+  user of DeepEP's normal mode runs after its dispatch (one row per received token) to reach
+  these expert-grouped rows (`deepep_gather_us`; DeepEP's dispatch + it compares with ours);
 - **decode** (`--decode-tokens` per rank, default 128, passed as `num_input_tokens`): eager and
   CUDA-graph replay times of dispatch and of dispatch + combine (combine = the difference), and
   the host time of one call (the Python call returning, no synchronisation).
@@ -237,10 +239,13 @@ def _throughput(rank, world, args, fmt, budgets, flush) -> dict:
     sent = [int(m.sum()) for m in to_rank]
     sent_peers = sum(n for d, n in enumerate(sent) if d != rank)
     sweep = []
+    first_out = None
     for sms in budgets:
         buf = Buffer(cfg, sms=sms)
         t = _layer_times(buf, x, ids, w, y, quant, args.iters, flush)
         out = t.pop("out")
+        if first_out is None:
+            first_out = out
         received = int(out.handle.messages.sum())
         from_peers = received - int(out.handle.messages[rank])
         rows = int(out.row_offsets[-1])
@@ -276,8 +281,13 @@ def _throughput(rank, world, args, fmt, budgets, flush) -> dict:
     # Baseline 2: copy-engine copies of this rank's outgoing message bytes into each peer.
     p2p = _p2p_copy_us(rank, world, [n * msg.size for n in sent], args.tokens * msg.size,
                        args.iters, flush)
+    # Like for like with DeepEP's normal mode, whose dispatch gives one row per received token:
+    # the gather its user then runs to reach these expert-grouped rows.
+    gather = _gather_us(first_out, cfg, fmt, args.iters, flush) \
+        if fmt in GATHER_FORMATS else None
     return {
         "sweep": sweep,
+        "deepep_gather_us": gather,
         "nccl_all_to_all_us": nccl,
         "nccl_deepep_gbps": received * token_bytes / nccl / 1e3,
         "nccl_nvlink_gbps": sent_peers * token_bytes / nccl / 1e3,
@@ -286,6 +296,54 @@ def _throughput(rank, world, args, fmt, budgets, flush) -> dict:
         "sent_tokens_to_peers": sent_peers,
         "message_bytes": msg.size,
     }
+
+
+# The formats DeepEP's normal mode dispatches: bf16, and FP8 given pre-quantized.
+GATHER_FORMATS = ("bf16", "fp8-input")
+
+
+def gather_index(messages: torch.Tensor, rows: torch.Tensor, n_rows: int) -> torch.Tensor:
+    """For each of a dispatch's `n_rows` expert-grouped rows, the row of DeepEP's recv_x that
+    holds its token: recv_x has one row per received message, sources in order, each in its
+    message (token) order; `messages` [R] counts them per source and `rows` [R, max_tokens, K]
+    is the handle's row of (source, message, k), -1 where none. Rows no pair fills (FP8's
+    alignment padding) take row 0."""
+    messages, rows = messages.long(), rows.long()
+    first = torch.cumsum(messages, 0) - messages  # recv_x row of each source's first message
+    j = torch.arange(rows.shape[1], device=rows.device)
+    src = (first[:, None] + j[None, :])[:, :, None].expand_as(rows)
+    live = (rows >= 0) & (j[None, :, None] < messages[:, None, None])
+    idx = torch.zeros(n_rows, dtype=torch.long, device=rows.device)
+    idx[rows[live]] = src[live]
+    return idx
+
+
+def _gather_us(out, cfg, fmt, iters, flush) -> float:
+    """GPU time (us) of the gather a DeepEP user runs after its dispatch to reach `out`'s rows:
+    DeepEP's recv_x holds one row per received token, sources in order and each in its token
+    order (a message of cute-ep's, in the same order), and torch's `index_select` copies the row
+    of every (token, expert) pair into cute-ep's expert-grouped order (FP8: the codes and the
+    [rows, H / 128] fp32 scales, DeepEP's layout of them). The gather runs on every SM, as an
+    engine would run it."""
+    n_rows, n_recv = int(out.row_offsets[-1]), int(out.handle.messages.sum())
+    idx = gather_index(out.handle.messages, out.handle.rows, n_rows)
+    h_ = cfg.hidden
+    if fmt == "bf16":
+        recv = torch.randn(n_recv, h_, device="cuda").to(torch.bfloat16)
+        dst = torch.empty(n_rows, h_, dtype=torch.bfloat16, device="cuda")
+
+        def gather():
+            torch.index_select(recv, 0, idx, out=dst)
+    else:
+        codes = torch.randint(0, 256, (n_recv, h_), dtype=torch.uint8, device="cuda")
+        scales = torch.rand(n_recv, h_ // 128, device="cuda")
+        dst_codes = torch.empty(n_rows, h_, dtype=torch.uint8, device="cuda")
+        dst_scales = torch.empty(n_rows, h_ // 128, device="cuda")
+
+        def gather():
+            torch.index_select(codes, 0, idx, out=dst_codes)
+            torch.index_select(scales, 0, idx, out=dst_scales)
+    return statistics.median(_timed(gather, iters, flush))
 
 
 def _dispatch_trace(buf, x, ids, w, quant) -> dict:
@@ -522,7 +580,8 @@ def _print(record, formats) -> None:
                     f"rank, H={cfg['hidden']} K={cfg['topk']} E={cfg['experts']}, median of "
                     f"{cfg['iters']} (slowest rank shown)")
     for col in ("format", "SMs", "dispatch us", "DeepEP GB/s", "NVLink GB/s",
-                "combine us", "DeepEP GB/s ", "NVLink GB/s ", "NCCL a2a us", "P2P copy us"):
+                "combine us", "DeepEP GB/s ", "NVLink GB/s ", "NCCL a2a us", "P2P copy us",
+                "gather us"):
         t.add_column(col, justify="left" if col == "format" else "right")
     for fmt in formats:
         per = [r["formats"][fmt]["throughput"] for r in ranks]
@@ -536,7 +595,9 @@ def _print(record, formats) -> None:
                       f"{min(c['combine_deepep_gbps'] for c in cells):.0f}",
                       f"{min(c['combine_nvlink_gbps'] for c in cells):.0f}",
                       f"{worst(p['nccl_all_to_all_us'] for p in per):.1f}" if i == 0 else "",
-                      f"{worst(p['p2p_copy_us'] or 0 for p in per):.1f}" if i == 0 else "")
+                      f"{worst(p['p2p_copy_us'] or 0 for p in per):.1f}" if i == 0 else "",
+                      f"{worst(p['deepep_gather_us'] for p in per):.1f}"
+                      if i == 0 and per[0].get("deepep_gather_us") is not None else "")
     console.print(t)
     _print_traces(console, record, formats)
     console.print("DeepEP GB/s = received token rows (own rank included) x bytes per token row "
@@ -544,7 +605,10 @@ def _print(record, formats) -> None:
                   "bytes of this GPU's tokens that crossed to other GPUs (dispatch: staged "
                   "payload + scales per message, a header per batch of 16 tokens) / time. "
                   "NCCL a2a: all_to_all_single of the same token bytes; P2P copy: copy-engine "
-                  "copies of this GPU's outgoing message bytes into every peer at once.")
+                  "copies of this GPU's outgoing message bytes into every peer at once. gather: "
+                  "torch index_select of one row per received token (DeepEP's recv_x) into "
+                  "these expert-grouped rows, every SM: DeepEP's dispatch + gather is what "
+                  "compares with cute-ep's dispatch.")
 
     d = Table(title=f"decode: {cfg['decode_tokens']} tokens/rank, median of {cfg['iters']} "
                     f"(slowest rank shown)")

@@ -68,8 +68,10 @@ class CountsPhase:
         if tidx < ranks:
             cute.arch.fence_acq_rel_sys()
             flag = peers[tidx] + flags_offset + Int64(flags_at((channel, my_rank, parity))) * 8
+            # The fence makes this strong relaxed store a release (PTX's release pattern); a
+            # release store would fence at system scope a second time.
             cute.arch.store(gmem_ptr(Int64, flag, 8), epoch * FLAG_ROUND + Int64(active),
-                            sem="release", scope="sys")
+                            sem="relaxed", scope="sys")
         if tidx == 0:
             _stamp(trace, tracing, channel, "counts_sent", cute.arch.globaltimer())
 

@@ -6,9 +6,10 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint8
 
+from kernels.bulk_copy import bulk_prefetch_l2
 from kernels.copy import row_predicate
-from kernels.dispatch.common import (BATCH, FP8_BLOCK, IDS, MAX_RANKS, NVFP4_BLOCK, SEND_WARPS,
-                                     WARP, WEIGHTS, _await_credit, _stamp_max)
+from kernels.dispatch.common import (BATCH, FP8_BLOCK, IDS, MAX_RANKS, NVFP4_BLOCK, SCALE_REGS,
+                                     SEND_WARPS, WARP, WEIGHTS, _await_credit, _stamp_max)
 from kernels.memory import gmem_ptr, load_f32, load_i32, store_i32
 from layouts.channels import (DISPATCH, SEND_TIMES, TAILS, batch_header_layout, header_token_word,
                               headers_layout, staging_layout)
@@ -58,6 +59,12 @@ class SendPhase:
             slot = Int32(at % Int64(stage_batches))
             batch = t0 + i * BATCH
             n = cutlass.min(Int32(BATCH), t1 - batch)
+            # This warp's tokens of the batch (lane j: token sw + j * SEND_WARPS) are brought
+            # into L2 while it waits for credit: each token's loads below then cost an L2 hit,
+            # not a trip to HBM that the warp would wait for one token after another.
+            if alive != 0:
+                self._prefetch_token(sw + lane * SEND_WARPS, n, batch, source, source_stride,
+                                     load_bytes, scale_source, scale_stride, payload_vectors)
             start = Int64(0)
             if tracing != 0:
                 start = cute.arch.globaltimer()
@@ -139,10 +146,12 @@ class SendPhase:
                     # for this one, so the counter is reset before anyone arrives there again.
                     s_arrive[slot] = Int32(0)
                     cute.arch.fence_acq_rel_sys()
+                    # After the fence, strong relaxed stores are releases (PTX's release
+                    # pattern): one system-scope fence a batch, not one a destination more.
                     for d in cutlass.range(ranks):
                         tail = peers[d] + counters_offset + Int64(
                             counters((channel, my_rank, TAILS, DISPATCH))) * 8
-                        cute.arch.store(gmem_ptr(Int64, tail, 8), at + 1, sem="release",
+                        cute.arch.store(gmem_ptr(Int64, tail, 8), at + 1, sem="relaxed",
                                         scope="sys")
                 if tracing != 0:
                     s_time[times + 3] += cute.arch.globaltimer() - start
@@ -157,17 +166,49 @@ class SendPhase:
                 _stamp_max(trace, tracing, channel, SEND_TIMES[f], s_time[times + f])
 
     @cute.jit
+    def _prefetch_token(self, b, n, batch, source: cute.Pointer, source_stride, load_bytes,
+                        scale_source: cute.Pointer, scale_stride, payload_vectors):
+        """Token `batch + b` of the batch (if b < n): its message bytes and its scale row
+        (FP8; NVFP4 when the caller quantized) prefetched into L2, where 16-byte aligned."""
+        if b < n:
+            tok = batch + b
+            row = source.toint() + Int64(tok) * Int64(source_stride)
+            nbytes = load_bytes // 16 * 16
+            if nbytes > 0:
+                if ((row | Int64(nbytes)) & Int64(15)) == Int64(0):
+                    bulk_prefetch_l2(row, nbytes)
+            if cutlass.const_expr(self.fmt != "bf16"):
+                if scale_stride != 0:
+                    srow = scale_source.toint() + Int64(tok) * Int64(scale_stride)
+                    sbytes = self._scale_words(payload_vectors) * 4 // 16 * 16
+                    if sbytes > 0:
+                        if (srow & Int64(15)) == Int64(0):
+                            bulk_prefetch_l2(srow, sbytes)
+
+    def _scale_words(self, payload_vectors):
+        """32-bit scale words of a message: FP8's fp32 words (H / 128), NVFP4's e4m3 bytes four
+        to a word (H / 64 words)."""
+        payload_bytes = payload_vectors * self.vector_bytes
+        if self.fmt == "nvfp4":
+            return payload_bytes * 2 // NVFP4_BLOCK // 4
+        return payload_bytes // FP8_BLOCK
+
+    @cute.jit
     def _copy_scale_row(self, lane, scale_source: cute.Pointer, tok, scale_stride, staged_at,
                         scales_offset, payload_vectors):
-        """Token `tok`'s scale row into its staged message, a 32-bit word a lane: FP8's fp32
-        words (H / 128), NVFP4's e4m3 bytes four to a word (H / 64 words)."""
-        payload_bytes = payload_vectors * self.vector_bytes
-        words = payload_bytes // FP8_BLOCK
-        if cutlass.const_expr(self.fmt == "nvfp4"):
-            words = payload_bytes * 2 // NVFP4_BLOCK // 4
+        """Token `tok`'s scale row into its staged message, a 32-bit word a lane: up to
+        SCALE_REGS words a lane are loaded before any is stored (one load latency a row, where
+        a load then a store per 32 words waited for each load in turn)."""
+        words = self._scale_words(payload_vectors)
         src = scale_source.toint() + Int64(tok) * Int64(scale_stride)
-        for w0 in cutlass.range(0, words, WARP):
-            w = w0 + lane
-            if w < words:
-                store_i32(staged_at + Int64(scales_offset) + Int64(w) * 4,
-                          load_i32(src + Int64(w) * 4))
+        dst = staged_at + Int64(scales_offset)
+        regs = cute.make_rmem_tensor(cute.make_layout(SCALE_REGS), Int32)
+        for w0 in cutlass.range(0, words, WARP * SCALE_REGS):
+            for q in cutlass.range_constexpr(SCALE_REGS):
+                w = w0 + q * WARP + lane
+                if w < words:
+                    regs[q] = load_i32(src + Int64(w) * 4)
+            for q in cutlass.range_constexpr(SCALE_REGS):
+                w = w0 + q * WARP + lane
+                if w < words:
+                    store_i32(dst + Int64(w) * 4, regs[q])
