@@ -14,8 +14,9 @@ RECV_WARPS_REGISTERS) receiver warps, and runs three parts:
    each token's message (the bf16 row of `x`; FP8 codes and their scales from their own rows,
    the caller's or `ep_encode`'s; NVFP4 codes and scales from the caller's rows, or the whole
    message `ep_encode` wrote into `send_buf`), token b by warp b % SEND_WARPS, tiles of
-   SEND_VECTORS[format] 16-byte vectors per lane with every load in flight. A sender does
-   nothing per destination per token: it waits, once per batch, until every destination has
+   SEND_VECTORS[format] 16-byte vectors per lane with every load in flight (each warp prefetches
+   its tokens of the batch into L2 before it waits for credit, so those loads hit L2). A sender
+   does nothing per destination per token: it waits, once per batch, until every destination has
    returned credit for the batch the slot held, and the warp that
    finishes a batch last (one shared-memory atomic a warp) fences once at system scope and
    publishes the batch in every destination's `tails`.
