@@ -305,6 +305,13 @@ class Buffer:
         # Byte offset of the scales inside one token message (layouts.formats).
         self.scales_at = self.msg.segment("scales").offset if cfg.format != "bf16" else 0
         self._quantized_rows = _quantized_rows(cfg)
+        # The same as torch dtypes for the checks' fast path (codes dtype, columns, scales
+        # dtype, columns); None where a pre-quantized input always takes the detailed checks.
+        self._quantized_fast = None
+        if self._quantized_rows is not None and not (cfg.format == "nvfp4" and cfg.hidden % 64):
+            (code_dtype, code_cols, _), (scale_dtype, scale_cols, _) = self._quantized_rows
+            self._quantized_fast = (getattr(torch, code_dtype), code_cols,
+                                    getattr(torch, scale_dtype), scale_cols)
         self.geo = ChannelGeometry(cfg, channels=self._sms, **(geometry or {}))
         self.channel_offsets = self.geo.peer_offsets()
         self.peer_visible_bytes = self.channel_offsets["total"]
@@ -912,25 +919,30 @@ class Buffer:
 
     def _check_dispatch_inputs(self, x, topk_ids, topk_weights) -> int:
         cfg, dev = self.cfg, self._device_index
+        # The common cases in one expression of cheap reads (a microsecond or two); anything
+        # else, good or bad, takes the detailed checks below, which say what is wrong.
+        tensor = torch.Tensor
         if type(x) is tuple:
+            fast = self._quantized_fast
+            if fast is not None and len(x) == 2:
+                codes, scales = x
+                if type(codes) is tensor and type(scales) is tensor and codes.dim() == 2:
+                    t = codes.shape[0]
+                    if (codes.dtype is fast[0] and codes.shape[1] == fast[1]
+                            and scales.dtype is fast[2] and scales.shape == (t, fast[3])
+                            and codes.get_device() == dev and scales.get_device() == dev
+                            and codes.is_contiguous() and scales.is_contiguous()
+                            and not codes.data_ptr() % 16 and not scales.data_ptr() % 4
+                            and self._routing_ok(topk_ids, topk_weights, t)):
+                        return t
             num_tokens = self._check_quantized_input(x)
             self._check_routing(topk_ids, topk_weights, num_tokens)
             return num_tokens
-        # The common case in one expression of cheap reads (a microsecond or two); anything
-        # else, good or bad, takes the detailed checks below, which say what is wrong.
-        tensor = torch.Tensor
-        if type(x) is tensor and type(topk_ids) is tensor and x.dim() == 2:
+        if type(x) is tensor and x.dim() == 2:
             t = x.shape[0]
             if (x.dtype is torch.bfloat16 and x.shape[1] == cfg.hidden
-                    and t <= cfg.max_tokens_per_rank and x.get_device() == dev
-                    and x.is_contiguous() and not x.data_ptr() % 16
-                    and topk_ids.dtype is torch.int32 and topk_ids.shape == (t, cfg.topk)
-                    and topk_ids.get_device() == dev and topk_ids.is_contiguous()
-                    and (topk_weights is None or (
-                        type(topk_weights) is tensor and topk_weights.dtype is torch.float32
-                        and topk_weights.shape == (t, cfg.topk)
-                        and topk_weights.get_device() == dev and topk_weights.is_contiguous()
-                        and not topk_weights.data_ptr() % 4))):
+                    and x.get_device() == dev and x.is_contiguous() and not x.data_ptr() % 16
+                    and self._routing_ok(topk_ids, topk_weights, t)):
                 return t
         check_tensor(x, name="x", dtype="bfloat16", align=16, device_index=dev)
         if x.dim() != 2 or x.shape[1] != cfg.hidden:
@@ -938,6 +950,19 @@ class Buffer:
         num_tokens = x.shape[0]
         self._check_routing(topk_ids, topk_weights, num_tokens)
         return num_tokens
+
+    def _routing_ok(self, topk_ids, topk_weights, t: int) -> bool:
+        """Whether `t` tokens fit and their ids and weights are what the kernels take as they
+        are (cheap reads only: False sends the caller to the detailed checks)."""
+        cfg, dev, tensor = self.cfg, self._device_index, torch.Tensor
+        return (t <= cfg.max_tokens_per_rank and type(topk_ids) is tensor
+                and topk_ids.dtype is torch.int32 and topk_ids.shape == (t, cfg.topk)
+                and topk_ids.get_device() == dev and topk_ids.is_contiguous()
+                and (topk_weights is None or (
+                    type(topk_weights) is tensor and topk_weights.dtype is torch.float32
+                    and topk_weights.shape == (t, cfg.topk)
+                    and topk_weights.get_device() == dev and topk_weights.is_contiguous()
+                    and not topk_weights.data_ptr() % 4)))
 
     def _check_routing(self, topk_ids, topk_weights, num_tokens: int) -> None:
         """The token count against the capacity, then the ids and weights of that many."""

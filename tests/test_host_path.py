@@ -271,3 +271,60 @@ def test_a_sources_layout_dispatch_passes_its_rows_ids_and_weights(cpu_buffer):
     d = packed._dispatch_launch.calls[-1]
     assert (d["recv_ids"], d["recv_weights"]) == (packed._no_i32.data_ptr(),
                                                   packed._no_f32.data_ptr())
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_a_pre_quantized_input_takes_the_quick_checks_and_a_bad_one_the_detailed(
+        cpu_buffer, monkeypatch, fmt):
+    """Good (codes, scales) with int32 ids pass the one-expression checks (no check_tensor call,
+    as for bf16 x); anything else takes the detailed checks and is refused with their message,
+    launching nothing, before and after good calls."""
+    buf = cpu_buffer(fmt)
+    _, ids, w = _inputs()
+    if fmt == "fp8":
+        codes, scales = torch.zeros(T, H, dtype=torch.float8_e4m3fn), torch.ones(T, H // 128)
+    else:
+        codes = torch.zeros(T, H // 2, dtype=torch.uint8)
+        scales = torch.zeros(T, H // 16, dtype=torch.uint8)
+    detailed = []
+    check = ep.check_tensor
+
+    def counted(t, **kw):
+        detailed.append(kw["name"])
+        return check(t, **kw)
+
+    monkeypatch.setattr(ep, "check_tensor", counted)
+    on = lambda t: t.as_subclass(_OnDevice)  # noqa: E731
+    bad = {
+        "x scales must be": lambda: buf.dispatch((on(codes), on(scales[:, :-1].contiguous())),
+                                                 on(ids), on(w)),
+        "x codes must be": lambda: buf.dispatch((on(codes[:, :-16].contiguous()), on(scales)),
+                                                on(ids), on(w)),
+        "x codes must be torch": lambda: buf.dispatch((on(codes.view(torch.int8)), on(scales)),
+                                                      on(ids), on(w)),
+        f"exceeds max_tokens_per_rank={T}": lambda: buf.dispatch(
+            (on(torch.cat([codes, codes])), on(torch.cat([scales, scales]))),
+            on(torch.cat([ids, ids])), on(torch.cat([w, w]))),
+        "topk_ids must be int32/int64": lambda: buf.dispatch((on(codes), on(scales)),
+                                                             on(ids.float()), on(w)),
+        "must be torch.float32": lambda: buf.dispatch((on(codes), on(scales)), on(ids),
+                                                      on(w.half())),
+        "must be a CUDA tensor": lambda: buf.dispatch((codes.t().contiguous().t(), scales),
+                                                      ids, w),
+    }
+    for _ in range(2):
+        detailed.clear()
+        buf.dispatch((codes, scales), ids, w)
+        assert detailed == []
+        d = buf._dispatch_launch.calls[-1]
+        assert (d["source"], d["scale_source"]) == (codes.data_ptr(), scales.data_ptr())
+        assert (d["source_stride"], d["scale_stride"]) == (
+            codes.shape[1] * codes.element_size(), scales.shape[1] * scales.element_size())
+        launched = len(buf._dispatch_launch.calls)
+        for words, call in bad.items():
+            with pytest.raises((TypeError, ValueError), match=words.replace("[", r"\[")):
+                call()
+        assert detailed and len(buf._dispatch_launch.calls) == launched
+    # int64 ids are good input too: the detailed checks pass them, the launch narrows them.
+    buf.dispatch((on(codes), on(scales)), on(ids.long()), on(w))
+    assert len(buf._dispatch_launch.calls) == launched + 1
