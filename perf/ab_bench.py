@@ -27,13 +27,16 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # this tree's cute_ep reads records
 from ab_quant import alternated, parse_side, run_side, summary_rows  # noqa: E402
 
-DECODE = ("graph_dispatch_us", "graph_combine_us")
+# Decode figures a side-by-side table shows: (record field, the table's SMs label).
+DECODE = (("graph_dispatch_us", "decode"), ("graph_combine_us", "decode"),
+          ("kernel_dispatch_us", "decode kernels"), ("kernel_combine_us", "decode kernels"))
 
 
 def bench_times(record: dict) -> dict[tuple, float]:
     """{(operation, format, SMs): the slowest rank's time in us} of a `cute-ep bench` record:
     throughput dispatch and combine at each SM budget, decode's graph-replayed dispatch and
-    combine (SMs "decode")."""
+    combine (SMs "decode") and, where recorded, their kernels' time by DeepEP's low-latency
+    method (SMs "decode kernels")."""
     from cute_ep.tools.plot import bench_series
 
     out = {(phase, fmt, str(sms)): us
@@ -43,8 +46,9 @@ def bench_times(record: dict) -> dict[tuple, float]:
     for fmt in ranks[0]["formats"]:
         decode = [r["formats"][fmt].get("decode") for r in ranks]
         if all(decode):
-            for key in DECODE:
-                out[(key.split("_")[1], fmt, "decode")] = max(d[key] for d in decode)
+            for key, label in DECODE:
+                if all(key in d for d in decode):
+                    out[(key.split("_")[1], fmt, label)] = max(d[key] for d in decode)
     return out
 
 

@@ -115,3 +115,14 @@ rank = {{"formats": {{"bf16": {{"throughput": {{"nccl_all_to_all_us": 1.0, "swee
     assert "side c failed" in done.stderr
     assert [bench_times(r)[("dispatch", "bf16", "24")] for r in runs["b"]] == [80.0, 80.0]
     assert "-20.0" in done.stdout  # b's median change from a, dispatch at 24 SMs
+
+
+def test_decode_kernel_times_are_rows_of_their_own_where_recorded():
+    record = _record()
+    for r, rank in enumerate(record["ranks"]):
+        rank["formats"]["fp8"]["decode"].update(kernel_dispatch_us=30.0 + r,
+                                                kernel_combine_us=20.0)
+    times = bench_times(record)
+    assert times[("dispatch", "fp8", "decode kernels")] == 31.0
+    assert times[("combine", "fp8", "decode kernels")] == 20.0
+    assert times[("dispatch", "fp8", "decode")] == 50.0  # the graph replay's, as before

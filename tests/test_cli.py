@@ -173,3 +173,70 @@ def test_the_deepep_gather_index_puts_each_received_token_in_every_row_of_its_pa
     rows[1, 0] = torch.tensor([1, 5])
     rows[1, 2] = torch.tensor([6, 6])  # past source 1's count: stale, not read
     assert gather_index(messages, rows, 7).tolist() == [0, 2, 0, 0, 1, 2, 0]
+
+
+def test_the_lockstep_kernel_time_is_each_familys_profiled_time_per_layer(monkeypatch, capsys):
+    """`_lockstep_kernel_us` (DeepEP's low-latency method) with a stand-in profiler: an
+    all-reduce after one barrier, LOCKSTEP_LAYERS layers with no barrier between them, and the
+    encoder's time counted in the dispatch's; the decode table prints the two columns."""
+    import json
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+    import torch.profiler
+
+    from cute_ep.tools import bench
+
+    events = []
+    item = lambda key, us: SimpleNamespace(key=key, device_time_total=us)  # noqa: E731
+    items = [item("cute_ep::cutlass::encode_fp8_1", 30.0 * bench.LOCKSTEP_LAYERS),
+             item("cute_ep::cutlass::dispatch_fp8_2", 90.0 * bench.LOCKSTEP_LAYERS),
+             item("cute_ep::cutlass::combine_3", 40.0 * bench.LOCKSTEP_LAYERS),
+             item("void at::native::vectorized_elementwise_kernel", 1e6)]
+
+    class Profile:
+        def __init__(self, activities):
+            events.append("profile")
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def key_averages(self):
+            return items
+
+    class Buf:
+        def dispatch(self, x, ids, w, **quant):
+            events.append("dispatch")
+            return SimpleNamespace(handle="h")
+
+        def combine(self, y, handle):
+            events.append("combine")
+
+        def check(self):
+            events.append("check")
+
+    monkeypatch.setattr(torch.profiler, "profile", Profile)
+    monkeypatch.setattr(torch, "randn", lambda *a, **k: torch.zeros(2, 2))
+    monkeypatch.setattr(torch, "ones", lambda *a, **k: torch.zeros(1))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(dist, "barrier", lambda group=None: events.append("barrier"))
+    monkeypatch.setattr(dist, "all_reduce", lambda t: events.append("all_reduce"))
+    got = bench._lockstep_kernel_us(Buf(), None, None, None, None, {})
+    assert got == {"kernel_dispatch_us": 120.0, "kernel_combine_us": 40.0}
+    profiled = events[events.index("profile"):]
+    assert profiled[:2] == ["profile", "all_reduce"] and "barrier" not in profiled
+    assert profiled[2:] == ["dispatch", "combine"] * bench.LOCKSTEP_LAYERS + ["check"]
+
+    record = json.loads(Path("perf/results/bench-2026-11-26-2xH100-relaxed.json").read_text())
+    for r, rank in enumerate(record["ranks"]):
+        rank["formats"]["fp8"]["decode"].update(kernel_dispatch_us=31.5 + r,
+                                                kernel_combine_us=20.25)
+    bench._print(record, ["fp8"])
+    out = capsys.readouterr().out
+    decode = out[out.index("decode:"):]
+    assert "kernel" in decode and "32.5" in decode and "20.2" in decode

@@ -17,8 +17,12 @@ For each token format, on every rank, with the same inputs each time:
   user of DeepEP's normal mode runs after its dispatch (one row per received token) to reach
   these expert-grouped rows (`deepep_gather_us`; DeepEP's dispatch + it compares with ours);
 - **decode** (`--decode-tokens` per rank, default 128, passed as `num_input_tokens`): eager and
-  CUDA-graph replay times of dispatch and of dispatch + combine (combine = the difference), and
-  the host time of one call (the Python call returning, no synchronisation).
+  CUDA-graph replay times of dispatch and of dispatch + combine (combine = the difference), the
+  host time of one call (the Python call returning, no synchronisation), and the kernels' own
+  time by the method of DeepEP's `tests/test_low_latency.py` (its `bench_kineto`): a large
+  matmul and an all-reduce line the ranks up, then LOCKSTEP_LAYERS layers run back to back, and
+  the profiler's mean GPU time per layer of the dispatch kernels (the encoder's included) and of
+  the combine kernel, so the figure compares with that test's printout.
 
 Figures, each with its formula in the output:
 - DeepEP's metric: received token rows, own rank included, x bytes per token row / time, with
@@ -424,15 +428,55 @@ def _stages(world, args, fmt, tokens, rank) -> dict:
         torch.cuda.synchronize()
     buf.check()
     del buf
+    totals = kernel_totals(prof.key_averages())
+    return {"tokens": tokens, **{f"{k.lower()}_us": v / STAGE_ITERS for k, v in totals.items()}}
+
+
+def kernel_totals(items) -> dict[str, float]:
+    """{"Encode", "Dispatch", "Combine": GPU time (us) of that family's kernels, summed} of the
+    torch profiler's `key_averages()` (the kernels are named cute_ep::cutlass::<family>...,
+    `kernels/build.py`)."""
     totals = dict.fromkeys(STAGE_KERNELS, 0.0)
-    for item in prof.key_averages():
-        m = re.search(r"cute_ep::cutlass::(encode|dispatch|combine)", item.key)  # build.py
+    for item in items:
+        m = re.search(r"cute_ep::cutlass::(encode|dispatch|combine)", item.key)
         if m and m.group(1).capitalize() in totals:
             total = getattr(item, "device_time_total", None)
             if total is None:
                 total = item.cuda_time_total
-            totals[m.group(1).capitalize()] += total / STAGE_ITERS
-    return {"tokens": tokens, **{f"{k.lower()}_us": v for k, v in totals.items()}}
+            totals[m.group(1).capitalize()] += total
+    return totals
+
+
+LOCKSTEP_LAYERS = 30  # as DeepEP's bench_kineto (num_tests)
+
+
+def _lockstep_kernel_us(buf, x, ids, w, y, quant) -> dict:
+    """Mean kernel time (us) per layer of dispatch (its encoder included) and combine, by
+    DeepEP's low-latency test's method: a large matmul and an all-reduce, then LOCKSTEP_LAYERS
+    layers back to back with no barrier between them (ranks that wait for each other's data run
+    in step), each kernel's GPU time from the profiler."""
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    def layer():
+        buf.combine(y, buf.dispatch(x, ids, w, **quant).handle)
+
+    for _ in range(WARMUP):
+        layer()
+    a = torch.randn(8192, 8192, device="cuda")
+    b = torch.randn(8192, 8192, device="cuda")
+    torch.cuda.synchronize()
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        a @ b
+        dist.all_reduce(torch.ones(1, device="cuda"))
+        for _ in range(LOCKSTEP_LAYERS):
+            layer()
+        torch.cuda.synchronize()
+    buf.check()
+    totals = kernel_totals(prof.key_averages())
+    return {"kernel_dispatch_us": (totals["Encode"] + totals["Dispatch"]) / LOCKSTEP_LAYERS,
+            "kernel_combine_us": totals["Combine"] / LOCKSTEP_LAYERS}
 
 
 def _p2p_copy_us(rank, world, nbytes, slot, iters, flush) -> float | None:
@@ -507,8 +551,9 @@ def _decode(rank, world, args, fmt, flush) -> dict:
     traces = {"dispatch_trace_us": _dispatch_trace(buf, x, ids, w, quant),
               "combine_trace_us": _combine_trace(buf, y, buf.dispatch(x, ids, w, **quant))}
     buf.check()
+    kernels = _lockstep_kernel_us(buf, x, ids, w, y, quant)
     del buf
-    return {"tokens": t, **traces,
+    return {"tokens": t, **traces, **kernels,
             "eager_dispatch_us": eager["dispatch_us"], "eager_combine_us": eager["combine_us"],
             "graph_dispatch_us": graph_d, "graph_layer_us": graph_l,
             "graph_combine_us": graph_l - graph_d,
@@ -612,18 +657,26 @@ def _print(record, formats) -> None:
 
     d = Table(title=f"decode: {cfg['decode_tokens']} tokens/rank, median of {cfg['iters']} "
                     f"(slowest rank shown)")
-    for col in ("format", "graph dispatch us", "graph combine us", "graph layer us",
-                "eager dispatch us", "eager combine us", "host us / dispatch call",
-                "host us / combine call"):
-        d.add_column(col, justify="left" if col == "format" else "right")
+    columns = {"graph dispatch us": "graph_dispatch_us", "graph combine us": "graph_combine_us",
+               "graph layer us": "graph_layer_us", "kernel dispatch us": "kernel_dispatch_us",
+               "kernel combine us": "kernel_combine_us", "eager dispatch us": "eager_dispatch_us",
+               "eager combine us": "eager_combine_us", "host us / dispatch call":
+               "host_dispatch_us", "host us / combine call": "host_combine_us"}
+    # Records from before the kernel columns lack them.
+    columns = {col: k for col, k in columns.items() if k in ranks[0]["formats"][formats[0]][
+        "decode"]}
+    d.add_column("format")
+    for col in columns:
+        d.add_column(col, justify="right")
     for fmt in formats:
         per = [r["formats"][fmt]["decode"] for r in ranks]
-        d.add_row(fmt, *(f"{worst(p[k] for p in per):.1f}" for k in (
-            "graph_dispatch_us", "graph_combine_us", "graph_layer_us", "eager_dispatch_us",
-            "eager_combine_us", "host_dispatch_us", "host_combine_us")))
+        d.add_row(fmt, *(f"{worst(p[k] for p in per):.1f}" for k in columns.values()))
     console.print(d)
-    console.print("graph combine = graph layer (dispatch + combine) - graph dispatch; host us = "
-                  "time for the Python call to return, GPU work still queued.")
+    console.print("graph combine = graph layer (dispatch + combine) - graph dispatch; kernel = "
+                  f"mean GPU time of the dispatch (encoder included) and combine kernels over "
+                  f"{LOCKSTEP_LAYERS} layers back to back after one all-reduce, from the "
+                  "profiler, as DeepEP's test_low_latency.py times its kernels; host us = time "
+                  "for the Python call to return, GPU work still queued.")
 
     if "stages" not in ranks[0]["formats"][formats[0]]:
         return
