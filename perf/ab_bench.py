@@ -36,13 +36,23 @@ def bench_times(record: dict) -> dict[tuple, float]:
     """{(operation, format, SMs): the slowest rank's time in us} of a `cute-ep bench` record:
     throughput dispatch and combine at each SM budget, decode's graph-replayed dispatch and
     combine (SMs "decode") and, where recorded, their kernels' time by DeepEP's low-latency
-    method (SMs "decode kernels")."""
+    method (SMs "decode kernels"); where recorded, the throughput calls timed back to back by
+    DeepEP's normal-mode method (SMs "<budget> lockstep")."""
     from cute_ep.tools.plot import bench_series
 
     out = {(phase, fmt, str(sms)): us
            for (phase, fmt), points in bench_series(record)["series"].items()
            for sms, us in points}
     ranks = record["ranks"]
+    every = record["config"].get("sms_per_gpu", 132)
+    for fmt in ranks[0]["formats"]:
+        per = [r["formats"][fmt]["throughput"]["sweep"] for r in ranks]
+        for i, point in enumerate(per[0]):
+            sms = every if point["sms"] in ("all", None) else point["sms"]
+            for phase in ("dispatch", "combine"):
+                key = f"lockstep_{phase}_us"
+                if all(key in p[i] for p in per):
+                    out[(phase, fmt, f"{sms} lockstep")] = max(p[i][key] for p in per)
     for fmt in ranks[0]["formats"]:
         decode = [r["formats"][fmt].get("decode") for r in ranks]
         if all(decode):

@@ -126,3 +126,16 @@ def test_decode_kernel_times_are_rows_of_their_own_where_recorded():
     assert times[("dispatch", "fp8", "decode kernels")] == 31.0
     assert times[("combine", "fp8", "decode kernels")] == 20.0
     assert times[("dispatch", "fp8", "decode")] == 50.0  # the graph replay's, as before
+
+
+def test_lockstep_times_are_rows_of_their_own_where_recorded():
+    record = _record()
+    for r, rank in enumerate(record["ranks"]):
+        for i, point in enumerate(rank["formats"]["fp8"]["throughput"]["sweep"]):
+            point.update(lockstep_dispatch_us=300.0 + 10 * r + i, lockstep_combine_us=250.0 - r)
+    times = bench_times(record)
+    assert times[("dispatch", "fp8", "24 lockstep")] == 310.0
+    assert times[("dispatch", "fp8", "132 lockstep")] == 311.0
+    assert times[("combine", "fp8", "24 lockstep")] == 250.0
+    assert times[("dispatch", "fp8", "24")] == 420.0  # the barrier-timed median, as before
+    assert ("dispatch", "fp8", "24 lockstep") not in bench_times(_record())

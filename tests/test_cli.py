@@ -175,6 +175,72 @@ def test_the_deepep_gather_index_puts_each_received_token_in_every_row_of_its_pa
     assert gather_index(messages, rows, 7).tolist() == [0, 2, 0, 0, 1, 2, 0]
 
 
+def test_throughput_by_deepeps_method_is_calls_back_to_back_after_one_flush(monkeypatch,
+                                                                          capsys):
+    """`_lockstep_times`: one dispatch for the handle, then dispatch and combine each timed as
+    DeepEP's normal-mode test does: warm-ups, one barrier and L2 flush, then the calls back to
+    back between events with no barrier or synchronisation among them, the first dropped and
+    the rest averaged; the throughput table prints the two columns."""
+    import json
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+
+    from cute_ep.tools import bench
+
+    events = []
+    elapsed = iter([1.0, 0.3, 0.2, 0.1, 0.4, 0.05, 0.06, 0.07])  # ms, per call in order
+
+    class Event:
+        def __init__(self, enable_timing):
+            self.ms = None
+
+        def record(self):
+            events.append("event")
+
+        def elapsed_time(self, end):
+            return next(elapsed)
+
+    class Buf:
+        def dispatch(self, x, ids, w, **quant):
+            events.append("dispatch")
+            return SimpleNamespace(handle="h")
+
+        def combine(self, y, handle):
+            assert handle == "h"
+            events.append("combine")
+
+        def check(self):
+            events.append("check")
+
+    class Flush:
+        def zero_(self):
+            events.append("flush")
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: events.append("sync"))
+    monkeypatch.setattr(dist, "barrier", lambda group=None: events.append("barrier"))
+    got = bench._lockstep_times(Buf(), None, None, None, None, {}, 4, Flush())
+    assert got == {"lockstep_dispatch_us": (300.0 + 200.0 + 100.0) / 3,
+                   "lockstep_combine_us": (50.0 + 60.0 + 70.0) / 3}
+    timed = ["event", "dispatch", "event"] * 4
+    assert events == (["dispatch"] + ["dispatch"] * bench.WARMUP
+                      + ["sync", "barrier", "flush"] + timed + ["sync"]
+                      + ["combine"] * bench.WARMUP + ["sync", "barrier", "flush"]
+                      + [e if e != "dispatch" else "combine" for e in timed] + ["sync", "check"])
+
+    record = json.loads(Path("perf/results/bench-2026-11-26-2xH100-relaxed.json").read_text())
+    for r, rank in enumerate(record["ranks"]):
+        for point in rank["formats"]["fp8"]["throughput"]["sweep"]:
+            point.update(lockstep_dispatch_us=301.25 + r, lockstep_combine_us=222.5)
+    bench._print(record, ["fp8"])
+    out = capsys.readouterr().out
+    table = out[:out.index("decode:")]
+    assert "lockstep" in table and "302.2" in table and "222.5" in table
+
+
 def test_the_lockstep_kernel_time_is_each_familys_profiled_time_per_layer(monkeypatch, capsys):
     """`_lockstep_kernel_us` (DeepEP's low-latency method) with a stand-in profiler: an
     all-reduce after one barrier, LOCKSTEP_LAYERS layers with no barrier between them, and the

@@ -7,6 +7,12 @@ For each token format, on every rank, with the same inputs each time:
   benchmarks do, not the host's launch path (whose time the decode section reports); median of
   `--iters` (>= 50) after 5 warm-ups; once per SM budget of
   `--sms` (`Buffer(sms=)`: the SMs the layer's communication occupies; "all" = every SM);
+  and the same calls by the method of DeepEP's normal-mode test (its `tests/test_intranode.py`
+  and `bench` helper): warm-ups, one L2 flush, then `--iters` calls back to back with no
+  barrier or synchronisation between them, each bracketed by CUDA events, the first dropped and
+  the rest averaged (`lockstep_dispatch_us`, `lockstep_combine_us`). Ranks that wait for each
+  other's data then run in step, so the ranks' launch skew the barrier-timed median includes
+  is left out, as it is from DeepEP's printed figures;
 - **where dispatch's time goes**: one traced dispatch per budget (`Buffer.trace_dispatch`): when
   each channel sent its counts, had every rank's, knew its row layout, finished sending, ended,
   and how long its sender waited for ring credit and for its stores;
@@ -213,6 +219,38 @@ def _timed(fn, iters, flush, group=None) -> list[float]:
     return _timed_steps([fn], iters, flush, group)[0]
 
 
+def _lockstep_us(fn, iters, flush, group=None) -> float:
+    """Mean GPU time (us) of fn() by DeepEP's normal-mode method: WARMUP calls, a barrier and one
+    L2 flush, then `iters` calls back to back with no barrier or synchronisation between them,
+    each between two CUDA events; the first call's time is dropped."""
+    import torch.distributed as dist
+
+    for _ in range(WARMUP):
+        fn()
+    torch.cuda.synchronize()
+    dist.barrier(group)
+    flush.zero_()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+          for _ in range(iters)]
+    for a, b in ev:
+        a.record()
+        fn()
+        b.record()
+    torch.cuda.synchronize()
+    times = [a.elapsed_time(b) * 1e3 for a, b in ev][1:]
+    return sum(times) / len(times)
+
+
+def _lockstep_times(buf, x, ids, w, y, quant, iters, flush) -> dict:
+    """Dispatch back to back, then combine of one dispatch's handle back to back (as DeepEP's
+    test times its dispatch and its combine), each by `_lockstep_us`."""
+    out = buf.dispatch(x, ids, w, **quant)
+    d = _lockstep_us(lambda: buf.dispatch(x, ids, w, **quant), iters, flush)
+    c = _lockstep_us(lambda: buf.combine(y, out.handle), iters, flush)
+    buf.check()
+    return {"lockstep_dispatch_us": d, "lockstep_combine_us": c}
+
+
 def _layer_times(buf, x, ids, w, y, quant, iters, flush) -> dict:
     """Median dispatch and combine times (us), timed in the same iterations."""
     last = {}
@@ -248,6 +286,7 @@ def _throughput(rank, world, args, fmt, budgets, flush) -> dict:
         buf = Buffer(cfg, sms=sms)
         t = _layer_times(buf, x, ids, w, y, quant, args.iters, flush)
         out = t.pop("out")
+        t.update(_lockstep_times(buf, x, ids, w, y, quant, args.iters, flush))
         if first_out is None:
             first_out = out
         received = int(out.handle.messages.sum())
@@ -624,9 +663,13 @@ def _print(record, formats) -> None:
     t = Table(title=f"{record['gpus']} x {record['device']}: throughput, {cfg['tokens']} tokens/"
                     f"rank, H={cfg['hidden']} K={cfg['topk']} E={cfg['experts']}, median of "
                     f"{cfg['iters']} (slowest rank shown)")
+    # Records from before the lockstep columns lack them.
+    lockstep = "lockstep_dispatch_us" in ranks[0]["formats"][formats[0]]["throughput"][
+        "sweep"][0]
     for col in ("format", "SMs", "dispatch us", "DeepEP GB/s", "NVLink GB/s",
-                "combine us", "DeepEP GB/s ", "NVLink GB/s ", "NCCL a2a us", "P2P copy us",
-                "gather us"):
+                "combine us", "DeepEP GB/s ", "NVLink GB/s ",
+                *(("lockstep dispatch us", "lockstep combine us") if lockstep else ()),
+                "NCCL a2a us", "P2P copy us", "gather us"):
         t.add_column(col, justify="left" if col == "format" else "right")
     for fmt in formats:
         per = [r["formats"][fmt]["throughput"] for r in ranks]
@@ -639,6 +682,9 @@ def _print(record, formats) -> None:
                       f"{worst(c['combine_us'] for c in cells):.1f}",
                       f"{min(c['combine_deepep_gbps'] for c in cells):.0f}",
                       f"{min(c['combine_nvlink_gbps'] for c in cells):.0f}",
+                      *((f"{worst(c['lockstep_dispatch_us'] for c in cells):.1f}",
+                         f"{worst(c['lockstep_combine_us'] for c in cells):.1f}")
+                        if lockstep else ()),
                       f"{worst(p['nccl_all_to_all_us'] for p in per):.1f}" if i == 0 else "",
                       f"{worst(p['p2p_copy_us'] or 0 for p in per):.1f}" if i == 0 else "",
                       f"{worst(p['deepep_gather_us'] for p in per):.1f}"
@@ -653,7 +699,9 @@ def _print(record, formats) -> None:
                   "copies of this GPU's outgoing message bytes into every peer at once. gather: "
                   "torch index_select of one row per received token (DeepEP's recv_x) into "
                   "these expert-grouped rows, every SM: DeepEP's dispatch + gather is what "
-                  "compares with cute-ep's dispatch.")
+                  "compares with cute-ep's dispatch. dispatch us / combine us: median, each "
+                  "call after a barrier (the ranks' launch skew included); lockstep: mean of "
+                  "calls back to back, as DeepEP's test_intranode.py times its own.")
 
     d = Table(title=f"decode: {cfg['decode_tokens']} tokens/rank, median of {cfg['iters']} "
                     f"(slowest rank shown)")
