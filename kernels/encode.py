@@ -1,169 +1,75 @@
-"""`ep_encode`: the message of each token in the quantized formats, built once.
+"""The message of a token in the quantized formats, built by the dispatch kernel itself.
 
-It runs on the layer's SM budget: `ctas` CTAs (at most the budget's SMs), each of GROUPS groups
-of `threads` threads, group g of CTA c taking tokens c * GROUPS + g, + ctas * GROUPS, ...; a
-group writes a token's message payload and scales (`layouts.formats`) into the local send buffer
-that `ep_dispatch` (`kernels.dispatch`) streams from: FP8 blockwise quantized with fp32
-scales per 128 elements, or NVFP4 with e4m3 scales per 16 under the rank's global scale (read on
-the device). The dispatch kernel writes the metadata itself. The NVFP4 encoder exists twice, like
-`quantize_nvfp4`: software e2m1 for sm_90a, the hardware conversion for sm_100a.
+`ep_dispatch` (`kernels.dispatch`), given bf16 tokens for an FP8 or NVFP4 layer, has each channel
+quantize its own tokens into the local send buffer right after it has sent its counts (while the
+counts of the other ranks travel), with every warp of its CTA, ENCODE_THREADS threads a token:
+FP8 blockwise with an fp32 scale per 128 elements (exact, or rounded up to a power of two), or
+NVFP4 with an e4m3 scale per 16 under the rank's global scale (read on the device). The senders
+then stream those messages as they stream a caller's pre-quantized rows. The dispatch keeps its SM
+budget: no kernel of its own quantizes. The NVFP4 encoder exists twice, like `quantize_nvfp4`:
+software e2m1 for sm_90a, the hardware conversion for sm_100a.
 """
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64
+from cutlass import BFloat16, Float8E4M3FN, Float32, Int64
 
-from kernels.copy import row_predicate, row_tiled_copy
+from kernels.copy import row_predicate
 from kernels.fp8 import FP8_BLOCK, scale_fp8_block
-from kernels.memory import gmem_ptr, load_f32, store_u8
-from kernels.nvfp4 import (SCALE_TABLE_BYTES, fill_scale_table, quantize_nvfp4_block,
-                           scale_table_layout)
-from layouts.abi import ARCHES, GridRule, KernelSpec, Param
-from layouts.config import FP8_SCALES
+from kernels.memory import gmem_ptr, store_u8
+from kernels.nvfp4 import quantize_nvfp4_block
 
 WARP = 32
-FORMATS = ("fp8", "nvfp4")
 E2M1_ARCHES = {"software": ("sm_90a",), "hardware": ("sm_100a",)}
 BF16_PER_VECTOR = 8  # bf16 elements in one 128-bit access
 NVFP4_BLOCK = 16  # elements per e4m3 scale
-# Tokens a CTA encodes at once, a group of `threads` threads each: a budget of SMs runs one CTA
-# each, so a CTA needs several tokens in flight to keep its SM's loads going.
-GROUPS = 4
+ENCODE_THREADS = 128  # threads that quantize one token together
 
 
-class EpEncode:
-    def __init__(self, fmt: str, e2m1: str | None = None, threads: int = 128,
-                 scales: str | None = None):
-        """`e2m1` ("software" for sm_90a, "hardware" for sm_100a) is for NVFP4 only; `scales`
-        (FP8_SCALES, default "exact") for FP8 only."""
-        if fmt not in FORMATS:
-            raise ValueError(f"ep_encode formats: {FORMATS}, not {fmt!r}")
-        if (fmt == "nvfp4") != (e2m1 is not None) or (e2m1 and e2m1 not in E2M1_ARCHES):
-            raise ValueError(f"ep_encode: nvfp4 needs e2m1 software|hardware, other formats "
-                             f"none; got {fmt}, {e2m1}")
-        if scales is not None and fmt != "fp8":
-            raise ValueError(f"ep_encode: scales are for fp8, got {fmt}, {scales}")
-        if fmt == "fp8" and (scales or "exact") not in FP8_SCALES:
-            raise ValueError(f"ep_encode fp8 scales: {FP8_SCALES}, not {scales!r}")
-        self.fmt = fmt
-        self.e2m1 = e2m1
-        self.scales = (scales or "exact") if fmt == "fp8" else None
-        self.threads = threads
-        self.arches = E2M1_ARCHES[e2m1] if e2m1 else ARCHES
+@cute.jit
+def encode_fp8_token(tidx, src_addr, dst_addr, scales_addr, hidden, pow2: cutlass.Constexpr,
+                     bf16_copy: cute.TiledCopy, fp8_copy: cute.TiledCopy):
+    """Thread `tidx` of ENCODE_THREADS: the token at `src_addr` (bf16) to e4m3 codes at
+    `dst_addr` and fp32 scales at `scales_addr`. Rows of 8 elements, one per thread; a
+    128-element block is 16 consecutive lanes. The math of `kernels.fp8.scale_fp8_block`."""
+    rows = hidden // BF16_PER_VECTOR
+    layout = cute.make_layout((rows, BF16_PER_VECTOR), stride=(BF16_PER_VECTOR, 1))
+    tiler = (ENCODE_THREADS, BF16_PER_VECTOR)
+    g_x = cute.zipped_divide(cute.make_tensor(gmem_ptr(BFloat16, src_addr, 16), layout), tiler)
+    g_q = cute.zipped_divide(cute.make_tensor(gmem_ptr(Float8E4M3FN, dst_addr, 8), layout),
+                             tiler)
+    g_c = cute.zipped_divide(cute.make_identity_tensor(layout.shape), tiler)
+    scales = cute.make_tensor(gmem_ptr(Float32, scales_addr, 16),
+                              cute.make_layout(hidden // FP8_BLOCK))
+    thr_in = bf16_copy.get_slice(tidx)
+    thr_out = fp8_copy.get_slice(tidx)
+    lane = tidx % WARP
+    vectors_per_block = FP8_BLOCK // BF16_PER_VECTOR
+    for tile in cutlass.range(cute.ceil_div(rows, ENCODE_THREADS)):
+        t_x = thr_in.partition_S(g_x[((None, None), tile)])
+        t_q = thr_out.partition_D(g_q[((None, None), tile)])
+        pred = row_predicate(thr_in.partition_S(g_c[((None, None), tile)]), rows)
+        regs = cute.make_fragment_like(t_x)
+        regs.fill(0.0)
+        cute.copy(bf16_copy, t_x, regs, pred=pred)
+        vals = cute.make_fragment_like(regs, Float32)
+        vals.store(regs.load().to(Float32))
+        scale = scale_fp8_block(vals, BF16_PER_VECTOR, vectors_per_block, pow2)
+        q = cute.make_fragment_like(t_q)
+        q.store(vals.load().to(Float8E4M3FN))
+        cute.copy(fp8_copy, q, t_q, pred=pred)
+        vec = tile * ENCODE_THREADS + tidx
+        if lane % vectors_per_block == 0 and vec < rows:
+            scales[vec // vectors_per_block] = scale
 
-    def spec(self) -> KernelSpec:
-        config = {"format": self.fmt, "threads": self.threads, "groups": GROUPS}
-        if self.e2m1:
-            config["e2m1"] = self.e2m1
-        if self.scales:
-            config["scales"] = self.scales
-        return KernelSpec(
-            family="ep_encode",
-            config=config,
-            params=(
-                Param("send_buf", "ptr", "uint8", align=16, writes=True,
-                      min_elements=("num_tokens", 16)),
-                Param("x", "ptr", "bfloat16", align=16, min_elements=("num_tokens", 8)),
-                Param("global_scale", "ptr", "float32", align=4),
-                Param("num_tokens", "i32"),
-                Param("ctas", "i32"),
-                Param("hidden", "i32"),
-                Param("msg_bytes", "i32"),
-                Param("scales_offset", "i32"),
-            ),
-            block=(self.threads * GROUPS, 1, 1),
-            grid=(GridRule(ceil_div=("ctas", 1)), GridRule(constant=1), GridRule(constant=1)),
-            smem_bytes=self.smem_bytes,
-            sizes={},
-        )
 
-    @property
-    def smem_bytes(self) -> int:
-        return SCALE_TABLE_BYTES + 16 if self.fmt == "nvfp4" else 0
-
-    @cute.jit
-    def __call__(self, send_buf: cute.Pointer, x: cute.Pointer, global_scale: cute.Pointer,
-                 num_tokens: Int32, ctas: Int32, hidden: Int32, msg_bytes: Int32,
-                 scales_offset: Int32, stream):
-        self.kernel(send_buf, x, global_scale, num_tokens, ctas, hidden, msg_bytes,
-                    scales_offset, row_tiled_copy(self.threads, BFloat16, BF16_PER_VECTOR),
-                    row_tiled_copy(self.threads, Float8E4M3FN, BF16_PER_VECTOR)).launch(
-            grid=(ctas, 1, 1), block=(self.threads * GROUPS, 1, 1), smem=self.smem_bytes,
-            stream=stream)
-
-    @cute.kernel
-    def kernel(self, send_buf: cute.Pointer, x: cute.Pointer, global_scale: cute.Pointer,
-               num_tokens: Int32, ctas: Int32, hidden: Int32, msg_bytes: Int32,
-               scales_offset: Int32, bf16_copy: cute.TiledCopy, fp8_copy: cute.TiledCopy):
-        tid, _, _ = cute.arch.thread_idx()
-        cta, _, _ = cute.arch.block_idx()
-        group = tid // self.threads
-        tidx = tid - group * self.threads  # the thread within its group
-        if cutlass.const_expr(self.fmt == "fp8"):
-            for t in cutlass.range(cta * GROUPS + group, num_tokens, ctas * GROUPS):
-                msg = send_buf.toint() + Int64(t) * Int64(msg_bytes)
-                row = x.toint() + Int64(t) * Int64(hidden) * 2
-                self._quantize_fp8(tidx, row, msg, msg + Int64(scales_offset), hidden,
-                                   bf16_copy, fp8_copy)
-        else:
-            smem = cutlass.memory.SmemAllocator()
-            table = smem.allocate_tensor(Float32, scale_table_layout(), byte_alignment=16)
-            fill_scale_table(table, tid, self.threads * GROUPS)
-            cute.arch.sync_threads()
-            gs = load_f32(global_scale.toint())
-            for t in cutlass.range(cta * GROUPS + group, num_tokens, ctas * GROUPS):
-                msg = send_buf.toint() + Int64(t) * Int64(msg_bytes)
-                row = x.toint() + Int64(t) * Int64(hidden) * 2
-                for kb in cutlass.range(tidx, hidden // NVFP4_BLOCK, self.threads):
-                    self._quantize_nvfp4_block(row, msg, msg + Int64(scales_offset), kb, gs,
-                                               table)
-
-    @cute.jit
-    def _quantize_nvfp4_block(self, src_addr, codes_addr, scales_addr, kb, gs,
-                              table: cute.Tensor):
-        """Block kb (16 elements) of the token at `src_addr`: its 8 code bytes to `codes_addr`,
-        its e4m3 scale byte to `scales_addr`: the block quantizer `quantize_nvfp4` uses."""
+@cute.jit
+def encode_nvfp4_token(tidx, src_addr, codes_addr, scales_addr, hidden, gs,
+                       e2m1: cutlass.Constexpr, table: cute.Tensor):
+    """Thread `tidx` of ENCODE_THREADS: the token at `src_addr` (bf16) to e2m1 codes at
+    `codes_addr` (8 bytes a 16-element block) and e4m3 scale bytes at `scales_addr`, a block at
+    a time: the block quantizer `quantize_nvfp4` uses, under the global scale `gs`."""
+    for kb in cutlass.range(tidx, hidden // NVFP4_BLOCK, ENCODE_THREADS):
         byte = quantize_nvfp4_block(src_addr + Int64(kb) * NVFP4_BLOCK * 2,
-                                    codes_addr + Int64(kb) * 8, gs, self.e2m1, table)
+                                    codes_addr + Int64(kb) * 8, gs, e2m1, table)
         store_u8(scales_addr + Int64(kb), byte)
-
-    @cute.jit
-    def _quantize_fp8(self, tidx, src_addr, dst_addr, scales_addr, hidden,
-                      bf16_copy: cute.TiledCopy, fp8_copy: cute.TiledCopy):
-        """Rows of 8 elements, one per thread; a 128-element block is 16 consecutive lanes.
-        The math of `kernels.fp8.scale_fp8_block`."""
-        rows = hidden // BF16_PER_VECTOR
-        layout = cute.make_layout((rows, BF16_PER_VECTOR), stride=(BF16_PER_VECTOR, 1))
-        tiler = (self.threads, BF16_PER_VECTOR)
-        g_x = cute.zipped_divide(cute.make_tensor(gmem_ptr(BFloat16, src_addr, 16), layout), tiler)
-        g_q = cute.zipped_divide(cute.make_tensor(gmem_ptr(Float8E4M3FN, dst_addr, 8), layout),
-                                 tiler)
-        g_c = cute.zipped_divide(cute.make_identity_tensor(layout.shape), tiler)
-        scales = cute.make_tensor(gmem_ptr(Float32, scales_addr, 16),
-                                  cute.make_layout(hidden // FP8_BLOCK))
-        thr_in = bf16_copy.get_slice(tidx)
-        thr_out = fp8_copy.get_slice(tidx)
-        lane = tidx % WARP
-        vectors_per_block = FP8_BLOCK // BF16_PER_VECTOR
-        for tile in cutlass.range(cute.ceil_div(rows, self.threads)):
-            t_x = thr_in.partition_S(g_x[((None, None), tile)])
-            t_q = thr_out.partition_D(g_q[((None, None), tile)])
-            pred = row_predicate(thr_in.partition_S(g_c[((None, None), tile)]), rows)
-            regs = cute.make_fragment_like(t_x)
-            regs.fill(0.0)
-            cute.copy(bf16_copy, t_x, regs, pred=pred)
-            vals = cute.make_fragment_like(regs, Float32)
-            vals.store(regs.load().to(Float32))
-            scale = scale_fp8_block(vals, BF16_PER_VECTOR, vectors_per_block,
-                                    self.scales == "pow2")
-            q = cute.make_fragment_like(t_q)
-            q.store(vals.load().to(Float8E4M3FN))
-            cute.copy(fp8_copy, q, t_q, pred=pred)
-            vec = tile * self.threads + tidx
-            if lane % vectors_per_block == 0 and vec < rows:
-                scales[vec // vectors_per_block] = scale
-
-
-def encode_kernels() -> list:
-    return [*(EpEncode("fp8", scales=s) for s in FP8_SCALES), EpEncode("nvfp4", "software"),
-            EpEncode("nvfp4", "hardware")]

@@ -10,7 +10,6 @@ from kernels.block_prefix_sum import BlockPrefixSum
 from kernels.bulk_copy import BulkSend
 from kernels.dispatch import dispatch_kernels
 from kernels.combine import combine_kernels
-from kernels.encode import encode_kernels
 from kernels.gate_table import GateTable
 from kernels.nvfp4 import QuantizeNvfp4
 from kernels.peer_exchange import PeerExchange
@@ -31,7 +30,6 @@ def full_matrix() -> list:
         *(BulkSend(chunk, stages, pull=True) for chunk, stages in ((16384, 8), (32768, 6))),
         *(PeerExchange(ranks) for ranks in RANK_COUNTS),
         *row_expand_kernels(),
-        *encode_kernels(),
         *dispatch_kernels(),
         *combine_kernels(),
         *(QuantizeNvfp4(scales, e2m1, steps=steps) for scales in ("linear", "128x4")

@@ -37,7 +37,7 @@ class _Kernel:
         vector_bytes = 8 if fields.get("format") == "nvfp4" else 16
         self.spec = SimpleNamespace(sizes={"max_stage_batches": 1 << 20, "max_chunk": 1 << 20,
                                            "vector_bytes": vector_bytes},
-                                    config={"groups": 4} if family == "ep_encode" else {})
+                                    config={})
 
     def bind(self, varying, **constants):
         return _Recorder(varying, constants)
@@ -155,21 +155,22 @@ def test_bad_input_is_refused_after_good_input(cpu_buffer):
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
-def test_a_quantized_layer_encodes_bf16_input_then_dispatches_its_messages(cpu_buffer, fmt):
+def test_a_quantized_layer_encodes_bf16_input_in_the_dispatch_kernel(cpu_buffer, fmt):
+    """Given bf16 tokens, the one dispatch launch quantizes them into the send buffer first
+    (`encode` 1, x and the global scale passed) and its senders stream the messages from
+    there."""
     buf = cpu_buffer(fmt)
     x, ids, w = _inputs()
     gs = torch.full((1,), 100.0) if fmt == "nvfp4" else None
     if fmt == "nvfp4":
         with pytest.raises(ValueError, match="needs global_scale"):
             buf.dispatch(x, ids, w)
+    launches = len(buf._dispatch_launch.calls)
     out = buf.dispatch(x, ids, w, global_scale=gs)
-    e, d = buf._encode_launch.calls[-1], buf._dispatch_launch.calls[-1]
-    assert (e["x"], e["num_tokens"]) == (x.data_ptr(), T)
-    # The encoder keeps the SM budget (4 here): a CTA an SM, 4 tokens a CTA at once.
-    assert e["ctas"] == min(buf.sms, -(-T // 4))
-    buf.dispatch(x[:5], ids[:5], w[:5], global_scale=gs)
-    assert buf._encode_launch.calls[-1]["ctas"] == 2
-    assert e["global_scale"] == (gs if gs is not None else buf._no_f32).data_ptr()
+    assert len(buf._dispatch_launch.calls) == launches + 1  # one launch, no encoder of its own
+    d = buf._dispatch_launch.calls[-1]
+    assert (d["x"], d["num_tokens"], d["encode"]) == (x.data_ptr(), T, 1)
+    assert d["global_scale"] == (gs if gs is not None else buf._no_f32).data_ptr()
     send, msg = buf.send_buf.data_ptr(), buf.msg
     assert (d["source"], d["source_stride"]) == (send, msg.size)
     assert d["scales"] == out.scales.data_ptr()
