@@ -3,8 +3,9 @@
 One process per GPU under `torch.distributed`. A `Buffer` allocates its peer-visible rings once
 from torch symmetric memory (sized by `layouts.channels`, not by the token count), checks that
 every rank asked for the same configuration, and launches one kernel per dispatch and one per
-combine (`kernels/dispatch/`, `kernels/combine.py`; fp8 and nvfp4 quantize first in
-`kernels/encode.py`) on the current stream:
+combine (`kernels/dispatch/`, `kernels/combine.py`; fp8 and nvfp4 given bf16 tokens are
+quantized first, by `ep_encode` or inside the dispatch kernel, `kernels/encode.py`) on the
+current stream:
 
     buf = Buffer(EPConfig(hidden=7168, topk=8, experts=256, ranks=4, max_tokens_per_rank=4096))
     out = buf.dispatch(x, topk_ids, topk_weights)       # expert-grouped rows + handle
@@ -76,6 +77,9 @@ PHASES = {1: "dispatch", 2: "combine"}
 _COMBINE_READS = ("rows", "weights", "channels")
 # The kernel arguments that change from call to call, in the order the Buffer passes them (the
 # rest are fixed for a Buffer's life and written once: `Kernel.bind`).
+# bf16 tokens of an FP8 or NVFP4 layer are quantized inside the dispatch kernel when a channel
+# has at most this many of them (one staging batch: a decode step's), by `ep_encode` otherwise.
+FUSED_ENCODE_TOKENS = STAGE_BATCH_TOKENS
 DISPATCH_VARYING = ("source", "source_stride", "load_bytes", "scale_source", "scale_stride",
                     "topk_ids",
                     "topk_weights", "tokens", "scales", "scales_offsets",
@@ -83,7 +87,7 @@ DISPATCH_VARYING = ("source", "source_stride", "load_bytes", "scale_source", "sc
                     "comb_weights", "comb_tokens", "comb_counts", "chan_msgs", "recv_ids",
                     "recv_weights", "num_tokens",
                     "skip_a2a", "shared_begin", "shared_end", "has_weights", "active", "trace",
-                    "tracing", "phases")
+                    "tracing", "phases", "x", "global_scale", "encode")
 COMBINE_VARYING = ("y", "comb_rows", "comb_weights", "chan_msgs", "topk_ids", "out",
                    "home_weights", "num_tokens", "weighted", "skip_a2a", "shared_begin",
                    "shared_end", "active", "trace", "tracing")
@@ -320,14 +324,17 @@ class Buffer:
             if cfg.format == "nvfp4" else 0
 
         rt = runtime()
+        # bf16 tokens of an FP8 or NVFP4 layer are quantized with the config's FP8 scales or the
+        # arch's e2m1 encoder, by `ep_encode` or, for a few tokens a channel, by the dispatch
+        # kernel itself (`_fused_encode`). Bulk copies move 16-byte multiples: NVFP4 rows (H / 2
+        # bytes) of an H that is not a multiple of 32 go through the receivers' registers.
         encode = {"e2m1": E2M1_OF_ARCH[device_arch(dev)]} if cfg.format == "nvfp4" else \
             {"scales": cfg.fp8_scales} if cfg.format == "fp8" else {}
         self.k_encode = rt.select("ep_encode", dev, format=cfg.format, **encode) \
             if cfg.format != "bf16" else None
-        # Bulk copies move 16-byte multiples: NVFP4 rows (H / 2 bytes) of an H that is not a
-        # multiple of 32 go through the receivers' registers.
         self.k_dispatch = rt.select("ep_dispatch", dev, format=cfg.format,
-                                    bulk=int(cfg.format != "nvfp4" or cfg.hidden % 32 == 0))
+                                    bulk=int(cfg.format != "nvfp4" or cfg.hidden % 32 == 0),
+                                    **encode)
         self.k_combine = rt.select("ep_combine", dev)
         sizes = self.k_dispatch.spec.sizes
         if self.geo.ring_slots < max(self.geo.chunk_tokens, cfg.topk):
@@ -359,10 +366,12 @@ class Buffer:
         self._no_f32 = torch.zeros(4, dtype=torch.float32, device=dev)
         self._no_i32 = torch.zeros(4, dtype=torch.int32, device=dev)
         self._no_i64 = torch.zeros(4, dtype=torch.int64, device=dev)
+        self._no_bf16 = torch.zeros(8, dtype=torch.bfloat16, device=dev)  # 16-byte aligned
         self._no_f32_at = self._no_f32.data_ptr()
+        self._no_bf16_at = self._no_bf16.data_ptr()
         self._no_i32_at = self._no_i32.data_ptr()
         self._no_i64_at = self._no_i64.data_ptr()
-        # Where the dispatch kernel reads a bf16 input that encode quantized into send_buf:
+        # Where the dispatch kernel's senders read a bf16 input it quantized into send_buf:
         # (source, its row stride, the scales' source, their stride, bytes loaded a token).
         if cfg.format == "fp8":  # the codes, then the scales from the message's own rows
             send = self.send_buf.data_ptr()
@@ -510,7 +519,9 @@ class Buffer:
             if self._receive_pending is not pending:
                 raise RuntimeError("this dispatch_send's hook already ran")
             self._receive_pending = None
-            self._dispatch_launch(*pending[0], DISPATCH_RECEIVE)
+            # The receive part quantizes nothing (the send part did).
+            self._dispatch_launch(*pending[0], DISPATCH_RECEIVE, self._no_bf16_at,
+                                  self._no_f32_at, 0)
         return out, hook
 
     def _no_receive_pending(self) -> None:
@@ -544,6 +555,7 @@ class Buffer:
         # The rows the senders read (bytes a token, loaded by 16-byte vectors), and the rows of
         # the scales where those come from rows of their own (scale_stride 0: none).
         scale_source, scale_stride = self._no_f32_at, 0
+        encode, x_at, gs_at = 0, self._no_bf16_at, self._no_f32_at
         if cfg.format == "bf16":
             source, source_stride = x.data_ptr(), 2 * cfg.hidden
             load_bytes = source_stride
@@ -553,10 +565,15 @@ class Buffer:
             scale_source = scales.data_ptr()
             scale_stride = scales.shape[1] * scales.element_size()
             load_bytes = source_stride
-        else:
-            self._encode_launch(x.data_ptr(), global_scale.data_ptr()
-                                if global_scale is not None else self._no_f32_at, num_tokens,
-                                min(self._sms, -(-num_tokens // self._encode_groups)))
+        else:  # bf16 tokens, quantized into the send buffer before the senders stream them
+            gs_at = global_scale.data_ptr() if global_scale is not None else self._no_f32_at
+            if num_tokens <= FUSED_ENCODE_TOKENS * active:
+                # A few tokens a channel (a decode step): the dispatch kernel quantizes its
+                # channels' own tokens while their counts travel, one launch instead of two.
+                encode, x_at = 1, x.data_ptr()
+            else:
+                self._encode_launch(x.data_ptr(), gs_at, num_tokens,
+                                    min(self._sms, -(-num_tokens // self._encode_groups)))
             source, source_stride, scale_source, scale_stride, load_bytes = self._encoded
 
         out = self._dispatch_outputs(Routing(active, num_tokens, weighted, skip_a2a,
@@ -582,7 +599,7 @@ class Buffer:
             out._address("recv_topk_weights") if by_source else self._no_f32_at,
             num_tokens, int(skip_a2a), shared_begin, shared_end, int(weighted), active,
             self._no_i64_at if trace is None else trace.data_ptr(), int(trace is not None))
-        self._dispatch_launch(*args, phases)
+        self._dispatch_launch(*args, phases, x_at, gs_at, encode)
         if phases == DISPATCH_SEND:
             # The receive launch reads what these arguments point at: keep the tensors alive.
             self._receive_pending = (args, (x, ids, topk_weights, out))

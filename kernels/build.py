@@ -189,6 +189,8 @@ def symbol_prefix(spec: KernelSpec) -> str:
         name += f"_{spec.config['format']}"
     if spec.config.get("bulk") == 0:
         name += "_registers"  # dispatch's register-path receivers
+    if spec.config.get("scales") == "pow2":
+        name += "_pow2"  # FP8 scales rounded up to powers of two
     return f"_ZZN7cute_ep7cutlassEE{len(name)}{name}"
 
 

@@ -1,12 +1,16 @@
-"""`ep_encode`: the message of each token in the quantized formats, built once.
-
-It runs on the layer's SM budget: `ctas` CTAs (at most the budget's SMs), each of GROUPS groups
-of `threads` threads, group g of CTA c taking tokens c * GROUPS + g, + ctas * GROUPS, ...; a
-group writes a token's message payload and scales (`layouts.formats`) into the local send buffer
-that `ep_dispatch` (`kernels.dispatch`) streams from: FP8 blockwise quantized with fp32
-scales per 128 elements, or NVFP4 with e4m3 scales per 16 under the rank's global scale (read on
-the device). The dispatch kernel writes the metadata itself. The NVFP4 encoder exists twice, like
+"""The message of a token in the quantized formats (`layouts.formats`): FP8 blockwise with an
+fp32 scale per 128 elements (exact, or rounded up to a power of two), or NVFP4 with an e4m3 scale
+per 16 under the rank's global scale (read on the device), written into the local send buffer
+that `ep_dispatch` (`kernels.dispatch`) streams from. The NVFP4 encoder exists twice, like
 `quantize_nvfp4`: software e2m1 for sm_90a, the hardware conversion for sm_100a.
+
+A token is quantized by ENCODE_THREADS threads (`encode_fp8_token`, `encode_nvfp4_token`), in
+one of two places, both on the layer's SM budget:
+- `ep_encode`, a kernel of its own before the dispatch: `ctas` CTAs (at most the budget's SMs),
+  each of GROUPS groups, group g of CTA c taking tokens c * GROUPS + g, + ctas * GROUPS, ...;
+- the dispatch kernel itself (its phase 1b), each channel its own tokens with every warp of its
+  CTA, right after it has sent its counts: for a few tokens a channel (a decode step's), where a
+  second launch would cost more than the quantization.
 """
 
 import cutlass
@@ -26,14 +30,63 @@ FORMATS = ("fp8", "nvfp4")
 E2M1_ARCHES = {"software": ("sm_90a",), "hardware": ("sm_100a",)}
 BF16_PER_VECTOR = 8  # bf16 elements in one 128-bit access
 NVFP4_BLOCK = 16  # elements per e4m3 scale
-# Tokens a CTA encodes at once, a group of `threads` threads each: a budget of SMs runs one CTA
-# each, so a CTA needs several tokens in flight to keep its SM's loads going.
+ENCODE_THREADS = 128  # threads that quantize one token together
+# Tokens an `ep_encode` CTA encodes at once, a group of ENCODE_THREADS threads each: a budget of
+# SMs runs one CTA each, so a CTA needs several tokens in flight to keep its SM's loads going.
 GROUPS = 4
 
 
+@cute.jit
+def encode_fp8_token(tidx, src_addr, dst_addr, scales_addr, hidden, pow2: cutlass.Constexpr,
+                     bf16_copy: cute.TiledCopy, fp8_copy: cute.TiledCopy):
+    """Thread `tidx` of ENCODE_THREADS: the token at `src_addr` (bf16) to e4m3 codes at
+    `dst_addr` and fp32 scales at `scales_addr`. Rows of 8 elements, one per thread; a
+    128-element block is 16 consecutive lanes. The math of `kernels.fp8.scale_fp8_block`."""
+    rows = hidden // BF16_PER_VECTOR
+    layout = cute.make_layout((rows, BF16_PER_VECTOR), stride=(BF16_PER_VECTOR, 1))
+    tiler = (ENCODE_THREADS, BF16_PER_VECTOR)
+    g_x = cute.zipped_divide(cute.make_tensor(gmem_ptr(BFloat16, src_addr, 16), layout), tiler)
+    g_q = cute.zipped_divide(cute.make_tensor(gmem_ptr(Float8E4M3FN, dst_addr, 8), layout),
+                             tiler)
+    g_c = cute.zipped_divide(cute.make_identity_tensor(layout.shape), tiler)
+    scales = cute.make_tensor(gmem_ptr(Float32, scales_addr, 16),
+                              cute.make_layout(hidden // FP8_BLOCK))
+    thr_in = bf16_copy.get_slice(tidx)
+    thr_out = fp8_copy.get_slice(tidx)
+    lane = tidx % WARP
+    vectors_per_block = FP8_BLOCK // BF16_PER_VECTOR
+    for tile in cutlass.range(cute.ceil_div(rows, ENCODE_THREADS)):
+        t_x = thr_in.partition_S(g_x[((None, None), tile)])
+        t_q = thr_out.partition_D(g_q[((None, None), tile)])
+        pred = row_predicate(thr_in.partition_S(g_c[((None, None), tile)]), rows)
+        regs = cute.make_fragment_like(t_x)
+        regs.fill(0.0)
+        cute.copy(bf16_copy, t_x, regs, pred=pred)
+        vals = cute.make_fragment_like(regs, Float32)
+        vals.store(regs.load().to(Float32))
+        scale = scale_fp8_block(vals, BF16_PER_VECTOR, vectors_per_block, pow2)
+        q = cute.make_fragment_like(t_q)
+        q.store(vals.load().to(Float8E4M3FN))
+        cute.copy(fp8_copy, q, t_q, pred=pred)
+        vec = tile * ENCODE_THREADS + tidx
+        if lane % vectors_per_block == 0 and vec < rows:
+            scales[vec // vectors_per_block] = scale
+
+
+@cute.jit
+def encode_nvfp4_token(tidx, src_addr, codes_addr, scales_addr, hidden, gs,
+                       e2m1: cutlass.Constexpr, table: cute.Tensor):
+    """Thread `tidx` of ENCODE_THREADS: the token at `src_addr` (bf16) to e2m1 codes at
+    `codes_addr` (8 bytes a 16-element block) and e4m3 scale bytes at `scales_addr`, a block at
+    a time: the block quantizer `quantize_nvfp4` uses, under the global scale `gs`."""
+    for kb in cutlass.range(tidx, hidden // NVFP4_BLOCK, ENCODE_THREADS):
+        byte = quantize_nvfp4_block(src_addr + Int64(kb) * NVFP4_BLOCK * 2,
+                                    codes_addr + Int64(kb) * 8, gs, e2m1, table)
+        store_u8(scales_addr + Int64(kb), byte)
+
+
 class EpEncode:
-    def __init__(self, fmt: str, e2m1: str | None = None, threads: int = 128,
-                 scales: str | None = None):
+    def __init__(self, fmt: str, e2m1: str | None = None, scales: str | None = None):
         """`e2m1` ("software" for sm_90a, "hardware" for sm_100a) is for NVFP4 only; `scales`
         (FP8_SCALES, default "exact") for FP8 only."""
         if fmt not in FORMATS:
@@ -48,7 +101,7 @@ class EpEncode:
         self.fmt = fmt
         self.e2m1 = e2m1
         self.scales = (scales or "exact") if fmt == "fp8" else None
-        self.threads = threads
+        self.threads = ENCODE_THREADS
         self.arches = E2M1_ARCHES[e2m1] if e2m1 else ARCHES
 
     def spec(self) -> KernelSpec:
@@ -103,8 +156,8 @@ class EpEncode:
             for t in cutlass.range(cta * GROUPS + group, num_tokens, ctas * GROUPS):
                 msg = send_buf.toint() + Int64(t) * Int64(msg_bytes)
                 row = x.toint() + Int64(t) * Int64(hidden) * 2
-                self._quantize_fp8(tidx, row, msg, msg + Int64(scales_offset), hidden,
-                                   bf16_copy, fp8_copy)
+                encode_fp8_token(tidx, row, msg, msg + Int64(scales_offset), hidden,
+                                 self.scales == "pow2", bf16_copy, fp8_copy)
         else:
             smem = cutlass.memory.SmemAllocator()
             table = smem.allocate_tensor(Float32, scale_table_layout(), byte_alignment=16)
@@ -114,54 +167,8 @@ class EpEncode:
             for t in cutlass.range(cta * GROUPS + group, num_tokens, ctas * GROUPS):
                 msg = send_buf.toint() + Int64(t) * Int64(msg_bytes)
                 row = x.toint() + Int64(t) * Int64(hidden) * 2
-                for kb in cutlass.range(tidx, hidden // NVFP4_BLOCK, self.threads):
-                    self._quantize_nvfp4_block(row, msg, msg + Int64(scales_offset), kb, gs,
-                                               table)
-
-    @cute.jit
-    def _quantize_nvfp4_block(self, src_addr, codes_addr, scales_addr, kb, gs,
-                              table: cute.Tensor):
-        """Block kb (16 elements) of the token at `src_addr`: its 8 code bytes to `codes_addr`,
-        its e4m3 scale byte to `scales_addr`: the block quantizer `quantize_nvfp4` uses."""
-        byte = quantize_nvfp4_block(src_addr + Int64(kb) * NVFP4_BLOCK * 2,
-                                    codes_addr + Int64(kb) * 8, gs, self.e2m1, table)
-        store_u8(scales_addr + Int64(kb), byte)
-
-    @cute.jit
-    def _quantize_fp8(self, tidx, src_addr, dst_addr, scales_addr, hidden,
-                      bf16_copy: cute.TiledCopy, fp8_copy: cute.TiledCopy):
-        """Rows of 8 elements, one per thread; a 128-element block is 16 consecutive lanes.
-        The math of `kernels.fp8.scale_fp8_block`."""
-        rows = hidden // BF16_PER_VECTOR
-        layout = cute.make_layout((rows, BF16_PER_VECTOR), stride=(BF16_PER_VECTOR, 1))
-        tiler = (self.threads, BF16_PER_VECTOR)
-        g_x = cute.zipped_divide(cute.make_tensor(gmem_ptr(BFloat16, src_addr, 16), layout), tiler)
-        g_q = cute.zipped_divide(cute.make_tensor(gmem_ptr(Float8E4M3FN, dst_addr, 8), layout),
-                                 tiler)
-        g_c = cute.zipped_divide(cute.make_identity_tensor(layout.shape), tiler)
-        scales = cute.make_tensor(gmem_ptr(Float32, scales_addr, 16),
-                                  cute.make_layout(hidden // FP8_BLOCK))
-        thr_in = bf16_copy.get_slice(tidx)
-        thr_out = fp8_copy.get_slice(tidx)
-        lane = tidx % WARP
-        vectors_per_block = FP8_BLOCK // BF16_PER_VECTOR
-        for tile in cutlass.range(cute.ceil_div(rows, self.threads)):
-            t_x = thr_in.partition_S(g_x[((None, None), tile)])
-            t_q = thr_out.partition_D(g_q[((None, None), tile)])
-            pred = row_predicate(thr_in.partition_S(g_c[((None, None), tile)]), rows)
-            regs = cute.make_fragment_like(t_x)
-            regs.fill(0.0)
-            cute.copy(bf16_copy, t_x, regs, pred=pred)
-            vals = cute.make_fragment_like(regs, Float32)
-            vals.store(regs.load().to(Float32))
-            scale = scale_fp8_block(vals, BF16_PER_VECTOR, vectors_per_block,
-                                    self.scales == "pow2")
-            q = cute.make_fragment_like(t_q)
-            q.store(vals.load().to(Float8E4M3FN))
-            cute.copy(fp8_copy, q, t_q, pred=pred)
-            vec = tile * self.threads + tidx
-            if lane % vectors_per_block == 0 and vec < rows:
-                scales[vec // vectors_per_block] = scale
+                encode_nvfp4_token(tidx, row, msg, msg + Int64(scales_offset), hidden, gs,
+                                   self.e2m1, table)
 
 
 def encode_kernels() -> list:

@@ -128,6 +128,7 @@ def test_cli_writes_the_ci_subset_where_asked(tmp_path):
 
 
 def _fp4_kernel(name, e2m1):
+    from kernels.dispatch import EpDispatch
     from kernels.encode import EpEncode
     from kernels.nvfp4 import QuantizeNvfp4
     from kernels.quantize_quads import QuantizeNvfp4Quads
@@ -136,13 +137,14 @@ def _fp4_kernel(name, e2m1):
     return {"quantize_nvfp4": lambda: QuantizeNvfp4("128x4", e2m1),
             "quantize_nvfp4 quads": lambda: QuantizeNvfp4Quads(e2m1),
             "ep_encode_nvfp4": lambda: EpEncode("nvfp4", e2m1),
+            "ep_dispatch_nvfp4": lambda: EpDispatch("nvfp4", e2m1=e2m1),
             "fused_silu_nvfp4": lambda: FusedSilu("nvfp4", True, e2m1=e2m1),
             "fused_silu_mxfp4": lambda: FusedSilu("mxfp4", True, "swiglu_oai", e2m1=e2m1)}[name]()
 
 
 @pytest.mark.build
 @pytest.mark.parametrize("name", ["quantize_nvfp4", "quantize_nvfp4 quads", "ep_encode_nvfp4",
-                                  "fused_silu_nvfp4", "fused_silu_mxfp4"])
+                                  "ep_dispatch_nvfp4", "fused_silu_nvfp4", "fused_silu_mxfp4"])
 def test_fp4_kernels_use_the_hardware_e2m1_conversion_only_on_sm_100a(name):
     from kernels.build import compile_with_ptx
     from kernels.matrix import full_matrix
@@ -180,7 +182,10 @@ def test_dispatch_receivers_of_the_bulk_formats_pull_by_bulk_copies():
     from kernels.dispatch import FORMATS, EpDispatch
     from kernels.dispatch.common import BULK_FORMATS
 
-    for kernel in [EpDispatch(fmt) for fmt in FORMATS] + [EpDispatch("nvfp4", bulk=False)]:
+    kernels = [EpDispatch("bf16"), EpDispatch("fp8"), EpDispatch("nvfp4", e2m1="software"),
+               EpDispatch("nvfp4", bulk=False, e2m1="software")]
+    assert {k.fmt for k in kernels} == set(FORMATS)
+    for kernel in kernels:
         bulk = kernel.fmt in BULK_FORMATS and kernel.spec().config["bulk"] == 1
         ptx = compile_with_ptx(kernel, kernel.spec(), "sm_90a")[2]
         pulls = "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in ptx

@@ -155,31 +155,49 @@ def test_bad_input_is_refused_after_good_input(cpu_buffer):
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
-def test_a_quantized_layer_encodes_bf16_input_then_dispatches_its_messages(cpu_buffer, fmt):
-    buf = cpu_buffer(fmt)
-    x, ids, w = _inputs()
+def test_a_quantized_layer_encodes_bf16_input_in_the_dispatch_or_first(cpu_buffer, fmt):
+    """Given bf16 tokens, a few a channel (at most FUSED_ENCODE_TOKENS) are quantized by the one
+    dispatch launch itself (`encode` 1, x and the global scale passed); more are quantized by
+    `ep_encode` first, on the SM budget, and the dispatch launch quantizes nothing. Either way
+    the senders stream the messages from the send buffer."""
+    buf = cpu_buffer(fmt, tokens=512)  # 4 channels (sms 4): fused up to 64 tokens
+    active = buf._active_for(None)
+    assert active == 4
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(512, H, generator=gen).to(torch.bfloat16)
+    ids = torch.rand(512, E, generator=gen).argsort(1)[:, :K].int()
+    w = torch.rand(512, K, generator=gen)
     gs = torch.full((1,), 100.0) if fmt == "nvfp4" else None
+    gs_at = (gs if gs is not None else buf._no_f32).data_ptr()
     if fmt == "nvfp4":
         with pytest.raises(ValueError, match="needs global_scale"):
-            buf.dispatch(x, ids, w)
-    out = buf.dispatch(x, ids, w, global_scale=gs)
-    e, d = buf._encode_launch.calls[-1], buf._dispatch_launch.calls[-1]
-    assert (e["x"], e["num_tokens"]) == (x.data_ptr(), T)
-    # The encoder keeps the SM budget (4 here): a CTA an SM, 4 tokens a CTA at once.
-    assert e["ctas"] == min(buf.sms, -(-T // 4))
-    buf.dispatch(x[:5], ids[:5], w[:5], global_scale=gs)
-    assert buf._encode_launch.calls[-1]["ctas"] == 2
-    assert e["global_scale"] == (gs if gs is not None else buf._no_f32).data_ptr()
+            buf.dispatch(x[:T], ids[:T], w[:T])
     send, msg = buf.send_buf.data_ptr(), buf.msg
-    assert (d["source"], d["source_stride"]) == (send, msg.size)
-    assert d["scales"] == out.scales.data_ptr()
-    if fmt == "fp8":
-        assert (d["scale_source"], d["load_bytes"]) == (send + buf.scales_at, H)
-        assert d["scales_offsets"] == buf._no_i32.data_ptr() and out.scales_offsets is None
-    else:
-        assert (d["scale_source"], d["scale_stride"]) == (buf._no_f32.data_ptr(), 0)
-        assert d["load_bytes"] == msg.staged_bytes
-        assert d["scales_offsets"] == out.scales_offsets.data_ptr()
+    fused = ep.FUSED_ENCODE_TOKENS * active
+    for t, encoder in ((T, False), (fused, False), (fused + 1, True), (512, True), (5, False)):
+        encodes, launches = len(buf._encode_launch.calls), len(buf._dispatch_launch.calls)
+        out = buf.dispatch(x[:t], ids[:t], w[:t], global_scale=gs)
+        assert len(buf._dispatch_launch.calls) == launches + 1
+        assert len(buf._encode_launch.calls) == encodes + encoder, t
+        d = buf._dispatch_launch.calls[-1]
+        if encoder:
+            e = buf._encode_launch.calls[-1]
+            assert (e["x"], e["num_tokens"], e["global_scale"]) == (x.data_ptr(), t, gs_at)
+            # The encoder keeps the SM budget (4 here): a CTA an SM, 4 tokens a CTA at once.
+            assert e["ctas"] == min(buf.sms, -(-t // 4))
+            assert (d["encode"], d["x"]) == (0, buf._no_bf16.data_ptr())
+        else:
+            assert (d["encode"], d["x"], d["global_scale"]) == (1, x.data_ptr(), gs_at)
+        assert d["num_tokens"] == t
+        assert (d["source"], d["source_stride"]) == (send, msg.size)
+        assert d["scales"] == out.scales.data_ptr()
+        if fmt == "fp8":
+            assert (d["scale_source"], d["load_bytes"]) == (send + buf.scales_at, H)
+            assert d["scales_offsets"] == buf._no_i32.data_ptr() and out.scales_offsets is None
+        else:
+            assert (d["scale_source"], d["scale_stride"]) == (buf._no_f32.data_ptr(), 0)
+            assert d["load_bytes"] == msg.staged_bytes
+            assert d["scales_offsets"] == out.scales_offsets.data_ptr()
 
 
 def test_a_receive_capacity_sizes_the_outputs_bounds_both_kernels_and_names_an_overflow(

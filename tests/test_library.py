@@ -176,6 +176,8 @@ def test_the_built_library_lists_every_kernel_for_both_arches():
             name += "_" + entry.spec.config["format"]
         if entry.spec.config.get("bulk") == 0:
             name += "_registers"
+        if entry.spec.config.get("scales") == "pow2":
+            name += "_pow2"
         assert entry.symbol == f"_ZZN7cute_ep7cutlassEE{len(name)}{name}_0", entry.symbol
 
 

@@ -2,21 +2,26 @@
 
 Channel c of every rank owns a contiguous run of that rank's tokens (`layouts.channels`). Its CTA
 has SEND_WARPS sender warps and RECV_WARPS_BULK (or, for a format moved through registers,
-RECV_WARPS_REGISTERS) receiver warps, and runs three parts:
+RECV_WARPS_REGISTERS) receiver warps, and runs these parts:
 
 1. Counts (all warps): the channel's tokens are routed (each valid (token, k) pair, a later k
    naming the same expert dropped, ids outside [0, E) dropped and reported) and counted per
    expert and per destination rank; the counts go to every destination's `counts` table under
    the round's parity, and the channel's count flag there is raised to the round's epoch.
+1b. Encode (FP8 and NVFP4 given bf16 tokens, when the host asks for it: a few tokens a channel,
+   a decode step's; all warps): the channel's own tokens are quantized into their messages in the
+   local send buffer (`kernels.encode`) while the counts travel. More tokens are quantized by
+   `ep_encode` on the same SM budget before the dispatch.
 2. Send (SEND_WARPS sender warps): the channel's tokens go in batches of BATCH, each into the
    next batch slot of this rank's own staging (peer-visible memory, `layouts.channels`): the
    batch header (every token's K ids and weights, as the caller gave them, and its index) and
    each token's message (the bf16 row of `x`; FP8 codes and their scales from their own rows,
-   the caller's or `ep_encode`'s; NVFP4 codes and scales from the caller's rows, or the whole
-   message `ep_encode` wrote into `send_buf`), token b by warp b % SEND_WARPS, tiles of
-   SEND_VECTORS[format] 16-byte vectors per lane with every load in flight (each warp prefetches
-   its tokens of the batch into L2 before it waits for credit, so those loads hit L2). A sender
-   does nothing per destination per token: it waits, once per batch, until every destination has
+   the caller's, `ep_encode`'s or those phase 1b wrote; NVFP4 codes and scales from the caller's
+   rows, or the whole message `ep_encode` or phase 1b wrote into `send_buf`), token b by warp
+   b % SEND_WARPS, tiles of SEND_VECTORS[format] 16-byte vectors per lane with every load in
+   flight (each warp prefetches its tokens of the batch into L2 before it waits for credit, so
+   those loads hit L2). A sender does nothing per destination per token: it waits, once per
+   batch, until every destination has
    returned credit for the batch the slot held, and the warp that
    finishes a batch last (one shared-memory atomic a warp) fences once at system scope and
    publishes the batch in every destination's `tails`.
@@ -57,9 +62,13 @@ round counter advances when the last CTA finishes, so a CUDA graph replays the l
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64, Uint8
+from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64, Uint8
 
 from kernels.copy import row_tiled_copy
+from kernels.encode import (BF16_PER_VECTOR, E2M1_ARCHES, ENCODE_THREADS, encode_fp8_token,
+                            encode_nvfp4_token)
+from kernels.memory import load_f32
+from kernels.nvfp4 import SCALE_TABLE_BYTES, fill_scale_table, scale_table_layout
 from kernels.dispatch.common import (FORMATS, LIMITS, MAX_CHUNK, MAX_EXPERTS, MAX_RANKS,
                                      MAX_SEGMENTS, MAX_STAGE_BATCHES, MAX_TOPK, PHASE_DISPATCH,
                                      PIECE, PIECES, BULK_FORMATS, RECV_WARPS_BULK,
@@ -71,19 +80,31 @@ from kernels.dispatch.receive import ReceivePhase
 from kernels.dispatch.scales import ScalesPhase
 from kernels.dispatch.send import SendPhase
 from kernels.routing import channel_tokens
-from layouts.abi import GridRule, KernelSpec, Param
+from layouts.abi import ARCHES, GridRule, KernelSpec, Param
 from layouts.channels import (COUNT_SEGMENTS, DISPATCH_RECEIVE, DISPATCH_SEND, SEND_TIMES,
                               count_flags_layout, counters_layout, counts_layout)
-from layouts.config import FP8_ROW_ALIGN
+from layouts.config import FP8_ROW_ALIGN, FP8_SCALES
 
 
 class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
-    def __init__(self, fmt: str, bulk: bool | None = None):
+    def __init__(self, fmt: str, bulk: bool | None = None, scales: str | None = None,
+                 e2m1: str | None = None):
         """`bulk`: receivers pull messages by bulk copies (the default of BULK_FORMATS) or
         through registers; NVFP4 rows of H / 2 bytes that are not 16-byte multiples (H not a
-        multiple of 32) cannot be bulk-stored and take the register path."""
+        multiple of 32) cannot be bulk-stored and take the register path. Given bf16 tokens,
+        FP8 and NVFP4 layers quantize them in the kernel (`kernels.encode`): FP8 `scales`
+        (FP8_SCALES, default "exact"); NVFP4 `e2m1` ("software" for sm_90a, "hardware" for
+        sm_100a)."""
         if fmt not in FORMATS:
             raise ValueError(f"ep_dispatch formats: {FORMATS}, not {fmt!r}")
+        if scales is not None and (fmt != "fp8" or scales not in FP8_SCALES):
+            raise ValueError(f"ep_dispatch scales {FP8_SCALES} are for fp8, got {fmt}, {scales}")
+        if (fmt == "nvfp4") != (e2m1 is not None) or (e2m1 and e2m1 not in E2M1_ARCHES):
+            raise ValueError(f"ep_dispatch: nvfp4 needs e2m1 software|hardware, other formats "
+                             f"none; got {fmt}, {e2m1}")
+        self.scales = (scales or "exact") if fmt == "fp8" else None
+        self.e2m1 = e2m1
+        self.arches = E2M1_ARCHES[e2m1] if e2m1 else ARCHES
         if bulk is None:
             bulk = fmt in BULK_FORMATS
         if not bulk and fmt == "bf16":
@@ -111,7 +132,8 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                  + MAX_STAGE_BATCHES)  # s_arrive
         dwords = SEND_WARPS * MAX_RANKS + SEND_WARPS * len(SEND_TIMES)  # s_head, s_time
         tiles = 0 if self.tiles_in_ring else 4 * self.tile_words
-        return 4 * words + 8 * dwords + 14 * 16 + 128 + self.ring_bytes + tiles
+        table = SCALE_TABLE_BYTES + 16 if self.fmt == "nvfp4" else 0  # the NVFP4 encoder's
+        return 4 * words + 8 * dwords + 14 * 16 + 128 + self.ring_bytes + tiles + table
 
     @property
     def tile_words(self) -> int:
@@ -145,7 +167,9 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
     def spec(self) -> KernelSpec:
         return KernelSpec(
             family="ep_dispatch",
-            config={"format": self.fmt, "bulk": int(self.bulk)},
+            config={"format": self.fmt, "bulk": int(self.bulk),
+                    **({"scales": self.scales} if self.scales else {}),
+                    **({"e2m1": self.e2m1} if self.e2m1 else {})},
             params=(
                 Param("peer_bases", "ptr", "int64", align=8, min_elements=("ranks", 1)),
                 Param("source", "ptr", "uint8", align=16),
@@ -209,6 +233,11 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                 Param("trace", "ptr", "int64", align=8, writes=True),
                 Param("tracing", "i32"),
                 Param("phases", "i32"),
+                # FP8 / NVFP4 given bf16 tokens (`encode` 1): the kernel quantizes x into
+                # `source` (the send buffer, a message a token) first; NVFP4 under global_scale.
+                Param("x", "ptr", "bfloat16", align=16),
+                Param("global_scale", "ptr", "float32", align=4),
+                Param("encode", "i32"),
             ),
             block=(self.threads, 1, 1),
             grid=(GridRule(ceil_div=("active", 1)), GridRule(constant=1),
@@ -240,7 +269,8 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                  headers_offset: Int64, staging_offset: Int64, counts_offset: Int64,
                  flags_offset: Int64,
                  counters_offset: Int64, timeout_ns: Int64, trace: cute.Pointer,
-                 tracing: Int32, phases: Int32, stream):
+                 tracing: Int32, phases: Int32, x: cute.Pointer, global_scale: cute.Pointer,
+                 encode: Int32, stream):
         self.kernel(peer_bases, source, scale_source, scale_stride, topk_ids, topk_weights,
                     streams, rounds, done, error,
                     tokens, scales, scale_rows, scales_offsets, row_offsets, expert_ids, seg_counts,
@@ -252,9 +282,11 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                     load_bytes, stage_bytes, stage_batches, payload_vectors, scales_offset,
                     row_capacity, segment_rows, channels, active,
                     headers_offset, staging_offset, counts_offset, flags_offset,
-                    counters_offset, timeout_ns, trace, tracing, phases,
+                    counters_offset, timeout_ns, trace, tracing, phases, x, global_scale, encode,
                     row_tiled_copy(WARP, Uint8, self.vector_bytes),
-                    row_tiled_copy(WARP, Uint8, 16)).launch(
+                    row_tiled_copy(WARP, Uint8, 16),
+                    row_tiled_copy(ENCODE_THREADS, BFloat16, BF16_PER_VECTOR),
+                    row_tiled_copy(ENCODE_THREADS, Float8E4M3FN, BF16_PER_VECTOR)).launch(
             grid=(active, 1, 1), block=(self.threads, 1, 1), smem=self.smem_bytes,
             stream=stream)
 
@@ -280,7 +312,9 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                headers_offset: Int64, staging_offset: Int64, counts_offset: Int64,
                flags_offset: Int64,
                counters_offset: Int64, timeout_ns: Int64, trace: cute.Pointer, tracing: Int32,
-               phases: Int32, warp_copy: cute.TiledCopy, send_copy: cute.TiledCopy):
+               phases: Int32, x: cute.Pointer, global_scale: cute.Pointer, encode: Int32,
+               warp_copy: cute.TiledCopy, send_copy: cute.TiledCopy, enc_in: cute.TiledCopy,
+               enc_out: cute.TiledCopy):
         tidx, _, _ = cute.arch.thread_idx()
         channel, _, _ = cute.arch.block_idx()
         warp = tidx // WARP
@@ -327,6 +361,9 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                                           byte_alignment=16)
         s_full = smem.allocate_array(Int64, pieces, byte_alignment=8)
         s_piece = smem.allocate_tensor(Int32, cute.make_layout(pieces), byte_alignment=16)
+        s_table = s_piece  # the NVFP4 encoder's e4m3 scale table (other formats: unused)
+        if cutlass.const_expr(self.fmt == "nvfp4"):
+            s_table = smem.allocate_tensor(Float32, scale_table_layout(), byte_alignment=16)
 
         if tidx == 0:
             _stamp(trace, tracing, channel, "start", cute.arch.globaltimer())
@@ -348,6 +385,9 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                 for i in cutlass.range(self.recv_warps * PIECES):
                     cute.arch.mbarrier_init(s_full + i, 1)
                 cute.arch.mbarrier_init_fence()
+        if cutlass.const_expr(self.fmt == "nvfp4"):
+            if encode != 0:  # read after the counts phase's barriers
+                fill_scale_table(s_table, tidx, self.threads)
         peers = cute.make_tensor(peer_bases, cute.make_layout(ranks))
         here = peers[my_rank]
         epoch = cute.arch.load(rounds, Int64, sem="relaxed", scope="gpu") + 1
@@ -369,6 +409,16 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                                  shared_end, ranks, entries, peers, counts_offset, counts_at,
                                  flags_offset, flags_at, parity, epoch, active, error, s_cnt,
                                  trace, tracing)
+
+            # 1b. Encode (FP8 / NVFP4 given bf16 tokens) -------------------------------------
+            # Every warp quantizes the channel's own tokens into the send buffer while the
+            # other ranks' counts travel; the senders read them after the barrier.
+            if cutlass.const_expr(self.fmt != "bf16"):
+                if encode != 0:
+                    self._encode_tokens(tidx, t0, t1, x, global_scale, source, source_stride,
+                                        scales_offset, payload_vectors, s_table, enc_in,
+                                        enc_out)
+                    cute.arch.sync_threads()
 
             # 2. Send ------------------------------------------------------------------------
             if warp < SEND_WARPS:
@@ -425,8 +475,33 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
             _stamp(trace, tracing, channel, "end", cute.arch.globaltimer())
 
 
+    @cute.jit
+    def _encode_tokens(self, tidx, t0, t1, x: cute.Pointer, global_scale: cute.Pointer,
+                       send_buf: cute.Pointer, msg_bytes, scales_offset, payload_vectors,
+                       table: cute.Tensor, enc_in: cute.TiledCopy, enc_out: cute.TiledCopy):
+        """Tokens t0 .. t1 - 1 of `x` (bf16 rows) into their messages in `send_buf` (a token's
+        payload, then its scales at `scales_offset`), ENCODE_THREADS threads a token, the CTA's
+        groups of them taking every groups-th token."""
+        groups = self.threads // ENCODE_THREADS
+        group = tidx // ENCODE_THREADS
+        gtid = tidx - group * ENCODE_THREADS
+        hidden = payload_vectors * self.vector_bytes * (2 if self.fmt == "nvfp4" else 1)
+        gs = Float32(0.0)
+        if cutlass.const_expr(self.fmt == "nvfp4"):
+            gs = load_f32(global_scale.toint())
+        for t in cutlass.range(t0 + group, t1, groups):
+            msg = send_buf.toint() + Int64(t) * Int64(msg_bytes)
+            row = x.toint() + Int64(t) * Int64(hidden) * 2
+            if cutlass.const_expr(self.fmt == "fp8"):
+                encode_fp8_token(gtid, row, msg, msg + Int64(scales_offset), hidden,
+                                 self.scales == "pow2", enc_in, enc_out)
+            else:
+                encode_nvfp4_token(gtid, row, msg, msg + Int64(scales_offset), hidden, gs,
+                                   self.e2m1, table)
+
 def dispatch_kernels() -> list:
-    """Every format's kernel, and NVFP4's register-path one for rows that are not 16-byte
-    multiples."""
-    return [EpDispatch(f) for f in FORMATS] + [EpDispatch("nvfp4", bulk=False)]
+    """Every format's kernel: FP8 with exact and power-of-two scales, NVFP4 with each arch's
+    e2m1 encoder, bulk and (for rows that are not 16-byte multiples) register receivers."""
+    return [EpDispatch("bf16"), *(EpDispatch("fp8", scales=s) for s in FP8_SCALES),
+            *(EpDispatch("nvfp4", bulk=b, e2m1=e) for b in (True, False) for e in E2M1_ARCHES)]
 
