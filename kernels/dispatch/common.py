@@ -31,6 +31,7 @@ MAX_STAGE_BATCHES = 16  # a channel's staging ring, in batches
 SEND_VECTORS = {"bf16": 32, "fp8": 16, "nvfp4": 16}
 TILE_VECTORS = {"bf16": 16, "fp8": 8, "nvfp4": 16}
 MAX_CHUNK = 8  # tokens of a batch a receiver warp takes at once (BATCH in two chunks)
+HEADER_REGS = MAX_CHUNK * MAX_TOPK // 32  # a chunk's header words (ids, weights) per lane
 COUNT_UNROLL = 8  # channels' count words a receiver thread loads at once (`_sum_counts`)
 SCALE_REGS = 4  # FP8 / NVFP4 scale words per lane a receiver loads with a message's payload
 # FP8 / NVFP4 scales go out through a tile per warp: up to TILE_ROWS rows of TILE_COLS words, a

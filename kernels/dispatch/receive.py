@@ -10,9 +10,9 @@ from cutlass import Float32, Int32, Int64, Uint8
 
 from kernels.bulk_copy import bulk_load, bulk_store
 from kernels.copy import row_predicate
-from kernels.dispatch.common import (BATCH, FLAG_ROUND, FP8_BLOCK, IDS, IDS_AT, LAG, MAP_AT,
-                                     MAX_CHUNK, MAX_RANKS, MAX_SEGMENTS, MAX_TOPK, NVFP4_BLOCK,
-                                     PHASE_DISPATCH, PIECE, PIECES, ROWS, ROWS_AT, SCALE_REGS,
+from kernels.dispatch.common import (BATCH, FLAG_ROUND, FP8_BLOCK, HEADER_REGS, IDS, IDS_AT,
+                                     LAG, MAP_AT, MAX_CHUNK, MAX_RANKS, MAX_SEGMENTS, MAX_TOPK,
+                                     NVFP4_BLOCK, PHASE_DISPATCH, PIECE, PIECES, ROWS, ROWS_AT, SCALE_REGS,
                                      SCALES_BULK, SCALES_LANES, SCALES_SLABS,
                                      SCRATCH, SEGS_AT, SROWS_AT, STAGE_AT, TOKS_AT, WARP, WEIGHTS,
                                      _stamp, _stamp_max, _wait_at_least)
@@ -290,6 +290,13 @@ class ReceivePhase:
         alive = Int32(1)
         waited = Int64(0)
         placed = Int32(0)  # messages of s this warp has seen
+        # The next chunk's header (ids, weights, source tokens), loaded into registers before
+        # this chunk's messages are placed, so its loads over NVLink land while they are
+        # (`have` = 1: the registers hold the chunk about to be taken).
+        n_ids = cute.make_rmem_tensor(cute.make_layout(HEADER_REGS), Int32)
+        n_wts = cute.make_rmem_tensor(cute.make_layout(HEADER_REGS), Float32)
+        have = Int32(0)
+        n_tok = Int32(-1)
         i = Int32(0)
         while i < batches and placed < n:
             at = consumed + Int64(i)
@@ -329,17 +336,46 @@ class ReceivePhase:
                             need, lane, drained, msg_bytes, payload_bytes, pieces_at, full,
                             s_piece, held, tokens, topk, s_scratch, scratch, scale_rows, scales,
                             scale_mode, scales_offset, scale_bytes, scale_cols, row_capacity)
-                    # The chunk's ids and weights (loads into shared memory, all in flight
-                    # together) and source tokens.
-                    for w in cutlass.range(lane, hn * topk, WARP, unroll=4):
-                        c = w // topk
-                        k = w - c * topk
-                        s_scratch[scratch + IDS_AT + w] = head[hdr((k, IDS, h + c))]
-                        s_wts[wts + w] = head_f[hdr((k, WEIGHTS, h + c))]
-                    tok = Int32(-1)
-                    if lane < hn:
-                        tok = head[header_token_word(topk, h + lane)]
+                    # The chunk's ids and weights (into shared memory) and source tokens:
+                    # loaded while the previous chunk was placed, or now (all in flight
+                    # together).
+                    if have == 0:
+                        n_tok = self._load_header(lane, head, head_f, hdr, h, hn, topk, n_ids,
+                                                  n_wts)
+                    for j in cutlass.range_constexpr(HEADER_REGS):
+                        w = lane + j * WARP
+                        if w < hn * topk:
+                            s_scratch[scratch + IDS_AT + w] = n_ids[j]
+                            s_wts[wts + w] = n_wts[j]
+                    tok = n_tok
                     cute.arch.sync_warp()
+                    # The next chunk's: the rest of this batch, or the next batch once its
+                    # source has published it (lane 0 saw its tail: acquired with this one's).
+                    have = Int32(0)
+                    if h + MAX_CHUNK < in_batch:
+                        n_tok = self._load_header(
+                            lane, head, head_f, hdr, h + MAX_CHUNK,
+                            cutlass.min(Int32(MAX_CHUNK), in_batch - h - MAX_CHUNK), topk,
+                            n_ids, n_wts)
+                        have = Int32(1)
+                    else:
+                        ahead = cute.arch.shuffle_sync(Int32(tail > at + 1), 0)
+                        if ahead != 0 and i + 1 < batches:
+                            nslot = Int32((at + 1) % Int64(stage_batches))
+                            nhead = cute.make_tensor(gmem_ptr(Int32, peers[s] + headers_offset
+                                                              + Int64(headers((0, nslot,
+                                                                               channel))), 16),
+                                                     cute.make_layout(
+                                                         header_token_word(topk, BATCH)))
+                            nhead_f = cute.make_tensor(gmem_ptr(Float32, nhead.iterator.toint(),
+                                                                16),
+                                                       cute.make_layout(
+                                                           header_token_word(topk, BATCH)))
+                            n_tok = self._load_header(
+                                lane, nhead, nhead_f, hdr, Int32(0),
+                                cutlass.min(Int32(MAX_CHUNK), ntok - (i + 1) * BATCH), topk,
+                                n_ids, n_wts)
+                            have = Int32(1)
                     # Each (token, k)'s local segment: -1 for another rank's expert, an id
                     # outside the experts, or a later k naming an expert an earlier k named
                     # (the sender counted the same pairs).
@@ -466,6 +502,24 @@ class ReceivePhase:
             _stamp_max(trace, tracing, channel, "rows_written", cute.arch.globaltimer())
         if sub == 0 and lane == 0:
             _stamp_max(trace, tracing, channel, "recv_wait_ns", waited)
+
+    @cute.jit
+    def _load_header(self, lane, head: cute.Tensor, head_f: cute.Tensor, hdr, h, hn, topk,
+                     n_ids: cute.Tensor, n_wts: cute.Tensor):
+        """Load the ids and weights of tokens h .. h + hn - 1 of a batch header into the lanes'
+        registers (word w = lane + j * WARP of the chunk in n_ids[j], n_wts[j]); returns lane
+        c's source token (c < hn; -1 for the other lanes). The loads are not waited for."""
+        for j in cutlass.range_constexpr(HEADER_REGS):
+            w = lane + j * WARP
+            if w < hn * topk:
+                c = w // topk
+                k = w - c * topk
+                n_ids[j] = head[hdr((k, IDS, h + c))]
+                n_wts[j] = head_f[hdr((k, WEIGHTS, h + c))]
+        tok = Int32(-1)
+        if lane < hn:
+            tok = head[header_token_word(topk, h + lane)]
+        return tok
 
     @cute.jit
     def _place(self, lane, sub, per_source, s, cnt, first, topk, max_tokens, my_rank, shared,
