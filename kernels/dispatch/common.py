@@ -72,8 +72,11 @@ ROWS_AT = STAGE_AT + MAX_CHUNK
 SROWS_AT = ROWS_AT + 2 * MAX_CHUNK * ROWS
 SCRATCH = SROWS_AT + MAX_CHUNK * ROWS
 # s_src words per source: messages, messages of the channels before, messages in all, the
-# chunk decision of its first warp, tokens of its channel, its first row (rows by source).
-SRC_WORDS = 6
+# chunk decision of its first warp, tokens of its channel, its first row (rows by source); then,
+# per staging slot, how many of the source's warps have finished the batches it held
+# (DONE_AT + slot).
+DONE_AT = 6
+SRC_WORDS = DONE_AT + MAX_STAGE_BATCHES
 
 
 

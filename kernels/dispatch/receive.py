@@ -10,12 +10,13 @@ from cutlass import Float32, Int32, Int64, Uint8
 
 from kernels.bulk_copy import bulk_load, bulk_store
 from kernels.copy import row_predicate
-from kernels.dispatch.common import (BATCH, FLAG_ROUND, FP8_BLOCK, HEADER_REGS, IDS, IDS_AT,
-                                     LAG, MAP_AT, MAX_CHUNK, MAX_RANKS, MAX_SEGMENTS, MAX_TOPK,
-                                     NVFP4_BLOCK, PHASE_DISPATCH, PIECE, PIECES, ROWS, ROWS_AT, SCALE_REGS,
-                                     SCALES_BULK, SCALES_LANES, SCALES_SLABS,
-                                     SCRATCH, SEGS_AT, SROWS_AT, STAGE_AT, TOKS_AT, WARP, WEIGHTS,
-                                     _stamp, _stamp_max, _wait_at_least)
+from kernels.dispatch.common import (BATCH, DONE_AT, FLAG_ROUND, FP8_BLOCK, HEADER_REGS, IDS,
+                                     IDS_AT, LAG, MAP_AT, MAX_CHUNK, MAX_RANKS, MAX_SEGMENTS,
+                                     MAX_STAGE_BATCHES, MAX_TOPK, NVFP4_BLOCK, PHASE_DISPATCH,
+                                     PIECE, PIECES, ROWS, ROWS_AT, SCALE_REGS, SCALES_BULK,
+                                     SCALES_LANES, SCALES_SLABS, SCRATCH, SEGS_AT, SROWS_AT,
+                                     STAGE_AT, TOKS_AT, WARP, WEIGHTS, _stamp, _stamp_max,
+                                     _wait_at_least)
 from kernels.memory import error_field, gmem_ptr, store_f32, store_i32
 from kernels.scan import warp_exclusive_scan
 from layouts.buffers import ERROR_CAPACITY, ERROR_CHANNELS, ERROR_COUNTS, scale_rows_layout
@@ -98,6 +99,8 @@ class ReceivePhase:
                 total = Int32(0)
             s_src[rt] = n
             s_src[3 * MAX_RANKS + rt] = Int32(0)  # set once a warp of source rt gives up
+            for j in cutlass.range_constexpr(MAX_STAGE_BATCHES):
+                s_src[(DONE_AT + j) * MAX_RANKS + rt] = Int32(0)
             s_src[4 * MAX_RANKS + rt] = ntok
             cute.make_tensor(chan_msgs, channel_messages_layout(ranks, channels).to_cute())[
                 (rt, channel)] = n
@@ -231,9 +234,10 @@ class ReceivePhase:
         until the last message from s has landed. Every warp of s reads the batch's header and
         places the rows of its messages (so each keeps the same next-row counters), MAX_CHUNK
         tokens at a time; message m of a chunk is then pulled from the source's staging by warp
-        m % per_source and stored to its rows. The warps of s meet at a named barrier after
-        each batch, which then goes back to s (BF16: the batch before it, whose last pieces
-        land while this one is placed; the last once every piece has landed)."""
+        m % per_source and stored to its rows. The last warp of s to finish a batch hands it
+        back to s (BF16: the batch before it, whose last pieces land while this one is placed;
+        the last once every piece has landed), counted per staging slot in shared memory: the
+        warps do not wait for each other between batches, only at the end of the stream."""
         stage = staging_layout(stage_bytes, stage_batches * BATCH, channels)
         headers = headers_layout(header_bytes, stage_batches, channels)
         hdr = batch_header_layout(topk)
@@ -457,23 +461,29 @@ class ReceivePhase:
                 batch_mark = issued
                 if stage_batches > 1:
                     done_through = at
-            if per_source > 1:
-                # The warps of s agree on going on: a warp whose wait failed says so before the
-                # barrier (the word is only ever set in this kernel).
-                if alive == 0 and lane == 0:
-                    s_src[3 * MAX_RANKS + s] = Int32(1)
-                cute.arch.barrier(barrier_id=2 + s, number_of_threads=WARP * per_source)
-                if s_src[3 * MAX_RANKS + s] != 0:
-                    alive = Int32(0)
+            # A warp whose wait failed says so to the other warps of s (the word is only ever
+            # set in this kernel); they give up at their next batch.
+            if alive == 0 and lane == 0:
+                s_src[3 * MAX_RANKS + s] = Int32(1)
+            if s_src[3 * MAX_RANKS + s] != 0:
+                alive = Int32(0)
             if alive == 0:
                 placed = n  # a rank timed out: the rest of this stream is given up
-            elif sub == 0 and lane == 0:
-                # Every warp of s is done with the batches through `done_through`: their slots
-                # go back to s. Relaxed: their headers and payloads are loaded (their values in
-                # shared memory or stored to rows), which is all the source needs; a release
-                # would also wait until the row stores are acknowledged.
-                cute.arch.store(gmem_ptr(Int64, head_word, 8), done_through, sem="relaxed",
-                                scope="sys")
+            elif lane == 0:
+                # The last warp of s to finish this batch hands back to s the slots of the
+                # batches through `done_through` (every warp of s is done with them). No barrier:
+                # a warp goes on to its next batch while the others finish this one; it is at
+                # most a ring ahead (s refills a slot only once it is handed back), so a slot's
+                # count of finished warps reaches per_source once per use. A reduction to the
+                # maximum: hand-backs of two batches may land in either order. Relaxed: the
+                # warps' headers and payloads are loaded (their values in shared memory or
+                # stored to rows), which is all the source needs.
+                slot_done = cute.arch.atomic_add(
+                    (s_src.iterator + (DONE_AT + i % stage_batches) * MAX_RANKS + s), Int32(1),
+                    sem="relaxed", scope="cta")
+                if slot_done + 1 == per_source * (i // stage_batches + 1):
+                    cute.arch.red(gmem_ptr(Int64, head_word, 8), done_through, op="max",
+                                  dtype=Int64, sem="relaxed", scope="sys")
             i = i + 1
         if cutlass.const_expr(self.bulk):
             # Every piece has landed before the stream's slots go back to s.
@@ -489,8 +499,8 @@ class ReceivePhase:
                 cute.arch.atomic_or(error_field(error, "bad_counts"), Int32(ERROR_COUNTS),
                                     sem="relaxed", scope="gpu")
         if sub == 0 and lane == 0 and alive != 0:
-            cute.arch.store(gmem_ptr(Int64, head_word, 8), consumed + Int64(batches),
-                            sem="relaxed", scope="sys")
+            cute.arch.red(gmem_ptr(Int64, head_word, 8), consumed + Int64(batches), op="max",
+                          dtype=Int64, sem="relaxed", scope="sys")
             cute.arch.store(gmem_ptr(Int64, streams.toint() + Int64(
                 counters((channel, s, HEADS, DISPATCH))) * 8, 8), consumed + Int64(batches))
         if lane == 0:
