@@ -40,19 +40,11 @@ def bench_times(record: dict) -> dict[tuple, float]:
     DeepEP's normal-mode method (SMs "<budget> lockstep")."""
     from cute_ep.tools.plot import bench_series
 
-    out = {(phase, fmt, str(sms)): us
-           for (phase, fmt), points in bench_series(record)["series"].items()
+    out = {(phase, fmt, f"{sms}{label}"): us
+           for field, label in (("{phase}_us", ""), ("lockstep_{phase}_us", " lockstep"))
+           for (phase, fmt), points in bench_series(record, field)["series"].items()
            for sms, us in points}
     ranks = record["ranks"]
-    every = record["config"].get("sms_per_gpu", 132)
-    for fmt in ranks[0]["formats"]:
-        per = [r["formats"][fmt]["throughput"]["sweep"] for r in ranks]
-        for i, point in enumerate(per[0]):
-            sms = every if point["sms"] in ("all", None) else point["sms"]
-            for phase in ("dispatch", "combine"):
-                key = f"lockstep_{phase}_us"
-                if all(key in p[i] for p in per):
-                    out[(phase, fmt, f"{sms} lockstep")] = max(p[i][key] for p in per)
     for fmt in ranks[0]["formats"]:
         decode = [r["formats"][fmt].get("decode") for r in ranks]
         if all(decode):

@@ -47,9 +47,10 @@ def _pyplot():
     return plt
 
 
-def bench_series(record: dict) -> dict:
+def bench_series(record: dict, field: str = "{phase}_us") -> dict:
     """{(phase, format): [(SMs, us)]}, the slowest rank's time at each SM budget ('all' as the
-    GPU's SM count), and {format: NCCL all_to_all us} (slowest rank)."""
+    GPU's SM count) in sweep field `field` (its {phase} dispatch or combine; points no rank
+    recorded it at left out, as in records from before the field), and {format: NCCL all_to_all us} (slowest rank)."""
     every = record["config"].get("sms_per_gpu", 132)
     series, nccl = {}, {}
     ranks = record["ranks"]
@@ -59,8 +60,10 @@ def bench_series(record: dict) -> dict:
         for i, point in enumerate(per[0]["sweep"]):
             sms = every if point["sms"] in ("all", None) else int(point["sms"])
             for phase in ("dispatch", "combine"):
-                us = max(p["sweep"][i][f"{phase}_us"] for p in per)
-                series.setdefault((phase, fmt), []).append((sms, us))
+                key = field.format(phase=phase)
+                if any(key in p["sweep"][i] for p in per):
+                    us = max(p["sweep"][i][key] for p in per)
+                    series.setdefault((phase, fmt), []).append((sms, us))
     for points in series.values():
         points.sort()
     return {"series": series, "nccl": nccl}

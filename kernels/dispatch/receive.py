@@ -319,11 +319,7 @@ class ReceivePhase:
                 _stamp_max(trace, tracing, channel, "first_batch", cute.arch.globaltimer())
             if alive != 0:
                 slot = Int32(at % Int64(stage_batches))
-                head = cute.make_tensor(gmem_ptr(Int32, peers[s] + headers_offset + Int64(
-                    headers((0, slot, channel))), 16), cute.make_layout(
-                    header_token_word(topk, BATCH)))
-                head_f = cute.make_tensor(gmem_ptr(Float32, head.iterator.toint(), 16),
-                                          cute.make_layout(header_token_word(topk, BATCH)))
+                head = peers[s] + headers_offset + Int64(headers((0, slot, channel)))
                 if cutlass.const_expr(self.bulk):
                     if lane == 0:
                         cute.arch.fence_proxy("async.global")  # the tail's acquire, then bulk
@@ -344,8 +340,7 @@ class ReceivePhase:
                     # loaded while the previous chunk was placed, or now (all in flight
                     # together).
                     if have == 0:
-                        n_tok = self._load_header(lane, head, head_f, hdr, h, hn, topk, n_ids,
-                                                  n_wts)
+                        n_tok = self._load_header(lane, head, hdr, h, hn, topk, n_ids, n_wts)
                     for j in cutlass.range_constexpr(HEADER_REGS):
                         w = lane + j * WARP
                         if w < hn * topk:
@@ -358,7 +353,7 @@ class ReceivePhase:
                     have = Int32(0)
                     if h + MAX_CHUNK < in_batch:
                         n_tok = self._load_header(
-                            lane, head, head_f, hdr, h + MAX_CHUNK,
+                            lane, head, hdr, h + MAX_CHUNK,
                             cutlass.min(Int32(MAX_CHUNK), in_batch - h - MAX_CHUNK), topk,
                             n_ids, n_wts)
                         have = Int32(1)
@@ -366,17 +361,9 @@ class ReceivePhase:
                         ahead = cute.arch.shuffle_sync(Int32(tail > at + 1), 0)
                         if ahead != 0 and i + 1 < batches:
                             nslot = Int32((at + 1) % Int64(stage_batches))
-                            nhead = cute.make_tensor(gmem_ptr(Int32, peers[s] + headers_offset
-                                                              + Int64(headers((0, nslot,
-                                                                               channel))), 16),
-                                                     cute.make_layout(
-                                                         header_token_word(topk, BATCH)))
-                            nhead_f = cute.make_tensor(gmem_ptr(Float32, nhead.iterator.toint(),
-                                                                16),
-                                                       cute.make_layout(
-                                                           header_token_word(topk, BATCH)))
                             n_tok = self._load_header(
-                                lane, nhead, nhead_f, hdr, Int32(0),
+                                lane, peers[s] + headers_offset + Int64(
+                                    headers((0, nslot, channel))), hdr, Int32(0),
                                 cutlass.min(Int32(MAX_CHUNK), ntok - (i + 1) * BATCH), topk,
                                 n_ids, n_wts)
                             have = Int32(1)
@@ -514,11 +501,14 @@ class ReceivePhase:
             _stamp_max(trace, tracing, channel, "recv_wait_ns", waited)
 
     @cute.jit
-    def _load_header(self, lane, head: cute.Tensor, head_f: cute.Tensor, hdr, h, hn, topk,
-                     n_ids: cute.Tensor, n_wts: cute.Tensor):
-        """Load the ids and weights of tokens h .. h + hn - 1 of a batch header into the lanes'
-        registers (word w = lane + j * WARP of the chunk in n_ids[j], n_wts[j]); returns lane
-        c's source token (c < hn; -1 for the other lanes). The loads are not waited for."""
+    def _load_header(self, lane, at, hdr, h, hn, topk, n_ids: cute.Tensor, n_wts: cute.Tensor):
+        """Load the ids and weights of tokens h .. h + hn - 1 of the batch header at global
+        address `at` into the lanes' registers (word w = lane + j * WARP of the chunk in
+        n_ids[j], n_wts[j]); returns lane c's source token (c < hn; -1 for the other lanes). The
+        loads are not waited for."""
+        words = cute.make_layout(header_token_word(topk, BATCH))
+        head = cute.make_tensor(gmem_ptr(Int32, at, 16), words)
+        head_f = cute.make_tensor(gmem_ptr(Float32, at, 16), words)
         for j in cutlass.range_constexpr(HEADER_REGS):
             w = lane + j * WARP
             if w < hn * topk:
