@@ -219,7 +219,7 @@ def _timed(fn, iters, flush, group=None) -> list[float]:
     return _timed_steps([fn], iters, flush, group)[0]
 
 
-def _lockstep_us(fn, iters, flush, group=None) -> float:
+def _lockstep_us(fn, iters, flush) -> float:
     """Mean GPU time (us) of fn() by DeepEP's normal-mode method: WARMUP calls, a barrier and one
     L2 flush, then `iters` calls back to back with no barrier or synchronisation between them,
     each between two CUDA events; the first call's time is dropped."""
@@ -228,7 +228,7 @@ def _lockstep_us(fn, iters, flush, group=None) -> float:
     for _ in range(WARMUP):
         fn()
     torch.cuda.synchronize()
-    dist.barrier(group)
+    dist.barrier()
     flush.zero_()
     ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
           for _ in range(iters)]
