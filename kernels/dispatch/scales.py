@@ -43,8 +43,9 @@ class ScalesPhase:
         nw = active * (SEND_WARPS + self.recv_warps)
         base = warp * TILE_ROWS * TILE_STRIDE
         col = lane % TILE_COLS
-        # Two tiles a pass, u and u + nw: the loads of both in flight before the first store
-        # (a warp's passes follow each other, each about a load's round trip).
+        # FP8: two tiles a pass, u and u + nw, the loads of both in flight before the first
+        # store (a warp's passes follow each other, each about a load's round trip; an NVFP4
+        # tile already has 32 loads a lane in flight).
         if cutlass.const_expr(self.fmt == "fp8"):
             words = payload_vectors * self.vector_bytes // FP8_BLOCK
             rows = s_off[segments]
@@ -82,71 +83,51 @@ class ScalesPhase:
             rk = (payload_vectors * self.vector_bytes * 2 // NVFP4_BLOCK + 3) // 4
             tiles_c = (rk + TILE_COLS - 1) // TILE_COLS
             staged = scale_rows_layout(rk, row_capacity)
-            n_tiles = s_first[segments] * tiles_c
             four = cute.make_rmem_tensor(cute.make_layout(ATOM_ROWS // WARP), Int32)
-            vals = cute.make_rmem_tensor(
-                cute.make_layout((ATOM_ROWS * TILE_COLS // WARP, PAIR)), Int32)
-            words = cute.make_rmem_tensor(cute.make_layout((TILE_COLS, PAIR)), Int32)
-            for u in cutlass.range(gw, n_tiles, PAIR * nw):
-                for t in cutlass.range_constexpr(PAIR):
-                    ut = u + t * nw
-                    q = ut // tiles_c  # the 128-row scale block
-                    c0 = ut % tiles_c * TILE_COLS
-                    valid = Int32(0)
-                    first = Int32(0)
-                    g = Int32(0)
-                    if ut < n_tiles:
-                        g = segment_of(s_first, segments, q)
-                        first = (q - s_first[g]) * ATOM_ROWS  # its first row within segment g
-                        valid = s_raw[g] - first
-                    if valid > WARP:
-                        c = c0 + col
-                        for i in cutlass.range_constexpr(ATOM_ROWS * TILE_COLS // WARP):
-                            rr = lane // TILE_COLS + i * (WARP // TILE_COLS)
-                            v = Int32(0)
-                            if rr < valid and c < rk:
-                                v = load_i32(scale_rows.toint() + Int64(staged(
-                                    (Int64(c), Int64(s_off[g] + first + rr)))) * 4)
-                            vals[i, t] = v
-                    else:
-                        # A block of at most 32 rows (a decode's experts): lane l's row, if
-                        # any, read straight from its staged row.
-                        for j in cutlass.range_constexpr(TILE_COLS):
-                            wv = Int32(0)
-                            if lane < valid and c0 + j < rk:
-                                wv = load_i32(scale_rows.toint() + Int64(staged(
-                                    (Int64(c0 + j), Int64(s_off[g] + first + lane)))) * 4)
-                            words[j, t] = wv
-                for t in cutlass.range_constexpr(PAIR):
-                    ut = u + t * nw
-                    if ut < n_tiles:
-                        q = ut // tiles_c
-                        c0 = ut % tiles_c * TILE_COLS
-                        g = segment_of(s_first, segments, q)
-                        valid = s_raw[g] - (q - s_first[g]) * ATOM_ROWS
-                        # Lane l writes the 16 bytes of rows l, l + 32, l + 64, l + 96 of each
-                        # atom.
-                        out_at = scales.toint() + scale_offset(q * ATOM_ROWS + lane, 0, rk)
-                        if valid > WARP:
-                            for i in cutlass.range_constexpr(ATOM_ROWS * TILE_COLS // WARP):
-                                s_tile[base + (lane // TILE_COLS + i * (WARP // TILE_COLS))
-                                       * TILE_STRIDE + col] = vals[i, t]
-                            cute.arch.sync_warp()
-                            for j in cutlass.range_constexpr(TILE_COLS):
-                                if c0 + j < rk:
-                                    for part in cutlass.range_constexpr(ATOM_ROWS // WARP):
-                                        four[part] = s_tile[base + (lane + part * WARP)
-                                                            * TILE_STRIDE + j]
-                                    self._store_atom_rows(out_at, c0 + j, four)
-                            cute.arch.sync_warp()
-                        else:
-                            # The three rows past lane l's are zero.
+            vals = cute.make_rmem_tensor(cute.make_layout(ATOM_ROWS * TILE_COLS // WARP), Int32)
+            words = cute.make_rmem_tensor(cute.make_layout(TILE_COLS), Int32)
+            for u in cutlass.range(gw, s_first[segments] * tiles_c, nw):
+                q = u // tiles_c  # the 128-row scale block
+                c0 = u % tiles_c * TILE_COLS
+                g = segment_of(s_first, segments, q)
+                first = (q - s_first[g]) * ATOM_ROWS  # its first row within segment g
+                valid = s_raw[g] - first
+                # Lane l writes the 16 bytes of rows l, l + 32, l + 64, l + 96 of each atom.
+                out_at = scales.toint() + scale_offset(q * ATOM_ROWS + lane, 0, rk)
+                if valid > WARP:
+                    # Every load of the tile in flight before the first shared-memory store.
+                    c = c0 + col
+                    for i in cutlass.range_constexpr(ATOM_ROWS * TILE_COLS // WARP):
+                        rr = lane // TILE_COLS + i * (WARP // TILE_COLS)
+                        v = Int32(0)
+                        if rr < valid and c < rk:
+                            v = load_i32(scale_rows.toint() + Int64(staged(
+                                (Int64(c), Int64(s_off[g] + first + rr)))) * 4)
+                        vals[i] = v
+                    for i in cutlass.range_constexpr(ATOM_ROWS * TILE_COLS // WARP):
+                        s_tile[base + (lane // TILE_COLS + i * (WARP // TILE_COLS)) * TILE_STRIDE
+                               + col] = vals[i]
+                    cute.arch.sync_warp()
+                    for j in cutlass.range_constexpr(TILE_COLS):
+                        if c0 + j < rk:
                             for part in cutlass.range_constexpr(ATOM_ROWS // WARP):
-                                four[part] = Int32(0)
-                            for j in cutlass.range_constexpr(TILE_COLS):
-                                if c0 + j < rk:
-                                    four[0] = words[j, t]
-                                    self._store_atom_rows(out_at, c0 + j, four)
+                                four[part] = s_tile[base + (lane + part * WARP) * TILE_STRIDE + j]
+                            self._store_atom_rows(out_at, c0 + j, four)
+                    cute.arch.sync_warp()
+                else:
+                    # A block of at most 32 rows (a decode's experts): lane l's row, if any, read
+                    # straight from its staged row, and the three rows past it zero.
+                    for part in cutlass.range_constexpr(ATOM_ROWS // WARP):
+                        four[part] = Int32(0)
+                    for j in cutlass.range_constexpr(TILE_COLS):
+                        words[j] = Int32(0)
+                        if lane < valid and c0 + j < rk:
+                            words[j] = load_i32(scale_rows.toint() + Int64(staged(
+                                (Int64(c0 + j), Int64(s_off[g] + first + lane)))) * 4)
+                    for j in cutlass.range_constexpr(TILE_COLS):
+                        if c0 + j < rk:
+                            four[0] = words[j]
+                            self._store_atom_rows(out_at, c0 + j, four)
 
     @cute.jit
     def _store_atom_rows(self, row_at, atom, four: cute.Tensor):
