@@ -8,6 +8,8 @@ from cutlass import Int32, Int64
 
 from kernels.dispatch.common import (FP8_BLOCK, NVFP4_BLOCK, SEND_WARPS, TILE_COLS, TILE_ROWS,
                                      TILE_STRIDE, WARP)
+
+PAIR = 2  # tiles a warp loads before storing the first
 from kernels.memory import gmem_ptr, load_i32, scale_offset, store_i32
 from kernels.nvfp4 import segment_of
 from layouts.buffers import scale_rows_layout
@@ -41,33 +43,42 @@ class ScalesPhase:
         nw = active * (SEND_WARPS + self.recv_warps)
         base = warp * TILE_ROWS * TILE_STRIDE
         col = lane % TILE_COLS
+        # FP8: two tiles a pass, u and u + nw, the loads of both in flight before the first
+        # store (a warp's passes follow each other, each about a load's round trip; an NVFP4
+        # tile already has 32 loads a lane in flight).
         if cutlass.const_expr(self.fmt == "fp8"):
             words = payload_vectors * self.vector_bytes // FP8_BLOCK
             rows = s_off[segments]
             tiles_b = (words + TILE_COLS - 1) // TILE_COLS
-            for u in cutlass.range(gw, (rows + WARP - 1) // WARP * tiles_b, nw):
-                r0 = u // tiles_b * WARP
-                b = u % tiles_b * TILE_COLS + col
-                # Every load of the tile in flight before the first shared-memory store.
-                vals = cute.make_rmem_tensor(cute.make_layout(TILE_COLS), Int32)
-                for i in cutlass.range_constexpr(TILE_COLS):
-                    rr = lane // TILE_COLS + i * (WARP // TILE_COLS)
-                    v = Int32(0)
-                    if r0 + rr < rows and b < words:
-                        v = load_i32(scale_rows.toint() + Int64(scale_rows_layout(
-                            words, row_capacity)((Int64(b), Int64(r0 + rr)))) * 4)
-                    vals[i] = v
-                for i in cutlass.range_constexpr(TILE_COLS):
-                    s_tile[base + (lane // TILE_COLS + i * (WARP // TILE_COLS)) * TILE_STRIDE
-                           + col] = vals[i]
-                cute.arch.sync_warp()
-                for j in cutlass.range_constexpr(TILE_COLS):
-                    b = u % tiles_b * TILE_COLS + j
-                    if b < words and r0 + lane < rows:
-                        store_i32(scales.toint() + (Int64(b) * Int64(row_capacity)
-                                                    + Int64(r0 + lane)) * 4,
-                                  s_tile[base + lane * TILE_STRIDE + j])
-                cute.arch.sync_warp()
+            n_tiles = (rows + WARP - 1) // WARP * tiles_b
+            vals = cute.make_rmem_tensor(cute.make_layout((TILE_COLS, PAIR)), Int32)
+            for u in cutlass.range(gw, n_tiles, PAIR * nw):
+                for t in cutlass.range_constexpr(PAIR):
+                    ut = u + t * nw
+                    r0 = ut // tiles_b * WARP
+                    b = ut % tiles_b * TILE_COLS + col
+                    for i in cutlass.range_constexpr(TILE_COLS):
+                        rr = lane // TILE_COLS + i * (WARP // TILE_COLS)
+                        v = Int32(0)
+                        if ut < n_tiles and r0 + rr < rows and b < words:
+                            v = load_i32(scale_rows.toint() + Int64(scale_rows_layout(
+                                words, row_capacity)((Int64(b), Int64(r0 + rr)))) * 4)
+                        vals[i, t] = v
+                for t in cutlass.range_constexpr(PAIR):
+                    ut = u + t * nw
+                    if ut < n_tiles:
+                        r0 = ut // tiles_b * WARP
+                        for i in cutlass.range_constexpr(TILE_COLS):
+                            s_tile[base + (lane // TILE_COLS + i * (WARP // TILE_COLS))
+                                   * TILE_STRIDE + col] = vals[i, t]
+                        cute.arch.sync_warp()
+                        for j in cutlass.range_constexpr(TILE_COLS):
+                            b = ut % tiles_b * TILE_COLS + j
+                            if b < words and r0 + lane < rows:
+                                store_i32(scales.toint() + (Int64(b) * Int64(row_capacity)
+                                                            + Int64(r0 + lane)) * 4,
+                                          s_tile[base + lane * TILE_STRIDE + j])
+                        cute.arch.sync_warp()
         if cutlass.const_expr(self.fmt == "nvfp4"):
             rk = (payload_vectors * self.vector_bytes * 2 // NVFP4_BLOCK + 3) // 4
             tiles_c = (rk + TILE_COLS - 1) // TILE_COLS
