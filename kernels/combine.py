@@ -12,8 +12,8 @@ sender warps and RECV_WARPS receiver warps:
   token); an unreduced one sends each of the message's rows, in k order. Rows are stored
   straight into the home rank's ring slots over NVLink once the home rank has returned credit;
   after a chunk the stream's tail there advances.
-- Receivers (the home side): a chunk of this channel's tokens at a time (one token when
-  unreduced, whose rows can fill a ring), each token by one warp: a weighted combine adds, in
+- Receivers (the home side): a chunk of this channel's tokens at a time (unreduced, as many
+  tokens as the ring holds K rows of), each token by one warp: a weighted combine adds, in
   fp32, the row of every rank the token went to and the shared expert's row (this rank's `y`,
   unweighted); an unreduced one copies each k's row (zeros where none), and one weighted at
   home (`AT_HOME`: the weights are the home side's, given to combine, not dispatch's) sums, in
@@ -241,6 +241,19 @@ class EpCombine:
         if tracing != 0 and tidx == 0:
             _trace_set(trace, channel, "end", cute.arch.globaltimer())
 
+    @cute.jit
+    def _home_group(self, ring_slots, chunk_tokens, topk):
+        """Tokens a home chunk takes when unreduced or weighted at home, where a token brings
+        up to K rows from a rank: as many as half a ring holds the rows of (one a receiver warp,
+        at most chunk_tokens), or one token when K rows fill more than half a ring. The senders
+        then fill at most half a ring a chunk (`_send`): every sender chunk holding a row of a
+        home chunk starts within that chunk's rows, so it ends within a ring of its first row
+        and goes out without waiting for the home side."""
+        group = Int32(1)
+        if topk <= ring_slots // 2:
+            group = cutlass.max(Int32(1), cutlass.min(chunk_tokens, ring_slots // 2 // topk))
+        return group
+
     # Expert side ---------------------------------------------------------------------------
 
     @cute.jit
@@ -276,7 +289,13 @@ class EpCombine:
             at = w * MAX_CHUNK * MAX_TOPK
             # A chunk is up to chunk_tokens messages whose items fit a ring: weighted, one item
             # a message; unreduced, a message's rows here (at most K, which the ring holds), as
-            # many messages as fit.
+            # many messages as fit in `fill` slots: half a ring where the home side takes
+            # several tokens' rows a chunk (`_home_group`), so the chunks that hold a home
+            # chunk's rows, each starting before its last row, all fit while the home side
+            # has not handed back any of them.
+            fill = ring_slots
+            if weighted != AT_EXPERTS and self._home_group(ring_slots, chunk_tokens, topk) > 1:
+                fill = ring_slots // 2
             j0 = Int32(0)
             while j0 < n:
                 cap = n - j0
@@ -295,7 +314,7 @@ class EpCombine:
                         incl = incl + up
                 # The messages whose items, with those before them, fit the ring (a prefix).
                 cnt = cute.arch.popc(cute.arch.vote_ballot_sync(
-                    lane < cap and incl <= ring_slots))
+                    lane < cap and incl <= fill))
                 if cnt == 0:
                     cnt = Int32(1)  # not reached: a message's rows fit (Buffer checks K <= slots)
                 total = cute.arch.shuffle_sync(incl, cnt - 1)
@@ -582,7 +601,7 @@ class EpCombine:
         t0, t1 = channel_tokens(channel, num_tokens, active)  # as dispatch split them
         group = chunk_tokens
         if weighted != AT_EXPERTS:
-            group = Int32(1)  # a token's rows from one rank can fill most of a ring
+            group = self._home_group(ring_slots, chunk_tokens, topk)
         if rw == 0 and lane < ranks:
             s_pos[lane] = cute.arch.load(gmem_ptr(Int64, streams.toint() + Int64(
                 counters((channel, lane, HEADS, COMBINE))) * 8, 8), Int64)  # consumed
