@@ -1,5 +1,6 @@
 """`store_rate`: how fast `ctas` CTAs, one an SM, write global memory and nothing else: the
 ceiling of a dispatch receiver's row stores at an SM budget (`perf/bench_sm_stores.py`).
+`load_rate`: the same for reading (a combine's reads of the expert rows).
 
 Each CTA of WARPS warps writes its own `bytes_per_cta` of `dst`, one PIECE after another, warp
 w taking pieces w, w + WARPS, ...: "bulk" by bulk copies of a constant shared-memory piece
@@ -11,9 +12,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint8
 
-from kernels.bulk_copy import bulk_store
+from kernels.bulk_copy import bulk_store, cp_async_16
 from kernels.copy import row_tiled_copy
-from kernels.memory import gmem_ptr
+from kernels.memory import gmem_ptr, store_i32
 from layouts.abi import GridRule, KernelSpec, Param
 
 FAMILY = "store_rate"
@@ -23,6 +24,21 @@ WARP = 32
 PIECE = 4096
 GROUPS = 8
 STEP = 8  # 16-byte vectors a lane stores per step ("lanes"): PIECE / (32 * 16)
+LOAD_DEPTH = 4  # pieces a warp of `load_rate` has in flight: 16 KiB, 128 KiB a CTA
+
+
+def _rate_spec(family: str, mode: str, buffers: tuple, smem_bytes: int) -> KernelSpec:
+    """The ABI of a rate kernel: its buffers, then `bytes_per_cta` and `ctas`; one CTA of WARPS
+    warps per `ctas`."""
+    return KernelSpec(
+        family=family,
+        config={"mode": mode},
+        params=buffers + (Param("bytes_per_cta", "i64"), Param("ctas", "i32")),
+        block=(WARPS * WARP, 1, 1),
+        grid=(GridRule(ceil_div=("ctas", 1)), GridRule(constant=1), GridRule(constant=1)),
+        smem_bytes=smem_bytes,
+        sizes={"piece": PIECE},
+    )
 
 
 class StoreRate:
@@ -36,19 +52,8 @@ class StoreRate:
         return WARPS * PIECE + 128 if self.mode == "bulk" else 0
 
     def spec(self) -> KernelSpec:
-        return KernelSpec(
-            family=FAMILY,
-            config={"mode": self.mode},
-            params=(
-                Param("dst", "ptr", "uint8", align=16, writes=True),
-                Param("bytes_per_cta", "i64"),
-                Param("ctas", "i32"),
-            ),
-            block=(WARPS * WARP, 1, 1),
-            grid=(GridRule(ceil_div=("ctas", 1)), GridRule(constant=1), GridRule(constant=1)),
-            smem_bytes=self.smem_bytes,
-            sizes={"piece": PIECE},
-        )
+        return _rate_spec(FAMILY, self.mode, (Param("dst", "ptr", "uint8", align=16, writes=True),),
+                          self.smem_bytes)
 
     @cute.jit
     def __call__(self, dst: cute.Pointer, bytes_per_cta: Int64, ctas: Int32, stream):
@@ -92,5 +97,67 @@ class StoreRate:
                 cute.copy(copy, regs, t_dst)
 
 
+class LoadRate:
+    """Each CTA of WARPS warps reads its own `bytes_per_cta` of `src`, PIECE by PIECE, warp w
+    taking pieces w, w + WARPS, ...: each lane copies its STEP 16-byte vectors of a piece into
+    the warp's shared memory by `cp.async` (the combine's loads), LOAD_DEPTH pieces a warp in
+    flight, then reads them back and folds them into a running XOR, which each thread writes to
+    `sums` [ctas, WARPS * 32] (so no load is dropped, and a test can check that every word was
+    read once)."""
+
+    smem_bytes = WARPS * LOAD_DEPTH * PIECE
+
+    def spec(self) -> KernelSpec:
+        return _rate_spec("load_rate", "cp.async", (
+            Param("src", "ptr", "uint8", align=16), Param("sums", "ptr", "int32", writes=True)),
+            self.smem_bytes)
+
+    @cute.jit
+    def __call__(self, src: cute.Pointer, sums: cute.Pointer, bytes_per_cta: Int64, ctas: Int32,
+                 stream):
+        self.kernel(src, sums, bytes_per_cta, ctas).launch(
+            grid=(ctas, 1, 1), block=(WARPS * WARP, 1, 1), smem=self.smem_bytes, stream=stream)
+
+    @cute.jit
+    def _issue(self, slots: cute.Tensor, warp, lane, base, p, slot):
+        for v in cutlass.range_constexpr(STEP):
+            at = (v * WARP + lane) * 16
+            cp_async_16(slots.iterator + ((warp * LOAD_DEPTH + slot) * PIECE + at),
+                        base + Int64(p) * PIECE + at)
+
+    @cute.kernel
+    def kernel(self, src: cute.Pointer, sums: cute.Pointer, bytes_per_cta: Int64, ctas: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        warp = tidx // WARP
+        lane = tidx % WARP
+        smem = cutlass.memory.SmemAllocator()
+        slots = smem.allocate_tensor(Uint8, cute.make_layout(WARPS * LOAD_DEPTH * PIECE),
+                                     byte_alignment=128)
+        words = cute.make_tensor(cute.recast_ptr(slots.iterator, dtype=Int32),
+                                 cute.make_layout(WARPS * LOAD_DEPTH * PIECE // 4))
+        base = src.toint() + Int64(cta) * bytes_per_cta
+        pieces = Int32(bytes_per_cta // PIECE)
+        mine = Int32(0)
+        if warp < pieces:
+            mine = (pieces - warp + WARPS - 1) // WARPS
+        for k in cutlass.range_constexpr(LOAD_DEPTH - 1):
+            if k < mine:
+                self._issue(slots, warp, lane, base, warp + k * WARPS, k)
+            cute.arch.cp_async_commit_group()
+        acc = Int32(0)
+        for i in cutlass.range(mine):
+            ahead = i + LOAD_DEPTH - 1
+            if ahead < mine:
+                self._issue(slots, warp, lane, base, warp + ahead * WARPS, ahead % LOAD_DEPTH)
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(LOAD_DEPTH - 1)  # this lane's vectors of piece i
+            at = (warp * LOAD_DEPTH + i % LOAD_DEPTH) * (PIECE // 4)
+            for v in cutlass.range_constexpr(STEP):
+                for k in cutlass.range_constexpr(4):
+                    acc = acc ^ words[at + (v * WARP + lane) * 4 + k]
+        store_i32(sums.toint() + (Int64(cta) * (WARPS * WARP) + Int64(tidx)) * 4, acc)
+
+
 def store_rate_kernels() -> list:
-    return [StoreRate(m) for m in MODES]
+    return [StoreRate(m) for m in MODES] + [LoadRate()]

@@ -1,17 +1,21 @@
-"""How fast a number of SMs writes global memory and does nothing else: the ceiling of a dispatch
-receiver's row stores at an SM budget (a BF16 dispatch of 4096 tokens a rank, top-8 of 256
-experts, writes about 470 MB of expert rows per rank on 2 GPUs).
+"""How fast a number of SMs writes, or reads, global memory and does nothing else: the ceiling of
+a dispatch receiver's row stores at an SM budget (a BF16 dispatch of 4096 tokens a rank, top-8 of
+256 experts, writes about 470 MB of expert rows per rank on 2 GPUs) and of a combine's reads of
+the same rows.
 
     python perf/bench_sm_stores.py [--mib 512] [--reps 20] [--ctas 8,16,24,32,66,132]
 
 `store_rate` (kernels/store_rate.py): one CTA an SM, 8 warps, each writing 4 KiB pieces of its
 CTA's share, by bulk copies from shared memory ("bulk") or by 16-byte stores from registers
-("lanes"), beside torch's fill of the same bytes (every SM). GB/s = bytes written / median time;
-the last column divides it by the CTAs: what one SM writes.
+("lanes"), beside torch's fill of the same bytes (every SM). `load_rate`: the same CTAs reading the bytes
+by `cp.async` into shared memory, 4 pieces a warp in flight (each thread's XOR of what it read is
+checked against the bytes). GB/s = bytes moved / median time; the last column divides it by the
+CTAs: what one SM moves.
 """
 
 import argparse
 
+import numpy as np
 import torch
 from timing import median_ms, report_copies
 
@@ -48,7 +52,21 @@ def main():
             warps = torch.arange(got.shape[0], device="cuda") % 8
             want = piece_bytes.view(8, piece)[warps].to(torch.uint8)
             assert torch.equal(got, want), "bulk stores wrote other bytes"
-    report_copies(f"{torch.cuda.get_device_name()}: {args.mib} MiB written, median of "
+    kernel = runtime().select("load_rate", "cuda")
+    piece = kernel.spec.sizes["piece"]
+    dst.copy_(torch.randint(0, 256, (total,), dtype=torch.uint8, device="cuda"))
+    for ctas in map(int, args.ctas.split(",")):
+        per_cta = total // ctas // piece * piece
+        sums = torch.empty(ctas, 256, dtype=torch.int32, device="cuda")
+        ms = median_ms(lambda: kernel.launch(dst, sums, per_cta, ctas), args.reps, flush)
+        gbs = per_cta * ctas / ms / 1e6
+        rows.append({"kernel": f"load_rate cp.async ({gbs / ctas:.0f} GB/s an SM)",
+                     "ctas": ctas, "us": ms * 1e3, "gbs": gbs, "gbs_per_cta": gbs / ctas})
+    got = np.bitwise_xor.reduce(sums.cpu().numpy(), axis=1)
+    want = np.bitwise_xor.reduce(dst[:per_cta * ctas].view(torch.int32).view(ctas, -1).cpu()
+                                 .numpy(), axis=1)
+    assert np.array_equal(got, want), "load_rate read other bytes"
+    report_copies(f"{torch.cuda.get_device_name()}: {args.mib} MiB written or read, median of "
                   f"{args.reps}, L2 flushed", "CTAs", "GB/s = bytes written / t", rows,
                   torch.cuda.get_device_name(), args.json)
 

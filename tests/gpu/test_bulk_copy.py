@@ -1,6 +1,7 @@
 """bulk_send (kernels/bulk_copy.py) on one GPU: R destination buffers stand in for R ranks' receive
 buffers (the kernel only sees addresses), every emulated rank sends, every byte is compared."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -81,3 +82,26 @@ def test_store_rate_writes_every_piece_of_every_cta(mode):
         want = (p % 251).to(torch.uint8)[None, :, None].expand(ctas, -1, piece)
     assert torch.equal(got, want)
     assert not dst[ctas * per_cta:].any()  # nothing past the CTAs' shares
+
+
+def test_load_rate_reads_every_word_of_every_cta_once():
+    """`load_rate` (perf/bench_sm_stores.py's read kernel): each thread's XOR of the words it
+    read, XORed over a CTA, is the XOR of the CTA's share, whatever the pieces' split over its
+    warps; a share that is not a whole number of pieces per warp included."""
+    kernel = runtime().select("load_rate", "cuda")
+    ctas, per_cta = 5, 4096 * 19
+    g = torch.Generator(device="cuda").manual_seed(5)
+    src = torch.randint(-2**31, 2**31 - 1, (ctas * per_cta // 4,), dtype=torch.int32,
+                        device="cuda", generator=g)
+    sums = torch.full((ctas, 256), -1, dtype=torch.int32, device="cuda")
+    kernel.launch(src.view(torch.uint8), sums, per_cta, ctas)
+    torch.cuda.synchronize()
+    got = np.bitwise_xor.reduce(sums.cpu().numpy(), axis=1)
+    want = np.bitwise_xor.reduce(src.view(ctas, -1).cpu().numpy(), axis=1)
+    assert np.array_equal(got, want)
+    # One word changed changes its CTA's XOR only.
+    src[3 * per_cta // 4 + 100] ^= 1 << 7
+    kernel.launch(src.view(torch.uint8), sums, per_cta, ctas)
+    torch.cuda.synchronize()
+    changed = np.bitwise_xor.reduce(sums.cpu().numpy(), axis=1) != got
+    assert changed.tolist() == [False, False, False, True, False]
