@@ -7,10 +7,10 @@ the same rows.
 
 `store_rate` (kernels/store_rate.py): one CTA an SM, 8 warps, each writing 4 KiB pieces of its
 CTA's share, by bulk copies from shared memory ("bulk") or by 16-byte stores from registers
-("lanes"), beside torch's fill of the same bytes (every SM). `load_rate`: the same CTAs reading the bytes
-by `cp.async` into shared memory, 4 pieces a warp in flight (each thread's XOR of what it read is
-checked against the bytes). GB/s = bytes moved / median time; the last column divides it by the
-CTAs: what one SM moves.
+("lanes"), beside torch's fill of the same bytes (every SM). `load_rate`: the same CTAs reading
+the bytes by `cp.async` into shared memory, 4 pieces a warp in flight (each thread's XOR of what
+it read is checked against the bytes). GB/s = bytes moved / median time; the last column divides
+it by the CTAs: what one SM moves.
 """
 
 import argparse
@@ -22,6 +22,19 @@ from timing import median_ms, report_copies
 from cute_ep.runtime.launch import runtime
 
 
+def _sweep(rows, name, launch, budgets, total, piece, reps, flush):
+    """`launch(bytes_per_cta, ctas)` timed at each CTA count of `budgets`, `total` bytes split
+    into whole pieces a CTA; a row each into `rows`. Returns the last budget's (bytes_per_cta,
+    ctas), whose bytes the caller checks."""
+    for ctas in budgets:
+        per_cta = total // ctas // piece * piece
+        ms = median_ms(lambda: launch(per_cta, ctas), reps, flush)
+        gbs = per_cta * ctas / ms / 1e6
+        rows.append({"kernel": f"{name} ({gbs / ctas:.0f} GB/s an SM)", "ctas": ctas,
+                     "us": ms * 1e3, "gbs": gbs, "gbs_per_cta": gbs / ctas})
+    return per_cta, ctas
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--mib", type=int, default=512)
@@ -30,6 +43,7 @@ def main():
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     total = args.mib << 20
+    budgets = [int(c) for c in args.ctas.split(",")]
     dst = torch.empty(total, dtype=torch.uint8, device="cuda")
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     rows = []
@@ -39,13 +53,8 @@ def main():
     for mode in ("bulk", "lanes"):
         kernel = runtime().select("store_rate", "cuda", mode=mode)
         piece = kernel.spec.sizes["piece"]
-        for ctas in map(int, args.ctas.split(",")):
-            per_cta = total // ctas // piece * piece
-            ms = median_ms(lambda: kernel.launch(dst, per_cta, ctas), args.reps, flush)
-            written = per_cta * ctas
-            gbs = written / ms / 1e6
-            rows.append({"kernel": f"store_rate {mode} ({gbs / ctas:.0f} GB/s an SM)",
-                         "ctas": ctas, "us": ms * 1e3, "gbs": gbs, "gbs_per_cta": gbs / ctas})
+        per_cta, _ = _sweep(rows, f"store_rate {mode}", lambda share, n: kernel.launch(
+            dst, share, n), budgets, total, piece, args.reps, flush)
         if mode == "bulk":  # what the bulk stores wrote: the pieces of shared memory
             piece_bytes = torch.arange(8 * piece, device="cuda") % 251
             got = dst[:per_cta].view(-1, piece)
@@ -55,19 +64,15 @@ def main():
     kernel = runtime().select("load_rate", "cuda")
     piece = kernel.spec.sizes["piece"]
     dst.copy_(torch.randint(0, 256, (total,), dtype=torch.uint8, device="cuda"))
-    for ctas in map(int, args.ctas.split(",")):
-        per_cta = total // ctas // piece * piece
-        sums = torch.empty(ctas, 256, dtype=torch.int32, device="cuda")
-        ms = median_ms(lambda: kernel.launch(dst, sums, per_cta, ctas), args.reps, flush)
-        gbs = per_cta * ctas / ms / 1e6
-        rows.append({"kernel": f"load_rate cp.async ({gbs / ctas:.0f} GB/s an SM)",
-                     "ctas": ctas, "us": ms * 1e3, "gbs": gbs, "gbs_per_cta": gbs / ctas})
-    got = np.bitwise_xor.reduce(sums.cpu().numpy(), axis=1)
+    sums = torch.empty(max(budgets), 256, dtype=torch.int32, device="cuda")
+    per_cta, ctas = _sweep(rows, "load_rate cp.async", lambda share, n: kernel.launch(
+        dst, sums[:n], share, n), budgets, total, piece, args.reps, flush)
+    got = np.bitwise_xor.reduce(sums[:ctas].cpu().numpy(), axis=1)
     want = np.bitwise_xor.reduce(dst[:per_cta * ctas].view(torch.int32).view(ctas, -1).cpu()
                                  .numpy(), axis=1)
     assert np.array_equal(got, want), "load_rate read other bytes"
     report_copies(f"{torch.cuda.get_device_name()}: {args.mib} MiB written or read, median of "
-                  f"{args.reps}, L2 flushed", "CTAs", "GB/s = bytes written / t", rows,
+                  f"{args.reps}, L2 flushed", "CTAs", "GB/s = bytes moved / t", rows,
                   torch.cuda.get_device_name(), args.json)
 
 

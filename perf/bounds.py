@@ -63,6 +63,9 @@ def bounds(bench: dict, deepep: dict, rates: dict) -> list[dict]:
     gpus = bench["gpus"]
     first = cfg["sms"][0]
     store, load = _rate(rates, "store_rate bulk", first), _rate(rates, "load_rate", first)
+    # NVLink: the fastest device-to-device copy of the lease, any rank, any format.
+    nvlink = max(r["formats"][f]["throughput"]["p2p_copy_gbps"]
+                 for r in bench["ranks"] for f in r["formats"])
     out = []
     for fmt in bench["ranks"][0]["formats"]:
         for op in ("dispatch", "combine"):
@@ -74,8 +77,6 @@ def bounds(bench: dict, deepep: dict, rates: dict) -> list[dict]:
             for rank in bench["ranks"]:
                 tp = rank["formats"][fmt]["throughput"]
                 sweep = tp["sweep"][0]
-                nvlink = max(r["formats"][f]["throughput"]["p2p_copy_gbps"]
-                             for r in bench["ranks"] for f in r["formats"])
                 moved = bytes_moved(op, fmt, cfg["hidden"], cfg["tokens"], sweep, tp)
                 us = {"store": moved["store"] / (store * first) / 1e3,
                       "load": moved["load"] / (load * first) / 1e3,

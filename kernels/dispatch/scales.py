@@ -8,7 +8,6 @@ from cutlass import Int32, Int64
 
 from kernels.dispatch.common import (FP8_BLOCK, NVFP4_BLOCK, SEND_WARPS, TILE_COLS, TILE_ROWS,
                                      TILE_STRIDE, WARP)
-
 from kernels.memory import gmem_ptr, load_i32, scale_offset, store_i32
 from kernels.nvfp4 import segment_of
 from layouts.buffers import scale_rows_layout
