@@ -421,13 +421,8 @@ class EpCombine:
         else. The first row of a step starts the sum and the others add to it in a loop of
         their own (a branch between the two would be made into predicated copies of both)."""
         step_vectors = WARP * self.vectors
-        step_bytes = step_vectors * 16
         mine = cute.make_layout((self.vectors, ROW_VECTOR), stride=(WARP * ROW_VECTOR, 1))
         packed = cute.make_layout((self.vectors, ROW_VECTOR), stride=(ROW_VECTOR, 1))
-        stage_elems = step_vectors * ROW_VECTOR
-        lane_stage = stages + lane * ROW_VECTOR
-        load_one = row_tiled_copy(1, BFloat16, ROW_VECTOR, cpasync.CopyG2SOp(
-            cache_mode=cpasync.LoadCacheMode.GLOBAL)).get_slice(0)
         store_one = row_tiled_copy(1, BFloat16, ROW_VECTOR).get_slice(0)
         acc = cute.make_rmem_tensor(packed, Float32)
         res = cute.make_rmem_tensor(packed, BFloat16)
@@ -438,43 +433,67 @@ class EpCombine:
             for step in cutlass.range(steps):
                 self._store_step(res, dst_lane, step, lane, vectors, step_vectors, mine,
                                  store_one)
+        elif vectors % step_vectors == 0:
+            # Rows of whole steps (H = 7168 and 4096 among them): copies with no row-end
+            # predicate, nor the no-ops the compiler spaces predicated copies with.
+            self._sum_steps(lane, n, s_a, at, s_wt, wat, weigh, dst_lane, steps, vectors,
+                            stages, acc, res, True)
         else:
-            lane_offset = Int64(lane * 16)
-            # The loader's next unit: row l_k of step l_step, into stage l_slot.
-            l_k = Int32(0)
-            l_step = Int32(0)
-            l_slot = Int32(0)
-            for _ in cutlass.range_constexpr(STAGES - 1):
-                l_k, l_step, l_slot = self._load_next(
-                    l_k, l_step, l_slot, n, steps, step_vectors, step_bytes, vectors,
-                    lane_offset, s_a, at, lane, lane_stage, stage_elems, mine, load_one)
-            c_slot = Int32(0)
-            for step in cutlass.range(steps):
-                l_k, l_step, l_slot, c_slot, x = self._next_unit(
-                    l_k, l_step, l_slot, c_slot, n, steps, step_vectors, step_bytes, vectors,
-                    lane_offset, s_a, at, lane, lane_stage, stage_elems, mine, load_one)
-                self._accumulate(acc, x, s_wt, wat, weigh, True)
-                for k in cutlass.range(1, n):
-                    l_k, l_step, l_slot, c_slot, x = self._next_unit(
-                        l_k, l_step, l_slot, c_slot, n, steps, step_vectors, step_bytes,
-                        vectors, lane_offset, s_a, at, lane, lane_stage, stage_elems, mine,
-                        load_one)
-                    self._accumulate(acc, x, s_wt, wat + k, weigh, False)
-                res.store(acc.load().to(BFloat16))
-                self._store_step(res, dst_lane, step, lane, vectors, step_vectors, mine,
-                                 store_one)
-            cute.arch.cp_async_wait_group(0)  # the loader's empty groups past the last unit
+            self._sum_steps(lane, n, s_a, at, s_wt, wat, weigh, dst_lane, steps, vectors,
+                            stages, acc, res, False)
         cute.arch.sync_warp()  # the caller's next list reuses the addresses
 
     @cute.jit
+    def _sum_steps(self, lane, n, s_a: cute.Tensor, at, s_wt: cute.Tensor, wat,
+                   weigh: cutlass.Constexpr, dst_lane, steps, vectors, stages, acc: cute.Tensor,
+                   res: cute.Tensor, whole: cutlass.Constexpr):
+        """`_row_sum`'s n >= 1 rows, step after step; `whole`: every step lies inside the row."""
+        step_vectors = WARP * self.vectors
+        step_bytes = step_vectors * 16
+        mine = cute.make_layout((self.vectors, ROW_VECTOR), stride=(WARP * ROW_VECTOR, 1))
+        stage_elems = step_vectors * ROW_VECTOR
+        lane_stage = stages + lane * ROW_VECTOR
+        load_one = row_tiled_copy(1, BFloat16, ROW_VECTOR, cpasync.CopyG2SOp(
+            cache_mode=cpasync.LoadCacheMode.GLOBAL)).get_slice(0)
+        store_one = row_tiled_copy(1, BFloat16, ROW_VECTOR).get_slice(0)
+        lane_offset = Int64(lane * 16)
+        # The loader's next unit: row l_k of step l_step, into stage l_slot.
+        l_k = Int32(0)
+        l_step = Int32(0)
+        l_slot = Int32(0)
+        for _ in cutlass.range_constexpr(STAGES - 1):
+            l_k, l_step, l_slot = self._load_next(
+                l_k, l_step, l_slot, n, steps, step_vectors, step_bytes, vectors,
+                lane_offset, s_a, at, lane, lane_stage, stage_elems, mine, load_one, whole)
+        c_slot = Int32(0)
+        for step in cutlass.range(steps):
+            l_k, l_step, l_slot, c_slot, x = self._next_unit(
+                l_k, l_step, l_slot, c_slot, n, steps, step_vectors, step_bytes, vectors,
+                lane_offset, s_a, at, lane, lane_stage, stage_elems, mine, load_one, whole)
+            self._accumulate(acc, x, s_wt, wat, weigh, True)
+            for k in cutlass.range(1, n):
+                l_k, l_step, l_slot, c_slot, x = self._next_unit(
+                    l_k, l_step, l_slot, c_slot, n, steps, step_vectors, step_bytes,
+                    vectors, lane_offset, s_a, at, lane, lane_stage, stage_elems, mine,
+                    load_one, whole)
+                self._accumulate(acc, x, s_wt, wat + k, weigh, False)
+            res.store(acc.load().to(BFloat16))
+            self._store_step(res, dst_lane, step, lane, vectors, step_vectors, mine,
+                             store_one, whole)
+        cute.arch.cp_async_wait_group(0)  # the loader's empty groups past the last unit
+
+    @cute.jit
     def _store_step(self, res: cute.Tensor, dst_lane, step, lane, vectors, step_vectors, mine,
-                    store_one):
+                    store_one, whole: cutlass.Constexpr = False):
         """Store this lane's part `res` of step `step` of the row whose lane address is
         `dst_lane`, vectors past the row's end left out."""
         t_dst = store_one.partition_D(cute.make_tensor(
             gmem_ptr(BFloat16, dst_lane + Int64(step * step_vectors * 16), 16), mine))
-        cute.copy(store_one, store_one.partition_S(res), t_dst,
-                  pred=self._lane_predicate(t_dst, lane, vectors - step * step_vectors))
+        if cutlass.const_expr(whole):
+            cute.copy(store_one, store_one.partition_S(res), t_dst)
+        else:
+            cute.copy(store_one, store_one.partition_S(res), t_dst,
+                      pred=self._lane_predicate(t_dst, lane, vectors - step * step_vectors))
 
     @cute.jit
     def _accumulate(self, acc: cute.Tensor, x: cute.Tensor, s_wt: cute.Tensor, wat,
@@ -502,12 +521,12 @@ class EpCombine:
     @cute.jit
     def _next_unit(self, l_k, l_step, l_slot, c_slot, n, steps, step_vectors, step_bytes,
                    vectors, lane_offset, s_a: cute.Tensor, at, lane, lane_stage, stage_elems,
-                   mine, load_one):
+                   mine, load_one, whole: cutlass.Constexpr):
         """Start the loader's next unit, wait for the oldest one (stage c_slot) and return its
         bf16 pairs (this lane's part) with the advanced counters."""
         l_k, l_step, l_slot = self._load_next(
             l_k, l_step, l_slot, n, steps, step_vectors, step_bytes, vectors, lane_offset, s_a,
-            at, lane, lane_stage, stage_elems, mine, load_one)
+            at, lane, lane_stage, stage_elems, mine, load_one, whole)
         cute.arch.cp_async_wait_group(STAGES - 1)
         # The unit's bf16 pairs as words: vector v's word j holds elements 2j (low half) and
         # 2j + 1 (high half).
@@ -516,32 +535,32 @@ class EpCombine:
         cute.autovec_copy(cute.make_tensor(cute.recast_ptr(
             (lane_stage + c_slot * stage_elems).align(16), dtype=Int32),
             cute.make_layout((self.vectors, PAIRS), stride=(WARP * PAIRS, 1))), x)
-        c_slot = c_slot + 1
-        if c_slot == STAGES:
-            c_slot = Int32(0)
+        c_slot = (c_slot + 1) & (STAGES - 1)
         return l_k, l_step, l_slot, c_slot, x
 
     @cute.jit
     def _load_next(self, l_k, l_step, l_slot, n, steps, step_vectors, step_bytes, vectors,
                    lane_offset, s_a: cute.Tensor, at, lane, lane_stage, stage_elems, mine,
-                   load_one):
+                   load_one, whole: cutlass.Constexpr):
         """Start the loader's unit (row l_k of step l_step, into stage l_slot) if there is one,
         commit its group (empty past the last unit), and return the next unit's counters."""
         if l_step < steps:
             src = cute.make_tensor(gmem_ptr(BFloat16, s_a[at + l_k] + lane_offset
                                             + Int64(l_step * step_bytes), 16), mine)
             t_src = load_one.partition_S(src)
-            cute.copy(load_one, t_src, load_one.partition_D(
-                cute.make_tensor((lane_stage + l_slot * stage_elems).align(16), mine)),
-                pred=self._lane_predicate(t_src, lane, vectors - l_step * step_vectors))
+            t_dst = load_one.partition_D(
+                cute.make_tensor((lane_stage + l_slot * stage_elems).align(16), mine))
+            if cutlass.const_expr(whole):
+                cute.copy(load_one, t_src, t_dst)
+            else:
+                cute.copy(load_one, t_src, t_dst,
+                          pred=self._lane_predicate(t_src, lane, vectors - l_step * step_vectors))
         cute.arch.cp_async_commit_group()
         l_k = l_k + 1
         if l_k == n:
             l_k = Int32(0)
             l_step = l_step + 1
-        l_slot = l_slot + 1
-        if l_slot == STAGES:
-            l_slot = Int32(0)
+        l_slot = (l_slot + 1) & (STAGES - 1)
         return l_k, l_step, l_slot
 
     @cute.jit
