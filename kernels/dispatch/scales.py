@@ -8,6 +8,7 @@ from cutlass import Int32, Int64
 
 from kernels.dispatch.common import (FP8_BLOCK, NVFP4_BLOCK, SEND_WARPS, TILE_COLS, TILE_ROWS,
                                      TILE_STRIDE, WARP)
+from kernels.bulk_copy import bulk_prefetch_l2
 from kernels.memory import gmem_ptr, load_i32, scale_offset, store_i32
 from kernels.nvfp4 import segment_of
 from layouts.buffers import scale_rows_layout
@@ -51,6 +52,15 @@ class ScalesPhase:
             rows = s_off[segments]
             tiles_b = (words + TILE_COLS - 1) // TILE_COLS
             n_tiles = (rows + WARP - 1) // WARP * tiles_b
+            # The staged rows of every 32-row group this warp starts (column tile 0) into L2
+            # at once, ahead of the tiles' loads (one contiguous run a group).
+            if lane == 0 and words % 4 == 0:
+                for u in cutlass.range(gw, n_tiles, nw):
+                    if u % tiles_b == 0:
+                        r0 = u // tiles_b * WARP
+                        bulk_prefetch_l2(scale_rows.toint() + Int64(scale_rows_layout(
+                            words, row_capacity)((Int64(0), Int64(r0)))) * 4,
+                            cutlass.min(Int32(WARP), rows - r0) * words * 4)
             vals = cute.make_rmem_tensor(cute.make_layout((TILE_COLS, PAIR)), Int32)
             for u in cutlass.range(gw, n_tiles, PAIR * nw):
                 for t in cutlass.range_constexpr(PAIR):
@@ -83,6 +93,18 @@ class ScalesPhase:
             rk = (payload_vectors * self.vector_bytes * 2 // NVFP4_BLOCK + 3) // 4
             tiles_c = (rk + TILE_COLS - 1) // TILE_COLS
             staged = scale_rows_layout(rk, row_capacity)
+            # The staged rows of every 128-row block this warp starts (column tile 0) into L2
+            # at once, ahead of the tiles' loads (one contiguous run a block).
+            if lane == 0 and rk % 4 == 0:
+                for u in cutlass.range(gw, s_first[segments] * tiles_c, nw):
+                    if u % tiles_c == 0:
+                        q = u // tiles_c
+                        g = segment_of(s_first, segments, q)
+                        first = (q - s_first[g]) * ATOM_ROWS
+                        n = cutlass.min(Int32(ATOM_ROWS), s_raw[g] - first)
+                        if n > 0:
+                            bulk_prefetch_l2(scale_rows.toint() + Int64(staged(
+                                (Int64(0), Int64(s_off[g] + first)))) * 4, Int32(n * rk * 4))
             four = cute.make_rmem_tensor(cute.make_layout(ATOM_ROWS // WARP), Int32)
             vals = cute.make_rmem_tensor(cute.make_layout(ATOM_ROWS * TILE_COLS // WARP), Int32)
             words = cute.make_rmem_tensor(cute.make_layout(TILE_COLS), Int32)
