@@ -70,6 +70,18 @@ def cp_async_16(dst: cute.Pointer, src_addr: Int64, *, loc=None, ip=None) -> Non
 
 
 @dsl_user_op
+def cp_async_16_fill(dst: cute.Pointer, src_addr: Int64, src_bytes: Int32, *, loc=None,
+                     ip=None) -> None:
+    """`cp_async_16` that reads only the first `src_bytes` (0 or 16) at `src_addr` and writes
+    zeros over the rest of the 16 bytes at `dst`: with 0 nothing is read, so `src_addr` need only
+    be a valid address."""
+    llvm.inline_asm(None, [_shared_address(dst, loc, ip), Int64(src_addr).ir_value(loc=loc, ip=ip),
+                           Int32(src_bytes).ir_value(loc=loc, ip=ip)],
+                    "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r", has_side_effects=True,
+                    is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@dsl_user_op
 def bulk_prefetch_l2(src_addr: Int64, nbytes: Int32, *, loc=None, ip=None) -> None:
     """`cp.async.bulk.prefetch.L2` of `nbytes` (a multiple of 16) at global address `src_addr`
     (16-byte aligned): the lines are brought into L2 and nothing waits for them, so a later load

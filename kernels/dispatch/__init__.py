@@ -471,6 +471,8 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                     self._write_scales(warp, lane, channel, active, scales, scale_rows, s_off,
                                        s_raw, s_first, s_tile, local_experts + shared,
                                        row_capacity, payload_vectors)
+        if tracing != 0:
+            cute.arch.sync_threads()  # "end" after every warp's share of the write-out
         if tidx == 0:
             _stamp(trace, tracing, channel, "end", cute.arch.globaltimer())
 

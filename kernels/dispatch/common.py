@@ -38,6 +38,15 @@ SCALE_REGS = 4  # FP8 / NVFP4 scale words per lane a receiver loads with a messa
 # row TILE_STRIDE words apart (one more than its words: no bank conflicts reading a column).
 TILE_ROWS, TILE_COLS = 128, 8
 TILE_STRIDE = TILE_COLS + 1
+# With bulk receivers the scales go out in wide tiles instead, one per receiver warp in its pieces:
+# WIDE_ROWS staged rows of WIDE_WORDS words (whole 128-byte lines), loaded by 16-byte cp.async.
+WIDE_ROWS, WIDE_WORDS = 128, 32
+WIDE_CHUNKS = WIDE_WORDS // 4  # 16-byte chunks of a wide tile's row
+# Output rows from which the write-out takes wide tiles. Fewer (a decode step's) fill few rows of
+# each tile: there the narrow tiles, spread over every warp, end sooner (emulated 2 ranks on an
+# H100 at 128 tokens a rank, 24 SMs: the wide tiles took the dispatch 2-5 us longer; at 4096
+# tokens 4-20 us shorter).
+WIDE_MIN_ROWS = 4096
 SEND_BARRIER = 15  # the named barrier of the sender warps (receivers use 1 and 2 + source)
 # A receiver warp of a bulk format pulls messages through its own ring of PIECES shared-memory
 # pieces of PIECE bytes (bulk loads from the source's staging, bulk stores to the rows), LAG

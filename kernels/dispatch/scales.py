@@ -6,9 +6,10 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 
-from kernels.dispatch.common import (FP8_BLOCK, NVFP4_BLOCK, SEND_WARPS, TILE_COLS, TILE_ROWS,
-                                     TILE_STRIDE, WARP)
-from kernels.bulk_copy import bulk_prefetch_l2
+from kernels.dispatch.common import (FP8_BLOCK, NVFP4_BLOCK, PIECE, PIECES, SEND_WARPS,
+                                     TILE_COLS, TILE_ROWS, TILE_STRIDE, WARP, WIDE_CHUNKS,
+                                     WIDE_MIN_ROWS, WIDE_ROWS, WIDE_WORDS)
+from kernels.bulk_copy import bulk_prefetch_l2, cp_async_16_fill
 from kernels.memory import gmem_ptr, load_i32, scale_offset, store_i32
 from kernels.nvfp4 import segment_of
 from layouts.buffers import scale_rows_layout
@@ -35,7 +36,128 @@ class ScalesPhase:
                       s_first: cute.Tensor, s_tile: cute.Tensor, segments, row_capacity,
                       payload_vectors):
         """Once every CTA's receivers are done: the received rows' scales from `scale_rows` into
-        the output's layout, whole tiles at a time through the warp's TILE_ROWS x 9 words of
+        the output's layout. Bulk receivers (`tiles_in_ring`) of at least WIDE_MIN_ROWS rows
+        whose staged rows are whole 16-byte chunks take wide tiles (`_write_wide`), everything
+        else `_write_tiles`."""
+        if cutlass.const_expr(self.tiles_in_ring):
+            words = self._staged_words(payload_vectors)
+            aligned = (s_off[segments] >= WIDE_MIN_ROWS and words % 4 == 0
+                       and scale_rows.toint() % 16 == 0 and scales.toint() % 16 == 0)
+            if cutlass.const_expr(self.fmt == "fp8"):
+                # A lane stores four rows of a block at once: whole groups of four rows.
+                aligned = aligned and row_capacity % 4 == 0 and s_off[segments] % 4 == 0
+            if aligned:
+                if warp >= SEND_WARPS:
+                    self._write_wide(warp - SEND_WARPS, lane, channel, active, scales,
+                                     scale_rows, s_off, s_raw, s_first, s_tile, segments,
+                                     row_capacity, words)
+            else:
+                self._write_tiles(warp, lane, channel, active, scales, scale_rows, s_off, s_raw,
+                                  s_first, s_tile, segments, row_capacity, payload_vectors)
+        else:
+            self._write_tiles(warp, lane, channel, active, scales, scale_rows, s_off, s_raw,
+                              s_first, s_tile, segments, row_capacity, payload_vectors)
+
+    def _staged_words(self, payload_vectors):
+        """Words of a staged scale row: FP8's blocks, NVFP4's 4-scale columns."""
+        if self.fmt == "fp8":
+            return payload_vectors * self.vector_bytes // FP8_BLOCK
+        return (payload_vectors * self.vector_bytes * 2 // NVFP4_BLOCK + 3) // 4
+
+    @cute.jit
+    def _write_wide(self, rw, lane, channel, active, scales: cute.Pointer,
+                    scale_rows: cute.Pointer, s_off: cute.Tensor, s_raw: cute.Tensor,
+                    s_first: cute.Tensor, s_tile: cute.Tensor, segments, row_capacity, words):
+        """The write-out by the receiver warps, a wide tile at a time in the first WIDE_ROWS x
+        WIDE_WORDS words of the warp's own pieces: WIDE_ROWS staged rows (FP8: rows q * 128 ..;
+        NVFP4: 128-row block q of a segment, rows past its count zero) by WIDE_WORDS columns
+        from c0. Each load is a 16-byte cp.async, 8 lanes a row, so a warp's load covers four
+        whole 128-byte lines; the tiles shared out over every receiver warp of every CTA.
+        Stores: NVFP4 a 16-byte line of an atom a lane (rows l, l + 32, l + 64, l + 96); FP8 a
+        16-byte run of the transposed output a lane (rows 4l .. 4l + 3 of one block)."""
+        gw = channel * self.recv_warps + rw
+        nw = active * self.recv_warps
+        tile = s_tile.iterator + rw * (PIECES * PIECE // 4)
+        tiles_c = (words + WIDE_WORDS - 1) // WIDE_WORDS
+        row_bytes = Int64(words) * 4
+        rows = s_off[segments]
+        n_units = s_first[segments] * tiles_c
+        if cutlass.const_expr(self.fmt == "fp8"):
+            n_units = (rows + WIDE_ROWS - 1) // WIDE_ROWS * tiles_c
+        # Lane l reads back rows l + 32 p (NVFP4) or 4 l + p (FP8), 16 bytes of each: the
+        # chunks of a row are stored swizzled by (row & 7) or ((row >> 2) & 7), so the 8 lanes
+        # of a quarter-warp read 8 different chunk positions (no bank conflict).
+        mine = cute.make_layout((4, 4), stride=(WARP * WIDE_WORDS, 1))
+        if cutlass.const_expr(self.fmt == "fp8"):
+            mine = cute.make_layout((4, 4), stride=(WIDE_WORDS, 1))
+        w = cute.make_rmem_tensor(cute.make_layout((4, 4), stride=(4, 1)), Int32)
+        four = cute.make_rmem_tensor(cute.make_layout(4), Int32)
+        for u in cutlass.range(gw, n_units, nw):
+            q = u // tiles_c
+            c0 = u % tiles_c * WIDE_WORDS
+            r0 = q * WIDE_ROWS
+            valid = rows - r0
+            if cutlass.const_expr(self.fmt == "nvfp4"):
+                g = segment_of(s_first, segments, q)
+                first = (q - s_first[g]) * WIDE_ROWS
+                r0 = s_off[g] + first
+                valid = s_raw[g] - first
+            self._load_wide(tile, lane, scale_rows.toint(), r0, row_bytes, valid, words - c0,
+                            c0)
+            out_at = scales.toint() + (Int64(r0) + Int64(lane * 4)) * 4  # FP8: + column * rows
+            if cutlass.const_expr(self.fmt == "nvfp4"):
+                out_at = scales.toint() + scale_offset(q * ATOM_ROWS + lane, 0, words)
+            for c in cutlass.range_constexpr(WIDE_CHUNKS):
+                if c0 + c * 4 < words:
+                    first_row = lane
+                    if cutlass.const_expr(self.fmt == "fp8"):
+                        first_row = lane * 4
+                    cute.autovec_copy(cute.make_tensor(
+                        (tile + first_row * WIDE_WORDS + ((c ^ (lane & 7)) * 4)).align(16),
+                        mine), w)
+                    for j in cutlass.range_constexpr(4):
+                        if c0 + c * 4 + j < words:
+                            for p in cutlass.range_constexpr(4):
+                                four[p] = w[p, j]
+                            if cutlass.const_expr(self.fmt == "nvfp4"):
+                                self._store_atom_rows(out_at, c0 + c * 4 + j, four)
+                            else:
+                                if lane * 4 < valid:
+                                    cute.autovec_copy(four, cute.make_tensor(gmem_ptr(
+                                        Int32, out_at + Int64(c0 + c * 4 + j)
+                                        * Int64(row_capacity) * 4, 16), cute.make_layout(4)))
+            cute.arch.sync_warp()  # read back before the next tile's loads overwrite it
+
+    @cute.jit
+    def _load_wide(self, tile, lane, base, r0, row_bytes, valid, cols, c0):
+        """Staged rows r0 .. r0 + WIDE_ROWS of words c0 .. c0 + WIDE_WORDS into the wide tile at
+        `tile`, swizzled (`_write_wide`): rows from `valid` on and columns from `cols` on as
+        zeros, not read. Waits for the copies and the warp."""
+        cc = lane % WIDE_CHUNKS
+        step = WARP // WIDE_CHUNKS  # rows a warp's load covers
+        # Eight loads a lane unrolled at a time: their addresses, not all 32, live at once.
+        for kk in cutlass.range(WIDE_ROWS * WIDE_CHUNKS // WARP // 8):
+            for k8 in cutlass.range_constexpr(8):
+                r = lane // WIDE_CHUNKS + (kk * 8 + k8) * step
+                src = Int64(base)
+                n = Int32(0)
+                if r < valid and cc * 4 < cols:
+                    src = base + (Int64(r0 + r) * row_bytes + Int64((c0 + cc * 4) * 4))
+                    n = Int32(16)
+                swz = r & 7
+                if cutlass.const_expr(self.fmt == "fp8"):
+                    swz = (r >> 2) & 7
+                cp_async_16_fill(tile + (r * WIDE_WORDS + ((cc ^ swz) * 4)), src, n)
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_warp()
+
+    @cute.jit
+    def _write_tiles(self, warp, lane, channel, active, scales: cute.Pointer,
+                     scale_rows: cute.Pointer, s_off: cute.Tensor, s_raw: cute.Tensor,
+                     s_first: cute.Tensor, s_tile: cute.Tensor, segments, row_capacity,
+                     payload_vectors):
+        """The write-out, whole tiles at a time through the warp's TILE_ROWS x 9 words of
         shared memory (loads of 8 contiguous words a row, stores of whole lines), the tiles
         shared out over every warp of every CTA. FP8: 32 rows x 8 blocks of the transposed
         [H / 128, rows] (alignment rows included: their words were zeroed). NVFP4: 8 atoms of
