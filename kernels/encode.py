@@ -17,10 +17,11 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64
 
+from kernels.bulk_copy import bulk_prefetch_l2
 from kernels.copy import row_predicate, row_tiled_copy
 from kernels.fp8 import FP8_BLOCK, scale_fp8_block
 from kernels.memory import gmem_ptr, load_f32, store_u8
-from kernels.nvfp4 import (SCALE_TABLE_BYTES, fill_scale_table, quantize_nvfp4_block,
+from kernels.nvfp4 import (SCALE_TABLE_BYTES, fill_scale_table, quantize_nvfp4_pairs,
                            scale_table_layout)
 from layouts.abi import ARCHES, GridRule, KernelSpec, Param
 from layouts.config import FP8_SCALES
@@ -34,6 +35,12 @@ ENCODE_THREADS = 128  # threads that quantize one token together
 # Tokens an `ep_encode` CTA encodes at once, a group of ENCODE_THREADS threads each: a budget of
 # SMs runs one CTA each, so a CTA needs several tokens in flight to keep its SM's loads going.
 GROUPS = 4
+# A thread's loads of a token in flight before it quantizes the first: FP8 tiles of 8 elements a
+# thread (8: a whole token up to H = 8192), NVFP4 16-element blocks (4: up to H = 8192). One
+# load, quantize and store after another would wait for memory once per tile, seven times a
+# token at H = 7168.
+FP8_AHEAD = 8
+NVFP4_AHEAD = 4
 
 
 @cute.jit
@@ -55,34 +62,61 @@ def encode_fp8_token(tidx, src_addr, dst_addr, scales_addr, hidden, pow2: cutlas
     thr_out = fp8_copy.get_slice(tidx)
     lane = tidx % WARP
     vectors_per_block = FP8_BLOCK // BF16_PER_VECTOR
-    for tile in cutlass.range(cute.ceil_div(rows, ENCODE_THREADS)):
-        t_x = thr_in.partition_S(g_x[((None, None), tile)])
-        t_q = thr_out.partition_D(g_q[((None, None), tile)])
-        pred = row_predicate(thr_in.partition_S(g_c[((None, None), tile)]), rows)
-        regs = cute.make_fragment_like(t_x)
-        regs.fill(0.0)
-        cute.copy(bf16_copy, t_x, regs, pred=pred)
-        vals = cute.make_fragment_like(regs, Float32)
-        vals.store(regs.load().to(Float32))
-        scale = scale_fp8_block(vals, BF16_PER_VECTOR, vectors_per_block, pow2)
-        q = cute.make_fragment_like(t_q)
-        q.store(vals.load().to(Float8E4M3FN))
-        cute.copy(fp8_copy, q, t_q, pred=pred)
-        vec = tile * ENCODE_THREADS + tidx
-        if lane % vectors_per_block == 0 and vec < rows:
-            scales[vec // vectors_per_block] = scale
+    tiles = cute.ceil_div(rows, ENCODE_THREADS)
+    # FP8_AHEAD tiles' loads in flight, then each tile quantized and stored.
+    regs = [cute.make_fragment_like(thr_in.partition_S(g_x[((None, None), 0)]))
+            for _ in range(FP8_AHEAD)]
+    for first in cutlass.range(0, tiles, FP8_AHEAD):
+        for a in cutlass.range_constexpr(FP8_AHEAD):
+            tile = first + a
+            regs[a].fill(0.0)
+            if tile < tiles:
+                cute.copy(bf16_copy, thr_in.partition_S(g_x[((None, None), tile)]), regs[a],
+                          pred=row_predicate(thr_in.partition_S(g_c[((None, None), tile)]),
+                                             rows))
+        for a in cutlass.range_constexpr(FP8_AHEAD):
+            tile = first + a
+            if tile < tiles:
+                t_q = thr_out.partition_D(g_q[((None, None), tile)])
+                vals = cute.make_fragment_like(regs[a], Float32)
+                vals.store(regs[a].load().to(Float32))
+                scale = scale_fp8_block(vals, BF16_PER_VECTOR, vectors_per_block, pow2)
+                q = cute.make_fragment_like(t_q)
+                q.store(vals.load().to(Float8E4M3FN))
+                cute.copy(fp8_copy, q, t_q,
+                          pred=row_predicate(thr_in.partition_S(g_c[((None, None), tile)]),
+                                             rows))
+                vec = tile * ENCODE_THREADS + tidx
+                if lane % vectors_per_block == 0 and vec < rows:
+                    scales[vec // vectors_per_block] = scale
 
 
 @cute.jit
 def encode_nvfp4_token(tidx, src_addr, codes_addr, scales_addr, hidden, gs,
-                       e2m1: cutlass.Constexpr, table: cute.Tensor):
+                       e2m1: cutlass.Constexpr, table: cute.Tensor,
+                       ahead: cutlass.Constexpr = NVFP4_AHEAD):
     """Thread `tidx` of ENCODE_THREADS: the token at `src_addr` (bf16) to e2m1 codes at
-    `codes_addr` (8 bytes a 16-element block) and e4m3 scale bytes at `scales_addr`, a block at
-    a time: the block quantizer `quantize_nvfp4` uses, under the global scale `gs`."""
-    for kb in cutlass.range(tidx, hidden // NVFP4_BLOCK, ENCODE_THREADS):
-        byte = quantize_nvfp4_block(src_addr + Int64(kb) * NVFP4_BLOCK * 2,
-                                    codes_addr + Int64(kb) * 8, gs, e2m1, table)
-        store_u8(scales_addr + Int64(kb), byte)
+    `codes_addr` (8 bytes a 16-element block) and e4m3 scale bytes at `scales_addr`: the block
+    quantizer `quantize_nvfp4` uses (`quantize_nvfp4_pairs`), under the global scale `gs`. A
+    thread loads `ahead` of its blocks (every ENCODE_THREADS-th) before quantizing the first."""
+    blocks = hidden // NVFP4_BLOCK
+    pairs = [cute.make_rmem_tensor(cute.make_layout(NVFP4_BLOCK // 2), Int32)
+             for _ in range(ahead)]
+    codes = cute.make_rmem_tensor(cute.make_layout(2), Int32)
+    for first in cutlass.range(tidx, blocks, ENCODE_THREADS * ahead):
+        for a in cutlass.range_constexpr(ahead):
+            kb = first + a * ENCODE_THREADS
+            if kb < blocks:
+                cute.autovec_copy(cute.make_tensor(
+                    gmem_ptr(Int32, src_addr + Int64(kb) * NVFP4_BLOCK * 2, 16),
+                    cute.make_layout(NVFP4_BLOCK // 2)), pairs[a])
+        for a in cutlass.range_constexpr(ahead):
+            kb = first + a * ENCODE_THREADS
+            if kb < blocks:
+                byte = quantize_nvfp4_pairs(pairs[a], codes, gs, e2m1, table)
+                cute.autovec_copy(codes, cute.make_tensor(
+                    gmem_ptr(Int32, codes_addr + Int64(kb) * 8, 8), cute.make_layout(2)))
+                store_u8(scales_addr + Int64(kb), byte)
 
 
 class EpEncode:
@@ -144,6 +178,12 @@ class EpEncode:
             grid=(ctas, 1, 1), block=(self.threads * GROUPS, 1, 1), smem=self.smem_bytes,
             stream=stream)
 
+    @cute.jit
+    def _prefetch_next(self, x: cute.Pointer, t, num_tokens, ctas, hidden, tidx):
+        """The group's next token into L2 while it quantizes token t (thread 0 asks)."""
+        if tidx == 0 and t + ctas * GROUPS < num_tokens:
+            prefetch_rows(x, t + ctas * GROUPS, hidden)
+
     @cute.kernel
     def kernel(self, send_buf: cute.Pointer, x: cute.Pointer, global_scale: cute.Pointer,
                num_tokens: Int32, ctas: Int32, hidden: Int32, msg_bytes: Int32,
@@ -154,6 +194,7 @@ class EpEncode:
         tidx = tid - group * self.threads  # the thread within its group
         if cutlass.const_expr(self.fmt == "fp8"):
             for t in cutlass.range(cta * GROUPS + group, num_tokens, ctas * GROUPS):
+                self._prefetch_next(x, t, num_tokens, ctas, hidden, tidx)
                 msg = send_buf.toint() + Int64(t) * Int64(msg_bytes)
                 row = x.toint() + Int64(t) * Int64(hidden) * 2
                 encode_fp8_token(tidx, row, msg, msg + Int64(scales_offset), hidden,
@@ -165,10 +206,17 @@ class EpEncode:
             cute.arch.sync_threads()
             gs = load_f32(global_scale.toint())
             for t in cutlass.range(cta * GROUPS + group, num_tokens, ctas * GROUPS):
+                self._prefetch_next(x, t, num_tokens, ctas, hidden, tidx)
                 msg = send_buf.toint() + Int64(t) * Int64(msg_bytes)
                 row = x.toint() + Int64(t) * Int64(hidden) * 2
                 encode_nvfp4_token(tidx, row, msg, msg + Int64(scales_offset), hidden, gs,
                                    self.e2m1, table)
+
+
+@cute.jit
+def prefetch_rows(x: cute.Pointer, t, hidden):
+    """Ask L2 for bf16 token row t of `x` (rows of `hidden`, a multiple of 8), not waiting."""
+    bulk_prefetch_l2(x.toint() + Int64(t) * Int64(hidden) * 2, hidden * 2)
 
 
 def encode_kernels() -> list:

@@ -495,20 +495,6 @@ def _divide_encode(vals: cute.Tensor, words: list, gs: Float32, r: Float32, r_lo
         codes[w] = e2m1_pairs_word(ys, words[4 * w:4 * w + 4], saturate)
 
 
-@cute.jit
-def quantize_nvfp4_block(src_addr, codes_addr, gs: Float32, e2m1: cutlass.Constexpr,
-                         table: cute.Tensor):
-    """The 16 bf16 values at global `src_addr` (16-byte aligned): write their 8 code bytes to
-    `codes_addr` (8-byte aligned) and return their e4m3 scale byte (`quantize_nvfp4_pairs`)."""
-    pairs = cute.make_rmem_tensor(cute.make_layout(BLOCK // 2), Int32)
-    cute.autovec_copy(cute.make_tensor(_ptr(Int32, src_addr, 16), cute.make_layout(BLOCK // 2)),
-                      pairs)
-    codes = cute.make_rmem_tensor(cute.make_layout(2), Int32)
-    byte = quantize_nvfp4_pairs(pairs, codes, gs, e2m1, table)
-    cute.autovec_copy(codes, cute.make_tensor(_ptr(Int32, codes_addr, 8), cute.make_layout(2)))
-    return byte
-
-
 SEARCH_STEPS = (256, 128, 64, 32, 16, 8, 4, 2, 1)  # covers MAX_SEGMENTS
 
 

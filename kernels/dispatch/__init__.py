@@ -65,8 +65,8 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64, Uint8
 
 from kernels.copy import row_tiled_copy
-from kernels.encode import (BF16_PER_VECTOR, E2M1_ARCHES, ENCODE_THREADS, encode_fp8_token,
-                            encode_nvfp4_token)
+from kernels.encode import (BF16_PER_VECTOR, E2M1_ARCHES, ENCODE_THREADS, NVFP4_AHEAD,
+                            encode_fp8_token, encode_nvfp4_token, prefetch_rows)
 from kernels.memory import load_f32
 from kernels.nvfp4 import SCALE_TABLE_BYTES, fill_scale_table, scale_table_layout
 from kernels.dispatch.common import (FORMATS, LIMITS, MAX_CHUNK, MAX_EXPERTS, MAX_RANKS,
@@ -403,6 +403,11 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
         # in one launch and receives in the next; its sends fit the staging (checked on the
         # host), so they complete without any receiver.
         if phases & DISPATCH_SEND != 0:
+            if cutlass.const_expr(self.fmt != "bf16"):
+                # Bf16 tokens this channel quantizes in phase 1b: into L2 while counts go out.
+                if encode != 0 and tidx < t1 - t0:
+                    prefetch_rows(x, t0 + tidx, payload_vectors * self.vector_bytes
+                                  * (2 if self.fmt == "nvfp4" else 1))
             # 1. Counts ----------------------------------------------------------------------
             self._publish_counts(tidx, channel, t0, t1, topk_ids, topk, experts,
                                  local_experts, my_rank, skip_a2a, shared, shared_begin,
@@ -498,8 +503,9 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                 encode_fp8_token(gtid, row, msg, msg + Int64(scales_offset), hidden,
                                  self.scales == "pow2", enc_in, enc_out)
             else:
+                # (The register receivers' kernel, at 96 registers, loads a block at a time.)
                 encode_nvfp4_token(gtid, row, msg, msg + Int64(scales_offset), hidden, gs,
-                                   self.e2m1, table)
+                                   self.e2m1, table, NVFP4_AHEAD if self.bulk else 1)
 
 def dispatch_kernels() -> list:
     """Every format's kernel: FP8 with exact and power-of-two scales, NVFP4 with each arch's

@@ -625,16 +625,19 @@ def test_the_sources_layout_gives_deepeps_rows_ids_and_weights(fmt):
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
-def test_bf16_tokens_quantized_in_the_dispatch_or_by_ep_encode_give_the_reference(fmt,
+@pytest.mark.parametrize("hidden", [2048, 10240])
+def test_bf16_tokens_quantized_in_the_dispatch_or_by_ep_encode_give_the_reference(fmt, hidden,
                                                                                  monkeypatch):
     """bf16 tokens of an FP8 or NVFP4 layer are quantized inside the dispatch kernel for a few a
     channel and by `ep_encode` for more (`FUSED_ENCODE_TOKENS`): forced each way, every size
-    (empty ranks, a few tokens, more than a batch a channel) gives the reference's bytes."""
+    (empty ranks, a few tokens, more than a batch a channel) gives the reference's bytes.
+    H = 10240 takes a thread's loads of a token in two rounds (`kernels.encode`'s FP8_AHEAD
+    tiles, NVFP4_AHEAD blocks)."""
     import cute_ep.ep as ep
     from cute_ep.ep import Buffer
     from layouts import EPConfig
 
-    cfg = EPConfig(2048, 8, 32, 2, 256, fmt)
+    cfg = EPConfig(hidden, 8, 32, 2, 256, fmt)
     bufs = Buffer.emulated(cfg, timeout_s=20.0, sms=4)
     for limit in (0, 1 << 20):  # ep_encode for any number of tokens; the dispatch for any
         monkeypatch.setattr(ep, "FUSED_ENCODE_TOKENS", limit)
