@@ -82,6 +82,21 @@ def scale_words(cfg: EPConfig) -> int:
     return 0
 
 
+# The dispatch's scale write-out moves staged rows (`scale_rows_layout`) to the output's layout
+# through shared-memory tiles of WIDE_TILE_ROWS rows x WIDE_TILE_WORDS words (`wide_tile_word`).
+WIDE_TILE_ROWS, WIDE_TILE_WORDS = 128, 32
+WIDE_TILE_CHUNKS = WIDE_TILE_WORDS // 4  # 16-byte chunks of a tile row
+
+
+def wide_tile_word(row, chunk, shift):
+    """Word offset of 16-byte chunk `chunk` of row `row` of a write-out tile: rows of
+    WIDE_TILE_WORDS words, the chunk at position chunk ^ ((row >> shift) & 7), so that the eight
+    lanes of a quarter-warp reading one chunk of eight rows whose (row >> shift) & 7 differ hit
+    eight different 16-byte bank groups. Shift 0 for lanes that read rows l + 32 p (NVFP4), 2
+    for rows 4 l + p (FP8). Also takes DSL integers (the kernel evaluates the same function)."""
+    return row * WIDE_TILE_WORDS + ((chunk ^ ((row >> shift) & 7)) * 4)
+
+
 def scale_rows_layout(words, rows) -> Layout:
     """(scale word, row) -> int32 word of the row-major scale buffer: a row's `words` words
     contiguous. Also takes DSL integers (the dispatch kernel evaluates the same layout)."""

@@ -12,7 +12,7 @@ from kernels.dispatch.common import (FP8_BLOCK, NVFP4_BLOCK, PIECE, PIECES, SEND
 from kernels.bulk_copy import bulk_prefetch_l2, cp_async_16_fill
 from kernels.memory import gmem_ptr, load_i32, scale_offset, store_i32
 from kernels.nvfp4 import segment_of
-from layouts.buffers import scale_rows_layout
+from layouts.buffers import scale_rows_layout, wide_tile_word
 from layouts.scales import ATOM_BYTES, ATOM_ROWS
 
 PAIR = 2  # FP8 tiles a warp loads before storing the first
@@ -58,6 +58,11 @@ class ScalesPhase:
             self._write_tiles(warp, lane, channel, active, scales, scale_rows, s_off, s_raw,
                               s_first, s_tile, segments, row_capacity, payload_vectors)
 
+    @property
+    def _wide_shift(self) -> int:
+        """`wide_tile_word`'s swizzle shift for the rows a lane reads back (`_write_wide`)."""
+        return 2 if self.fmt == "fp8" else 0
+
     def _staged_words(self, payload_vectors):
         """Words of a staged scale row: FP8's blocks, NVFP4's 4-scale columns."""
         if self.fmt == "fp8":
@@ -84,9 +89,9 @@ class ScalesPhase:
         n_units = s_first[segments] * tiles_c
         if cutlass.const_expr(self.fmt == "fp8"):
             n_units = (rows + WIDE_ROWS - 1) // WIDE_ROWS * tiles_c
-        # Lane l reads back rows l + 32 p (NVFP4) or 4 l + p (FP8), 16 bytes of each: the
-        # chunks of a row are stored swizzled by (row & 7) or ((row >> 2) & 7), so the 8 lanes
-        # of a quarter-warp read 8 different chunk positions (no bank conflict).
+        # Lane l reads back rows l + 32 p (NVFP4) or 4 l + p (FP8), 16 bytes of each: in the
+        # tile's swizzle (`wide_tile_word`) those rows' chunk c lies at a fixed stride from
+        # row l's (or 4 l's), and a quarter-warp's lanes read different bank groups.
         mine = cute.make_layout((4, 4), stride=(WARP * WIDE_WORDS, 1))
         if cutlass.const_expr(self.fmt == "fp8"):
             mine = cute.make_layout((4, 4), stride=(WIDE_WORDS, 1))
@@ -113,7 +118,7 @@ class ScalesPhase:
                     if cutlass.const_expr(self.fmt == "fp8"):
                         first_row = lane * 4
                     cute.autovec_copy(cute.make_tensor(
-                        (tile + first_row * WIDE_WORDS + ((c ^ (lane & 7)) * 4)).align(16),
+                        (tile + wide_tile_word(first_row, c, self._wide_shift)).align(16),
                         mine), w)
                     for j in cutlass.range_constexpr(4):
                         if c0 + c * 4 + j < words:
@@ -144,10 +149,7 @@ class ScalesPhase:
                 if r < valid and cc * 4 < cols:
                     src = base + (Int64(r0 + r) * row_bytes + Int64((c0 + cc * 4) * 4))
                     n = Int32(16)
-                swz = r & 7
-                if cutlass.const_expr(self.fmt == "fp8"):
-                    swz = (r >> 2) & 7
-                cp_async_16_fill(tile + (r * WIDE_WORDS + ((cc ^ swz) * 4)), src, n)
+                cp_async_16_fill(tile + wide_tile_word(r, cc, self._wide_shift), src, n)
         cute.arch.cp_async_commit_group()
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_warp()

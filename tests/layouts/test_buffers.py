@@ -4,9 +4,10 @@ import dataclasses
 
 import pytest
 
-from layouts.buffers import (EPConfig, buffer_sizes, dispatch_outputs, dispatch_rows,
-                             dispatch_scale_rows, dispatch_send_buffer, output_scales,
-                             output_tokens, peer_visible_bytes, total_bytes)
+from layouts.buffers import (WIDE_TILE_CHUNKS, WIDE_TILE_ROWS, WIDE_TILE_WORDS, EPConfig,
+                             buffer_sizes, dispatch_outputs, dispatch_rows, dispatch_scale_rows,
+                             dispatch_send_buffer, output_scales, output_tokens,
+                             peer_visible_bytes, total_bytes, wide_tile_word)
 from layouts.channels import ChannelGeometry
 
 from .conftest import MODELS, RANKS
@@ -168,3 +169,49 @@ def test_the_sources_layout_holds_one_row_per_received_token():
     for bad in (dict(format="nvfp4"), dict(fused_shared_expert=True)):
         with pytest.raises(ValueError, match="the sources layout is for bf16 and fp8 routed"):
             dataclasses.replace(cfg, **bad)
+
+
+@pytest.mark.parametrize("shift", [0, 2])
+def test_wide_write_out_tiles_hold_every_chunk_once(shift):
+    """A write-out tile's 16-byte chunks (`wide_tile_word`) fill its WIDE_TILE_ROWS x
+    WIDE_TILE_WORDS words exactly once, every chunk 16-byte aligned inside its own row."""
+    words = [wide_tile_word(r, c, shift) for r in range(WIDE_TILE_ROWS)
+             for c in range(WIDE_TILE_CHUNKS)]
+    assert sorted(words) == list(range(0, WIDE_TILE_ROWS * WIDE_TILE_WORDS, 4))
+    for r in range(WIDE_TILE_ROWS):
+        row = {wide_tile_word(r, c, shift) // WIDE_TILE_WORDS for c in range(WIDE_TILE_CHUNKS)}
+        assert row == {r}
+
+
+@pytest.mark.parametrize("shift,rows_of", [
+    (0, lambda lane, p: lane + 32 * p),  # NVFP4: lane l reads rows l, l + 32, l + 64, l + 96
+    (2, lambda lane, p: 4 * lane + p),  # FP8: lane l reads rows 4 l .. 4 l + 3
+])
+def test_wide_tile_read_back_is_strided_and_conflict_free(shift, rows_of):
+    """What `_write_wide` relies on: lane l's rows of chunk c lie at a fixed stride from its
+    first row's (one 16-byte shared load per row through a strided layout), and the eight lanes
+    of each quarter-warp read eight different 16-byte bank groups (no bank conflict)."""
+    stride = 32 * WIDE_TILE_WORDS if shift == 0 else WIDE_TILE_WORDS
+    for c in range(WIDE_TILE_CHUNKS):
+        for p in range(4):
+            at = [wide_tile_word(rows_of(lane, p), c, shift) for lane in range(32)]
+            assert at == [wide_tile_word(rows_of(lane, 0), c, shift) + p * stride
+                          for lane in range(32)]
+            for quarter in range(4):
+                groups = {(w // 4) % 8 for w in at[8 * quarter:8 * quarter + 8]}
+                assert len(groups) == 8, (c, p, quarter)
+
+
+@pytest.mark.parametrize("shift", [0, 2])
+def test_wide_tile_loads_fill_whole_rows(shift):
+    """The tile's loads: load k of a warp puts lane l's chunk l % 8 of row l // 8 + 4 k, so
+    each eight lanes write one row's eight positions (one whole 128-byte line of staged row)."""
+    seen = set()
+    for k in range(WIDE_TILE_ROWS * WIDE_TILE_CHUNKS // 32):
+        for lane in range(32):
+            r, c = lane // WIDE_TILE_CHUNKS + 4 * k, lane % WIDE_TILE_CHUNKS
+            seen.add(wide_tile_word(r, c, shift))
+        for r in range(4 * k, 4 * k + 4):
+            assert {w for w in seen if w // WIDE_TILE_WORDS == r} == \
+                set(range(r * WIDE_TILE_WORDS, (r + 1) * WIDE_TILE_WORDS, 4))
+    assert len(seen) == WIDE_TILE_ROWS * WIDE_TILE_CHUNKS
