@@ -210,8 +210,8 @@ class EpCombine:
         # it is done: what `_publish` publishes from.
         s_prog = smem.allocate_tensor(Int64, cute.make_layout(SEND_WARPS), byte_alignment=16)
         s_done = smem.allocate_tensor(Int32, cute.make_layout(SEND_WARPS), byte_alignment=16)
-        # Each home's stream tail at the start (`_publish`), read before any sender records its
-        # end position over it.
+        # Each home's stream tail at the start (the senders' and `_publish`'s), read before any
+        # sender records its end position over it.
         s_pub = smem.allocate_tensor(Int64, cute.make_layout(MAX_RANKS), byte_alignment=16)
         s_stage = smem.allocate_tensor(BFloat16, cute.make_layout(
             (SEND_WARPS + RECV_WARPS) * self.stage_bytes // 2), byte_alignment=128)
@@ -248,10 +248,10 @@ class EpCombine:
                        channels, ring_slots, chunk_tokens, ring_offset, counters_offset, counters,
                        ring,
                        timeout_ns, layout, tiler, g_crd, steps, vectors, thr, row_copy,
-                       s_rows, s_w, s_sa, s_prog, s_done, stages, trace, tracing)
+                       s_rows, s_w, s_sa, s_prog, s_done, s_pub, stages, trace, tracing)
         elif warp == SEND_WARPS + RECV_WARPS:
-            self._publish(lane, channel, peers, error, ranks, my_rank, counters_offset,
-                          counters, s_prog, s_done, s_pub)
+            self._publish(lane, channel, peers, ranks, my_rank, counters_offset, counters,
+                          s_prog, s_done, s_pub)
         else:
             self._receive(warp - SEND_WARPS, lane, channel, peers, here, y, topk_ids, out,
                           home_weights, streams, error, num_tokens, topk, local_experts, ranks,
@@ -271,7 +271,8 @@ class EpCombine:
         at most chunk_tokens), or one token when K rows fill more than half a ring. The senders
         then fill at most half a ring a chunk (`_send`): every sender chunk holding a row of a
         home chunk starts within that chunk's rows, so it ends within a ring of its first row
-        and goes out without waiting for the home side."""
+        and goes out without waiting for the home side (for the slowest warp of the senders,
+        whose progress is the published tail; a faster one may wait for credit)."""
         group = Int32(1)
         if topk <= ring_slots // 2:
             group = cutlass.max(Int32(1), cutlass.min(chunk_tokens, ring_slots // 2 // topk))
@@ -287,8 +288,8 @@ class EpCombine:
               counters_offset, counters, ring, timeout_ns, layout, tiler, g_crd, steps, vectors,
               thr,
               row_copy: cute.TiledCopy, s_rows: cute.Tensor, s_w: cute.Tensor,
-              s_sa: cute.Tensor, s_prog: cute.Tensor, s_done: cute.Tensor, stages,
-              trace: cute.Pointer, tracing):
+              s_sa: cute.Tensor, s_prog: cute.Tensor, s_done: cute.Tensor,
+              s_pub: cute.Tensor, stages, trace: cute.Pointer, tracing):
         per_home = SEND_WARPS // ranks
         waited = Int64(0)
         s = w % ranks
@@ -303,8 +304,9 @@ class EpCombine:
                 for i in cutlass.range_constexpr(16):
                     if c0 + i < channel:
                         first = first + vals[i]
-            pos = cute.arch.load(gmem_ptr(Int64, streams.toint() + Int64(
-                counters((channel, s, TAILS, COMBINE))) * 8, 8), Int64)
+            # The stream's start (read before the kernel's first barrier: warp sub 0 records
+            # the end over it while its siblings may not have started).
+            pos = s_pub[s]
             head_word = here + counters_offset + Int64(counters((channel, s, HEADS, COMBINE))) * 8
             head = pos
             alive = Int32(1)
@@ -424,14 +426,14 @@ class EpCombine:
             _trace_max(trace, channel, "credit_wait_ns", waited)
 
     @cute.jit
-    def _publish(self, lane, channel, peers: cute.Tensor, error: cute.Pointer, ranks, my_rank,
-                 counters_offset, counters, s_prog: cute.Tensor, s_done: cute.Tensor,
-                 s_pub: cute.Tensor):
+    def _publish(self, lane, channel, peers: cute.Tensor, ranks, my_rank, counters_offset,
+                 counters, s_prog: cute.Tensor, s_done: cute.Tensor, s_pub: cute.Tensor):
         """The expert side's stream tails at each home rank, a lane a home s: while the sender
         warps of s work, the least of their progress words (a chunk every one of them has
         written) goes to s's tail, each time it grows, after one system-scope fence (the warps'
         release stores and this lane's acquire loads order their ring stores before it). Ends
-        once every warp of s is done, or a wait of the layer failed."""
+        once every warp of s is done: they always finish, their own waits being bounded (one
+        that gave up stops its progress, and so the tail, where it was)."""
         per_home = SEND_WARPS // ranks
         if lane < ranks and per_home > 0:
             s = lane
@@ -459,8 +461,6 @@ class EpCombine:
                     published = low
                 if done != 0:
                     finished = Int32(1)
-                elif cute.arch.load(error, Int32, sem="relaxed", scope="gpu") != 0:
-                    finished = Int32(1)  # a failed wait: the senders give up too
                 else:
                     nanosleep(PUBLISH_POLL_NS)
 
