@@ -4,14 +4,16 @@ Combine retraces dispatch's streams backwards through `layouts.channels`' combin
 messages rank d received from source s on channel c go back, in the same order, on the stream
 (c, d -> s). Both ends know every stream's length from the dispatch (the expert side from its
 handle, the home side from its own topk_ids), so no counts travel. Each CTA has SEND_WARPS
-sender warps and RECV_WARPS receiver warps:
+sender warps, RECV_WARPS receiver warps and a publisher warp:
 
 - Senders (the expert side): the warps of home rank s take s's messages of this channel a chunk
   at a time. A weighted combine sends one bf16 row per message, the fp32 sum of w_k * y[row_k]
   over the message's rows here (zeros for a message that only brought the shared expert's
   token); an unreduced one sends each of the message's rows, in k order. Rows are stored
-  straight into the home rank's ring slots over NVLink once the home rank has returned credit;
-  after a chunk the stream's tail there advances.
+  straight into the home rank's ring slots over NVLink once the home rank has returned credit.
+  The warps of a home do not wait for each other: each records its progress after a chunk, and
+  a publisher warp (`_publish`) advances the stream's tail at the home rank to the chunk all of
+  them have written, with the system-scope fence that the senders then never wait for.
 - Receivers (the home side): a chunk of this channel's tokens at a time (unreduced, as many
   tokens as the ring holds K rows of), each token by one warp: a weighted combine adds, in
   fp32, the row of every rank the token went to and the shared expert's row (this rank's `y`,
@@ -37,7 +39,7 @@ from cutlass.cute.nvgpu import cpasync
 
 from kernels.copy import row_predicate, row_tiled_copy
 from kernels.dispatch.common import MAX_CHUNK, MAX_RANKS, MAX_TOPK, WARP, _wait_at_least
-from kernels.memory import gmem_ptr, load_f32, load_i32, trace_word
+from kernels.memory import gmem_ptr, load_f32, load_i32, nanosleep, trace_word
 from kernels.nvfp4 import high_bf16, low_bf16
 from kernels.routing import channel_tokens, route_ids, valid_expert
 from layouts.abi import GridRule, KernelSpec, Param
@@ -47,6 +49,8 @@ from layouts.channels import (COMBINE, COMBINE_TRACE_FIELDS, HEADS, TAILS,
 
 SEND_WARPS = 8
 RECV_WARPS = 4
+PUBLISH_WARPS = 1  # the warp that publishes the expert side's streams (`_publish`)
+PUBLISH_POLL_NS = 200  # its sleep between polls of the sender warps' progress
 ROW_VECTOR = 8  # bf16 elements per 16-byte access
 PAIRS = ROW_VECTOR // 2  # 32-bit words of bf16 pairs in one
 STAGES = 8  # row steps a warp's sum has in flight (cp.async into its shared memory), plus one
@@ -77,7 +81,7 @@ def _trace_max(trace: cute.Pointer, channel, field: cutlass.Constexpr, value):
 
 class EpCombine:
     def __init__(self, vectors: int = 4):
-        self.threads = WARP * (SEND_WARPS + RECV_WARPS)
+        self.threads = WARP * (SEND_WARPS + RECV_WARPS + PUBLISH_WARPS)
         # 16-byte vectors per lane in one step of a row (a warp's step: WARP * vectors of the
         # row's vectors); a warp's sum has STAGES - 1 steps of rows in flight.
         self.vectors = vectors
@@ -89,8 +93,11 @@ class EpCombine:
                  + MAX_CHUNK + 4 * MAX_RANKS + 8
                  + MAX_CHUNK * MAX_TOPK  # receivers: a chunk's ids
                  + 2 * RECV_WARPS * (MAX_TOPK + 1)  # receivers: a token's row addresses
-                 + RECV_WARPS * MAX_TOPK)  # receivers: a token's home weights
-        return (4 * words + 8 * 2 * MAX_RANKS + 8 * SEND_WARPS * MAX_TOPK + 16 * 16 + 128
+                 + RECV_WARPS * MAX_TOPK  # receivers: a token's home weights
+                 + SEND_WARPS)  # senders: done
+        return (4 * words + 8 * 2 * MAX_RANKS + 8 * SEND_WARPS * MAX_TOPK
+                + 8 * SEND_WARPS + 8 * MAX_RANKS  # senders: progress; the tails at the start
+                + 19 * 16 + 128
                 + self.stage_bytes * (SEND_WARPS + RECV_WARPS))
 
     @property
@@ -199,6 +206,13 @@ class EpCombine:
                                     byte_alignment=16)
         s_sa = smem.allocate_tensor(Int64, cute.make_layout(SEND_WARPS * MAX_TOPK),
                                     byte_alignment=16)
+        # Each sender warp's stream position after its last chunk (-1: none yet), and whether
+        # it is done: what `_publish` publishes from.
+        s_prog = smem.allocate_tensor(Int64, cute.make_layout(SEND_WARPS), byte_alignment=16)
+        s_done = smem.allocate_tensor(Int32, cute.make_layout(SEND_WARPS), byte_alignment=16)
+        # Each home's stream tail at the start (the senders' and `_publish`'s), read before any
+        # sender records its end position over it.
+        s_pub = smem.allocate_tensor(Int64, cute.make_layout(MAX_RANKS), byte_alignment=16)
         s_stage = smem.allocate_tensor(BFloat16, cute.make_layout(
             (SEND_WARPS + RECV_WARPS) * self.stage_bytes // 2), byte_alignment=128)
         # This warp's stages of row steps for its sums (`_row_sum`).
@@ -210,6 +224,12 @@ class EpCombine:
         vectors = hidden // ROW_VECTOR
         layout = cute.make_layout((vectors, ROW_VECTOR), stride=(ROW_VECTOR, 1))
         thr = row_copy.get_slice(lane)
+        if tidx < SEND_WARPS:
+            s_prog[tidx] = Int64(-1)
+            s_done[tidx] = Int32(0)
+        if warp == SEND_WARPS + RECV_WARPS and lane < ranks:
+            s_pub[lane] = cute.arch.load(gmem_ptr(Int64, streams.toint() + Int64(
+                counters((channel, lane, TAILS, COMBINE))) * 8, 8), Int64)
         if tracing != 0:
             if tidx == 0:
                 _trace_set(trace, channel, "start", cute.arch.globaltimer())
@@ -228,7 +248,10 @@ class EpCombine:
                        channels, ring_slots, chunk_tokens, ring_offset, counters_offset, counters,
                        ring,
                        timeout_ns, layout, tiler, g_crd, steps, vectors, thr, row_copy,
-                       s_rows, s_w, s_sa, stages, trace, tracing)
+                       s_rows, s_w, s_sa, s_prog, s_done, s_pub, stages, trace, tracing)
+        elif warp == SEND_WARPS + RECV_WARPS:
+            self._publish(lane, channel, peers, ranks, my_rank, counters_offset, counters,
+                          s_prog, s_done, s_pub)
         else:
             self._receive(warp - SEND_WARPS, lane, channel, peers, here, y, topk_ids, out,
                           home_weights, streams, error, num_tokens, topk, local_experts, ranks,
@@ -248,7 +271,8 @@ class EpCombine:
         at most chunk_tokens), or one token when K rows fill more than half a ring. The senders
         then fill at most half a ring a chunk (`_send`): every sender chunk holding a row of a
         home chunk starts within that chunk's rows, so it ends within a ring of its first row
-        and goes out without waiting for the home side."""
+        and goes out without waiting for the home side (for the slowest warp of the senders,
+        whose progress is the published tail; a faster one may wait for credit)."""
         group = Int32(1)
         if topk <= ring_slots // 2:
             group = cutlass.max(Int32(1), cutlass.min(chunk_tokens, ring_slots // 2 // topk))
@@ -264,7 +288,8 @@ class EpCombine:
               counters_offset, counters, ring, timeout_ns, layout, tiler, g_crd, steps, vectors,
               thr,
               row_copy: cute.TiledCopy, s_rows: cute.Tensor, s_w: cute.Tensor,
-              s_sa: cute.Tensor, stages, trace: cute.Pointer, tracing):
+              s_sa: cute.Tensor, s_prog: cute.Tensor, s_done: cute.Tensor,
+              s_pub: cute.Tensor, stages, trace: cute.Pointer, tracing):
         per_home = SEND_WARPS // ranks
         waited = Int64(0)
         s = w % ranks
@@ -279,11 +304,10 @@ class EpCombine:
                 for i in cutlass.range_constexpr(16):
                     if c0 + i < channel:
                         first = first + vals[i]
-            pos = cute.arch.load(gmem_ptr(Int64, streams.toint() + Int64(
-                counters((channel, s, TAILS, COMBINE))) * 8, 8), Int64)
+            # The stream's start (read before the kernel's first barrier: warp sub 0 records
+            # the end over it while its siblings may not have started).
+            pos = s_pub[s]
             head_word = here + counters_offset + Int64(counters((channel, s, HEADS, COMBINE))) * 8
-            tail_word = peers[s] + counters_offset + Int64(
-                counters((channel, my_rank, TAILS, COMBINE))) * 8
             head = pos
             alive = Int32(1)
             at = w * MAX_CHUNK * MAX_TOPK
@@ -382,20 +406,63 @@ class EpCombine:
                                             tiler, g_crd, steps, vectors, thr, row_copy,
                                             row_capacity)
                         cute.arch.sync_warp()
-                # The chunk is written by every warp of s: publish it.
-                cute.arch.barrier(barrier_id=1 + s, number_of_threads=WARP * per_home)
+                # This warp's share of the chunk is written: its progress, for `_publish` (the
+                # warps of s do not wait for each other).
                 pos = pos + Int64(total)
                 j0 = j0 + cnt
-                if sub == 0 and lane == 0 and alive != 0:
-                    cute.arch.fence_acq_rel_sys()  # with the relaxed store: a release
-                    cute.arch.store(gmem_ptr(Int64, tail_word, 8), pos, sem="relaxed",
-                                    scope="sys")
+                cute.arch.sync_warp()
+                if lane == 0 and alive != 0:
+                    cute.arch.store(s_prog.iterator + w, pos, sem="release", scope="cta",
+                                    ss="cta")
+            cute.arch.sync_warp()
+            if lane == 0:
+                cute.arch.store(s_done.iterator + w, Int32(1), sem="release", scope="cta",
+                                ss="cta")
             if sub == 0 and lane == 0:
                 cute.arch.store(gmem_ptr(Int64, streams.toint() + Int64(
                     counters((channel, s, TAILS, COMBINE))) * 8, 8), pos)
         if tracing != 0 and lane == 0:
             _trace_max(trace, channel, "send_done", cute.arch.globaltimer())
             _trace_max(trace, channel, "credit_wait_ns", waited)
+
+    @cute.jit
+    def _publish(self, lane, channel, peers: cute.Tensor, ranks, my_rank, counters_offset,
+                 counters, s_prog: cute.Tensor, s_done: cute.Tensor, s_pub: cute.Tensor):
+        """The expert side's stream tails at each home rank, a lane a home s: while the sender
+        warps of s work, the least of their progress words (a chunk every one of them has
+        written) goes to s's tail, each time it grows, after one system-scope fence (the warps'
+        release stores and this lane's acquire loads order their ring stores before it). Ends
+        once every warp of s is done: they always finish, their own waits being bounded (one
+        that gave up stops its progress, and so the tail, where it was)."""
+        per_home = SEND_WARPS // ranks
+        if lane < ranks and per_home > 0:
+            s = lane
+            tail_word = peers[s] + counters_offset + Int64(
+                counters((channel, my_rank, TAILS, COMBINE))) * 8
+            published = s_pub[s]
+            finished = Int32(0)
+            while finished == 0:
+                done = Int32(1)
+                low = Int64(-1)
+                for sub in cutlass.range(per_home):
+                    w = s + sub * ranks
+                    # Done before progress: a done warp's progress is final.
+                    if cute.arch.load(s_done.iterator + w, Int32, sem="acquire", scope="cta",
+                                      ss="cta") == 0:
+                        done = Int32(0)
+                    p = cute.arch.load(s_prog.iterator + w, Int64, sem="acquire", scope="cta",
+                                       ss="cta")
+                    if sub == 0 or p < low:
+                        low = p
+                if low > published:
+                    cute.arch.fence_acq_rel_sys()  # with the relaxed store: a release
+                    cute.arch.store(gmem_ptr(Int64, tail_word, 8), low, sem="relaxed",
+                                    scope="sys")
+                    published = low
+                if done != 0:
+                    finished = Int32(1)
+                else:
+                    nanosleep(PUBLISH_POLL_NS)
 
     @cute.jit
     def _rows_here(self, comb_rows: cute.Pointer, s, j, topk, max_tokens):

@@ -33,6 +33,15 @@ def take_ticket(addr, *, loc=None, ip=None) -> Int32:
                                  asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
 
 
+@dsl_user_op
+def nanosleep(ns, *, loc=None, ip=None) -> None:
+    """Suspend the thread for about `ns` nanoseconds (PTX `nanosleep`): a poll loop that yields
+    its issue slots to the SM's other warps."""
+    llvm.inline_asm(None, [Int32(ns).ir_value(loc=loc, ip=ip)], "nanosleep.u32 $0;", "r",
+                    has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
 @cute.jit
 def load_i32(addr):
     return cute.make_tensor(gmem_ptr(Int32, addr, 4), cute.make_layout(1))[0]
