@@ -184,12 +184,13 @@ def test_the_built_library_lists_every_kernel_for_both_arches():
 def test_the_manifest_keeps_each_kernels_registers_and_the_transport_does_not_spill():
     """Registers and stack bytes come from each cubin's .nv.info; the combine kernel, whose
     row sums are register-bound, keeps its values in registers (a name without `cutlass` made
-    ptxas spill 152 bytes of them: kernels/build.py)."""
+    ptxas spill 152 bytes of them: kernels/build.py), with at least 128 a thread (its 13 warps
+    allow up to 152)."""
     manifest = _library_or_skip()
     for e in manifest.data["kernels"]:
         assert 0 < e["registers"] <= 255 and e["stack_bytes"] >= 0, e["cubin"]
         if e["spec"]["family"] == "ep_combine":
-            assert e["stack_bytes"] == 0 and e["registers"] > 128, e
+            assert e["stack_bytes"] == 0 and e["registers"] >= 128, e
 
 
 def test_missing_library_names_the_build_command(tmp_path):
