@@ -695,6 +695,11 @@ class EpCombine:
         if rw == 0 and lane == 0:
             s_flag[0] = Int32(1)  # alive
         cute.arch.barrier(barrier_id=9, number_of_threads=threads)
+        # The routing warp's ids of a chunk, loaded a chunk ahead: they land while the chunk
+        # before is routed, waited for and summed.
+        n_ids = cute.make_rmem_tensor(cute.make_layout(MAX_CHUNK * MAX_TOPK // WARP), Int32)
+        if rw == 0 and t0 < t1:
+            self._load_ids(lane, topk_ids, t0, cutlass.min(group, t1 - t0) * topk, topk, n_ids)
         for base in cutlass.range(t0, t1, group):
             g = t1 - base
             if g > group:
@@ -704,16 +709,14 @@ class EpCombine:
                 routed = Int64(0)
                 if tracing != 0:
                     routed = cute.arch.globaltimer()
-                # The chunk's ids, every load in flight before the first is used (indices
-                # past the chunk read its last word again).
                 words = g * topk
-                vals = [load_i32(topk_ids.toint() + (Int64(base) * Int64(topk) + Int64(
-                    cutlass.min(q * WARP + lane, words - 1))) * 4)
-                    for q in range(MAX_CHUNK * MAX_TOPK // WARP)]
                 for q in cutlass.range_constexpr(MAX_CHUNK * MAX_TOPK // WARP):
                     if q * WARP + lane < words:
-                        s_ids[q * WARP + lane] = vals[q]
+                        s_ids[q * WARP + lane] = n_ids[q]
                 cute.arch.sync_warp()
+                if base + group < t1:
+                    self._load_ids(lane, topk_ids, base + group,
+                                   cutlass.min(group, t1 - base - group) * topk, topk, n_ids)
                 if lane < g:
                     t = base + lane
                     mask, _ = route_ids(s_ids, lane, topk, t, topk, experts, local_experts,
@@ -792,6 +795,15 @@ class EpCombine:
             if lane == 0:
                 _trace_max(trace, channel, "recv_done", cute.arch.globaltimer())
                 _trace_max(trace, channel, "route_ns", routing)
+
+    @cute.jit
+    def _load_ids(self, lane, topk_ids: cute.Pointer, base, words, topk, regs: cute.Tensor):
+        """The `words` topk_ids words of the chunk from token `base` into `regs`, lane + q *
+        WARP in regs[q], every load in flight together (indices past the chunk read its last
+        word again)."""
+        for q in cutlass.range_constexpr(MAX_CHUNK * MAX_TOPK // WARP):
+            regs[q] = load_i32(topk_ids.toint() + (Int64(base) * Int64(topk) + Int64(
+                cutlass.min(q * WARP + lane, words - 1))) * 4)
 
     @cute.jit
     def _pairs_at(self, ids: cute.Tensor, row, topk, experts, local_experts, d, skip_a2a,
