@@ -557,7 +557,10 @@ def _decode(rank, world, args, fmt, flush) -> dict:
     eager = _layer_times(buf, x, ids, w, y, quant, args.iters, flush)
     eager.pop("out")
 
-    # Host time of a call: the Python call returning, GPU work still queued.
+    # Host time of a call: the Python call returning, GPU work still queued. Cold: each layer
+    # after a synchronisation and a barrier (the host idle before the call, its caches and
+    # clocks as they come back); steady: the layers back to back, the host never waiting for
+    # the GPU, as in a model's eager forward.
     host = {"dispatch": [], "combine": []}
     for _ in range(args.iters):
         torch.cuda.synchronize()
@@ -570,6 +573,7 @@ def _decode(rank, world, args, fmt, flush) -> dict:
         host["dispatch"].append((t1 - t0) * 1e6)
         host["combine"].append((t2 - t1) * 1e6)
     torch.cuda.synchronize()
+    steady = _steady_host_us(buf, x, ids, w, y, quant, args.iters)
 
     # CUDA graphs: dispatch alone, and the whole layer (combine = the difference).
     dist.barrier()
@@ -597,7 +601,29 @@ def _decode(rank, world, args, fmt, flush) -> dict:
             "graph_dispatch_us": graph_d, "graph_layer_us": graph_l,
             "graph_combine_us": graph_l - graph_d,
             "host_dispatch_us": statistics.median(host["dispatch"]),
-            "host_combine_us": statistics.median(host["combine"])}
+            "host_combine_us": statistics.median(host["combine"]),
+            "steady_host_dispatch_us": steady["dispatch"],
+            "steady_host_combine_us": steady["combine"]}
+
+
+def _steady_host_us(buf, x, ids, w, y, quant, layers: int) -> dict[str, float]:
+    """Median host microseconds of a dispatch and of a combine call in `layers` layers queued
+    back to back after one barrier, no synchronisation between them (the launch queue holds two
+    calls a layer, far below its depth, so no call waits for the GPU)."""
+    import torch.distributed as dist
+
+    times = {"dispatch": [], "combine": []}
+    torch.cuda.synchronize()
+    dist.barrier()
+    for _ in range(layers):
+        t0 = time.perf_counter()
+        out = buf.dispatch(x, ids, w, **quant)
+        t1 = time.perf_counter()
+        buf.combine(y, out.handle)
+        times["dispatch"].append((t1 - t0) * 1e6)
+        times["combine"].append((time.perf_counter() - t1) * 1e6)
+    torch.cuda.synchronize()
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def card_name(device: str) -> str:
@@ -709,7 +735,9 @@ def _print(record, formats) -> None:
                "graph layer us": "graph_layer_us", "kernel dispatch us": "kernel_dispatch_us",
                "kernel combine us": "kernel_combine_us", "eager dispatch us": "eager_dispatch_us",
                "eager combine us": "eager_combine_us", "host us / dispatch call":
-               "host_dispatch_us", "host us / combine call": "host_combine_us"}
+               "host_dispatch_us", "host us / combine call": "host_combine_us",
+               "steady host us / dispatch": "steady_host_dispatch_us",
+               "steady host us / combine": "steady_host_combine_us"}
     # Records from before the kernel columns lack them.
     columns = {col: k for col, k in columns.items() if k in ranks[0]["formats"][formats[0]][
         "decode"]}
@@ -724,7 +752,9 @@ def _print(record, formats) -> None:
                   f"mean GPU time of the dispatch (encoder included) and combine kernels over "
                   f"{LOCKSTEP_LAYERS} layers back to back after one all-reduce, from the "
                   "profiler, as DeepEP's test_low_latency.py times its kernels; host us = time "
-                  "for the Python call to return, GPU work still queued.")
+                  "for the Python call to return, GPU work still queued, each layer after a "
+                  "barrier (the host idle before it); steady host us = the same in layers "
+                  "queued back to back, as a model's eager forward calls them.")
 
     if "stages" not in ranks[0]["formats"][formats[0]]:
         return
