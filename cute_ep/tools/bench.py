@@ -47,8 +47,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import re
 import statistics
+import subprocess
 import time
 from pathlib import Path
 
@@ -142,8 +144,31 @@ def _version() -> str:
 # One rank ------------------------------------------------------------------------------------
 
 
+# The SM clocks of a GPU (MHz): now, the most it may run at, and the application clock it runs
+# kernels at. A store-bound kernel's time scales with the SM clock where a link-bound one's does
+# not, so records of different machines compare only beside their clocks.
+_CLOCKS = ("clocks.sm", "clocks.max.sm", "clocks.applications.graphics")
+
+
+def gpu_clocks(index: int, run=subprocess.run) -> dict[str, int] | None:
+    """`_CLOCKS` of GPU `index` (this process's numbering) by nvidia-smi, or None where it cannot
+    say (no nvidia-smi, a field it does not know)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpu = visible.split(",")[index].strip() if visible else str(index)  # an index or a UUID
+    try:
+        done = run(["nvidia-smi", f"--query-gpu={','.join(_CLOCKS)}",
+                    "--format=csv,noheader,nounits", "-i", gpu],
+                   capture_output=True, text=True, timeout=30)
+        values = [int(v) for v in done.stdout.strip().split(",")]
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+    if done.returncode or len(values) != len(_CLOCKS):
+        return None
+    return dict(zip(("sm_mhz", "max_sm_mhz", "application_sm_mhz"), values))
+
+
 def _worker(rank, world, args, formats, budgets) -> dict:
-    out = {"rank": rank, "formats": {}}
+    out = {"rank": rank, "formats": {}, "clocks": gpu_clocks(torch.cuda.current_device())}
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     for fmt in formats:
         out["formats"][fmt] = {
@@ -685,6 +710,11 @@ def _print(record, formats) -> None:
     cfg = record["config"]
     ranks = record["ranks"]
     worst = max  # every cell is the slowest rank's time (lowest rank's GB/s)
+    clocks = [r.get("clocks") for r in ranks]
+    if any(clocks):  # records from before the clocks lack them
+        console.print("SM clocks, MHz (now / max / application): " + ", ".join(
+            f"rank {r}: " + (f"{c['sm_mhz']} / {c['max_sm_mhz']} / {c['application_sm_mhz']}"
+                             if c else "unknown") for r, c in enumerate(clocks)))
 
     t = Table(title=f"{record['gpus']} x {record['device']}: throughput, {cfg['tokens']} tokens/"
                     f"rank, H={cfg['hidden']} K={cfg['topk']} E={cfg['experts']}, median of "
