@@ -88,11 +88,6 @@ DISPATCH_VARYING = ("source", "source_stride", "load_bytes", "scale_source", "sc
                     "recv_weights", "num_tokens",
                     "skip_a2a", "shared_begin", "shared_end", "has_weights", "active", "trace",
                     "tracing", "phases", "x", "global_scale", "encode")
-# The carved outputs' parts the dispatch kernel takes, in DISPATCH_VARYING's order from
-# "scales" to "recv_weights" (the parts by their `_Carve` names).
-DISPATCH_POINTERS = ("scales", "scales_offsets", "row_offsets", "expert_ids", "counts",
-                     "src_info", "rows", "weights", "tokens", "messages", "channels",
-                     "recv_topk_ids", "recv_topk_weights")
 COMBINE_VARYING = ("y", "comb_rows", "comb_weights", "chan_msgs", "topk_ids", "out",
                    "home_weights", "num_tokens", "weighted", "skip_a2a", "shared_begin",
                    "shared_end", "active", "trace", "tracing")
@@ -175,8 +170,7 @@ class _Carved:
     def _of(cls, flat: torch.Tensor | None, carve: _Carve | None, **fields):
         """An instance with `fields` set and the rest carved from `flat`."""
         obj = cls.__new__(cls)
-        fields["_flat"], fields["_carve"] = flat, carve
-        obj.__dict__ = fields  # the call's own keyword dict: nothing else holds it
+        obj.__dict__.update(fields, _flat=flat, _carve=carve)
         return obj
 
 
@@ -377,7 +371,6 @@ class Buffer:
         self._no_bf16_at = self._no_bf16.data_ptr()
         self._no_i32_at = self._no_i32.data_ptr()
         self._no_i64_at = self._no_i64.data_ptr()
-        self._plan_pointers()
         # Where the dispatch kernel's senders read a bf16 input it quantized into send_buf:
         # (source, its row stride, the scales' source, their stride, bytes loaded a token).
         if cfg.format == "fp8":  # the codes, then the scales from the message's own rows
@@ -555,9 +548,9 @@ class Buffer:
         if cfg.fused_shared_expert and not weighted:
             raise ValueError("fused_shared_expert needs topk_weights: the unreduced [T, K, H] "
                              "combine output has no slot for the shared expert")
-        shared_begin, shared_end = self._shared_tokens(num_tokens, skip_a2a) if skip_a2a \
-            else (0, num_tokens)
-        active = self._active.get(num_input_tokens) or self._active_for(num_input_tokens)
+        shared_begin, shared_end = self._shared_tokens(num_tokens, skip_a2a)
+        by_source = cfg.layout == "sources"
+        active = self._active_for(num_input_tokens)
 
         # The rows the senders read (bytes a token, loaded by 16-byte vectors), and the rows of
         # the scales where those come from rows of their own (scale_stride 0: none).
@@ -588,15 +581,22 @@ class Buffer:
         flat = out.__dict__["_flat"]
         if flat is not None:  # the carved outputs, at fixed offsets in one allocation
             base = flat.data_ptr()
-            pointers = [at + base * carved for at, carved in self._pointer_terms]
+            carved = [base + at for at in self._carved_at]
         else:
-            pointers = self._separate_pointers(out)
+            h = out.handle
+            carved = [out._address(name) for name in self._carved_names[:4]] + \
+                [h._address(name) for name in self._carved_names[4:]]
         trace = self.trace
         self.calls[0] += 1
         args = (
             source, source_stride, load_bytes, scale_source, scale_stride, ids.data_ptr(),
             topk_weights.data_ptr() if weighted else self._no_f32_at,
-            out.tokens.data_ptr(), *pointers,
+            out.tokens.data_ptr(),
+            out._address("scales") if cfg.format != "bf16" else self._no_f32_at,
+            out._address("scales_offsets") if cfg.format == "nvfp4" else self._no_i32_at,
+            *carved,
+            out._address("recv_topk_ids") if by_source else self._no_i32_at,
+            out._address("recv_topk_weights") if by_source else self._no_f32_at,
             num_tokens, int(skip_a2a), shared_begin, shared_end, int(weighted), active,
             self._no_i64_at if trace is None else trace.data_ptr(), int(trace is not None))
         self._dispatch_launch(*args, phases, x_at, gs_at, encode)
@@ -638,25 +638,11 @@ class Buffer:
         self._handle_carve = _Carve([(name, b.torch_shape, getattr(torch, b.dtype))
                                      for name, b in zip(names, self._routes)],
                                     start=self._output_carve.end)
-
-    def _separate_pointers(self, out: DispatchOutput) -> list[int]:
-        """`DISPATCH_POINTERS` of an output whose parts have allocations of their own (the
-        custom operator's): each part's address, or the placeholder's where it is left out."""
-        h = out.handle
-        return [(h if name in self._handle_carve.parts else out)._address(name)
-                if carved else at
-                for name, (at, carved) in zip(DISPATCH_POINTERS, self._pointer_terms)]
-
-    def _plan_pointers(self) -> None:
-        """The dispatch kernel's pointers into a call's carved outputs (`DISPATCH_POINTERS`,
-        in their order): each as (offset, 1), the allocation's address times 1 plus the part's
-        offset, or for a part this config leaves out as (placeholder address, 0), so that a
-        call computes them all in one pass from the allocation's address."""
-        parts = {**self._output_carve.parts, **self._handle_carve.parts}
-        absent = {"scales": self._no_f32_at, "scales_offsets": self._no_i32_at,
-                  "recv_topk_ids": self._no_i32_at, "recv_topk_weights": self._no_f32_at}
-        self._pointer_terms = [(parts[name][0], 1) if name in parts else (absent[name], 0)
-                               for name in DISPATCH_POINTERS]
+        # The carved tensors the dispatch kernel takes, in DISPATCH_VARYING's order.
+        self._carved_names = ("row_offsets", "expert_ids", "counts", "src_info", "rows",
+                              "weights", "tokens", "messages", "channels")
+        self._carved_at = [self._output_carve.parts[n][0] for n in self._carved_names[:4]] + \
+            [self._handle_carve.parts[n][0] for n in self._carved_names[4:]]
 
     def _dispatch_outputs(self, route: Routing, separate: bool = False) -> DispatchOutput:
         dev = self.device
