@@ -11,10 +11,12 @@ w taking pieces w, w + WARPS, ...: "bulk" by bulk copies of a constant shared-me
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint8
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 from kernels.bulk_copy import bulk_store, cp_async_16
 from kernels.copy import row_tiled_copy
-from kernels.memory import gmem_ptr, store_i32
+from kernels.memory import gmem_ptr, store_i32, take_ticket
 from layouts.abi import GridRule, KernelSpec, Param
 
 FAMILY = "store_rate"
@@ -161,3 +163,83 @@ class LoadRate:
 
 def store_rate_kernels() -> list:
     return [StoreRate(m) for m in MODES] + [LoadRate()]
+
+
+@dsl_user_op
+def sm_id(*, loc=None, ip=None) -> Int32:
+    """The index of the SM this thread runs on (PTX `%smid`)."""
+    return Int32(llvm.inline_asm(T.i32(), [], "mov.u32 $0, %smid;", "=r", has_side_effects=True,
+                                 is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+                                 loc=loc, ip=ip))
+
+
+PLACE_WARPS = (8, 16, 32)
+
+
+class StorePlace:
+    """What bounds the per-SM store rate: the warps a CTA stores from and the SMs it runs on.
+
+    `ctas` CTAs of `warps` warps; each writes its SM index to `smids[cta]`. A CTA works when
+    `parity` is -1 or its SM index is `parity` mod 2 (pairs of SM indices share a TPC), then
+    counts itself in `claims[1]`; its warps take 4 KiB pieces of `dst` in turn from the ticket
+    `claims[0]` until all `pieces` are written (piece p holds the byte p % 251, stored 16 bytes a
+    lane), so whichever CTAs work share the bytes evenly by their speed."""
+
+    def __init__(self, warps: int):
+        if warps not in PLACE_WARPS:
+            raise ValueError(f"store_place warps: {PLACE_WARPS}, not {warps}")
+        self.warps = warps
+
+    def spec(self) -> KernelSpec:
+        return KernelSpec(
+            family="store_place",
+            config={"warps": self.warps},
+            params=(Param("dst", "ptr", "uint8", align=16, writes=True),
+                    Param("smids", "ptr", "int32", writes=True),
+                    Param("claims", "ptr", "int32", writes=True),
+                    Param("pieces", "i32"), Param("parity", "i32"), Param("ctas", "i32")),
+            block=(self.warps * WARP, 1, 1),
+            grid=(GridRule(ceil_div=("ctas", 1)), GridRule(constant=1), GridRule(constant=1)),
+            smem_bytes=0,
+            sizes={"piece": PIECE},
+        )
+
+    @cute.jit
+    def __call__(self, dst: cute.Pointer, smids: cute.Pointer, claims: cute.Pointer,
+                 pieces: Int32, parity: Int32, ctas: Int32, stream):
+        self.kernel(dst, smids, claims, pieces, parity, row_tiled_copy(WARP, Uint8, 16)).launch(
+            grid=(ctas, 1, 1), block=(self.warps * WARP, 1, 1), stream=stream)
+
+    @cute.kernel
+    def kernel(self, dst: cute.Pointer, smids: cute.Pointer, claims: cute.Pointer,
+               pieces: Int32, parity: Int32, copy: cute.TiledCopy):
+        tidx, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        lane = tidx % WARP
+        sm = sm_id()
+        if tidx == 0:
+            store_i32(smids.toint() + Int64(cta) * 4, sm)
+        if parity < 0 or sm % 2 == parity:
+            if tidx == 0:
+                take_ticket(claims.toint() + 4)
+            thr = copy.get_slice(lane)
+            layout = cute.make_layout((PIECE // 16, 16), stride=(16, 1))
+            tiler = (WARP * STEP, 16)
+            ticket = Int32(0)
+            if lane == 0:
+                ticket = take_ticket(claims.toint())
+            p = cute.arch.shuffle_sync(ticket, 0)
+            while p < pieces:
+                if lane == 0:
+                    ticket = take_ticket(claims.toint())
+                g_dst = cute.zipped_divide(cute.make_tensor(
+                    gmem_ptr(Uint8, dst.toint() + Int64(p) * PIECE, 16), layout), tiler)
+                t_dst = thr.partition_D(g_dst[((None, None), 0)])
+                regs = cute.make_fragment_like(t_dst)
+                regs.fill(p % 251)
+                cute.copy(copy, regs, t_dst)
+                p = cute.arch.shuffle_sync(ticket, 0)
+
+
+def store_place_kernels() -> list:
+    return [StorePlace(w) for w in PLACE_WARPS]
