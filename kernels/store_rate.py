@@ -207,12 +207,13 @@ class StorePlace:
     @cute.jit
     def __call__(self, dst: cute.Pointer, smids: cute.Pointer, claims: cute.Pointer,
                  pieces: Int32, parity: Int32, ctas: Int32, stream):
-        self.kernel(dst, smids, claims, pieces, parity, row_tiled_copy(WARP, Uint8, 16)).launch(
+        self.kernel(dst, smids, claims, pieces, parity, ctas,
+                    row_tiled_copy(WARP, Uint8, 16)).launch(
             grid=(ctas, 1, 1), block=(self.warps * WARP, 1, 1), stream=stream)
 
     @cute.kernel
     def kernel(self, dst: cute.Pointer, smids: cute.Pointer, claims: cute.Pointer,
-               pieces: Int32, parity: Int32, copy: cute.TiledCopy):
+               pieces: Int32, parity: Int32, ctas: Int32, copy: cute.TiledCopy):
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         lane = tidx % WARP
