@@ -35,11 +35,47 @@ def _sweep(rows, name, launch, budgets, total, piece, reps, flush):
     return per_cta, ctas
 
 
+def _place(dst, flush, args) -> list:
+    """store_place at each `--place` CTAs:parity and warps a CTA: GB/s per SM that worked, with
+    how many distinct SMs and TPCs (SM index // 2) those were, and the bytes checked."""
+    rows, piece = [], 4096
+    pieces = dst.numel() // piece
+    smids = torch.empty(256, dtype=torch.int32, device="cuda")
+    claims = torch.zeros(2, dtype=torch.int32, device="cuda")
+    for warps in (8, 16, 32):
+        kernel = runtime().select("store_place", "cuda", warps=warps)
+        for pair in args.place.split(","):
+            ctas, parity = (int(v) for v in pair.split(":"))
+
+            def prep():
+                flush.zero_()
+                claims.zero_()
+            ms = median_ms(lambda: kernel.launch(dst, smids, claims, pieces, parity, ctas),
+                           args.reps, flush, prep=prep)
+            sm = smids[:ctas].tolist()
+            working = [s for s in sm if parity < 0 or s % 2 == parity]
+            assert claims[1].item() == len(working), "working CTAs miscounted"
+            assert len(set(working)) == len(working), "two working CTAs on one SM"
+            want = (torch.arange(pieces, device="cuda") % 251).to(torch.uint8)
+            assert torch.equal(dst.view(pieces, piece), want[:, None].expand(pieces, piece)), \
+                "store_place wrote other bytes"
+            gbs = pieces * piece / ms / 1e6
+            tpcs = len({s // 2 for s in working})
+            rows.append({"kernel": f"store_place {warps} warps, parity {parity} "
+                                   f"({gbs / len(working):.0f} GB/s an SM, {tpcs} TPCs)",
+                         "ctas": len(working), "us": ms * 1e3, "gbs": gbs,
+                         "gbs_per_cta": gbs / len(working), "launched": ctas, "smids": sm})
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--mib", type=int, default=512)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--ctas", default="8,16,24,32,66,132")
+    parser.add_argument("--place", default=None,
+                        help="CTAs:parity pairs (parity -1, 0 or 1) for store_place, e.g. "
+                             "24:-1,48:0,48:1: the store rate by warps a CTA and SM parity")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     total = args.mib << 20
@@ -71,6 +107,8 @@ def main():
     want = np.bitwise_xor.reduce(dst[:per_cta * ctas].view(torch.int32).view(ctas, -1).cpu()
                                  .numpy(), axis=1)
     assert np.array_equal(got, want), "load_rate read other bytes"
+    if args.place:
+        rows += _place(dst, flush, args)
     report_copies(f"{torch.cuda.get_device_name()}: {args.mib} MiB written or read, median of "
                   f"{args.reps}, L2 flushed", "CTAs", "GB/s = bytes moved / t", rows,
                   torch.cuda.get_device_name(), args.json)
