@@ -16,7 +16,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 from kernels.bulk_copy import bulk_store, cp_async_16
 from kernels.copy import row_tiled_copy
-from kernels.memory import gmem_ptr, store_i32, take_ticket
+from kernels.memory import gmem_ptr, load_i32, store_i32, take_ticket
 from layouts.abi import GridRule, KernelSpec, Param
 
 FAMILY = "store_rate"
@@ -180,8 +180,7 @@ class StorePlace:
     """What bounds the per-SM store rate: the warps a CTA stores from and the SMs it runs on.
 
     `ctas` CTAs of `warps` warps; each writes its SM index to `smids[cta]`. A CTA works when
-    `parity` is -1 or its SM index is `parity` mod 2 (pairs of SM indices share a TPC), then
-    counts itself in `claims[1]`; its warps take 4 KiB pieces of `dst` in turn from the ticket
+    `allowed[its SM index]` (int32, 256 entries) is not 0, then counts itself in `claims[1]`; its warps take 4 KiB pieces of `dst` in turn from the ticket
     `claims[0]` until all `pieces` are written (piece p holds the byte p % 251, stored 16 bytes a
     lane), so whichever CTAs work share the bytes evenly by their speed."""
 
@@ -197,7 +196,8 @@ class StorePlace:
             params=(Param("dst", "ptr", "uint8", align=16, writes=True),
                     Param("smids", "ptr", "int32", writes=True),
                     Param("claims", "ptr", "int32", writes=True),
-                    Param("pieces", "i32"), Param("parity", "i32"), Param("ctas", "i32")),
+                    Param("allowed", "ptr", "int32"),
+                    Param("pieces", "i32"), Param("ctas", "i32")),
             block=(self.warps * WARP, 1, 1),
             grid=(GridRule(ceil_div=("ctas", 1)), GridRule(constant=1), GridRule(constant=1)),
             smem_bytes=0,
@@ -206,21 +206,21 @@ class StorePlace:
 
     @cute.jit
     def __call__(self, dst: cute.Pointer, smids: cute.Pointer, claims: cute.Pointer,
-                 pieces: Int32, parity: Int32, ctas: Int32, stream):
-        self.kernel(dst, smids, claims, pieces, parity, ctas,
+                 allowed: cute.Pointer, pieces: Int32, ctas: Int32, stream):
+        self.kernel(dst, smids, claims, allowed, pieces, ctas,
                     row_tiled_copy(WARP, Uint8, 16)).launch(
             grid=(ctas, 1, 1), block=(self.warps * WARP, 1, 1), stream=stream)
 
     @cute.kernel
     def kernel(self, dst: cute.Pointer, smids: cute.Pointer, claims: cute.Pointer,
-               pieces: Int32, parity: Int32, ctas: Int32, copy: cute.TiledCopy):
+               allowed: cute.Pointer, pieces: Int32, ctas: Int32, copy: cute.TiledCopy):
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         lane = tidx % WARP
         sm = sm_id()
         if tidx == 0:
             store_i32(smids.toint() + Int64(cta) * 4, sm)
-        if parity < 0 or sm % 2 == parity:
+        if load_i32(allowed.toint() + Int64(sm) * 4) != 0:
             if tidx == 0:
                 take_ticket(claims.toint() + 4)
             thr = copy.get_slice(lane)
