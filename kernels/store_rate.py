@@ -179,7 +179,8 @@ PLACE_WARPS = (8, 16, 32)
 class StorePlace:
     """What bounds the per-SM store rate: the warps a CTA stores from and the SMs it runs on.
 
-    `ctas` CTAs of `warps` warps; each writes its SM index to `smids[cta]`. A CTA works when
+    `ctas` CTAs of `warps` warps; each writes its SM index to `smids[cta]` and the pieces it
+    wrote to `smids[256 + cta]` (at most 256 CTAs). A CTA works when
     `allowed[its SM index]` (int32, 256 entries) is not 0, then counts itself in `claims[1]`; its warps take 4 KiB pieces of `dst` in turn from the ticket
     `claims[0]` until all `pieces` are written (piece p holds the byte p % 251, stored 16 bytes a
     lane), so whichever CTAs work share the bytes evenly by their speed."""
@@ -230,7 +231,9 @@ class StorePlace:
             if lane == 0:
                 ticket = take_ticket(claims.toint())
             p = cute.arch.shuffle_sync(ticket, 0)
+            done = Int32(0)
             while p < pieces:
+                done += 1
                 if lane == 0:
                     ticket = take_ticket(claims.toint())
                 g_dst = cute.zipped_divide(cute.make_tensor(
@@ -240,6 +243,9 @@ class StorePlace:
                 regs.fill(p % 251)
                 cute.copy(copy, regs, t_dst)
                 p = cute.arch.shuffle_sync(ticket, 0)
+            if lane == 0:
+                cute.arch.atomic_add(gmem_ptr(Int32, smids.toint() + Int64(256 + cta) * 4, 4),
+                                     done, sem="relaxed", scope="gpu")
 
 
 def store_place_kernels() -> list:

@@ -51,7 +51,7 @@ def _place(dst, flush, args) -> list:
     how many distinct SMs and TPCs (SM index // 2) those were, and the bytes checked."""
     rows, piece = [], 4096
     pieces = dst.numel() // piece
-    smids = torch.empty(256, dtype=torch.int32, device="cuda")
+    smids = torch.zeros(512, dtype=torch.int32, device="cuda")
     claims = torch.zeros(2, dtype=torch.int32, device="cuda")
     for warps in args.place_warps:
         kernel = runtime().select("store_place", "cuda", warps=warps)
@@ -64,9 +64,11 @@ def _place(dst, flush, args) -> list:
             def prep():
                 flush.zero_()
                 claims.zero_()
+                smids.zero_()
             ms = median_ms(lambda: kernel.launch(dst, smids, claims, allowed, pieces, ctas),
                            args.reps, flush, prep=prep)
-            sm = smids[:ctas].tolist()
+            sm, done = smids[:ctas].tolist(), smids[256:256 + ctas].tolist()
+            assert sum(done) == pieces, "pieces lost or written twice"
             working = [s for s in sm if s in sms]
             assert claims[1].item() == len(working), "working CTAs miscounted"
             assert len(set(working)) == len(working), "two working CTAs on one SM"
@@ -78,7 +80,8 @@ def _place(dst, flush, args) -> list:
             rows.append({"kernel": f"store_place {warps} warps, {ctas} CTAs on {which} "
                                    f"({gbs / len(working):.0f} GB/s an SM, {tpcs} TPCs)",
                          "ctas": len(working), "us": ms * 1e3, "gbs": gbs,
-                         "gbs_per_cta": gbs / len(working), "launched": ctas, "smids": sm})
+                         "gbs_per_cta": gbs / len(working), "launched": ctas, "smids": sm,
+                         "pieces": done})
     return rows
 
 
