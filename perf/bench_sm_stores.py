@@ -36,13 +36,14 @@ def _sweep(rows, name, launch, budgets, total, piece, reps, flush):
 
 
 def _sms(text: str) -> set:
-    """The SM indices `text` names: all, even, odd, or first-last ranges joined by '+'."""
+    """The SM indices `text` names: all, even, odd, or first-last[%step] ranges joined by '+'."""
     if text in ("all", "even", "odd"):
         return {s for s in range(256) if text == "all" or s % 2 == (text == "odd")}
     sms = set()
     for part in text.split("+"):
+        part, _, step = part.partition("%")
         first, _, last = part.partition("-")
-        sms |= set(range(int(first), int(last or first) + 1))
+        sms |= set(range(int(first), int(last or first) + 1, int(step or 1)))
     return sms
 
 
@@ -92,7 +93,7 @@ def main():
     parser.add_argument("--ctas", default="8,16,24,32,66,132")
     parser.add_argument("--place", default=None,
                         help="CTAs:SMs pairs for store_place separated by '/', SMs as 'all', "
-                             "'even', 'odd' or first-last ranges joined by '+', e.g. "
+                             "'even', 'odd' or first-last[%%step] ranges joined by '+', e.g. "
                              "24:all/48:124-131: the store rate by warps a CTA and by the SMs "
                              "that work")
     parser.add_argument("--place-warps", default="8",
