@@ -11,12 +11,11 @@ w taking pieces w, w + WARPS, ...: "bulk" by bulk copies of a constant shared-me
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint8
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
 
 from kernels.bulk_copy import bulk_store, cp_async_16
 from kernels.copy import row_tiled_copy
 from kernels.memory import gmem_ptr, load_i32, store_i32, take_ticket
+from kernels.placement import sm_id
 from layouts.abi import GridRule, KernelSpec, Param
 
 FAMILY = "store_rate"
@@ -163,14 +162,6 @@ class LoadRate:
 
 def store_rate_kernels() -> list:
     return [StoreRate(m) for m in MODES] + [LoadRate()]
-
-
-@dsl_user_op
-def sm_id(*, loc=None, ip=None) -> Int32:
-    """The index of the SM this thread runs on (PTX `%smid`)."""
-    return Int32(llvm.inline_asm(T.i32(), [], "mov.u32 $0, %smid;", "=r", has_side_effects=True,
-                                 is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-                                 loc=loc, ip=ip))
 
 
 PLACE_WARPS = (8, 16, 32)
