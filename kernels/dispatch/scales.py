@@ -76,8 +76,9 @@ class ScalesPhase:
         """The write-out by the receiver warps, a wide tile at a time in the first
         WIDE_TILE_ROWS x WIDE_TILE_WORDS words of the warp's own pieces: WIDE_TILE_ROWS staged
         rows (FP8: rows q * 128 ..; NVFP4: 128-row block q of a segment, rows past its count
-        zero) by WIDE_TILE_WORDS columns from c0. Each load is a 16-byte cp.async, 8 lanes a row, so a warp's load covers four
-        whole 128-byte lines; the tiles shared out over every receiver warp of every CTA.
+        zero) by WIDE_TILE_WORDS columns from c0. Each load is a 16-byte cp.async, 8 lanes a
+        row, so a warp's load covers four whole 128-byte lines; the tiles shared out over every
+        receiver warp of every CTA.
         Stores: NVFP4 a 16-byte line of an atom a lane (rows l, l + 32, l + 64, l + 96); FP8 a
         16-byte run of the transposed output a lane (rows 4l .. 4l + 3 of one block)."""
         gw = channel * self.recv_warps + rw
@@ -136,8 +137,8 @@ class ScalesPhase:
     @cute.jit
     def _load_wide(self, tile, lane, base, r0, row_bytes, valid, cols, c0):
         """Staged rows r0 .. r0 + WIDE_TILE_ROWS of words c0 .. c0 + WIDE_TILE_WORDS into the
-        wide tile at `tile`, swizzled (`_write_wide`): rows from `valid` on and columns from `cols` on as
-        zeros, not read. Waits for the copies and the warp."""
+        wide tile at `tile`, swizzled (`_write_wide`): rows from `valid` on and columns from
+        `cols` on as zeros, not read. Waits for the copies and the warp."""
         cc = lane % WIDE_TILE_CHUNKS
         step = WARP // WIDE_TILE_CHUNKS  # rows a warp's load covers
         # Eight loads a lane unrolled at a time: their addresses, not all 32, live at once.
