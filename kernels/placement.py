@@ -1,11 +1,12 @@
 """Which SMs a layer's channels run on.
 
-A channel's CTA stores as fast as its SM's path to memory allows, and SMs that share that path
-slow each other: with the 24 CTAs of a default launch on an H100, five of them (on SMs the
-scheduler packs into one part of the chip) store at 0.85 of the others' rate, and a kernel whose
-channels have equal shares ends when those five do (`perf/bench_sm_stores.py --place`,
-perf/results/sm-place-2026-11-26-H100.json). One channel per TPC (SM index // 2) spreads them:
-every SM then stores at the same rate.
+A channel's CTA stores as fast as its SM's path to memory allows, and SMs in one part of the
+chip share that path: with the 24 CTAs of a default launch on an H100, five of them (the
+scheduler puts both SMs of four TPCs, 124-131, among them) store at 0.85 of the others' rate,
+and a kernel whose channels have equal shares ends when those five do
+(`perf/bench_sm_stores.py --place`, perf/results/sm-place-2026-11-26-H100.json). The SMs of a
+TPC alone do not slow each other; one channel per TPC (SM index // 2) spreads the channels over
+twice as many TPCs, and in that record every SM of such a placement stores at the same rate.
 
 A launch with spare CTAs (grid `launched` > `active`) places its channels so: each CTA claims its
 TPC's bit; the first CTA on a TPC takes the next channel index while fewer than `active` are

@@ -171,10 +171,11 @@ class StorePlace:
     """What bounds the per-SM store rate: the warps a CTA stores from and the SMs it runs on.
 
     `ctas` CTAs of `warps` warps; each writes its SM index to `smids[cta]` and the pieces it
-    wrote to `smids[256 + cta]` (at most 256 CTAs). A CTA works when
-    `allowed[its SM index]` (int32, 256 entries) is not 0, then counts itself in `claims[1]`; its warps take 4 KiB pieces of `dst` in turn from the ticket
-    `claims[0]` until all `pieces` are written (piece p holds the byte p % 251, stored 16 bytes a
-    lane), so whichever CTAs work share the bytes evenly by their speed."""
+    wrote to `smids[256 + cta]` (at most 256 CTAs). A CTA works when `allowed[its SM index]`
+    (int32, 256 entries) is not 0, then counts itself in `claims[1]`; its warps take 4 KiB
+    pieces of `dst` in turn from the ticket `claims[0]` until all `pieces` are written (piece p
+    holds the byte p % 251, stored 16 bytes a lane), so the CTAs that work share the bytes by
+    their speed."""
 
     def __init__(self, warps: int):
         if warps not in PLACE_WARPS:

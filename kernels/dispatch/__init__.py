@@ -440,9 +440,10 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                     self._send(warp, lane, channel, t0, t1, peers, here, source, scale_source,
                                scale_stride, topk_ids, topk_weights, streams, error, topk, ranks,
                                my_rank, has_weights, header_bytes, source_stride, load_bytes,
-                               stage_bytes, stage_batches, channels, headers_offset, staging_offset,
-                               counters_offset, counters, timeout_ns, payload_vectors, scales_offset,
-                               send_copy, s_arrive, s_head, s_time, trace, tracing)
+                               stage_bytes, stage_batches, channels, headers_offset,
+                               staging_offset, counters_offset, counters, timeout_ns,
+                               payload_vectors, scales_offset, send_copy, s_arrive, s_head,
+                               s_time, trace, tracing)
 
             if phases & DISPATCH_RECEIVE != 0:
                 # 3. Receive ---------------------------------------------------------------------
@@ -471,7 +472,8 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                         cute.arch.store(rounds, epoch, sem="release", scope="gpu")
                     _stamp(trace, tracing, channel, "round_done", cute.arch.globaltimer())
                 if cutlass.const_expr(self.fmt != "bf16"):
-                    # (Not after an overflow of the output's rows: the layout runs past the buffers.)
+                    # (Not after an overflow of the output's rows: the layout runs past the
+                    # buffers.)
                     if segment_rows <= 0 and s_off[local_experts + shared] <= row_capacity:
                         # Every CTA's received scales are in scale_rows once the round has advanced:
                         # then all of them write the output's layout, a share each.

@@ -6,7 +6,7 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64
 
 from kernels.memory import error_field, gmem_ptr, trace_word
-from layouts.buffers import ERROR_CHANNELS, WIDE_TILE_CHUNKS, WIDE_TILE_ROWS, WIDE_TILE_WORDS
+from layouts.buffers import ERROR_CHANNELS
 from layouts.channels import DISPATCH, HEADS, STAGE_BATCH_TOKENS, TRACE_FIELDS
 from layouts.formats import METADATA_FIELDS
 
@@ -38,10 +38,9 @@ SCALE_REGS = 4  # FP8 / NVFP4 scale words per lane a receiver loads with a messa
 # row TILE_STRIDE words apart (one more than its words: no bank conflicts reading a column).
 TILE_ROWS, TILE_COLS = 128, 8
 TILE_STRIDE = TILE_COLS + 1
-# With bulk receivers the scales go out in wide tiles instead (`layouts.buffers.wide_tile_word`),
-# one per receiver warp in its pieces: WIDE_ROWS staged rows of WIDE_WORDS words (whole 128-byte
-# lines), loaded by 16-byte cp.async.
-WIDE_ROWS, WIDE_WORDS, WIDE_CHUNKS = WIDE_TILE_ROWS, WIDE_TILE_WORDS, WIDE_TILE_CHUNKS
+# With bulk receivers the scales go out in wide tiles instead (`layouts.buffers.wide_tile_word`:
+# WIDE_TILE_ROWS staged rows of WIDE_TILE_WORDS words, whole 128-byte lines, loaded by 16-byte
+# cp.async), one per receiver warp in its pieces.
 # Output rows from which the write-out takes wide tiles. Fewer (a decode step's) fill few rows of
 # each tile: there the narrow tiles, spread over every warp, end sooner (emulated 2 ranks on an
 # H100 at 128 tokens a rank, 24 SMs: the wide tiles took the dispatch 2-5 us longer; at 4096

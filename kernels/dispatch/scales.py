@@ -7,12 +7,12 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64
 
 from kernels.dispatch.common import (FP8_BLOCK, NVFP4_BLOCK, PIECE, PIECES, SEND_WARPS,
-                                     TILE_COLS, TILE_ROWS, TILE_STRIDE, WARP, WIDE_CHUNKS,
-                                     WIDE_MIN_ROWS, WIDE_ROWS, WIDE_WORDS)
+                                     TILE_COLS, TILE_ROWS, TILE_STRIDE, WARP, WIDE_MIN_ROWS)
 from kernels.bulk_copy import bulk_prefetch_l2, cp_async_16_fill
 from kernels.memory import gmem_ptr, load_i32, scale_offset, store_i32
 from kernels.nvfp4 import segment_of
-from layouts.buffers import scale_rows_layout, wide_tile_word
+from layouts.buffers import (WIDE_TILE_CHUNKS, WIDE_TILE_ROWS, WIDE_TILE_WORDS, scale_rows_layout,
+                             wide_tile_word)
 from layouts.scales import ATOM_BYTES, ATOM_ROWS
 
 PAIR = 2  # FP8 tiles a warp loads before storing the first
@@ -73,38 +73,39 @@ class ScalesPhase:
     def _write_wide(self, rw, lane, channel, active, scales: cute.Pointer,
                     scale_rows: cute.Pointer, s_off: cute.Tensor, s_raw: cute.Tensor,
                     s_first: cute.Tensor, s_tile: cute.Tensor, segments, row_capacity, words):
-        """The write-out by the receiver warps, a wide tile at a time in the first WIDE_ROWS x
-        WIDE_WORDS words of the warp's own pieces: WIDE_ROWS staged rows (FP8: rows q * 128 ..;
-        NVFP4: 128-row block q of a segment, rows past its count zero) by WIDE_WORDS columns
-        from c0. Each load is a 16-byte cp.async, 8 lanes a row, so a warp's load covers four
-        whole 128-byte lines; the tiles shared out over every receiver warp of every CTA.
+        """The write-out by the receiver warps, a wide tile at a time in the first
+        WIDE_TILE_ROWS x WIDE_TILE_WORDS words of the warp's own pieces: WIDE_TILE_ROWS staged
+        rows (FP8: rows q * 128 ..; NVFP4: 128-row block q of a segment, rows past its count
+        zero) by WIDE_TILE_WORDS columns from c0. Each load is a 16-byte cp.async, 8 lanes a
+        row, so a warp's load covers four whole 128-byte lines; the tiles shared out over every
+        receiver warp of every CTA.
         Stores: NVFP4 a 16-byte line of an atom a lane (rows l, l + 32, l + 64, l + 96); FP8 a
         16-byte run of the transposed output a lane (rows 4l .. 4l + 3 of one block)."""
         gw = channel * self.recv_warps + rw
         nw = active * self.recv_warps
         tile = s_tile.iterator + rw * (PIECES * PIECE // 4)
-        tiles_c = (words + WIDE_WORDS - 1) // WIDE_WORDS
+        tiles_c = (words + WIDE_TILE_WORDS - 1) // WIDE_TILE_WORDS
         row_bytes = Int64(words) * 4
         rows = s_off[segments]
         n_units = s_first[segments] * tiles_c
         if cutlass.const_expr(self.fmt == "fp8"):
-            n_units = (rows + WIDE_ROWS - 1) // WIDE_ROWS * tiles_c
+            n_units = (rows + WIDE_TILE_ROWS - 1) // WIDE_TILE_ROWS * tiles_c
         # Lane l reads back rows l + 32 p (NVFP4) or 4 l + p (FP8), 16 bytes of each: in the
         # tile's swizzle (`wide_tile_word`) those rows' chunk c lies at a fixed stride from
         # row l's (or 4 l's), and a quarter-warp's lanes read different bank groups.
-        mine = cute.make_layout((4, 4), stride=(WARP * WIDE_WORDS, 1))
+        mine = cute.make_layout((4, 4), stride=(WARP * WIDE_TILE_WORDS, 1))
         if cutlass.const_expr(self.fmt == "fp8"):
-            mine = cute.make_layout((4, 4), stride=(WIDE_WORDS, 1))
+            mine = cute.make_layout((4, 4), stride=(WIDE_TILE_WORDS, 1))
         w = cute.make_rmem_tensor(cute.make_layout((4, 4), stride=(4, 1)), Int32)
         four = cute.make_rmem_tensor(cute.make_layout(4), Int32)
         for u in cutlass.range(gw, n_units, nw):
             q = u // tiles_c
-            c0 = u % tiles_c * WIDE_WORDS
-            r0 = q * WIDE_ROWS
+            c0 = u % tiles_c * WIDE_TILE_WORDS
+            r0 = q * WIDE_TILE_ROWS
             valid = rows - r0
             if cutlass.const_expr(self.fmt == "nvfp4"):
                 g = segment_of(s_first, segments, q)
-                first = (q - s_first[g]) * WIDE_ROWS
+                first = (q - s_first[g]) * WIDE_TILE_ROWS
                 r0 = s_off[g] + first
                 valid = s_raw[g] - first
             self._load_wide(tile, lane, scale_rows.toint(), r0, row_bytes, valid, words - c0,
@@ -112,7 +113,7 @@ class ScalesPhase:
             out_at = scales.toint() + (Int64(r0) + Int64(lane * 4)) * 4  # FP8: + column * rows
             if cutlass.const_expr(self.fmt == "nvfp4"):
                 out_at = scales.toint() + scale_offset(q * ATOM_ROWS + lane, 0, words)
-            for c in cutlass.range_constexpr(WIDE_CHUNKS):
+            for c in cutlass.range_constexpr(WIDE_TILE_CHUNKS):
                 if c0 + c * 4 < words:
                     first_row = lane
                     if cutlass.const_expr(self.fmt == "fp8"):
@@ -135,15 +136,15 @@ class ScalesPhase:
 
     @cute.jit
     def _load_wide(self, tile, lane, base, r0, row_bytes, valid, cols, c0):
-        """Staged rows r0 .. r0 + WIDE_ROWS of words c0 .. c0 + WIDE_WORDS into the wide tile at
-        `tile`, swizzled (`_write_wide`): rows from `valid` on and columns from `cols` on as
-        zeros, not read. Waits for the copies and the warp."""
-        cc = lane % WIDE_CHUNKS
-        step = WARP // WIDE_CHUNKS  # rows a warp's load covers
+        """Staged rows r0 .. r0 + WIDE_TILE_ROWS of words c0 .. c0 + WIDE_TILE_WORDS into the
+        wide tile at `tile`, swizzled (`_write_wide`): rows from `valid` on and columns from
+        `cols` on as zeros, not read. Waits for the copies and the warp."""
+        cc = lane % WIDE_TILE_CHUNKS
+        step = WARP // WIDE_TILE_CHUNKS  # rows a warp's load covers
         # Eight loads a lane unrolled at a time: their addresses, not all 32, live at once.
-        for kk in cutlass.range(WIDE_ROWS * WIDE_CHUNKS // WARP // 8):
+        for kk in cutlass.range(WIDE_TILE_ROWS * WIDE_TILE_CHUNKS // WARP // 8):
             for k8 in cutlass.range_constexpr(8):
-                r = lane // WIDE_CHUNKS + (kk * 8 + k8) * step
+                r = lane // WIDE_TILE_CHUNKS + (kk * 8 + k8) * step
                 src = Int64(base)
                 n = Int32(0)
                 if r < valid and cc * 4 < cols:
