@@ -165,14 +165,15 @@ def store_rate_kernels() -> list:
 
 
 PLACE_WARPS = (8, 16, 32)
+PLACE_SLOTS = 256  # CTAs a store_place launch records, and SM indices its `allowed` table covers
 
 
 class StorePlace:
     """What bounds the per-SM store rate: the warps a CTA stores from and the SMs it runs on.
 
     `ctas` CTAs of `warps` warps; each writes its SM index to `smids[cta]` and the pieces it
-    wrote to `smids[256 + cta]` (at most 256 CTAs). A CTA works when `allowed[its SM index]`
-    (int32, 256 entries) is not 0, then counts itself in `claims[1]`; its warps take 4 KiB
+    wrote to `smids[PLACE_SLOTS + cta]` (at most PLACE_SLOTS CTAs). A CTA works when
+    `allowed[its SM index]` (int32, PLACE_SLOTS entries) is not 0, then counts itself in `claims[1]`; its warps take 4 KiB
     pieces of `dst` in turn from the ticket `claims[0]` until all `pieces` are written (piece p
     holds the byte p % 251, stored 16 bytes a lane), so the CTAs that work share the bytes by
     their speed."""
@@ -236,7 +237,7 @@ class StorePlace:
                 cute.copy(copy, regs, t_dst)
                 p = cute.arch.shuffle_sync(ticket, 0)
             if lane == 0:
-                cute.arch.atomic_add(gmem_ptr(Int32, smids.toint() + Int64(256 + cta) * 4, 4),
+                cute.arch.atomic_add(gmem_ptr(Int32, smids.toint() + Int64(PLACE_SLOTS + cta) * 4, 4),
                                      done, sem="relaxed", scope="gpu")
 
 

@@ -20,6 +20,7 @@ import torch
 from timing import median_ms, report_copies
 
 from cute_ep.runtime.launch import runtime
+from kernels.store_rate import PLACE_SLOTS
 
 
 def _sweep(rows, name, launch, budgets, total, piece, reps, flush):
@@ -38,7 +39,7 @@ def _sweep(rows, name, launch, budgets, total, piece, reps, flush):
 def _sms(text: str) -> set:
     """The SM indices `text` names: all, even, odd, or first-last[%step] ranges joined by '+'."""
     if text in ("all", "even", "odd"):
-        return {s for s in range(256) if text == "all" or s % 2 == (text == "odd")}
+        return {s for s in range(PLACE_SLOTS) if text == "all" or s % 2 == (text == "odd")}
     sms = set()
     for part in text.split("+"):
         part, _, step = part.partition("%")
@@ -50,17 +51,21 @@ def _sms(text: str) -> set:
 def _place(dst, flush, args) -> list:
     """store_place at each `--place` CTAs:SMs and warps a CTA: GB/s per SM that worked, with
     how many distinct SMs and TPCs (SM index // 2) those were, and the bytes checked."""
-    rows, piece = [], 4096
+    rows = []
+    by_warps = {w: runtime().select("store_place", "cuda", warps=w) for w in args.place_warps}
+    piece = by_warps[args.place_warps[0]].spec.sizes["piece"]
     pieces = dst.numel() // piece
-    smids = torch.zeros(512, dtype=torch.int32, device="cuda")
+    # What every launch must leave: piece p holds the byte p % 251.
+    want = (torch.arange(pieces, device="cuda") % 251).to(torch.uint8)[:, None].expand(pieces,
+                                                                                      piece)
+    smids = torch.zeros(2 * PLACE_SLOTS, dtype=torch.int32, device="cuda")
     claims = torch.zeros(2, dtype=torch.int32, device="cuda")
-    for warps in args.place_warps:
-        kernel = runtime().select("store_place", "cuda", warps=warps)
+    for warps, kernel in by_warps.items():
         for pair in args.place.split("/"):
             ctas, which = pair.split(":")
             ctas, sms = int(ctas), _sms(which)
-            allowed = torch.tensor([int(s in sms) for s in range(256)], dtype=torch.int32,
-                                   device="cuda")
+            allowed = torch.tensor([int(s in sms) for s in range(PLACE_SLOTS)],
+                                   dtype=torch.int32, device="cuda")
 
             def prep():
                 flush.zero_()
@@ -68,14 +73,12 @@ def _place(dst, flush, args) -> list:
                 smids.zero_()
             ms = median_ms(lambda: kernel.launch(dst, smids, claims, allowed, pieces, ctas),
                            args.reps, flush, prep=prep)
-            sm, done = smids[:ctas].tolist(), smids[256:256 + ctas].tolist()
+            sm, done = smids[:ctas].tolist(), smids[PLACE_SLOTS:PLACE_SLOTS + ctas].tolist()
             assert sum(done) == pieces, "pieces lost or written twice"
             working = [s for s in sm if s in sms]
             assert claims[1].item() == len(working), "working CTAs miscounted"
             assert len(set(working)) == len(working), "two working CTAs on one SM"
-            want = (torch.arange(pieces, device="cuda") % 251).to(torch.uint8)
-            assert torch.equal(dst.view(pieces, piece), want[:, None].expand(pieces, piece)), \
-                "store_place wrote other bytes"
+            assert torch.equal(dst.view(pieces, piece), want), "store_place wrote other bytes"
             gbs = pieces * piece / ms / 1e6
             tpcs = len({s // 2 for s in working})
             rows.append({"kernel": f"store_place {warps} warps, {ctas} CTAs on {which} "
