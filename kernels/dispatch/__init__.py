@@ -71,8 +71,9 @@ from kernels.memory import load_f32
 from kernels.nvfp4 import SCALE_TABLE_BYTES, fill_scale_table, scale_table_layout
 from kernels.dispatch.common import (FORMATS, LIMITS, MAX_CHUNK, MAX_EXPERTS, MAX_RANKS,
                                      MAX_SEGMENTS, MAX_STAGE_BATCHES, MAX_TOPK, PHASE_DISPATCH,
-                                     PIECE, PIECES, BULK_FORMATS, RECV_WARPS_BULK,
-                                     RECV_WARPS_REGISTERS, SCRATCH, SEND_VECTORS, SEND_WARPS,
+                                     PIECE, PIECES, BULK_FORMATS, RECV_TIME_WORDS,
+                                     RECV_WARPS_BULK, RECV_WARPS_REGISTERS, SCRATCH,
+                                     SEND_VECTORS, SEND_WARPS,
                                      SRC_WORDS, TILE_ROWS, TILE_STRIDE, TILE_VECTORS, WARP, _stamp,
                                      _wait_at_least)
 from kernels.dispatch.counts import CountsPhase
@@ -81,8 +82,8 @@ from kernels.dispatch.scales import ScalesPhase
 from kernels.dispatch.send import SendPhase
 from kernels.routing import channel_tokens
 from layouts.abi import ARCHES, GridRule, KernelSpec, Param
-from layouts.channels import (COUNT_SEGMENTS, DISPATCH_RECEIVE, DISPATCH_SEND, SEND_TIMES,
-                              count_flags_layout, counters_layout, counts_layout)
+from layouts.channels import (COUNT_SEGMENTS, DISPATCH_RECEIVE, DISPATCH_SEND, RECV_TIMES,
+                              SEND_TIMES, count_flags_layout, counters_layout, counts_layout)
 from layouts.config import FP8_ROW_ALIGN, FP8_SCALES
 
 
@@ -130,10 +131,16 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                  + SRC_WORDS * MAX_RANKS  # s_src
                  + self.recv_warps * (SCRATCH + MAX_CHUNK * MAX_TOPK)  # s_scratch, s_wts
                  + MAX_STAGE_BATCHES)  # s_arrive
-        dwords = SEND_WARPS * MAX_RANKS + SEND_WARPS * len(SEND_TIMES)  # s_head, s_time
+        dwords = SEND_WARPS * MAX_RANKS + self.time_words  # s_head, s_time
         tiles = 0 if self.tiles_in_ring else 4 * self.tile_words
         table = SCALE_TABLE_BYTES + 16 if self.fmt == "nvfp4" else 0  # the NVFP4 encoder's
         return 4 * words + 8 * dwords + 14 * 16 + 128 + self.ring_bytes + tiles + table
+
+    @property
+    def time_words(self) -> int:
+        """The int64 words of s_time: each sender warp's SEND_TIMES, then each receiver warp's
+        RECV_TIME_WORDS (`common._lap`)."""
+        return SEND_WARPS * len(SEND_TIMES) + self.recv_warps * RECV_TIME_WORDS
 
     @property
     def tile_words(self) -> int:
@@ -341,13 +348,14 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                                       byte_alignment=16)
         s_wts = smem.allocate_tensor(
             Float32, cute.make_layout(self.recv_warps * MAX_CHUNK * MAX_TOPK), byte_alignment=16)
-        # Per sender warp: the staging credit it has seen per destination, its times; per batch
-        # slot, the sender warps done with the batch it holds (`_send`).
+        # Per sender warp: the staging credit it has seen per destination, its times (then the
+        # receiver warps' times); per batch slot, the sender warps done with the batch it holds
+        # (`_send`).
         s_arrive = smem.allocate_tensor(Int32, cute.make_layout(MAX_STAGE_BATCHES),
                                         byte_alignment=16)
         s_head = smem.allocate_tensor(Int64, cute.make_layout(SEND_WARPS * MAX_RANKS),
                                       byte_alignment=16)
-        s_time = smem.allocate_tensor(Int64, cute.make_layout(SEND_WARPS * len(SEND_TIMES)),
+        s_time = smem.allocate_tensor(Int64, cute.make_layout(self.time_words),
                                       byte_alignment=16)
         # Per receiver warp: PIECES pieces of messages, their mbarriers and what each holds.
         pieces, piece = self.ring_shape
@@ -369,7 +377,6 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
             _stamp(trace, tracing, channel, "start", cute.arch.globaltimer())
             # Maxima over warps, zeroed before any warp adds to them.
             _stamp(trace, tracing, channel, "send_done", 0)
-            _stamp(trace, tracing, channel, "recv_wait_ns", 0)
             _stamp(trace, tracing, channel, "first_batch", 0)
             _stamp(trace, tracing, channel, "chunk_read", 0)
             _stamp(trace, tracing, channel, "chunk_placed", 0)
@@ -378,6 +385,8 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
             _stamp(trace, tracing, channel, "rows_written", 0)
             for f in cutlass.range_constexpr(len(SEND_TIMES)):
                 _stamp(trace, tracing, channel, SEND_TIMES[f], 0)
+            for f in cutlass.range_constexpr(len(RECV_TIMES)):
+                _stamp(trace, tracing, channel, RECV_TIMES[f], 0)
         if tidx < MAX_STAGE_BATCHES:
             s_arrive[tidx] = Int32(0)
         if cutlass.const_expr(self.bulk):
@@ -448,8 +457,8 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                               channels, active, headers_offset, staging_offset, counts_offset,
                               flags_offset, counters_offset, counters, counts_at, flags_at,
                               parity, epoch, timeout_ns, s_next, s_totals, s_off, s_tot, s_raw,
-                              s_first, s_src, s_rows, s_wts, s_ring, s_full, s_piece, warp_copy,
-                              trace, tracing)
+                              s_first, s_src, s_rows, s_wts, s_ring, s_full, s_piece, s_time,
+                              warp_copy, trace, tracing)
 
             # The last CTA to finish advances the round.
             cute.arch.sync_threads()

@@ -7,7 +7,7 @@ from cutlass import Int32, Int64
 
 from kernels.memory import error_field, gmem_ptr, trace_word
 from layouts.buffers import ERROR_CHANNELS, WIDE_TILE_CHUNKS, WIDE_TILE_ROWS, WIDE_TILE_WORDS
-from layouts.channels import DISPATCH, HEADS, STAGE_BATCH_TOKENS, TRACE_FIELDS
+from layouts.channels import DISPATCH, HEADS, RECV_TIMES, STAGE_BATCH_TOKENS, TRACE_FIELDS
 from layouts.formats import METADATA_FIELDS
 
 WARP = 32
@@ -16,6 +16,9 @@ MAX_TOPK = 16
 MAX_SEGMENTS = 272  # local experts + a shared expert, with slack
 MAX_EXPERTS = 2176  # MAX_RANKS x 272
 SEND_WARPS = 4
+# A receiver warp's int64 words of s_time, after the sender warps' SEND_TIMES: its RECV_TIMES,
+# then the %globaltimer reading at which its current part began (`_lap`).
+RECV_TIME_WORDS = len(RECV_TIMES) + 1
 # The formats whose receivers move messages by bulk copies through shared memory, RECV_WARPS_BULK
 # warps a CTA (their pieces take most of the shared memory); the others move them through
 # registers, RECV_WARPS_REGISTERS warps (20 warps of a CTA fit 96 registers a thread).
@@ -152,3 +155,17 @@ def _stamp_max(trace: cute.Pointer, tracing, channel, field: cutlass.Constexpr, 
     several warps (each field was zeroed at the kernel's start)."""
     if tracing != 0:
         cute.arch.atomic_max(trace_word(trace, channel, TRACE_FIELDS, field), Int64(value))
+
+
+@cute.jit
+def _lap(s_time: cute.Tensor, times, part: cutlass.Constexpr, tracing, lane):
+    """With tracing on, lane 0 of a receiver warp whose s_time words begin at `times`: the time
+    since the warp's last lap added to its RECV_TIMES part `part` (None: a stretch not counted,
+    the start of a counted one), and a new lap begun now. The clock is kept in shared memory,
+    not in registers, so a dispatch traced off keeps none live across the receive loop."""
+    if tracing != 0:
+        if lane == 0:
+            now = cute.arch.globaltimer()
+            if cutlass.const_expr(part is not None):
+                s_time[times + RECV_TIMES.index(part)] += now - s_time[times + len(RECV_TIMES)]
+            s_time[times + len(RECV_TIMES)] = now

@@ -13,16 +13,17 @@ from kernels.copy import row_predicate
 from kernels.dispatch.common import (BATCH, DONE_AT, FLAG_ROUND, FP8_BLOCK, HEADER_REGS, IDS,
                                      IDS_AT, LAG, MAP_AT, MAX_CHUNK, MAX_RANKS, MAX_SEGMENTS,
                                      MAX_STAGE_BATCHES, MAX_TOPK, NVFP4_BLOCK, PHASE_DISPATCH,
-                                     PIECE, PIECES, ROWS, ROWS_AT, SCALE_REGS, SCALES_BULK,
-                                     SCALES_LANES, SCALES_SLABS, SCRATCH, SEGS_AT, SROWS_AT,
-                                     STAGE_AT, TOKS_AT, WARP, WEIGHTS, _stamp, _stamp_max,
-                                     _wait_at_least)
+                                     PIECE, PIECES, RECV_TIME_WORDS, ROWS, ROWS_AT, SCALE_REGS,
+                                     SCALES_BULK, SCALES_LANES, SCALES_SLABS, SCRATCH, SEGS_AT,
+                                     SEND_WARPS, SROWS_AT, STAGE_AT, TOKS_AT, WARP, WEIGHTS, _lap,
+                                     _stamp, _stamp_max, _wait_at_least)
 from kernels.memory import error_field, gmem_ptr, store_f32, store_i32
 from kernels.scan import warp_exclusive_scan
 from layouts.buffers import ERROR_CAPACITY, ERROR_CHANNELS, ERROR_COUNTS, scale_rows_layout
-from layouts.channels import (COUNT_MESSAGES, COUNT_SEGMENTS, COUNT_TOKENS, DISPATCH, HEADS, TAILS,
-                              batch_header_layout, channel_messages_layout, header_token_word,
-                              headers_layout, staging_layout)
+from layouts.channels import (COUNT_MESSAGES, COUNT_SEGMENTS, COUNT_TOKENS, DISPATCH, HEADS,
+                              RECV_TIMES, SEND_TIMES, TAILS, batch_header_layout,
+                              channel_messages_layout, header_token_word, headers_layout,
+                              staging_layout)
 from layouts.config import SOURCE_ROWS
 from layouts.scales import ATOM_ROWS
 
@@ -47,7 +48,7 @@ class ReceivePhase:
                  s_off: cute.Tensor, s_tot: cute.Tensor, s_raw: cute.Tensor, s_first: cute.Tensor,
                  s_src: cute.Tensor, s_rows: cute.Tensor, s_wts: cute.Tensor,
                  s_ring: cute.Tensor, s_full: cute.Pointer, s_piece: cute.Tensor,
-                 warp_copy: cute.TiledCopy, trace: cute.Pointer, tracing):
+                 s_time: cute.Tensor, warp_copy: cute.TiledCopy, trace: cute.Pointer, tracing):
         """The receiver warps (thread rt of recv_warps * 32)."""
         threads = self.recv_threads
         rwarp = rt // WARP
@@ -211,7 +212,7 @@ class ReceivePhase:
                          stage_batches, payload_vectors,
                          scales_offset, row_capacity, channels, headers_offset, staging_offset,
                          counters_offset, counters, timeout_ns, s_next, s_off, s_first, s_src,
-                         s_rows, s_wts, s_ring, s_full, s_piece, rwarp, warp_copy,
+                         s_rows, s_wts, s_ring, s_full, s_piece, s_time, rwarp, warp_copy,
                          payload_bytes, blocks, scale_cols, rk, recv_ids, recv_weights, trace,
                          tracing)
 
@@ -227,9 +228,9 @@ class ReceivePhase:
                 counters, timeout_ns, s_next: cute.Tensor, s_off: cute.Tensor,
                 s_first: cute.Tensor, s_src: cute.Tensor, s_scratch: cute.Tensor,
                 s_wts: cute.Tensor, s_ring: cute.Tensor, s_full: cute.Pointer,
-                s_piece: cute.Tensor, rwarp, warp_copy: cute.TiledCopy, payload_bytes, blocks,
-                scale_cols, rk, recv_ids: cute.Pointer, recv_weights: cute.Pointer,
-                trace: cute.Pointer, tracing):
+                s_piece: cute.Tensor, s_time: cute.Tensor, rwarp, warp_copy: cute.TiledCopy,
+                payload_bytes, blocks, scale_cols, rk, recv_ids: cute.Pointer,
+                recv_weights: cute.Pointer, trace: cute.Pointer, tracing):
         """One warp of source s: s's batches of this channel in order, once each is published,
         until the last message from s has landed. Every warp of s reads the batch's header and
         places the rows of its messages (so each keeps the same next-row counters), MAX_CHUNK
@@ -292,8 +293,12 @@ class ReceivePhase:
         chunk = Int32(0)  # chunks this warp has placed; chunk % 2 is the half of its rows
         tail = consumed
         alive = Int32(1)
-        waited = Int64(0)
         placed = Int32(0)  # messages of s this warp has seen
+        # This warp's RECV_TIMES (traced calls, `_lap`), after the sender warps' times.
+        times = SEND_WARPS * len(SEND_TIMES) + rwarp * RECV_TIME_WORDS
+        if tracing != 0 and lane == 0:
+            for f in cutlass.range_constexpr(len(RECV_TIMES)):
+                s_time[times + f] = Int64(0)
         # The next chunk's header (ids, weights, source tokens), loaded into registers before
         # this chunk's messages are placed, so its loads over NVLink land while they are
         # (`have` = 1: the registers hold the chunk about to be taken).
@@ -307,13 +312,10 @@ class ReceivePhase:
             # Every warp of s waits for the batch itself (one lane polls).
             if lane == 0:
                 if tail <= at and alive != 0:
-                    start = Int64(0)
-                    if tracing != 0:
-                        start = cute.arch.globaltimer()
+                    _lap(s_time, times, None, tracing, lane)
                     tail, alive = _wait_at_least(tail_word, at + 1, timeout_ns, error, s,
                                                  Int32(PHASE_DISPATCH))
-                    if tracing != 0:
-                        waited = waited + cute.arch.globaltimer() - start
+                    _lap(s_time, times, "recv_wait_ns", tracing, lane)
             alive = cute.arch.shuffle_sync(alive, 0)
             if lane == 0 and i == 0:
                 _stamp_max(trace, tracing, channel, "first_batch", cute.arch.globaltimer())
@@ -327,6 +329,7 @@ class ReceivePhase:
                 for h in cutlass.range(0, in_batch, MAX_CHUNK):
                     hn = cutlass.min(Int32(MAX_CHUNK), in_batch - h)
                     half = chunk % 2
+                    _lap(s_time, times, None, tracing, lane)
                     if cutlass.const_expr(self.bulk):
                         # The chunk two back used this half: its pieces must have landed.
                         need = mark0
@@ -336,6 +339,7 @@ class ReceivePhase:
                             need, lane, drained, msg_bytes, payload_bytes, pieces_at, full,
                             s_piece, held, tokens, topk, s_scratch, scratch, scale_rows, scales,
                             scale_mode, scales_offset, scale_bytes, scale_cols, row_capacity)
+                        _lap(s_time, times, "drain_ns", tracing, lane)
                     # The chunk's ids and weights (into shared memory) and source tokens:
                     # loaded while the previous chunk was placed, or now (all in flight
                     # together).
@@ -413,6 +417,7 @@ class ReceivePhase:
                     if lane == 0 and i == 0 and h == 0:
                         _stamp_max(trace, tracing, channel, "chunk_read",
                                    cute.arch.globaltimer())
+                    _lap(s_time, times, "header_ns", tracing, lane)
                     issued, drained = self._place(
                         lane, sub, per_source, s, cnt, first_msg + placed, topk, max_tokens,
                         my_rank, shared, shared_begin, shared_end, staging, stage, channel,
@@ -424,6 +429,7 @@ class ReceivePhase:
                         payload_bytes, blocks, scale_cols, rk, scale_mode, scale_bytes, layout,
                         tiler, g_crd, thr, tiles, warp_copy, payload_vectors, issued, drained,
                         trace, tracing, Int32(i == 0 and h == 0))
+                    _lap(s_time, times, "place_ns", tracing, lane)
                     if half == 0:
                         mark0 = issued
                     else:
@@ -441,10 +447,12 @@ class ReceivePhase:
                 target = batch_mark
                 if stage_batches == 1:
                     target = issued
+                _lap(s_time, times, None, tracing, lane)
                 drained = self._drain_pieces(
                     target, lane, drained, msg_bytes, payload_bytes, pieces_at, full, s_piece,
                     held, tokens, topk, s_scratch, scratch, scale_rows, scales, scale_mode,
                     scales_offset, scale_bytes, scale_cols, row_capacity)
+                _lap(s_time, times, "drain_ns", tracing, lane)
                 batch_mark = issued
                 if stage_batches > 1:
                     done_through = at
@@ -474,12 +482,15 @@ class ReceivePhase:
             i = i + 1
         if cutlass.const_expr(self.bulk):
             # Every piece has landed before the stream's slots go back to s.
+            _lap(s_time, times, None, tracing, lane)
             drained = self._drain_pieces(
                 issued, lane, drained, msg_bytes, payload_bytes, pieces_at, full, s_piece,
                 held, tokens, topk, s_scratch, scratch, scale_rows, scales, scale_mode,
                 scales_offset, scale_bytes, scale_cols, row_capacity)
+            _lap(s_time, times, "drain_ns", tracing, lane)
             if per_source > 1:
                 cute.arch.barrier(barrier_id=2 + s, number_of_threads=WARP * per_source)
+                _lap(s_time, times, "sync_ns", tracing, lane)
         # The batches past s's last message here are not read at all: they all go back to s.
         if placed < n and alive != 0:  # the batches held fewer messages than the counts said
             if lane == 0:
@@ -497,8 +508,9 @@ class ReceivePhase:
                 cute.arch.cp_async_bulk_wait_group(0)  # the rows are written before the CTA ends
         if lane == 0:
             _stamp_max(trace, tracing, channel, "rows_written", cute.arch.globaltimer())
-        if sub == 0 and lane == 0:
-            _stamp_max(trace, tracing, channel, "recv_wait_ns", waited)
+        if tracing != 0 and lane == 0:
+            for f in cutlass.range_constexpr(len(RECV_TIMES)):
+                _stamp_max(trace, tracing, channel, RECV_TIMES[f], s_time[times + f])
 
     @cute.jit
     def _load_header(self, lane, at, hdr, h, hn, topk, n_ids: cute.Tensor, n_wts: cute.Tensor):
