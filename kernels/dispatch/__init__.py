@@ -31,17 +31,17 @@ RECV_WARPS_REGISTERS) receiver warps, and runs these parts:
    the format's row alignment, NVFP4 segments on fresh 128-row scale blocks) and the first row of
    every (segment, source) that its channel fills. The warps of source s then take s's batches of
    this channel in order as its tail advances: they read the batch's header from the source (over
-   NVLink), keep the tokens with an expert here (or this rank's shared-expert tokens), MAX_CHUNK at
-   a time, and place each such message in the next free row of each of its local experts, so rows
-   follow source-token order without any plan on the sender. The payload is loaded once from the
-   source's staging (over NVLink) and stored to every row: BF16 by bulk copies (`cp.async.bulk`)
-   through PIECES pieces of shared memory per warp, each piece bulk-stored to every row as it
-   lands; FP8 and NVFP4 through registers, a row's scales contiguously into `scale_rows`
-   (row-major, `layouts.buffers.scale_rows_layout`); the rows, weights and source token are
-   recorded for combine. Credit returns to the source after every batch (BF16's a batch late: a
-   chunk's bulk loads land while the next chunk is placed, and the ring never empties between
-   chunks), and for all the rest of the round's batches once the last message from the source
-   has landed (their slots are not read).
+   NVLink), keep the tokens with an expert here (or this rank's shared-expert tokens), the whole
+   batch at once, and place each such message in the next free row of each of its local experts,
+   so rows follow source-token order without any plan on the sender. The payload is loaded once
+   from the source's staging (over NVLink) and stored to every row: BF16 by bulk copies
+   (`cp.async.bulk`) through PIECES pieces of shared memory per warp, each piece bulk-stored to
+   every row as it lands; FP8 and NVFP4 through registers, a row's scales contiguously into
+   `scale_rows` (row-major, `layouts.buffers.scale_rows_layout`); the rows, weights and source
+   token are recorded for combine. Credit returns to the source after every batch (BF16's a batch
+   late: a batch's bulk loads land while the next batch is placed, and the ring never empties
+   between batches), and for all the rest of the round's batches once the last message from the
+   source has landed (their slots are not read).
 
 4. FP8 and NVFP4 (packed rows): once every CTA has finished (the round's advance below, which
    each CTA waits for), all warps write `scale_rows` into the output's scale layout, a tile of
@@ -69,7 +69,7 @@ from kernels.encode import (BF16_PER_VECTOR, E2M1_ARCHES, ENCODE_THREADS, NVFP4_
                             encode_fp8_token, encode_nvfp4_token, prefetch_rows)
 from kernels.memory import load_f32
 from kernels.nvfp4 import SCALE_TABLE_BYTES, fill_scale_table, scale_table_layout
-from kernels.dispatch.common import (FORMATS, LIMITS, MAX_CHUNK, MAX_EXPERTS, MAX_RANKS,
+from kernels.dispatch.common import (BATCH, FORMATS, LIMITS, MAX_EXPERTS, MAX_RANKS,
                                      MAX_SEGMENTS, MAX_STAGE_BATCHES, MAX_TOPK, PHASE_DISPATCH,
                                      PIECE, PIECES, BULK_FORMATS, RECV_TIME_WORDS,
                                      RECV_WARPS_BULK, RECV_WARPS_REGISTERS, SCRATCH,
@@ -129,7 +129,7 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                  + MAX_RANKS * MAX_SEGMENTS  # s_totals
                  + 4 * (MAX_SEGMENTS + 4)  # s_off, s_tot, s_raw, s_first
                  + SRC_WORDS * MAX_RANKS  # s_src
-                 + self.recv_warps * (SCRATCH + MAX_CHUNK * MAX_TOPK)  # s_scratch, s_wts
+                 + self.recv_warps * (SCRATCH + BATCH * MAX_TOPK)  # s_scratch, s_wts
                  + MAX_STAGE_BATCHES)  # s_arrive
         dwords = SEND_WARPS * MAX_RANKS + self.time_words  # s_head, s_time
         tiles = 0 if self.tiles_in_ring else 4 * self.tile_words
@@ -347,7 +347,7 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
         s_rows = smem.allocate_tensor(Int32, cute.make_layout(self.recv_warps * SCRATCH),
                                       byte_alignment=16)
         s_wts = smem.allocate_tensor(
-            Float32, cute.make_layout(self.recv_warps * MAX_CHUNK * MAX_TOPK), byte_alignment=16)
+            Float32, cute.make_layout(self.recv_warps * BATCH * MAX_TOPK), byte_alignment=16)
         # Per sender warp: the staging credit it has seen per destination, its times (then the
         # receiver warps' times); per batch slot, the sender warps done with the batch it holds
         # (`_send`).
@@ -497,7 +497,8 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                        table: cute.Tensor, enc_in: cute.TiledCopy, enc_out: cute.TiledCopy):
         """Tokens t0 .. t1 - 1 of `x` (bf16 rows) into their messages in `send_buf` (a token's
         payload, then its scales at `scales_offset`), ENCODE_THREADS threads a token, the CTA's
-        groups of them taking every groups-th token."""
+        whole groups of them taking every groups-th token (the threads past the last whole group,
+        where the CTA's are not a multiple of ENCODE_THREADS, take none)."""
         groups = self.threads // ENCODE_THREADS
         group = tidx // ENCODE_THREADS
         gtid = tidx - group * ENCODE_THREADS
@@ -505,16 +506,17 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
         gs = Float32(0.0)
         if cutlass.const_expr(self.fmt == "nvfp4"):
             gs = load_f32(global_scale.toint())
-        for t in cutlass.range(t0 + group, t1, groups):
-            msg = send_buf.toint() + Int64(t) * Int64(msg_bytes)
-            row = x.toint() + Int64(t) * Int64(hidden) * 2
-            if cutlass.const_expr(self.fmt == "fp8"):
-                encode_fp8_token(gtid, row, msg, msg + Int64(scales_offset), hidden,
-                                 self.scales == "pow2", enc_in, enc_out)
-            else:
-                # (The register receivers' kernel, at 96 registers, loads a block at a time.)
-                encode_nvfp4_token(gtid, row, msg, msg + Int64(scales_offset), hidden, gs,
-                                   self.e2m1, table, NVFP4_AHEAD if self.bulk else 1)
+        if group < groups:
+            for t in cutlass.range(t0 + group, t1, groups):
+                msg = send_buf.toint() + Int64(t) * Int64(msg_bytes)
+                row = x.toint() + Int64(t) * Int64(hidden) * 2
+                if cutlass.const_expr(self.fmt == "fp8"):
+                    encode_fp8_token(gtid, row, msg, msg + Int64(scales_offset), hidden,
+                                     self.scales == "pow2", enc_in, enc_out)
+                else:
+                    # (The register receivers' kernel, at 96 registers, loads a block at a time.)
+                    encode_nvfp4_token(gtid, row, msg, msg + Int64(scales_offset), hidden, gs,
+                                       self.e2m1, table, NVFP4_AHEAD if self.bulk else 1)
 
 def dispatch_kernels() -> list:
     """Every format's kernel: FP8 with exact and power-of-two scales, NVFP4 with each arch's
