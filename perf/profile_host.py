@@ -15,6 +15,11 @@ first).
 below the launch queue's depth, so no call waits for the GPU): a torch kernel (`add_` on one
 element), `torch.empty`, `Kernel.launch` (the checked path) and a bound `Launcher` call (the
 path `Buffer` takes) of the same tiny `block_memcpy`.
+
+`--cold` times a decode call's host steps (`--tokens` 128, 2 ranks emulated, launches replaced
+by no-ops) each alone, cold (after a synchronisation and a 1 ms sleep, as `cute-ep bench`'s host
+column calls after its barrier) and hot (bursts of 32): a bound launch, torch.empty, the
+dispatch's two output allocations, its input checks, the whole dispatch and combine calls.
 """
 
 import argparse
@@ -88,6 +93,52 @@ def launch_cost() -> dict:
     return {name: [_burst_us(fn) for _ in range(3)] for name, fn in steps.items()}
 
 
+def _cold_us(fn, n=200):
+    """Median host microseconds of `fn` called alone after a synchronisation and 1 ms idle."""
+    per = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        time.sleep(1e-3)
+        start = time.perf_counter()
+        fn()
+        per.append((time.perf_counter() - start) * 1e6)
+    return statistics.median(per)
+
+
+def cold_steps(fmt: str, tokens: int, sms: int) -> dict:
+    """{step: (cold us, hot us)} of a decode call's host steps, launches replaced by no-ops."""
+    from cute_ep.ep import Buffer
+    from cute_ep.runtime.launch import runtime
+    from layouts import EPConfig
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    kernel = runtime().select("block_memcpy", dev)
+    src = torch.zeros(16, dtype=torch.uint8, device=dev)
+    dst = torch.zeros_like(src)
+    bound = kernel.bind(tuple(p.name for p in kernel.spec.params))
+    cfg = EPConfig(7168, 8, 256, 2, tokens, fmt.removesuffix("-input"))
+    buf = Buffer.emulated(cfg, sms=sms, timeout_s=60.0)[0]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    (x, ids, w), quant = _inputs(cfg, tokens, gen, fmt)
+    quant["num_input_tokens"] = tokens
+    y = torch.randn(cfg.row_capacity, cfg.hidden, device="cuda", generator=gen).to(
+        torch.bfloat16)
+    buf._dispatch_launch = buf._combine_launch = buf._encode_launch = lambda *values: None
+    out = buf.dispatch(x, ids, w, **quant)
+    steps = {
+        "bound Launcher call (block_memcpy)": lambda: bound(dst.data_ptr(), src.data_ptr(), 1),
+        "torch.empty (1 MiB)": lambda: torch.empty(1 << 20, dtype=torch.uint8, device=dev),
+        "the dispatch's two output allocations": lambda: (
+            buf._tokens_like.new_empty(*buf._tokens_shape),
+            buf._bytes_like.new_empty(buf._handle_carve.end)),
+        "dispatch input checks": lambda: buf._checked_inputs(
+            x, ids, w, tokens, quant.get("global_scale")),
+        "dispatch call, no launch": lambda: buf.dispatch(x, ids, w, **quant),
+        "combine call, no launch": lambda: buf.combine(y, out.handle),
+    }
+    return {name: (_cold_us(fn), _burst_us(fn)[0]) for name, fn in steps.items()}
+
+
 def main():
     from cute_ep.ep import Buffer
     from layouts import EPConfig
@@ -103,7 +154,25 @@ def main():
     parser.add_argument("--json", default=None, help="write the medians and quantiles here")
     parser.add_argument("--launch-cost", action="store_true",
                         help="time single host steps (a launch, an allocation) instead")
+    parser.add_argument("--cold", action="store_true",
+                        help="time a decode call's host steps cold and hot instead")
     args = parser.parse_args()
+    if args.cold:
+        steps = cold_steps(args.format, args.tokens, args.sms)
+        table = Table(title=f"host us per step, {args.format}, {args.tokens} tokens: cold "
+                            f"(after a synchronisation and 1 ms idle, median of 200) and hot "
+                            f"(bursts of 32)")
+        for col in ("step", "cold us", "hot us"):
+            table.add_column(col)
+        for name, (cold, hot) in steps.items():
+            table.add_row(name, f"{cold:.1f}", f"{hot:.1f}")
+        Console().print(table)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"date": time.strftime("%Y-%m-%d"),
+                           "device": torch.cuda.get_device_name(), "format": args.format,
+                           "tokens": args.tokens, "cold_hot_us": steps}, f, indent=1)
+        return
     if args.launch_cost:
         costs = launch_cost()
         table = Table(title="host us per call, bursts of 32 (median, least) x 3 runs")

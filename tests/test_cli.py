@@ -306,3 +306,87 @@ def test_the_lockstep_kernel_time_is_each_familys_profiled_time_per_layer(monkey
     out = capsys.readouterr().out
     decode = out[out.index("decode:"):]
     assert "kernel" in decode and "32.5" in decode and "20.2" in decode
+
+
+def test_steady_host_time_is_calls_queued_back_to_back_after_one_barrier(monkeypatch, capsys):
+    """`_steady_host_us`: one synchronisation and barrier, then the layers' dispatch and combine
+    calls with nothing between them (no synchronisation, no barrier), each call's own host time,
+    the median of each; the decode table prints both host columns."""
+    import json
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+
+    from cute_ep.tools import bench
+
+    events = []
+    clock = iter([0.0, 10e-6, 15e-6, 100e-6, 130e-6, 134e-6, 200e-6, 220e-6, 229e-6])
+
+    class Buf:
+        def dispatch(self, x, ids, w, **quant):
+            events.append(("dispatch", quant))
+            return SimpleNamespace(handle="h")
+
+        def combine(self, y, handle):
+            assert handle == "h"
+            events.append("combine")
+
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: events.append("sync"))
+    monkeypatch.setattr(dist, "barrier", lambda group=None: events.append("barrier"))
+    got = bench._steady_host_us(Buf(), None, None, None, None, {"num_input_tokens": 8}, 3)
+    # dispatch: 10, 30, 20 us; combine: 5, 4, 9 us
+    assert got == {"dispatch": 20.0, "combine": 5.0}
+    layer = [("dispatch", {"num_input_tokens": 8}), "combine"]
+    assert events == ["sync", "barrier"] + layer * 3 + ["sync"]
+
+    record = json.loads(Path("perf/results/bench-2026-11-26-2xH100-publisher.json").read_text())
+    for rank in record["ranks"]:
+        rank["formats"]["fp8"]["decode"].update(steady_host_dispatch_us=21.25,
+                                                steady_host_combine_us=9.75)
+    record["ranks"][0]["clocks"] = {"sm_mhz": 1755, "max_sm_mhz": 1980,
+                                    "application_sm_mhz": 1755}
+    bench._print(record, ["fp8"])
+    out = capsys.readouterr().out
+    table = out[out.index("decode:"):]
+    assert "steady" in table and "21.2" in table and "9.8" in table
+    assert "rank 0: 1755 / 1980 / 1755, rank 1: unknown" in out
+
+
+def test_a_rank_records_its_gpus_sm_clocks_or_none(monkeypatch):
+    """`gpu_clocks` asks nvidia-smi for the GPU this process numbers `index` (through
+    CUDA_VISIBLE_DEVICES) and names the three clocks; any failure gives None, never an error."""
+    import subprocess
+    from types import SimpleNamespace
+
+    from cute_ep.tools import bench
+
+    asked = []
+
+    def run(argv, **kw):
+        asked.append(argv)
+        return SimpleNamespace(returncode=0, stdout="1755, 1980, 1755\n")
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert bench.gpu_clocks(1, run) == {"sm_mhz": 1755, "max_sm_mhz": 1980,
+                                        "application_sm_mhz": 1755}
+    assert asked[0][-2:] == ["-i", "3"] and "clocks.max.sm" in asked[0][1]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    bench.gpu_clocks(0, run)
+    assert asked[1][-2:] == ["-i", "0"]
+
+    def missing(argv, **kw):
+        raise FileNotFoundError("nvidia-smi")
+
+    assert bench.gpu_clocks(0, missing) is None
+    assert bench.gpu_clocks(0, lambda argv, **kw: SimpleNamespace(
+        returncode=0, stdout="[N/A], 1980, 1755")) is None
+    assert bench.gpu_clocks(0, lambda argv, **kw: SimpleNamespace(returncode=9, stdout="")) \
+        is None
+
+    def slow(argv, **kw):
+        raise subprocess.TimeoutExpired(argv, 30)
+
+    assert bench.gpu_clocks(0, slow) is None

@@ -47,8 +47,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import re
 import statistics
+import subprocess
 import time
 from pathlib import Path
 
@@ -142,8 +144,31 @@ def _version() -> str:
 # One rank ------------------------------------------------------------------------------------
 
 
+# The SM clocks of a GPU (MHz): now, the most it may run at, and the application clock it runs
+# kernels at. A store-bound kernel's time scales with the SM clock where a link-bound one's does
+# not, so records of different machines compare only beside their clocks.
+_CLOCKS = ("clocks.sm", "clocks.max.sm", "clocks.applications.graphics")
+
+
+def gpu_clocks(index: int, run=subprocess.run) -> dict[str, int] | None:
+    """`_CLOCKS` of GPU `index` (this process's numbering) by nvidia-smi, or None where it cannot
+    say (no nvidia-smi, a field it does not know)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpu = visible.split(",")[index].strip() if visible else str(index)  # an index or a UUID
+    try:
+        done = run(["nvidia-smi", f"--query-gpu={','.join(_CLOCKS)}",
+                    "--format=csv,noheader,nounits", "-i", gpu],
+                   capture_output=True, text=True, timeout=30)
+        values = [int(v) for v in done.stdout.strip().split(",")]
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+    if done.returncode or len(values) != len(_CLOCKS):
+        return None
+    return dict(zip(("sm_mhz", "max_sm_mhz", "application_sm_mhz"), values))
+
+
 def _worker(rank, world, args, formats, budgets) -> dict:
-    out = {"rank": rank, "formats": {}}
+    out = {"rank": rank, "formats": {}, "clocks": gpu_clocks(torch.cuda.current_device())}
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     for fmt in formats:
         out["formats"][fmt] = {
@@ -557,7 +582,10 @@ def _decode(rank, world, args, fmt, flush) -> dict:
     eager = _layer_times(buf, x, ids, w, y, quant, args.iters, flush)
     eager.pop("out")
 
-    # Host time of a call: the Python call returning, GPU work still queued.
+    # Host time of a call: the Python call returning, GPU work still queued. Cold: each layer
+    # after a synchronisation and a barrier (the host idle before the call, its caches and
+    # clocks as they come back); steady: the layers back to back, the host never waiting for
+    # the GPU, as in a model's eager forward.
     host = {"dispatch": [], "combine": []}
     for _ in range(args.iters):
         torch.cuda.synchronize()
@@ -570,6 +598,7 @@ def _decode(rank, world, args, fmt, flush) -> dict:
         host["dispatch"].append((t1 - t0) * 1e6)
         host["combine"].append((t2 - t1) * 1e6)
     torch.cuda.synchronize()
+    steady = _steady_host_us(buf, x, ids, w, y, quant, args.iters)
 
     # CUDA graphs: dispatch alone, and the whole layer (combine = the difference).
     dist.barrier()
@@ -597,7 +626,29 @@ def _decode(rank, world, args, fmt, flush) -> dict:
             "graph_dispatch_us": graph_d, "graph_layer_us": graph_l,
             "graph_combine_us": graph_l - graph_d,
             "host_dispatch_us": statistics.median(host["dispatch"]),
-            "host_combine_us": statistics.median(host["combine"])}
+            "host_combine_us": statistics.median(host["combine"]),
+            "steady_host_dispatch_us": steady["dispatch"],
+            "steady_host_combine_us": steady["combine"]}
+
+
+def _steady_host_us(buf, x, ids, w, y, quant, layers: int) -> dict[str, float]:
+    """Median host microseconds of a dispatch and of a combine call in `layers` layers queued
+    back to back after one barrier, no synchronisation between them (the launch queue holds two
+    calls a layer, far below its depth, so no call waits for the GPU)."""
+    import torch.distributed as dist
+
+    times = {"dispatch": [], "combine": []}
+    torch.cuda.synchronize()
+    dist.barrier()
+    for _ in range(layers):
+        t0 = time.perf_counter()
+        out = buf.dispatch(x, ids, w, **quant)
+        t1 = time.perf_counter()
+        buf.combine(y, out.handle)
+        times["dispatch"].append((t1 - t0) * 1e6)
+        times["combine"].append((time.perf_counter() - t1) * 1e6)
+    torch.cuda.synchronize()
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def card_name(device: str) -> str:
@@ -659,6 +710,11 @@ def _print(record, formats) -> None:
     cfg = record["config"]
     ranks = record["ranks"]
     worst = max  # every cell is the slowest rank's time (lowest rank's GB/s)
+    clocks = [r.get("clocks") for r in ranks]
+    if any(clocks):  # records from before the clocks lack them
+        console.print("SM clocks, MHz (now / max / application): " + ", ".join(
+            f"rank {r}: " + (f"{c['sm_mhz']} / {c['max_sm_mhz']} / {c['application_sm_mhz']}"
+                             if c else "unknown") for r, c in enumerate(clocks)))
 
     t = Table(title=f"{record['gpus']} x {record['device']}: throughput, {cfg['tokens']} tokens/"
                     f"rank, H={cfg['hidden']} K={cfg['topk']} E={cfg['experts']}, median of "
@@ -709,7 +765,9 @@ def _print(record, formats) -> None:
                "graph layer us": "graph_layer_us", "kernel dispatch us": "kernel_dispatch_us",
                "kernel combine us": "kernel_combine_us", "eager dispatch us": "eager_dispatch_us",
                "eager combine us": "eager_combine_us", "host us / dispatch call":
-               "host_dispatch_us", "host us / combine call": "host_combine_us"}
+               "host_dispatch_us", "host us / combine call": "host_combine_us",
+               "steady host us / dispatch": "steady_host_dispatch_us",
+               "steady host us / combine": "steady_host_combine_us"}
     # Records from before the kernel columns lack them.
     columns = {col: k for col, k in columns.items() if k in ranks[0]["formats"][formats[0]][
         "decode"]}
@@ -724,7 +782,9 @@ def _print(record, formats) -> None:
                   f"mean GPU time of the dispatch (encoder included) and combine kernels over "
                   f"{LOCKSTEP_LAYERS} layers back to back after one all-reduce, from the "
                   "profiler, as DeepEP's test_low_latency.py times its kernels; host us = time "
-                  "for the Python call to return, GPU work still queued.")
+                  "for the Python call to return, GPU work still queued, each layer after a "
+                  "barrier (the host idle before it); steady host us = the same in layers "
+                  "queued back to back, as a model's eager forward calls them.")
 
     if "stages" not in ranks[0]["formats"][formats[0]]:
         return
