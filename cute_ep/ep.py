@@ -43,6 +43,7 @@ per-row alphas. Expert outputs come back to combine in bf16 as for the other for
 from __future__ import annotations
 
 import math
+import os
 import time
 import weakref
 from dataclasses import dataclass
@@ -86,7 +87,8 @@ DISPATCH_VARYING = ("source", "source_stride", "load_bytes", "scale_source", "sc
                     "row_offsets", "expert_ids", "seg_counts", "src_info", "comb_rows",
                     "comb_weights", "comb_tokens", "comb_counts", "chan_msgs", "recv_ids",
                     "recv_weights", "num_tokens",
-                    "skip_a2a", "shared_begin", "shared_end", "has_weights", "active", "trace",
+                    "skip_a2a", "shared_begin", "shared_end", "has_weights", "active", "launched",
+                    "trace",
                     "tracing", "phases", "x", "global_scale", "encode")
 COMBINE_VARYING = ("y", "comb_rows", "comb_weights", "chan_msgs", "topk_ids", "out",
                    "home_weights", "num_tokens", "weighted", "skip_a2a", "shared_begin",
@@ -275,6 +277,7 @@ class Buffer:
         for r, buf in enumerate(ranks):
             buf.group = None
             buf._setup(cfg, r, dev, timeout_s, sms, geometry)
+            buf.spare_ctas = 0  # the ranks share the GPU's SMs
             if cfg.ranks * buf.sms > device_sms:  # known from the first rank, before the rest
                 # Each rank's kernels wait for the others': with fewer SMs than CTAs some would
                 # never start and the rest would wait for them until the timeout.
@@ -304,6 +307,12 @@ class Buffer:
         if sms is not None and (isinstance(sms, bool) or not isinstance(sms, int) or sms < 1):
             raise ValueError(f"sms must be None or a positive int, got {sms!r}")
         self._sms = device_sms if sms is None else min(sms, device_sms)
+        # CTAs launched beyond the budget so that a prefill-sized dispatch runs its channels one
+        # per TPC (kernels/placement.py); they leave at once. CUTE_EP_SPARE_CTAS overrides it.
+        self.spare_ctas = min(self._sms // 2, device_sms - self._sms)
+        if os.environ.get("CUTE_EP_SPARE_CTAS"):
+            self.spare_ctas = max(0, min(int(os.environ["CUTE_EP_SPARE_CTAS"]),
+                                         device_sms - self._sms))
         t = cfg.max_tokens_per_rank
         self.msg = cfg.message
         # Byte offset of the scales inside one token message (layouts.formats).
@@ -598,6 +607,7 @@ class Buffer:
             out._address("recv_topk_ids") if by_source else self._no_i32_at,
             out._address("recv_topk_weights") if by_source else self._no_f32_at,
             num_tokens, int(skip_a2a), shared_begin, shared_end, int(weighted), active,
+            active + self.spare_ctas if num_tokens > FUSED_ENCODE_TOKENS * active else active,
             self._no_i64_at if trace is None else trace.data_ptr(), int(trace is not None))
         self._dispatch_launch(*args, phases, x_at, gs_at, encode)
         if phases == DISPATCH_SEND:
@@ -826,7 +836,7 @@ class Buffer:
                 "format": self.cfg.format, "shared": self.cfg.fused_shared_expert,
                 "group": getattr(self.group, "group_name", None),
                 "dispatches": self.calls[0], "combines": self.calls[1],
-                "round": int(self.dispatch_epoch.cpu()), "done": int(self.dispatch_done.cpu()),
+                "round": int(self.dispatch_epoch.cpu()), "done": int(self.dispatch_done[0].cpu()),
                 "error": self.error.cpu().tolist(),
                 "positions": self.streams.cpu().view(2, 2, r, geo.channels).tolist(),
                 "counters": read("counters", counters * 8, torch.int64)

@@ -17,7 +17,7 @@ from kernels.peer_exchange import PeerExchange
 from kernels.quantize_quads import QuantizeNvfp4Quads
 from kernels.row_expand import row_expand_kernels
 from kernels.silu import silu_kernels
-from kernels.store_rate import store_rate_kernels
+from kernels.store_rate import store_place_kernels, store_rate_kernels
 
 RANK_COUNTS = (2, 4, 8)
 
@@ -41,6 +41,7 @@ def full_matrix() -> list:
         *(GateTable(activation) for activation in ("silu", "swiglu_oai")),
         *silu_kernels(),
         *store_rate_kernels(),
+        *store_place_kernels(),
     ]
 
 

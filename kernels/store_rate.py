@@ -14,7 +14,8 @@ from cutlass import Int32, Int64, Uint8
 
 from kernels.bulk_copy import bulk_store, cp_async_16
 from kernels.copy import row_tiled_copy
-from kernels.memory import gmem_ptr, store_i32
+from kernels.memory import gmem_ptr, load_i32, store_i32, take_ticket
+from kernels.placement import sm_id
 from layouts.abi import GridRule, KernelSpec, Param
 
 FAMILY = "store_rate"
@@ -161,3 +162,82 @@ class LoadRate:
 
 def store_rate_kernels() -> list:
     return [StoreRate(m) for m in MODES] + [LoadRate()]
+
+
+PLACE_WARPS = (8, 16, 32)
+
+
+class StorePlace:
+    """What bounds the per-SM store rate: the warps a CTA stores from and the SMs it runs on.
+
+    `ctas` CTAs of `warps` warps; each writes its SM index to `smids[cta]` and the pieces it
+    wrote to `smids[256 + cta]` (at most 256 CTAs). A CTA works when
+    `allowed[its SM index]` (int32, 256 entries) is not 0, then counts itself in `claims[1]`; its warps take 4 KiB pieces of `dst` in turn from the ticket
+    `claims[0]` until all `pieces` are written (piece p holds the byte p % 251, stored 16 bytes a
+    lane), so whichever CTAs work share the bytes evenly by their speed."""
+
+    def __init__(self, warps: int):
+        if warps not in PLACE_WARPS:
+            raise ValueError(f"store_place warps: {PLACE_WARPS}, not {warps}")
+        self.warps = warps
+
+    def spec(self) -> KernelSpec:
+        return KernelSpec(
+            family="store_place",
+            config={"warps": self.warps},
+            params=(Param("dst", "ptr", "uint8", align=16, writes=True),
+                    Param("smids", "ptr", "int32", writes=True),
+                    Param("claims", "ptr", "int32", writes=True),
+                    Param("allowed", "ptr", "int32"),
+                    Param("pieces", "i32"), Param("ctas", "i32")),
+            block=(self.warps * WARP, 1, 1),
+            grid=(GridRule(ceil_div=("ctas", 1)), GridRule(constant=1), GridRule(constant=1)),
+            smem_bytes=0,
+            sizes={"piece": PIECE},
+        )
+
+    @cute.jit
+    def __call__(self, dst: cute.Pointer, smids: cute.Pointer, claims: cute.Pointer,
+                 allowed: cute.Pointer, pieces: Int32, ctas: Int32, stream):
+        self.kernel(dst, smids, claims, allowed, pieces, ctas,
+                    row_tiled_copy(WARP, Uint8, 16)).launch(
+            grid=(ctas, 1, 1), block=(self.warps * WARP, 1, 1), stream=stream)
+
+    @cute.kernel
+    def kernel(self, dst: cute.Pointer, smids: cute.Pointer, claims: cute.Pointer,
+               allowed: cute.Pointer, pieces: Int32, ctas: Int32, copy: cute.TiledCopy):
+        tidx, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        lane = tidx % WARP
+        sm = sm_id()
+        if tidx == 0:
+            store_i32(smids.toint() + Int64(cta) * 4, sm)
+        if load_i32(allowed.toint() + Int64(sm) * 4) != 0:
+            if tidx == 0:
+                take_ticket(claims.toint() + 4)
+            thr = copy.get_slice(lane)
+            layout = cute.make_layout((PIECE // 16, 16), stride=(16, 1))
+            tiler = (WARP * STEP, 16)
+            ticket = Int32(0)
+            if lane == 0:
+                ticket = take_ticket(claims.toint())
+            p = cute.arch.shuffle_sync(ticket, 0)
+            done = Int32(0)
+            while p < pieces:
+                done += 1
+                if lane == 0:
+                    ticket = take_ticket(claims.toint())
+                g_dst = cute.zipped_divide(cute.make_tensor(
+                    gmem_ptr(Uint8, dst.toint() + Int64(p) * PIECE, 16), layout), tiler)
+                t_dst = thr.partition_D(g_dst[((None, None), 0)])
+                regs = cute.make_fragment_like(t_dst)
+                regs.fill(p % 251)
+                cute.copy(copy, regs, t_dst)
+                p = cute.arch.shuffle_sync(ticket, 0)
+            if lane == 0:
+                cute.arch.atomic_add(gmem_ptr(Int32, smids.toint() + Int64(256 + cta) * 4, 4),
+                                     done, sem="relaxed", scope="gpu")
+
+
+def store_place_kernels() -> list:
+    return [StorePlace(w) for w in PLACE_WARPS]

@@ -121,10 +121,20 @@ def dispatch_round() -> Buffer:
     return Buffer("dispatch_round", "int64", Layout(1, 1), "dispatches completed")
 
 
+# A launch's words (`dispatch_done`, `combine_place`): the channels that finished (the last
+# advances the round and resets it); then the placement of a launch with spare CTAs
+# (`kernels/placement.py`): channels taken, CTAs arrived, and a bit per TPC that holds a channel.
+TPC_WORDS = 4  # 128 TPCs: 256 SMs
+LAUNCH_FIELDS = ("finished", "taken", "arrived") + tuple(f"tpcs{i}" for i in range(TPC_WORDS))
+
+
+def launch_words(name: str, what: str) -> Buffer:
+    return Buffer(name, "int32", Layout(len(LAUNCH_FIELDS), 1), what)
+
+
 def dispatch_done() -> Buffer:
-    """Channels of the current dispatch that finished; the last one advances the round and
-    resets it."""
-    return Buffer("dispatch_done", "int32", Layout(1, 1), "finished channels of a dispatch")
+    """LAUNCH_FIELDS of the current dispatch: its finished channels, and its placement."""
+    return launch_words("dispatch_done", "finished channels and placement of a dispatch")
 
 
 def error_words() -> Buffer:

@@ -11,7 +11,8 @@ processes (`CUTE_EP_LIBRARY` and `PYTHONPATH` set to the side's). The table give
 format and SM budget (and decode's CUDA-graph times), each side's slowest-rank time as the range
 over runs, and each later side's median change from the first; a second table the traced
 calls' stamps and waits (TRACE_FIELDS) per side, when the bench recorded them; `--json` keeps every run's
-record. A tree without the change can be exported next to the working tree, e.g.
+record. Stopped by SIGTERM (an outer time limit), it kills the running side's processes and
+reports the runs it has. A tree without the change can be exported next to the working tree, e.g.
 `git archive main cute_ep perf kernels layouts | tar -x -C build/tree-main`.
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -104,6 +106,14 @@ def collect(runs: dict[str, list[dict]]) -> dict[tuple, dict[str, list[float]]]:
     return table
 
 
+class _Stopped(Exception):
+    """SIGTERM arrived: report the runs so far."""
+
+
+def _stop(signum, frame):
+    raise _Stopped()
+
+
 def main() -> None:
     argv = sys.argv[1:]
     bench_args = argv[argv.index("--") + 1:] if "--" in argv else []
@@ -124,21 +134,28 @@ def main() -> None:
 
     runs: dict[str, list[dict]] = {name: [] for name, _, _ in args.side}
     failed: dict[str, str] = {}  # a side whose bench failed is reported and not run again
+    stopped = False
+    signal.signal(signal.SIGTERM, _stop)
     with tempfile.TemporaryDirectory() as tmp:
-        for r, name, tree, library in alternated(args.side, args.runs):
-            if name in failed:
-                continue
-            out = Path(tmp) / f"{name}-{r}"
-            done = run_side(tree, library, [sys.executable, "-m", "cute_ep.tools.cli", "bench",
-                                            "--out", str(out), *bench_args],
-                            timeout=args.run_timeout)
-            records = sorted(out.glob("bench-*.json"))
-            if done.returncode or not records:
-                failed[name] = (f"run {r + 1}: cute-ep bench exited {done.returncode}\n"
-                                f"{done.stdout[-3000:]}{done.stderr[-3000:]}")
-                print(f"side {name} failed ({failed[name]})", file=sys.stderr)
-                continue
-            runs[name].append(json.loads(records[-1].read_text()))
+        try:
+            for r, name, tree, library in alternated(args.side, args.runs):
+                if name in failed:
+                    continue
+                out = Path(tmp) / f"{name}-{r}"
+                done = run_side(tree, library, [sys.executable, "-m", "cute_ep.tools.cli",
+                                                "bench", "--out", str(out), *bench_args],
+                                timeout=args.run_timeout)
+                records = sorted(out.glob("bench-*.json"))
+                if done.returncode or not records:
+                    failed[name] = (f"run {r + 1}: cute-ep bench exited {done.returncode}\n"
+                                    f"{done.stdout[-3000:]}{done.stderr[-3000:]}")
+                    print(f"side {name} failed ({failed[name]})", file=sys.stderr)
+                    continue
+                runs[name].append(json.loads(records[-1].read_text()))
+        except _Stopped:
+            stopped = True
+            print("stopped by SIGTERM: the runs so far "
+                  f"({', '.join(f'{n} {len(v)}' for n, v in runs.items())})", file=sys.stderr)
     sides = [name for name, _, _ in args.side if runs[name]]
     if not sides or sides[0] != args.side[0][0]:
         raise SystemExit(f"the baseline side {args.side[0][0]} failed: {failed}")
@@ -148,7 +165,7 @@ def main() -> None:
             first = runs[sides[0]][0]
             json.dump({"device": first["device"], "gpus": first["gpus"], "argv": sys.argv[1:],
                        "sides": {n: [str(t), str(lib)] for n, t, lib in args.side},
-                       "failed": failed, "runs": runs}, f, indent=1)
+                       "failed": failed, "stopped": stopped, "runs": runs}, f, indent=1)
     first = runs[sides[0]][0]
     view = Table(title=f"{first['gpus']} x {first['device']}: us per call (slowest rank), "
                        f"{args.runs} runs a side, alternated ({', '.join(sides)})")

@@ -65,6 +65,10 @@ def run_side(tree: Path, library: Path, cmd: list[str],
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
         err += f"\nkilled after {timeout:g} s"
+    except BaseException:  # the caller stopped (a signal, Ctrl-C): its side's processes too
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 

@@ -35,11 +35,69 @@ def _sweep(rows, name, launch, budgets, total, piece, reps, flush):
     return per_cta, ctas
 
 
+def _sms(text: str) -> set:
+    """The SM indices `text` names: all, even, odd, or first-last[%step] ranges joined by '+'."""
+    if text in ("all", "even", "odd"):
+        return {s for s in range(256) if text == "all" or s % 2 == (text == "odd")}
+    sms = set()
+    for part in text.split("+"):
+        part, _, step = part.partition("%")
+        first, _, last = part.partition("-")
+        sms |= set(range(int(first), int(last or first) + 1, int(step or 1)))
+    return sms
+
+
+def _place(dst, flush, args) -> list:
+    """store_place at each `--place` CTAs:SMs and warps a CTA: GB/s per SM that worked, with
+    how many distinct SMs and TPCs (SM index // 2) those were, and the bytes checked."""
+    rows, piece = [], 4096
+    pieces = dst.numel() // piece
+    smids = torch.zeros(512, dtype=torch.int32, device="cuda")
+    claims = torch.zeros(2, dtype=torch.int32, device="cuda")
+    for warps in args.place_warps:
+        kernel = runtime().select("store_place", "cuda", warps=warps)
+        for pair in args.place.split("/"):
+            ctas, which = pair.split(":")
+            ctas, sms = int(ctas), _sms(which)
+            allowed = torch.tensor([int(s in sms) for s in range(256)], dtype=torch.int32,
+                                   device="cuda")
+
+            def prep():
+                flush.zero_()
+                claims.zero_()
+                smids.zero_()
+            ms = median_ms(lambda: kernel.launch(dst, smids, claims, allowed, pieces, ctas),
+                           args.reps, flush, prep=prep)
+            sm, done = smids[:ctas].tolist(), smids[256:256 + ctas].tolist()
+            assert sum(done) == pieces, "pieces lost or written twice"
+            working = [s for s in sm if s in sms]
+            assert claims[1].item() == len(working), "working CTAs miscounted"
+            assert len(set(working)) == len(working), "two working CTAs on one SM"
+            want = (torch.arange(pieces, device="cuda") % 251).to(torch.uint8)
+            assert torch.equal(dst.view(pieces, piece), want[:, None].expand(pieces, piece)), \
+                "store_place wrote other bytes"
+            gbs = pieces * piece / ms / 1e6
+            tpcs = len({s // 2 for s in working})
+            rows.append({"kernel": f"store_place {warps} warps, {ctas} CTAs on {which} "
+                                   f"({gbs / len(working):.0f} GB/s an SM, {tpcs} TPCs)",
+                         "ctas": len(working), "us": ms * 1e3, "gbs": gbs,
+                         "gbs_per_cta": gbs / len(working), "launched": ctas, "smids": sm,
+                         "pieces": done})
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--mib", type=int, default=512)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--ctas", default="8,16,24,32,66,132")
+    parser.add_argument("--place", default=None,
+                        help="CTAs:SMs pairs for store_place separated by '/', SMs as 'all', "
+                             "'even', 'odd' or first-last[%%step] ranges joined by '+', e.g. "
+                             "24:all/48:124-131: the store rate by warps a CTA and by the SMs "
+                             "that work")
+    parser.add_argument("--place-warps", default="8",
+                        type=lambda v: [int(w) for w in v.split(",")])
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     total = args.mib << 20
@@ -71,6 +129,8 @@ def main():
     want = np.bitwise_xor.reduce(dst[:per_cta * ctas].view(torch.int32).view(ctas, -1).cpu()
                                  .numpy(), axis=1)
     assert np.array_equal(got, want), "load_rate read other bytes"
+    if args.place:
+        rows += _place(dst, flush, args)
     report_copies(f"{torch.cuda.get_device_name()}: {args.mib} MiB written or read, median of "
                   f"{args.reps}, L2 flushed", "CTAs", "GB/s = bytes moved / t", rows,
                   torch.cuda.get_device_name(), args.json)

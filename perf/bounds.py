@@ -1,7 +1,8 @@
 """What the hardware allows a dispatch and a combine at an SM budget, beside what they took and
 the dispatch issue's targets, from records already committed:
 
-    python perf/bounds.py BENCH_RECORD --deepep DEEPEP_RECORD --rates SM_RATES_RECORD [--json F]
+    python perf/bounds.py BENCH_RECORD --deepep DEEPEP_RECORD --rates SM_RATES_RECORD
+        [--placed PLACEMENT_RECORD] [--json F]
 
 Per rank, at the bench's first SM budget (24), for each format the bench ran:
 - bytes the budget's SMs must **store**: the expert rows (`rows` x `token_bytes`: payload and
@@ -16,6 +17,11 @@ Each divided by its rate gives a time no kernel can beat: stores and loads at th
 `perf/bench_sm_stores.py` times the budget, NVLink at the fastest device-to-device copy the bench
 timed in the same lease. The bound is the largest of the three (they are taken as independent, so
 it is a floor, not an estimate). A target below its bound cannot be met at that budget.
+
+`--placed`: a `bench_sm_stores.py --place` record; the store rate is then the best per-SM rate
+its `store_place` rows reached with the budget's number of SMs working (SMs placed one per TPC
+store faster than the scheduler's default placement of equal shares, whose slowest SMs set
+`store_rate`'s time; kernels/placement.py).
 """
 
 from __future__ import annotations
@@ -58,11 +64,22 @@ def bytes_moved(op: str, fmt: str, hidden: int, tokens: int, sweep: dict, tp: di
             "nvlink": tp["sent_tokens_to_peers"] * msg}
 
 
-def bounds(bench: dict, deepep: dict, rates: dict) -> list[dict]:
+def _placed_rate(placed: dict, ctas: int) -> float:
+    """The best GB/s per SM of the `store_place` rows with `ctas` SMs working."""
+    rates = [row["gbs_per_cta"] for row in placed["rows"]
+             if row["kernel"].startswith("store_place") and row["ctas"] == ctas]
+    if not rates:
+        raise ValueError(f"no store_place row with {ctas} SMs working in the placement record")
+    return max(rates)
+
+
+def bounds(bench: dict, deepep: dict, rates: dict, placed: dict | None = None) -> list[dict]:
     cfg = bench["config"]
     gpus = bench["gpus"]
     first = cfg["sms"][0]
     store, load = _rate(rates, "store_rate bulk", first), _rate(rates, "load_rate", first)
+    if placed is not None:
+        store = _placed_rate(placed, first)
     # NVLink: the fastest device-to-device copy of the lease, any rank, any format.
     nvlink = max(r["formats"][f]["throughput"]["p2p_copy_gbps"]
                  for r in bench["ranks"] for f in r["formats"])
@@ -101,10 +118,14 @@ def main() -> None:
     p.add_argument("bench")
     p.add_argument("--deepep", required=True, help="perf/record_deepep.py's normal-mode record")
     p.add_argument("--rates", required=True, help="perf/bench_sm_stores.py's record")
+    p.add_argument("--placed", default=None,
+                   help="perf/bench_sm_stores.py --place's record: the store rate of SMs "
+                        "placed one per TPC")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     bench, deepep, rates = (json.load(open(f)) for f in (args.bench, args.deepep, args.rates))
-    rows = bounds(bench, deepep, rates)
+    placed = json.load(open(args.placed)) if args.placed else None
+    rows = bounds(bench, deepep, rates, placed)
     from rich.console import Console
     from rich.table import Table
     table = Table(title=f"{bench['gpus']} x {bench['device']}: floors at {rows[0]['sms']} SMs "
@@ -122,8 +143,10 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"bench": args.bench, "deepep": args.deepep, "rates": args.rates,
+                       "placed": args.placed,
                        "command": "python perf/bounds.py " + " ".join(
-                           [args.bench, "--deepep", args.deepep, "--rates", args.rates]),
+                           [args.bench, "--deepep", args.deepep, "--rates", args.rates]
+                           + (["--placed", args.placed] if args.placed else [])),
                        "rows": rows}, f, indent=1)
 
 

@@ -55,6 +55,19 @@ def test_sides_runs_become_ranges_and_the_median_change():
     assert rows[0] == ["dispatch", "fp8", "24", "420.0-630.0", "210.0-210.0", "-315.0"]
 
 
+def _stand_in_sides(tmp_path, cli_source: str, names: str) -> list[str]:
+    """A tree per side name under tmp_path whose `cute_ep.tools.cli` is `cli_source`; the
+    script's --side arguments for them (library folder lib-<name>)."""
+    for side in names:
+        cli = tmp_path / f"tree-{side}" / "cute_ep" / "tools" / "cli.py"
+        cli.parent.mkdir(parents=True)
+        for pkg in (cli.parent, cli.parent.parent):
+            (pkg / "__init__.py").write_text("")
+        cli.write_text(cli_source)
+    return [a for s in names
+            for a in ("--side", f"{s}={tmp_path / f'tree-{s}'}:{tmp_path / f'lib-{s}'}")]
+
+
 def test_each_side_runs_its_own_tree_and_library_alternated(tmp_path):
     """The whole script against stand-in trees whose `cute-ep bench` writes a record of its side
     (the library it was given in CUTE_EP_LIBRARY) and logs the order of the runs; side c's
@@ -88,15 +101,8 @@ rank = {{"formats": {{"bf16": {{"throughput": {{"nccl_all_to_all_us": 1.0, "swee
 (out / "bench-x.json").write_text(json.dumps({{"gpus": 2, "device": "GPU", "config": {{}},
                                               "ranks": [rank, rank]}}))
 '''
-    for side in ("a", "b", "c", "d"):
-        cli = tmp_path / f"tree-{side}" / "cute_ep" / "tools" / "cli.py"
-        cli.parent.mkdir(parents=True)
-        for pkg in (cli.parent, cli.parent.parent):
-            (pkg / "__init__.py").write_text("")
-        cli.write_text(fake)
+    sides = _stand_in_sides(tmp_path, fake, "abcd")
     record = tmp_path / "ab.json"
-    sides = [a for s in ("a", "b", "c", "d")
-             for a in ("--side", f"{s}={tmp_path / f'tree-{s}'}:{tmp_path / f'lib-{s}'}")]
     done = subprocess.run([sys.executable, "perf/ab_bench.py", *sides, "--runs", "2", "--json",
                            str(record), "--run-timeout", "5", "--", "--sms", "24"],
                           capture_output=True, text=True,
@@ -139,3 +145,48 @@ def test_lockstep_times_are_rows_of_their_own_where_recorded():
     assert times[("combine", "fp8", "24 lockstep")] == 250.0
     assert times[("dispatch", "fp8", "24")] == 420.0  # the barrier-timed median, as before
     assert ("dispatch", "fp8", "24 lockstep") not in bench_times(_record())
+
+
+def test_a_sigterm_reports_the_runs_so_far_and_kills_the_running_side(tmp_path):
+    """An outer time limit's SIGTERM while side b's bench runs: b's processes are killed, and
+    the table and the record keep the runs that finished (side a's), marked stopped."""
+    import json
+    import signal
+    import subprocess
+    import time
+    from pathlib import Path
+
+    fake = f'''
+import json, os, sys, time
+from pathlib import Path
+argv = sys.argv[1:]
+out = Path(argv[argv.index("--out") + 1])
+out.mkdir(parents=True, exist_ok=True)
+if os.environ["CUTE_EP_LIBRARY"].endswith("lib-b"):
+    Path({str(tmp_path / "b.pid")!r}).write_text(str(os.getpid()))
+    time.sleep(60)
+rank = {{"formats": {{"bf16": {{"throughput": {{"nccl_all_to_all_us": 1.0, "sweep": [
+    {{"sms": 24, "dispatch_us": 100.0, "combine_us": 50.0}}]}}}}}}}}
+(out / "bench-x.json").write_text(json.dumps({{"gpus": 2, "device": "GPU", "config": {{}},
+                                              "ranks": [rank, rank]}}))
+'''
+    sides = _stand_in_sides(tmp_path, fake, "ab")
+    record = tmp_path / "ab.json"
+    proc = subprocess.Popen([sys.executable, "perf/ab_bench.py", *sides, "--runs", "2",
+                             "--json", str(record), "--", "--sms", "24"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=Path(__file__).resolve().parent.parent)
+    pid = tmp_path / "b.pid"
+    for _ in range(600):
+        if pid.exists() and pid.read_text():
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out + err
+    assert "stopped by SIGTERM" in err and "a 1, b 0" in err
+    kept = json.loads(record.read_text())
+    assert kept["stopped"] is True and set(kept["runs"]) == {"a"} and len(kept["runs"]["a"]) == 1
+    assert "100.0-100.0" in out  # side a's dispatch, its one run
+    stat = Path(f"/proc/{int(pid.read_text())}/stat")
+    assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"

@@ -62,3 +62,19 @@ def test_a_budget_the_rates_record_lacks_is_refused():
     bench["config"]["sms"] = [32]
     with pytest.raises(ValueError, match="32 CTAs"):
         bounds.bounds(bench, deepep, rates)
+
+
+def test_a_placement_record_sets_the_store_rate_from_its_best_placed_row():
+    """`--placed`: the best store_place rate with the budget's SMs working (62 of 55 and 62 at
+    24; the 16-SM row and store_rate's 50 are not used), so the store floor falls with it."""
+    bench, deepep, rates = _records(0.8)
+    placed = {"rows": [{"kernel": "store_place 8 warps, 24 CTAs on all", "ctas": 24,
+                        "gbs_per_cta": 55.0},
+                       {"kernel": "store_place 8 warps, 48 CTAs on 0-46%2", "ctas": 24,
+                        "gbs_per_cta": 62.0},
+                       {"kernel": "store_place 8 warps, 48 CTAs on 0-30%2", "ctas": 16,
+                        "gbs_per_cta": 70.0}]}
+    dispatch, _ = bounds.bounds(bench, deepep, rates, placed)
+    assert dispatch["bound_us"]["store"] == pytest.approx(1_029_200 / (24 * 62e3), rel=1e-12)
+    with pytest.raises(ValueError, match="no store_place row with 24"):
+        bounds.bounds(bench, deepep, rates, {"rows": placed["rows"][2:]})

@@ -309,9 +309,10 @@ def test_the_lockstep_kernel_time_is_each_familys_profiled_time_per_layer(monkey
 
 
 def test_steady_host_time_is_calls_queued_back_to_back_after_one_barrier(monkeypatch, capsys):
-    """`_steady_host_us`: one synchronisation and barrier, then the layers' dispatch and combine
+    """`_host_us`, steady: one synchronisation and barrier, then the layers' dispatch and combine
     calls with nothing between them (no synchronisation, no barrier), each call's own host time,
-    the median of each; the decode table prints both host columns."""
+    the median of each; cold: the same with a synchronisation and a barrier before every layer;
+    the decode table prints both host columns."""
     import json
     from pathlib import Path
     from types import SimpleNamespace
@@ -336,11 +337,18 @@ def test_steady_host_time_is_calls_queued_back_to_back_after_one_barrier(monkeyp
     monkeypatch.setattr(bench.time, "perf_counter", lambda: next(clock))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: events.append("sync"))
     monkeypatch.setattr(dist, "barrier", lambda group=None: events.append("barrier"))
-    got = bench._steady_host_us(Buf(), None, None, None, None, {"num_input_tokens": 8}, 3)
+    quant = {"num_input_tokens": 8}
+    got = bench._host_us(Buf(), None, None, None, None, quant, 3, barrier_each=False)
     # dispatch: 10, 30, 20 us; combine: 5, 4, 9 us
     assert got == {"dispatch": 20.0, "combine": 5.0}
     layer = [("dispatch", {"num_input_tokens": 8}), "combine"]
     assert events == ["sync", "barrier"] + layer * 3 + ["sync"]
+    # Cold: a synchronisation and a barrier before every layer.
+    events.clear()
+    clock = iter([0.0, 10e-6, 15e-6, 100e-6, 130e-6, 134e-6, 200e-6, 220e-6, 229e-6])
+    got = bench._host_us(Buf(), None, None, None, None, quant, 3, barrier_each=True)
+    assert got == {"dispatch": 20.0, "combine": 5.0}
+    assert events == (["sync", "barrier"] + layer) * 3 + ["sync"]
 
     record = json.loads(Path("perf/results/bench-2026-11-26-2xH100-publisher.json").read_text())
     for rank in record["ranks"]:

@@ -346,3 +346,33 @@ def test_a_pre_quantized_input_takes_the_quick_checks_and_a_bad_one_the_detailed
     # int64 ids are good input too: the detailed checks pass them, the launch narrows them.
     buf.dispatch((on(codes), on(scales)), on(ids.long()), on(w))
     assert len(buf._dispatch_launch.calls) == launched + 1
+
+
+@pytest.mark.parametrize("fmt,layout", [("bf16", "packed"), ("fp8", "packed"),
+                                        ("nvfp4", "packed"), ("fp8", "sources")])
+def test_the_kernels_pointers_name_each_output_part_carved_or_separate(cpu_buffer, fmt, layout):
+    """Both output forms, one allocation carved (`dispatch`) and a part an allocation
+    (`dispatch_for_operator`, the custom operator's): the dispatch kernel's pointer arguments
+    are each part's address, a placeholder's where the config has no such part."""
+    buf = cpu_buffer(fmt, **({"layout": "sources"} if layout == "sources" else {}))
+    x, ids, w = _inputs()
+    gs = {"global_scale": torch.full((1,), 100.0)} if fmt == "nvfp4" else {}
+    holder = {"recv_ids": "recv_topk_ids", "recv_weights": "recv_topk_weights",
+              "seg_counts": "counts", "comb_rows": "rows", "comb_weights": "weights",
+              "comb_tokens": "tokens", "comb_counts": "messages", "chan_msgs": "channels"}
+    placeholder = {"scales": buf._no_f32, "scales_offsets": buf._no_i32,
+                   "recv_ids": buf._no_i32, "recv_weights": buf._no_f32}
+    for call in (lambda: buf.dispatch(x, ids, w, **gs),
+                 lambda: buf.dispatch_for_operator(x, ids, w, False, None,
+                                                   gs.get("global_scale"))):
+        out = call()
+        d = buf._dispatch_launch.calls[-1]
+        for arg in ("scales", "scales_offsets", "row_offsets", "expert_ids", "seg_counts",
+                    "src_info", "comb_rows", "comb_weights", "comb_tokens", "comb_counts",
+                    "chan_msgs", "recv_ids", "recv_weights"):
+            name = holder.get(arg, arg)
+            on_handle = name in ("rows", "weights", "tokens", "messages", "channels")
+            part = getattr(out.handle if on_handle else out, name)
+            want = part.data_ptr() if part is not None else placeholder[arg].data_ptr()
+            assert d[arg] == want, (arg, fmt, layout)
+        assert d["tokens"] == out.tokens.data_ptr()

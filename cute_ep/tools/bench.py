@@ -586,19 +586,8 @@ def _decode(rank, world, args, fmt, flush) -> dict:
     # after a synchronisation and a barrier (the host idle before the call, its caches and
     # clocks as they come back); steady: the layers back to back, the host never waiting for
     # the GPU, as in a model's eager forward.
-    host = {"dispatch": [], "combine": []}
-    for _ in range(args.iters):
-        torch.cuda.synchronize()
-        dist.barrier()
-        t0 = time.perf_counter()
-        out = buf.dispatch(x, ids, w, **quant)
-        t1 = time.perf_counter()
-        buf.combine(y, out.handle)
-        t2 = time.perf_counter()
-        host["dispatch"].append((t1 - t0) * 1e6)
-        host["combine"].append((t2 - t1) * 1e6)
-    torch.cuda.synchronize()
-    steady = _steady_host_us(buf, x, ids, w, y, quant, args.iters)
+    host = _host_us(buf, x, ids, w, y, quant, args.iters, barrier_each=True)
+    steady = _host_us(buf, x, ids, w, y, quant, args.iters, barrier_each=False)
 
     # CUDA graphs: dispatch alone, and the whole layer (combine = the difference).
     dist.barrier()
@@ -625,22 +614,23 @@ def _decode(rank, world, args, fmt, flush) -> dict:
             "eager_dispatch_us": eager["dispatch_us"], "eager_combine_us": eager["combine_us"],
             "graph_dispatch_us": graph_d, "graph_layer_us": graph_l,
             "graph_combine_us": graph_l - graph_d,
-            "host_dispatch_us": statistics.median(host["dispatch"]),
-            "host_combine_us": statistics.median(host["combine"]),
+            "host_dispatch_us": host["dispatch"], "host_combine_us": host["combine"],
             "steady_host_dispatch_us": steady["dispatch"],
             "steady_host_combine_us": steady["combine"]}
 
 
-def _steady_host_us(buf, x, ids, w, y, quant, layers: int) -> dict[str, float]:
-    """Median host microseconds of a dispatch and of a combine call in `layers` layers queued
-    back to back after one barrier, no synchronisation between them (the launch queue holds two
-    calls a layer, far below its depth, so no call waits for the GPU)."""
+def _host_us(buf, x, ids, w, y, quant, layers: int, barrier_each: bool) -> dict[str, float]:
+    """Median host microseconds of a dispatch and of a combine call over `layers` layers: each
+    after a synchronisation and a barrier (`barrier_each`), or queued back to back after one,
+    no synchronisation between them (the launch queue holds two calls a layer, far below its
+    depth, so no call waits for the GPU)."""
     import torch.distributed as dist
 
     times = {"dispatch": [], "combine": []}
-    torch.cuda.synchronize()
-    dist.barrier()
-    for _ in range(layers):
+    for layer in range(layers):
+        if barrier_each or layer == 0:
+            torch.cuda.synchronize()
+            dist.barrier()
         t0 = time.perf_counter()
         out = buf.dispatch(x, ids, w, **quant)
         t1 = time.perf_counter()

@@ -68,6 +68,7 @@ from kernels.copy import row_tiled_copy
 from kernels.encode import (BF16_PER_VECTOR, E2M1_ARCHES, ENCODE_THREADS, NVFP4_AHEAD,
                             encode_fp8_token, encode_nvfp4_token, prefetch_rows)
 from kernels.memory import load_f32
+from kernels.placement import claim_channel
 from kernels.nvfp4 import SCALE_TABLE_BYTES, fill_scale_table, scale_table_layout
 from kernels.dispatch.common import (BATCH, FORMATS, LIMITS, MAX_EXPERTS, MAX_RANKS,
                                      MAX_SEGMENTS, MAX_STAGE_BATCHES, MAX_TOPK, PHASE_DISPATCH,
@@ -231,6 +232,7 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                 Param("segment_rows", "i32"),
                 Param("channels", "i32"),
                 Param("active", "i32"),
+                Param("launched", "i32"),
                 Param("headers_offset", "i64"),
                 Param("staging_offset", "i64"),
                 Param("counts_offset", "i64"),
@@ -247,7 +249,7 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                 Param("encode", "i32"),
             ),
             block=(self.threads, 1, 1),
-            grid=(GridRule(ceil_div=("active", 1)), GridRule(constant=1),
+            grid=(GridRule(ceil_div=("launched", 1)), GridRule(constant=1),
                   GridRule(constant=1)),
             smem_bytes=self.smem_bytes,
             sizes=dict(LIMITS, row_align=self.row_align, vector_bytes=self.vector_bytes,
@@ -272,7 +274,7 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                  stage_bytes: Int32, stage_batches: Int32,
                  payload_vectors: Int32, scales_offset: Int32, row_capacity: Int32,
                  segment_rows: Int32,
-                 channels: Int32, active: Int32,
+                 channels: Int32, active: Int32, launched: Int32,
                  headers_offset: Int64, staging_offset: Int64, counts_offset: Int64,
                  flags_offset: Int64,
                  counters_offset: Int64, timeout_ns: Int64, trace: cute.Pointer,
@@ -287,14 +289,14 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                     max_tokens, topk, local_experts, ranks, my_rank, shared, skip_a2a,
                     shared_begin, shared_end, has_weights, header_bytes, source_stride,
                     load_bytes, stage_bytes, stage_batches, payload_vectors, scales_offset,
-                    row_capacity, segment_rows, channels, active,
+                    row_capacity, segment_rows, channels, active, launched,
                     headers_offset, staging_offset, counts_offset, flags_offset,
                     counters_offset, timeout_ns, trace, tracing, phases, x, global_scale, encode,
                     row_tiled_copy(WARP, Uint8, self.vector_bytes),
                     row_tiled_copy(WARP, Uint8, 16),
                     row_tiled_copy(ENCODE_THREADS, BFloat16, BF16_PER_VECTOR),
                     row_tiled_copy(ENCODE_THREADS, Float8E4M3FN, BF16_PER_VECTOR)).launch(
-            grid=(active, 1, 1), block=(self.threads, 1, 1), smem=self.smem_bytes,
+            grid=(launched, 1, 1), block=(self.threads, 1, 1), smem=self.smem_bytes,
             stream=stream)
 
     @cute.kernel
@@ -315,7 +317,7 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                stage_bytes: Int32, stage_batches: Int32,
                payload_vectors: Int32, scales_offset: Int32, row_capacity: Int32,
                segment_rows: Int32,
-               channels: Int32, active: Int32,
+               channels: Int32, active: Int32, launched: Int32,
                headers_offset: Int64, staging_offset: Int64, counts_offset: Int64,
                flags_offset: Int64,
                counters_offset: Int64, timeout_ns: Int64, trace: cute.Pointer, tracing: Int32,
@@ -373,122 +375,130 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
         if cutlass.const_expr(self.fmt == "nvfp4"):
             s_table = smem.allocate_tensor(Float32, scale_table_layout(), byte_alignment=16)
 
-        if tidx == 0:
-            _stamp(trace, tracing, channel, "start", cute.arch.globaltimer())
-            # Maxima over warps, zeroed before any warp adds to them.
-            _stamp(trace, tracing, channel, "send_done", 0)
-            _stamp(trace, tracing, channel, "first_batch", 0)
-            _stamp(trace, tracing, channel, "chunk_read", 0)
-            _stamp(trace, tracing, channel, "chunk_placed", 0)
-            _stamp(trace, tracing, channel, "chunk_stored", 0)
-            _stamp(trace, tracing, channel, "recv_done", 0)
-            _stamp(trace, tracing, channel, "rows_written", 0)
-            for f in cutlass.range_constexpr(len(SEND_TIMES)):
-                _stamp(trace, tracing, channel, SEND_TIMES[f], 0)
-            for f in cutlass.range_constexpr(len(RECV_TIMES)):
-                _stamp(trace, tracing, channel, RECV_TIMES[f], 0)
-        if tidx < MAX_STAGE_BATCHES:
-            s_arrive[tidx] = Int32(0)
-        if cutlass.const_expr(self.bulk):
+        s_channel = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
+        if launched > active:
+            # Spare CTAs: one channel per TPC (kernels/placement.py); the others leave.
             if tidx == 0:
-                for i in cutlass.range(self.recv_warps * PIECES):
-                    cute.arch.mbarrier_init(s_full + i, 1)
-                cute.arch.mbarrier_init_fence()
-        if cutlass.const_expr(self.fmt == "nvfp4"):
-            if encode != 0:  # read after the counts phase's barriers
-                fill_scale_table(s_table, tidx, self.threads)
-        peers = cute.make_tensor(peer_bases, cute.make_layout(ranks))
-        here = peers[my_rank]
-        epoch = cute.arch.load(rounds, Int64, sem="relaxed", scope="gpu") + 1
-        parity = Int32((epoch - 1) % 2)
-        counts_at = counts_layout(entries, channels, ranks)
-        flags_at = count_flags_layout(channels, ranks)
-        counters = counters_layout(channels, ranks)
-
-        t0, t1 = channel_tokens(channel, num_tokens, active)
-
-        # A launch runs the phases `phases` names (DISPATCH_SEND, DISPATCH_RECEIVE, or both):
-        # a dispatch whose receive part runs later (`Buffer.dispatch_send` and its hook) sends
-        # in one launch and receives in the next; its sends fit the staging (checked on the
-        # host), so they complete without any receiver.
-        if phases & DISPATCH_SEND != 0:
-            if cutlass.const_expr(self.fmt != "bf16"):
-                # Bf16 tokens this channel quantizes in phase 1b: into L2 while counts go out.
-                if encode != 0 and tidx < t1 - t0:
-                    prefetch_rows(x, t0 + tidx, payload_vectors * self.vector_bytes
-                                  * (2 if self.fmt == "nvfp4" else 1))
-            # 1. Counts ----------------------------------------------------------------------
-            self._publish_counts(tidx, channel, t0, t1, topk_ids, topk, experts,
-                                 local_experts, my_rank, skip_a2a, shared, shared_begin,
-                                 shared_end, ranks, entries, peers, counts_offset, counts_at,
-                                 flags_offset, flags_at, parity, epoch, active, error, s_cnt,
-                                 trace, tracing)
-
-            # 1b. Encode (FP8 / NVFP4 given bf16 tokens) -------------------------------------
-            # Every warp quantizes the channel's own tokens into the send buffer while the
-            # other ranks' counts travel; the senders read them after the barrier.
-            if cutlass.const_expr(self.fmt != "bf16"):
-                if encode != 0:
-                    self._encode_tokens(tidx, t0, t1, x, global_scale, source, source_stride,
-                                        scales_offset, payload_vectors, s_table, enc_in,
-                                        enc_out)
-                    cute.arch.sync_threads()
-
-            # 2. Send ------------------------------------------------------------------------
-            if warp < SEND_WARPS:
-                self._send(warp, lane, channel, t0, t1, peers, here, source, scale_source,
-                           scale_stride, topk_ids, topk_weights, streams, error, topk, ranks,
-                           my_rank, has_weights, header_bytes, source_stride, load_bytes,
-                           stage_bytes, stage_batches, channels, headers_offset, staging_offset,
-                           counters_offset, counters, timeout_ns, payload_vectors, scales_offset,
-                           send_copy, s_arrive, s_head, s_time, trace, tracing)
-
-        if phases & DISPATCH_RECEIVE != 0:
-            # 3. Receive ---------------------------------------------------------------------
-            if warp >= SEND_WARPS:
-                self._receive(tidx - SEND_WARPS * WARP, channel, peers, here, streams, error,
-                              tokens, scales, scale_rows, scales_offsets, row_offsets,
-                              expert_ids, seg_counts, src_info, comb_rows, comb_weights,
-                              comb_tokens, comb_counts, chan_msgs, recv_ids, recv_weights,
-                              max_tokens, topk,
-                              local_experts, ranks, my_rank, shared, skip_a2a, shared_begin,
-                              shared_end, header_bytes, stage_bytes, stage_batches,
-                              payload_vectors, scales_offset, row_capacity, segment_rows,
-                              channels, active, headers_offset, staging_offset, counts_offset,
-                              flags_offset, counters_offset, counters, counts_at, flags_at,
-                              parity, epoch, timeout_ns, s_next, s_totals, s_off, s_tot, s_raw,
-                              s_first, s_src, s_rows, s_wts, s_ring, s_full, s_piece, s_time,
-                              warp_copy, trace, tracing)
-
-            # The last CTA to finish advances the round.
+                s_channel[0] = claim_channel(done, active, launched)
             cute.arch.sync_threads()
+            channel = s_channel[0]
+        if channel >= 0:
             if tidx == 0:
-                cute.arch.fence_acq_rel_gpu()  # this CTA's rows before its arrival
-                old = cute.arch.atomic_add(done, Int32(1), sem="acq_rel", scope="gpu")
-                if old == active - 1:
-                    cute.arch.store(done, Int32(0))
-                    cute.arch.store(rounds, epoch, sem="release", scope="gpu")
-                _stamp(trace, tracing, channel, "round_done", cute.arch.globaltimer())
-            if cutlass.const_expr(self.fmt != "bf16"):
-                # (Not after an overflow of the output's rows: the layout runs past the buffers.)
-                if segment_rows <= 0 and s_off[local_experts + shared] <= row_capacity:
-                    # Every CTA's received scales are in scale_rows once the round has advanced:
-                    # then all of them write the output's layout, a share each.
-                    if tidx == 0:
-                        _wait_at_least(rounds.toint(), epoch, timeout_ns, error, my_rank,
-                                       Int32(PHASE_DISPATCH))
-                    if cutlass.const_expr(self.tiles_in_ring):
-                        # The pieces' last bulk accesses are done (waited for) before the tiles
-                        # write the same shared memory.
-                        cute.arch.fence_proxy("async.shared", space="cta")
-                    cute.arch.sync_threads()
-                    self._write_scales(warp, lane, channel, active, scales, scale_rows, s_off,
-                                       s_raw, s_first, s_tile, local_experts + shared,
-                                       row_capacity, payload_vectors)
-        if tracing != 0:
-            cute.arch.sync_threads()  # "end" after every warp's share of the write-out
-        if tidx == 0:
-            _stamp(trace, tracing, channel, "end", cute.arch.globaltimer())
+                _stamp(trace, tracing, channel, "start", cute.arch.globaltimer())
+                # Maxima over warps, zeroed before any warp adds to them.
+                _stamp(trace, tracing, channel, "send_done", 0)
+                _stamp(trace, tracing, channel, "first_batch", 0)
+                _stamp(trace, tracing, channel, "chunk_read", 0)
+                _stamp(trace, tracing, channel, "chunk_placed", 0)
+                _stamp(trace, tracing, channel, "chunk_stored", 0)
+                _stamp(trace, tracing, channel, "recv_done", 0)
+                _stamp(trace, tracing, channel, "rows_written", 0)
+                for f in cutlass.range_constexpr(len(SEND_TIMES)):
+                    _stamp(trace, tracing, channel, SEND_TIMES[f], 0)
+                for f in cutlass.range_constexpr(len(RECV_TIMES)):
+                    _stamp(trace, tracing, channel, RECV_TIMES[f], 0)
+            if tidx < MAX_STAGE_BATCHES:
+                s_arrive[tidx] = Int32(0)
+            if cutlass.const_expr(self.bulk):
+                if tidx == 0:
+                    for i in cutlass.range(self.recv_warps * PIECES):
+                        cute.arch.mbarrier_init(s_full + i, 1)
+                    cute.arch.mbarrier_init_fence()
+            if cutlass.const_expr(self.fmt == "nvfp4"):
+                if encode != 0:  # read after the counts phase's barriers
+                    fill_scale_table(s_table, tidx, self.threads)
+            peers = cute.make_tensor(peer_bases, cute.make_layout(ranks))
+            here = peers[my_rank]
+            epoch = cute.arch.load(rounds, Int64, sem="relaxed", scope="gpu") + 1
+            parity = Int32((epoch - 1) % 2)
+            counts_at = counts_layout(entries, channels, ranks)
+            flags_at = count_flags_layout(channels, ranks)
+            counters = counters_layout(channels, ranks)
+
+            t0, t1 = channel_tokens(channel, num_tokens, active)
+
+            # A launch runs the phases `phases` names (DISPATCH_SEND, DISPATCH_RECEIVE, or both):
+            # a dispatch whose receive part runs later (`Buffer.dispatch_send` and its hook) sends
+            # in one launch and receives in the next; its sends fit the staging (checked on the
+            # host), so they complete without any receiver.
+            if phases & DISPATCH_SEND != 0:
+                if cutlass.const_expr(self.fmt != "bf16"):
+                    # Bf16 tokens this channel quantizes in phase 1b: into L2 while counts go out.
+                    if encode != 0 and tidx < t1 - t0:
+                        prefetch_rows(x, t0 + tidx, payload_vectors * self.vector_bytes
+                                      * (2 if self.fmt == "nvfp4" else 1))
+                # 1. Counts ----------------------------------------------------------------------
+                self._publish_counts(tidx, channel, t0, t1, topk_ids, topk, experts,
+                                     local_experts, my_rank, skip_a2a, shared, shared_begin,
+                                     shared_end, ranks, entries, peers, counts_offset, counts_at,
+                                     flags_offset, flags_at, parity, epoch, active, error, s_cnt,
+                                     trace, tracing)
+
+                # 1b. Encode (FP8 / NVFP4 given bf16 tokens) -------------------------------------
+                # Every warp quantizes the channel's own tokens into the send buffer while the
+                # other ranks' counts travel; the senders read them after the barrier.
+                if cutlass.const_expr(self.fmt != "bf16"):
+                    if encode != 0:
+                        self._encode_tokens(tidx, t0, t1, x, global_scale, source, source_stride,
+                                            scales_offset, payload_vectors, s_table, enc_in,
+                                            enc_out)
+                        cute.arch.sync_threads()
+
+                # 2. Send ------------------------------------------------------------------------
+                if warp < SEND_WARPS:
+                    self._send(warp, lane, channel, t0, t1, peers, here, source, scale_source,
+                               scale_stride, topk_ids, topk_weights, streams, error, topk, ranks,
+                               my_rank, has_weights, header_bytes, source_stride, load_bytes,
+                               stage_bytes, stage_batches, channels, headers_offset, staging_offset,
+                               counters_offset, counters, timeout_ns, payload_vectors, scales_offset,
+                               send_copy, s_arrive, s_head, s_time, trace, tracing)
+
+            if phases & DISPATCH_RECEIVE != 0:
+                # 3. Receive ---------------------------------------------------------------------
+                if warp >= SEND_WARPS:
+                    self._receive(tidx - SEND_WARPS * WARP, channel, peers, here, streams, error,
+                                  tokens, scales, scale_rows, scales_offsets, row_offsets,
+                                  expert_ids, seg_counts, src_info, comb_rows, comb_weights,
+                                  comb_tokens, comb_counts, chan_msgs, recv_ids, recv_weights,
+                                  max_tokens, topk,
+                                  local_experts, ranks, my_rank, shared, skip_a2a, shared_begin,
+                                  shared_end, header_bytes, stage_bytes, stage_batches,
+                                  payload_vectors, scales_offset, row_capacity, segment_rows,
+                                  channels, active, headers_offset, staging_offset, counts_offset,
+                                  flags_offset, counters_offset, counters, counts_at, flags_at,
+                                  parity, epoch, timeout_ns, s_next, s_totals, s_off, s_tot, s_raw,
+                                  s_first, s_src, s_rows, s_wts, s_ring, s_full, s_piece, s_time,
+                                  warp_copy, trace, tracing)
+
+                # The last CTA to finish advances the round.
+                cute.arch.sync_threads()
+                if tidx == 0:
+                    cute.arch.fence_acq_rel_gpu()  # this CTA's rows before its arrival
+                    old = cute.arch.atomic_add(done, Int32(1), sem="acq_rel", scope="gpu")
+                    if old == active - 1:
+                        cute.arch.store(done, Int32(0))
+                        cute.arch.store(rounds, epoch, sem="release", scope="gpu")
+                    _stamp(trace, tracing, channel, "round_done", cute.arch.globaltimer())
+                if cutlass.const_expr(self.fmt != "bf16"):
+                    # (Not after an overflow of the output's rows: the layout runs past the buffers.)
+                    if segment_rows <= 0 and s_off[local_experts + shared] <= row_capacity:
+                        # Every CTA's received scales are in scale_rows once the round has advanced:
+                        # then all of them write the output's layout, a share each.
+                        if tidx == 0:
+                            _wait_at_least(rounds.toint(), epoch, timeout_ns, error, my_rank,
+                                           Int32(PHASE_DISPATCH))
+                        if cutlass.const_expr(self.tiles_in_ring):
+                            # The pieces' last bulk accesses are done (waited for) before the tiles
+                            # write the same shared memory.
+                            cute.arch.fence_proxy("async.shared", space="cta")
+                        cute.arch.sync_threads()
+                        self._write_scales(warp, lane, channel, active, scales, scale_rows, s_off,
+                                           s_raw, s_first, s_tile, local_experts + shared,
+                                           row_capacity, payload_vectors)
+            if tracing != 0:
+                cute.arch.sync_threads()  # "end" after every warp's share of the write-out
+            if tidx == 0:
+                _stamp(trace, tracing, channel, "end", cute.arch.globaltimer())
 
 
     @cute.jit

@@ -646,3 +646,26 @@ def test_bf16_tokens_quantized_in_the_dispatch_or_by_ep_encode_give_the_referenc
         monkeypatch.setattr(ep, "FUSED_ENCODE_TOKENS", limit)
         for seed, tokens in ((1, [256, 100]), (2, [5, 0]), (3, [64, 65])):
             _layer(bufs, seed + limit % 7, tokens)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
+@pytest.mark.parametrize("ranks,sms,spare", [(2, 8, 8), (4, 6, 20), (2, 24, 12), (2, 56, 8)])
+def test_spare_ctas_run_every_channel_once_and_match_the_reference(fmt, ranks, sms, spare):
+    """A dispatch launched with spare CTAs (`kernels/placement.py`: one channel per TPC, the
+    rest leave; a CTA takes a channel anyway when too few are left to fill them): exact rows
+    and combine round after round, and the launch's words cleared after each. At 2 x (56 + 8)
+    CTAs the ranks' CTAs fill the GPU, so some channels share TPCs."""
+    from cute_ep.ep import Buffer
+    from layouts import EPConfig
+
+    cfg = EPConfig(2048, 8, 16 * ranks, ranks, 1024, fmt)
+    bufs = Buffer.emulated(cfg, timeout_s=20.0, sms=sms)
+    for buf in bufs:
+        buf.spare_ctas = spare
+    seed = 700 + ranks
+    for tokens in ([1024] * ranks, [300] * ranks, [(1024, 0)[r % 2] for r in range(ranks)]):
+        seed += 1
+        _layer(bufs, seed, tokens)
+        for r, buf in enumerate(bufs):
+            words = buf.dispatch_done.tolist()
+            assert words == [0] * len(words), f"rank {r}: launch words left {words}"
