@@ -515,45 +515,70 @@ class ReceivePhase:
                tiler, g_crd, thr, tiles, warp_copy: cute.TiledCopy, payload_vectors, issued,
                drained, trace: cute.Pointer, tracing, first_batch):
         """A batch's `cnt` messages (messages first .. first + cnt - 1 of source s here): their
-        rows, message by message (the experts of one message differ, so its lanes never share a
-        counter; a warp barrier between messages); what combine needs of them (the first warp of
-        s); then this warp's messages m = sub, sub + per_source, ... pulled from the source's
-        staging into their rows. The rows go to half `half` of the warp's batch rows.
+        rows, 32 (message, k) pairs at a time (lanes of one segment ranked by `match.any`); what
+        combine needs of them (the first warp of s); then this warp's messages m = sub,
+        sub + per_source, ... pulled from the source's staging into their rows. The rows go to
+        half `half` of the warp's batch rows.
         Returns the warp's (issued, drained) pieces of the bulk path."""
         vec = self.vector_bytes
         rows0 = scratch + ROWS_AT + half * BATCH * ROWS  # message m's at rows0 + m * ROWS
-        for m in cutlass.range(cnt):
-            c = s_scratch[scratch + MAP_AT + m]
-            row = Int32(-1)
+        # The (message, k) pairs of the batch, message-major, 32 at a time: lanes holding the
+        # same segment take consecutive rows in lane order (so in message order), the group's
+        # last lane moving the segment's next row past them; a message's k name distinct
+        # segments.
+        pairs = cnt * topk
+        for w0 in cutlass.range(0, pairs, WARP):
+            w = w0 + lane
+            m = w // topk
+            k = w - m * topk
             g = Int32(-1)
-            if lane < topk:
-                g = s_scratch[scratch + SEGS_AT + c * topk + lane]
+            c = Int32(0)
+            if w < pairs:
+                c = s_scratch[scratch + MAP_AT + m]
+                g = s_scratch[scratch + SEGS_AT + c * topk + k]
+            row = Int32(-1)
             if segment_rows == SOURCE_ROWS:
                 # One row per message, sources in order, each in its token order: held by the
                 # message's first local k.
-                local = cute.arch.vote_ballot_sync(g >= 0)
-                if g >= 0 and (local & ((Int32(1) << lane) - 1)) == 0:
-                    row = src_base + first + m
-            elif lane < topk:
                 if g >= 0:
-                    row = s_next[next_at + g]
+                    row = src_base + first + m
+                    for k2 in cutlass.range(k):
+                        if s_scratch[scratch + SEGS_AT + c * topk + k2] >= 0:
+                            row = Int32(-1)
+            else:
+                # Pairs with no segment here match only themselves (a key no segment has).
+                key = -2 - lane
+                if g >= 0:
+                    key = g
+                same = cute.arch.match_sync(0xFFFFFFFF, key)
+                rank = cute.arch.popc(Int32(same) & ((Int32(1) << lane) - 1))
+                if g >= 0:
+                    row = s_next[next_at + g] + rank
+                cute.arch.sync_warp()  # every lane has read the counters before they move
+                if g >= 0 and rank == cute.arch.popc(Int32(same)) - 1:
                     s_next[next_at + g] = row + 1
-                    if cutlass.const_expr(self.fmt == "nvfp4"):
-                        s_scratch[scratch + SROWS_AT + m * ROWS + lane] = \
-                            row - s_off[g] + s_first[g] * ATOM_ROWS
-            if lane == topk:
-                tok = s_scratch[scratch + TOKS_AT + m]
-                if shared != 0 and s == my_rank and tok >= shared_begin and tok < shared_end:
-                    row = tok - shared_begin  # segment 0: this rank's tokens in order
                 if cutlass.const_expr(self.fmt == "nvfp4"):
-                    s_scratch[scratch + SROWS_AT + m * ROWS + lane] = row
-            if lane <= topk:
+                    if g >= 0:
+                        s_scratch[scratch + SROWS_AT + m * ROWS + k] = \
+                            row - s_off[g] + s_first[g] * ATOM_ROWS
+            if w < pairs:
                 if row >= row_capacity:
                     row = -2 - row  # past the output's capacity: recorded, not written
-                s_scratch[rows0 + m * ROWS + lane] = row
-            # The next message's lanes read counters this one's lanes just wrote (the same
-            # expert under another k): ordered by the warp barrier, not by lockstep.
+                s_scratch[rows0 + m * ROWS + k] = row
+            # The next pairs' lanes read the counters these lanes just moved.
             cute.arch.sync_warp()
+        # Each message's shared-expert row (k = topk): this rank's own tokens in order.
+        if lane < cnt:
+            tok = s_scratch[scratch + TOKS_AT + lane]
+            row = Int32(-1)
+            if shared != 0 and s == my_rank and tok >= shared_begin and tok < shared_end:
+                row = tok - shared_begin  # segment 0
+            if cutlass.const_expr(self.fmt == "nvfp4"):
+                s_scratch[scratch + SROWS_AT + lane * ROWS + topk] = row
+            if row >= row_capacity:
+                row = -2 - row
+            s_scratch[rows0 + lane * ROWS + topk] = row
+        cute.arch.sync_warp()
         if sub == 0:
             self._record(lane, s, first, cnt, topk, max_tokens, src_info, comb_rows,
                          comb_weights, comb_tokens, s_scratch, s_wts, scratch, rows0, wts,
