@@ -903,8 +903,9 @@ class Buffer:
 
     def trace_dispatch(self, on: bool = True) -> None:
         """Record, on every later dispatch, each channel's timeline (`layouts.channels.
-        TRACE_FIELDS`: %globaltimer stamps, then the sender's wait times) into `self.trace`, an
-        int64 [channels, fields] tensor; off: record nothing (the default, no cost)."""
+        TRACE_FIELDS`: %globaltimer stamps, then the senders' and the receivers' times by part)
+        into `self.trace`, an int64 [channels, fields] tensor; off: record nothing (the default,
+        no cost)."""
         from layouts.channels import TRACE_FIELDS, trace_layout
 
         if not on:

@@ -132,13 +132,18 @@ def channel_messages_layout(ranks, channels) -> Layout:
 # receiver warp had issued its rows' stores and when those were written, once the CTA counted
 # itself done with the round, at the kernel's end; then, for the sender
 # warp that spent the most on each, the nanoseconds it waited for staging credit, wrote batch
-# headers, copied tokens, and fenced and published tails; last, the longest any source's batches
-# kept this channel's receivers waiting.
+# headers, copied tokens, and fenced and published tails; last, the receivers' (RECV_TIMES).
 SEND_TIMES = ("credit_wait_ns", "batch_ns", "copy_ns", "fence_ns")
+# A receiver warp's time (the longest warp's, each part on its own): waiting for a batch's tail,
+# reading a chunk's header (ids, weights, tokens: over NVLink from another source) and finding
+# its messages, placing them in their rows and issuing their pulls and stores, waiting for
+# earlier pieces to land and be stored (bulk formats), and waiting at the end of its stream for
+# the other warps of its source (bulk formats; between batches they do not wait for each other).
+RECV_TIMES = ("recv_wait_ns", "header_ns", "place_ns", "drain_ns", "sync_ns")
 TRACE_FIELDS = ("start", "routed", "counts_sent", "counts_arrived", "counts_summed",
                 "layout_ready", "first_batch", "chunk_read", "chunk_placed", "chunk_stored",
                 "send_done", "recv_done", "rows_written",
-                "round_done", "end", *SEND_TIMES, "recv_wait_ns")
+                "round_done", "end", *SEND_TIMES, *RECV_TIMES)
 
 
 # What a traced combine records per channel (int64 each): %globaltimer at the kernel's start,

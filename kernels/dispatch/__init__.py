@@ -31,17 +31,17 @@ RECV_WARPS_REGISTERS) receiver warps, and runs these parts:
    the format's row alignment, NVFP4 segments on fresh 128-row scale blocks) and the first row of
    every (segment, source) that its channel fills. The warps of source s then take s's batches of
    this channel in order as its tail advances: they read the batch's header from the source (over
-   NVLink), keep the tokens with an expert here (or this rank's shared-expert tokens), MAX_CHUNK at
-   a time, and place each such message in the next free row of each of its local experts, so rows
-   follow source-token order without any plan on the sender. The payload is loaded once from the
-   source's staging (over NVLink) and stored to every row: BF16 by bulk copies (`cp.async.bulk`)
-   through PIECES pieces of shared memory per warp, each piece bulk-stored to every row as it
-   lands; FP8 and NVFP4 through registers, a row's scales contiguously into `scale_rows`
-   (row-major, `layouts.buffers.scale_rows_layout`); the rows, weights and source token are
-   recorded for combine. Credit returns to the source after every batch (BF16's a batch late: a
-   chunk's bulk loads land while the next chunk is placed, and the ring never empties between
-   chunks), and for all the rest of the round's batches once the last message from the source
-   has landed (their slots are not read).
+   NVLink), keep the tokens with an expert here (or this rank's shared-expert tokens), the whole
+   batch at once, and place each such message in the next free row of each of its local experts,
+   so rows follow source-token order without any plan on the sender. The payload is loaded once
+   from the source's staging (over NVLink) and stored to every row: BF16 by bulk copies
+   (`cp.async.bulk`) through PIECES pieces of shared memory per warp, each piece bulk-stored to
+   every row as it lands; FP8 and NVFP4 through registers, a row's scales contiguously into
+   `scale_rows` (row-major, `layouts.buffers.scale_rows_layout`); the rows, weights and source
+   token are recorded for combine. Credit returns to the source after every batch (BF16's a batch
+   late: a batch's bulk loads land while the next batch is placed, and the ring never empties
+   between batches), and for all the rest of the round's batches once the last message from the
+   source has landed (their slots are not read).
 
 4. FP8 and NVFP4 (packed rows): once every CTA has finished (the round's advance below, which
    each CTA waits for), all warps write `scale_rows` into the output's scale layout, a tile of
@@ -70,10 +70,11 @@ from kernels.encode import (BF16_PER_VECTOR, E2M1_ARCHES, ENCODE_THREADS, NVFP4_
 from kernels.memory import load_f32
 from kernels.placement import claim_channel
 from kernels.nvfp4 import SCALE_TABLE_BYTES, fill_scale_table, scale_table_layout
-from kernels.dispatch.common import (FORMATS, LIMITS, MAX_CHUNK, MAX_EXPERTS, MAX_RANKS,
+from kernels.dispatch.common import (BATCH, FORMATS, LIMITS, MAX_EXPERTS, MAX_RANKS,
                                      MAX_SEGMENTS, MAX_STAGE_BATCHES, MAX_TOPK, PHASE_DISPATCH,
-                                     PIECE, PIECES, BULK_FORMATS, RECV_WARPS_BULK,
-                                     RECV_WARPS_REGISTERS, SCRATCH, SEND_VECTORS, SEND_WARPS,
+                                     PIECE, PIECES, BULK_FORMATS, RECV_TIME_WORDS,
+                                     RECV_WARPS_BULK, RECV_WARPS_REGISTERS, SCRATCH,
+                                     SEND_VECTORS, SEND_WARPS,
                                      SRC_WORDS, TILE_ROWS, TILE_STRIDE, TILE_VECTORS, WARP, _stamp,
                                      _wait_at_least)
 from kernels.dispatch.counts import CountsPhase
@@ -82,8 +83,8 @@ from kernels.dispatch.scales import ScalesPhase
 from kernels.dispatch.send import SendPhase
 from kernels.routing import channel_tokens
 from layouts.abi import ARCHES, GridRule, KernelSpec, Param
-from layouts.channels import (COUNT_SEGMENTS, DISPATCH_RECEIVE, DISPATCH_SEND, SEND_TIMES,
-                              count_flags_layout, counters_layout, counts_layout)
+from layouts.channels import (COUNT_SEGMENTS, DISPATCH_RECEIVE, DISPATCH_SEND, RECV_TIMES,
+                              SEND_TIMES, count_flags_layout, counters_layout, counts_layout)
 from layouts.config import FP8_ROW_ALIGN, FP8_SCALES
 
 
@@ -129,12 +130,18 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                  + MAX_RANKS * MAX_SEGMENTS  # s_totals
                  + 4 * (MAX_SEGMENTS + 4)  # s_off, s_tot, s_raw, s_first
                  + SRC_WORDS * MAX_RANKS  # s_src
-                 + self.recv_warps * (SCRATCH + MAX_CHUNK * MAX_TOPK)  # s_scratch, s_wts
+                 + self.recv_warps * (SCRATCH + BATCH * MAX_TOPK)  # s_scratch, s_wts
                  + MAX_STAGE_BATCHES)  # s_arrive
-        dwords = SEND_WARPS * MAX_RANKS + SEND_WARPS * len(SEND_TIMES)  # s_head, s_time
+        dwords = SEND_WARPS * MAX_RANKS + self.time_words  # s_head, s_time
         tiles = 0 if self.tiles_in_ring else 4 * self.tile_words
         table = SCALE_TABLE_BYTES + 16 if self.fmt == "nvfp4" else 0  # the NVFP4 encoder's
         return 4 * words + 8 * dwords + 14 * 16 + 128 + self.ring_bytes + tiles + table
+
+    @property
+    def time_words(self) -> int:
+        """The int64 words of s_time: each sender warp's SEND_TIMES, then each receiver warp's
+        RECV_TIME_WORDS (`common._lap`)."""
+        return SEND_WARPS * len(SEND_TIMES) + self.recv_warps * RECV_TIME_WORDS
 
     @property
     def tile_words(self) -> int:
@@ -342,14 +349,15 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
         s_rows = smem.allocate_tensor(Int32, cute.make_layout(self.recv_warps * SCRATCH),
                                       byte_alignment=16)
         s_wts = smem.allocate_tensor(
-            Float32, cute.make_layout(self.recv_warps * MAX_CHUNK * MAX_TOPK), byte_alignment=16)
-        # Per sender warp: the staging credit it has seen per destination, its times; per batch
-        # slot, the sender warps done with the batch it holds (`_send`).
+            Float32, cute.make_layout(self.recv_warps * BATCH * MAX_TOPK), byte_alignment=16)
+        # Per sender warp: the staging credit it has seen per destination, its times (then the
+        # receiver warps' times); per batch slot, the sender warps done with the batch it holds
+        # (`_send`).
         s_arrive = smem.allocate_tensor(Int32, cute.make_layout(MAX_STAGE_BATCHES),
                                         byte_alignment=16)
         s_head = smem.allocate_tensor(Int64, cute.make_layout(SEND_WARPS * MAX_RANKS),
                                       byte_alignment=16)
-        s_time = smem.allocate_tensor(Int64, cute.make_layout(SEND_WARPS * len(SEND_TIMES)),
+        s_time = smem.allocate_tensor(Int64, cute.make_layout(self.time_words),
                                       byte_alignment=16)
         # Per receiver warp: PIECES pieces of messages, their mbarriers and what each holds.
         pieces, piece = self.ring_shape
@@ -379,7 +387,6 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                 _stamp(trace, tracing, channel, "start", cute.arch.globaltimer())
                 # Maxima over warps, zeroed before any warp adds to them.
                 _stamp(trace, tracing, channel, "send_done", 0)
-                _stamp(trace, tracing, channel, "recv_wait_ns", 0)
                 _stamp(trace, tracing, channel, "first_batch", 0)
                 _stamp(trace, tracing, channel, "chunk_read", 0)
                 _stamp(trace, tracing, channel, "chunk_placed", 0)
@@ -388,6 +395,8 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                 _stamp(trace, tracing, channel, "rows_written", 0)
                 for f in cutlass.range_constexpr(len(SEND_TIMES)):
                     _stamp(trace, tracing, channel, SEND_TIMES[f], 0)
+                for f in cutlass.range_constexpr(len(RECV_TIMES)):
+                    _stamp(trace, tracing, channel, RECV_TIMES[f], 0)
             if tidx < MAX_STAGE_BATCHES:
                 s_arrive[tidx] = Int32(0)
             if cutlass.const_expr(self.bulk):
@@ -459,8 +468,8 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                                   channels, active, headers_offset, staging_offset, counts_offset,
                                   flags_offset, counters_offset, counters, counts_at, flags_at,
                                   parity, epoch, timeout_ns, s_next, s_totals, s_off, s_tot, s_raw,
-                                  s_first, s_src, s_rows, s_wts, s_ring, s_full, s_piece, warp_copy,
-                                  trace, tracing)
+                                  s_first, s_src, s_rows, s_wts, s_ring, s_full, s_piece, s_time,
+                                  warp_copy, trace, tracing)
 
                 # The last CTA to finish advances the round.
                 cute.arch.sync_threads()
@@ -500,7 +509,8 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                        table: cute.Tensor, enc_in: cute.TiledCopy, enc_out: cute.TiledCopy):
         """Tokens t0 .. t1 - 1 of `x` (bf16 rows) into their messages in `send_buf` (a token's
         payload, then its scales at `scales_offset`), ENCODE_THREADS threads a token, the CTA's
-        groups of them taking every groups-th token."""
+        whole groups of them taking every groups-th token (the threads past the last whole group,
+        where the CTA's are not a multiple of ENCODE_THREADS, take none)."""
         groups = self.threads // ENCODE_THREADS
         group = tidx // ENCODE_THREADS
         gtid = tidx - group * ENCODE_THREADS
@@ -508,16 +518,17 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
         gs = Float32(0.0)
         if cutlass.const_expr(self.fmt == "nvfp4"):
             gs = load_f32(global_scale.toint())
-        for t in cutlass.range(t0 + group, t1, groups):
-            msg = send_buf.toint() + Int64(t) * Int64(msg_bytes)
-            row = x.toint() + Int64(t) * Int64(hidden) * 2
-            if cutlass.const_expr(self.fmt == "fp8"):
-                encode_fp8_token(gtid, row, msg, msg + Int64(scales_offset), hidden,
-                                 self.scales == "pow2", enc_in, enc_out)
-            else:
-                # (The register receivers' kernel, at 96 registers, loads a block at a time.)
-                encode_nvfp4_token(gtid, row, msg, msg + Int64(scales_offset), hidden, gs,
-                                   self.e2m1, table, NVFP4_AHEAD if self.bulk else 1)
+        if group < groups:
+            for t in cutlass.range(t0 + group, t1, groups):
+                msg = send_buf.toint() + Int64(t) * Int64(msg_bytes)
+                row = x.toint() + Int64(t) * Int64(hidden) * 2
+                if cutlass.const_expr(self.fmt == "fp8"):
+                    encode_fp8_token(gtid, row, msg, msg + Int64(scales_offset), hidden,
+                                     self.scales == "pow2", enc_in, enc_out)
+                else:
+                    # (The register receivers' kernel, at 96 registers, loads a block at a time.)
+                    encode_nvfp4_token(gtid, row, msg, msg + Int64(scales_offset), hidden, gs,
+                                       self.e2m1, table, NVFP4_AHEAD if self.bulk else 1)
 
 def dispatch_kernels() -> list:
     """Every format's kernel: FP8 with exact and power-of-two scales, NVFP4 with each arch's

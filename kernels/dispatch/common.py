@@ -6,8 +6,8 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64
 
 from kernels.memory import error_field, gmem_ptr, trace_word
-from layouts.buffers import ERROR_CHANNELS
-from layouts.channels import DISPATCH, HEADS, STAGE_BATCH_TOKENS, TRACE_FIELDS
+from layouts.buffers import ERROR_CHANNELS, WIDE_TILE_ROWS, WIDE_TILE_WORDS
+from layouts.channels import DISPATCH, HEADS, RECV_TIMES, STAGE_BATCH_TOKENS, TRACE_FIELDS
 from layouts.formats import METADATA_FIELDS
 
 WARP = 32
@@ -16,22 +16,28 @@ MAX_TOPK = 16
 MAX_SEGMENTS = 272  # local experts + a shared expert, with slack
 MAX_EXPERTS = 2176  # MAX_RANKS x 272
 SEND_WARPS = 4
+# A receiver warp's int64 words of s_time, after the sender warps' SEND_TIMES: its RECV_TIMES,
+# then the %globaltimer reading at which its current part began (`_lap`).
+RECV_TIME_WORDS = len(RECV_TIMES) + 1
 # The formats whose receivers move messages by bulk copies through shared memory, RECV_WARPS_BULK
 # warps a CTA (their pieces take most of the shared memory); the others move them through
-# registers, RECV_WARPS_REGISTERS warps (20 warps of a CTA fit 96 registers a thread).
+# registers, RECV_WARPS_REGISTERS warps (the batch scratch of 16 would not fit beside their scale
+# tiles; 19 warps of a CTA, like 20, put 5 on an SM sub-partition: 96 registers a thread).
 BULK_FORMATS = ("bf16", "fp8", "nvfp4")
 RECV_WARPS_BULK = 8
-RECV_WARPS_REGISTERS = 16
+RECV_WARPS_REGISTERS = 15
 BATCH = STAGE_BATCH_TOKENS  # tokens staged together: a header, tails and credit per batch
 MAX_STAGE_BATCHES = 16  # a channel's staging ring, in batches
 # 16-byte vectors per lane a sender warp loads before storing them (FP8 and NVFP4 messages of
 # H <= 8192 fit one tile of 16), and the vectors a receiver lane holds of a message (NVFP4's
-# 8-byte ones: a whole message up to H = 8192; FP8's 16-byte ones in tiles of 8, which keep 16
-# warps within 96 registers without spilling).
+# 8-byte ones: a whole message up to H = 8192; FP8's 16-byte ones in tiles of 8, which keep the
+# register path's warps within their registers without spilling).
 SEND_VECTORS = {"bf16": 32, "fp8": 16, "nvfp4": 16}
 TILE_VECTORS = {"bf16": 16, "fp8": 8, "nvfp4": 16}
-MAX_CHUNK = 8  # tokens of a batch a receiver warp takes at once (BATCH in two chunks)
-HEADER_REGS = MAX_CHUNK * MAX_TOPK // 32  # a chunk's header words (ids, weights) per lane
+MAX_CHUNK = 8  # tokens a combine sender or receiver takes at once (`kernels.combine`)
+# A dispatch receiver warp takes a whole batch at once: one header read and one placement pass
+# for all of its messages, and a warp's pulls of the batch in flight together.
+HEADER_REGS = BATCH * MAX_TOPK // 32  # a batch's header words (ids, weights) per lane
 COUNT_UNROLL = 8  # channels' count words a receiver thread loads at once (`_sum_counts`)
 SCALE_REGS = 4  # FP8 / NVFP4 scale words per lane a receiver loads with a message's payload
 # FP8 / NVFP4 scales go out through a tile per warp: up to TILE_ROWS rows of TILE_COLS words, a
@@ -51,8 +57,9 @@ SEND_BARRIER = 15  # the named barrier of the sender warps (receivers use 1 and 
 # pieces of PIECE bytes (bulk loads from the source's staging, bulk stores to the rows), LAG
 # pieces in flight ahead of the stores.
 PIECE = 4096
-PIECES = 5
+PIECES = 4  # (5 left no room for a warp's batch scratch)
 LAG = PIECES - 2
+assert WIDE_TILE_ROWS * WIDE_TILE_WORDS * 4 <= PIECES * PIECE  # a warp's wide tile: in its pieces
 # How a bulk-moved FP8 / NVFP4 message's scale bytes reach each row (`_store_piece`): bulk
 # stores into `scale_rows` (rows of 16-byte multiples), the lanes' word stores there (NVFP4's
 # padding bytes cleared), or the lanes' stores into FP8's transposed slabs output.
@@ -67,18 +74,18 @@ IDS, WEIGHTS = METADATA_FIELDS.index("expert_ids"), METADATA_FIELDS.index("weigh
 LIMITS = {"max_ranks": MAX_RANKS, "max_topk": MAX_TOPK, "max_segments": MAX_SEGMENTS - 1,
           "max_experts": MAX_EXPERTS, "max_stage_batches": MAX_STAGE_BATCHES,
           "stage_batch": BATCH}
-# Per receiver warp, a chunk of a batch: its tokens' raw ids and local segment ids (by token of
-# the chunk); then by message (the tokens that come here, in order): the token of the chunk,
-# the source token, the staging slot, the rows and the scale rows.
-IDS_AT, SEGS_AT = 0, MAX_CHUNK * MAX_TOPK
-MAP_AT = 2 * MAX_CHUNK * MAX_TOPK
-TOKS_AT = MAP_AT + MAX_CHUNK
-STAGE_AT = TOKS_AT + MAX_CHUNK
-ROWS_AT = STAGE_AT + MAX_CHUNK
-# The rows of two chunks (halves, by chunk parity): BF16 pieces of a chunk still in flight read
-# their rows while the next chunk is placed.
-SROWS_AT = ROWS_AT + 2 * MAX_CHUNK * ROWS
-SCRATCH = SROWS_AT + MAX_CHUNK * ROWS
+# Per receiver warp, a batch: its tokens' raw ids and local segment ids (by token of the batch);
+# then by message (the tokens that come here, in order): the token of the batch, the source
+# token, the staging slot, the rows and the scale rows.
+IDS_AT, SEGS_AT = 0, BATCH * MAX_TOPK
+MAP_AT = 2 * BATCH * MAX_TOPK
+TOKS_AT = MAP_AT + BATCH
+STAGE_AT = TOKS_AT + BATCH
+ROWS_AT = STAGE_AT + BATCH
+# The rows of two batches (halves, by batch parity): pieces of a batch still in flight read
+# their rows while the next batch is placed.
+SROWS_AT = ROWS_AT + 2 * BATCH * ROWS
+SCRATCH = SROWS_AT + BATCH * ROWS
 # s_src words per source: messages, messages of the channels before, messages in all, the
 # chunk decision of its first warp, tokens of its channel, its first row (rows by source); then,
 # per staging slot, how many of the source's warps have finished the batches it held
@@ -151,3 +158,17 @@ def _stamp_max(trace: cute.Pointer, tracing, channel, field: cutlass.Constexpr, 
     several warps (each field was zeroed at the kernel's start)."""
     if tracing != 0:
         cute.arch.atomic_max(trace_word(trace, channel, TRACE_FIELDS, field), Int64(value))
+
+
+@cute.jit
+def _lap(s_time: cute.Tensor, times, part: cutlass.Constexpr, tracing, lane):
+    """With tracing on, lane 0 of a receiver warp whose s_time words begin at `times`: the time
+    since the warp's last lap added to its RECV_TIMES part `part` (None: a stretch not counted,
+    the start of a counted one), and a new lap begun now. The clock is kept in shared memory,
+    not in registers, so a dispatch traced off keeps none live across the receive loop."""
+    if tracing != 0:
+        if lane == 0:
+            now = cute.arch.globaltimer()
+            if cutlass.const_expr(part is not None):
+                s_time[times + RECV_TIMES.index(part)] += now - s_time[times + len(RECV_TIMES)]
+            s_time[times + len(RECV_TIMES)] = now

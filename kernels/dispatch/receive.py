@@ -11,18 +11,19 @@ from cutlass import Float32, Int32, Int64, Uint8
 from kernels.bulk_copy import bulk_load, bulk_store
 from kernels.copy import row_predicate
 from kernels.dispatch.common import (BATCH, DONE_AT, FLAG_ROUND, FP8_BLOCK, HEADER_REGS, IDS,
-                                     IDS_AT, LAG, MAP_AT, MAX_CHUNK, MAX_RANKS, MAX_SEGMENTS,
+                                     IDS_AT, LAG, MAP_AT, MAX_RANKS, MAX_SEGMENTS,
                                      MAX_STAGE_BATCHES, MAX_TOPK, NVFP4_BLOCK, PHASE_DISPATCH,
-                                     PIECE, PIECES, ROWS, ROWS_AT, SCALE_REGS, SCALES_BULK,
-                                     SCALES_LANES, SCALES_SLABS, SCRATCH, SEGS_AT, SROWS_AT,
-                                     STAGE_AT, TOKS_AT, WARP, WEIGHTS, _stamp, _stamp_max,
-                                     _wait_at_least)
+                                     PIECE, PIECES, RECV_TIME_WORDS, ROWS, ROWS_AT, SCALE_REGS,
+                                     SCALES_BULK, SCALES_LANES, SCALES_SLABS, SCRATCH, SEGS_AT,
+                                     SEND_WARPS, SROWS_AT, STAGE_AT, TOKS_AT, WARP, WEIGHTS, _lap,
+                                     _stamp, _stamp_max, _wait_at_least)
 from kernels.memory import error_field, gmem_ptr, store_f32, store_i32
 from kernels.scan import warp_exclusive_scan
 from layouts.buffers import ERROR_CAPACITY, ERROR_CHANNELS, ERROR_COUNTS, scale_rows_layout
-from layouts.channels import (COUNT_MESSAGES, COUNT_SEGMENTS, COUNT_TOKENS, DISPATCH, HEADS, TAILS,
-                              batch_header_layout, channel_messages_layout, header_token_word,
-                              headers_layout, staging_layout)
+from layouts.channels import (COUNT_MESSAGES, COUNT_SEGMENTS, COUNT_TOKENS, DISPATCH, HEADS,
+                              RECV_TIMES, SEND_TIMES, TAILS, batch_header_layout,
+                              channel_messages_layout, header_token_word, headers_layout,
+                              staging_layout)
 from layouts.config import SOURCE_ROWS
 from layouts.scales import ATOM_ROWS
 
@@ -47,7 +48,7 @@ class ReceivePhase:
                  s_off: cute.Tensor, s_tot: cute.Tensor, s_raw: cute.Tensor, s_first: cute.Tensor,
                  s_src: cute.Tensor, s_rows: cute.Tensor, s_wts: cute.Tensor,
                  s_ring: cute.Tensor, s_full: cute.Pointer, s_piece: cute.Tensor,
-                 warp_copy: cute.TiledCopy, trace: cute.Pointer, tracing):
+                 s_time: cute.Tensor, warp_copy: cute.TiledCopy, trace: cute.Pointer, tracing):
         """The receiver warps (thread rt of recv_warps * 32)."""
         threads = self.recv_threads
         rwarp = rt // WARP
@@ -187,9 +188,9 @@ class ReceivePhase:
 
         # 3b. The messages of source s (warps rwarp = s, s + ranks, ... share them: each copies
         # its share of every payload, the first of them does the rest).
-        # Warps per source: a chunk's messages go one per warp, so more warps than a chunk's
+        # Warps per source: a batch's messages go one per warp, so more warps than a batch's
         # messages would idle (the rest of the warps then have no source).
-        per_source = cutlass.min(self.recv_warps // ranks, MAX_CHUNK)
+        per_source = cutlass.min(self.recv_warps // ranks, BATCH)
         s = rwarp % ranks
         sub = rwarp // ranks
         for i in cutlass.range(rt, ranks * segments, threads):
@@ -211,7 +212,7 @@ class ReceivePhase:
                          stage_batches, payload_vectors,
                          scales_offset, row_capacity, channels, headers_offset, staging_offset,
                          counters_offset, counters, timeout_ns, s_next, s_off, s_first, s_src,
-                         s_rows, s_wts, s_ring, s_full, s_piece, rwarp, warp_copy,
+                         s_rows, s_wts, s_ring, s_full, s_piece, s_time, rwarp, warp_copy,
                          payload_bytes, blocks, scale_cols, rk, recv_ids, recv_weights, trace,
                          tracing)
 
@@ -227,13 +228,13 @@ class ReceivePhase:
                 counters, timeout_ns, s_next: cute.Tensor, s_off: cute.Tensor,
                 s_first: cute.Tensor, s_src: cute.Tensor, s_scratch: cute.Tensor,
                 s_wts: cute.Tensor, s_ring: cute.Tensor, s_full: cute.Pointer,
-                s_piece: cute.Tensor, rwarp, warp_copy: cute.TiledCopy, payload_bytes, blocks,
-                scale_cols, rk, recv_ids: cute.Pointer, recv_weights: cute.Pointer,
-                trace: cute.Pointer, tracing):
+                s_piece: cute.Tensor, s_time: cute.Tensor, rwarp, warp_copy: cute.TiledCopy,
+                payload_bytes, blocks, scale_cols, rk, recv_ids: cute.Pointer,
+                recv_weights: cute.Pointer, trace: cute.Pointer, tracing):
         """One warp of source s: s's batches of this channel in order, once each is published,
         until the last message from s has landed. Every warp of s reads the batch's header and
-        places the rows of its messages (so each keeps the same next-row counters), MAX_CHUNK
-        tokens at a time; message m of a chunk is then pulled from the source's staging by warp
+        places the rows of its messages (so each keeps the same next-row counters), the whole
+        batch at once; message m of the batch is then pulled from the source's staging by warp
         m % per_source and stored to its rows. The last warp of s to finish a batch hands it
         back to s (BF16: the batch before it, whose last pieces land while this one is placed;
         the last once every piece has landed), counted per staging slot in shared memory: the
@@ -252,7 +253,7 @@ class ReceivePhase:
             counters((channel, my_rank, HEADS, DISPATCH))) * 8
         staging = peers[s] + staging_offset
         scratch = rwarp * SCRATCH
-        wts = rwarp * MAX_CHUNK * MAX_TOPK
+        wts = rwarp * BATCH * MAX_TOPK
         next_at = rwarp * MAX_SEGMENTS
         lo = my_rank * local_experts
         vec = self.vector_bytes
@@ -281,22 +282,23 @@ class ReceivePhase:
         held = rwarp * PIECES  # s_piece words: what each piece of the ring holds
         issued = Int32(0)  # pieces loaded and stored by this warp, over the whole stream
         drained = Int32(0)
-        # BF16: the pieces issued once each half's last chunk was placed (that chunk's pieces
-        # read its rows), and once the previous batch was: a half is reused, and a batch
-        # credited, only when the warp has drained that far. So a chunk's loads land while the
-        # next chunk's header is read and its rows placed, and no chunk ends by emptying the
-        # ring.
-        mark0 = Int32(0)
-        mark1 = Int32(0)
+        # The pieces issued once the previous batch was placed: that batch goes back to s, and
+        # its half of the warp's rows is taken again, only once the warp has drained that far.
+        # So a batch's loads land while the next batch's header is read and its rows placed,
+        # and no batch ends by emptying the ring.
         batch_mark = Int32(0)
-        chunk = Int32(0)  # chunks this warp has placed; chunk % 2 is the half of its rows
         tail = consumed
         alive = Int32(1)
-        waited = Int64(0)
         placed = Int32(0)  # messages of s this warp has seen
-        # The next chunk's header (ids, weights, source tokens), loaded into registers before
-        # this chunk's messages are placed, so its loads over NVLink land while they are
-        # (`have` = 1: the registers hold the chunk about to be taken).
+        # This warp's RECV_TIMES (traced calls, `_lap`), after the sender warps' times.
+        times = SEND_WARPS * len(SEND_TIMES) + rwarp * RECV_TIME_WORDS
+        if tracing != 0 and lane == 0:
+            for f in cutlass.range_constexpr(len(RECV_TIMES)):
+                s_time[times + f] = Int64(0)
+        # The next batch's header (ids, weights, source tokens), loaded into registers before
+        # this batch's messages are placed once its source has published it, so its loads over
+        # NVLink land while they are (`have` = 1: the registers hold the batch about to be
+        # taken).
         n_ids = cute.make_rmem_tensor(cute.make_layout(HEADER_REGS), Int32)
         n_wts = cute.make_rmem_tensor(cute.make_layout(HEADER_REGS), Float32)
         have = Int32(0)
@@ -307,13 +309,10 @@ class ReceivePhase:
             # Every warp of s waits for the batch itself (one lane polls).
             if lane == 0:
                 if tail <= at and alive != 0:
-                    start = Int64(0)
-                    if tracing != 0:
-                        start = cute.arch.globaltimer()
+                    _lap(s_time, times, None, tracing, lane)
                     tail, alive = _wait_at_least(tail_word, at + 1, timeout_ns, error, s,
                                                  Int32(PHASE_DISPATCH))
-                    if tracing != 0:
-                        waited = waited + cute.arch.globaltimer() - start
+                    _lap(s_time, times, "recv_wait_ns", tracing, lane)
             alive = cute.arch.shuffle_sync(alive, 0)
             if lane == 0 and i == 0:
                 _stamp_max(trace, tracing, channel, "first_batch", cute.arch.globaltimer())
@@ -324,115 +323,90 @@ class ReceivePhase:
                     if lane == 0:
                         cute.arch.fence_proxy("async.global")  # the tail's acquire, then bulk
                 in_batch = cutlass.min(Int32(BATCH), ntok - i * BATCH)
-                for h in cutlass.range(0, in_batch, MAX_CHUNK):
-                    hn = cutlass.min(Int32(MAX_CHUNK), in_batch - h)
-                    half = chunk % 2
-                    if cutlass.const_expr(self.bulk):
-                        # The chunk two back used this half: its pieces must have landed.
-                        need = mark0
-                        if half != 0:
-                            need = mark1
-                        drained = self._drain_pieces(
-                            need, lane, drained, msg_bytes, payload_bytes, pieces_at, full,
-                            s_piece, held, tokens, topk, s_scratch, scratch, scale_rows, scales,
-                            scale_mode, scales_offset, scale_bytes, scale_cols, row_capacity)
-                    # The chunk's ids and weights (into shared memory) and source tokens:
-                    # loaded while the previous chunk was placed, or now (all in flight
-                    # together).
-                    if have == 0:
-                        n_tok = self._load_header(lane, head, hdr, h, hn, topk, n_ids, n_wts)
-                    for j in cutlass.range_constexpr(HEADER_REGS):
-                        w = lane + j * WARP
-                        if w < hn * topk:
-                            s_scratch[scratch + IDS_AT + w] = n_ids[j]
-                            s_wts[wts + w] = n_wts[j]
-                    tok = n_tok
-                    cute.arch.sync_warp()
-                    # The next chunk's: the rest of this batch, or the next batch once its
-                    # source has published it (lane 0 saw its tail: acquired with this one's).
-                    have = Int32(0)
-                    if h + MAX_CHUNK < in_batch:
-                        n_tok = self._load_header(
-                            lane, head, hdr, h + MAX_CHUNK,
-                            cutlass.min(Int32(MAX_CHUNK), in_batch - h - MAX_CHUNK), topk,
-                            n_ids, n_wts)
-                        have = Int32(1)
-                    else:
-                        ahead = cute.arch.shuffle_sync(Int32(tail > at + 1), 0)
-                        if ahead != 0 and i + 1 < batches:
-                            nslot = Int32((at + 1) % Int64(stage_batches))
-                            n_tok = self._load_header(
-                                lane, peers[s] + headers_offset + Int64(
-                                    headers((0, nslot, channel))), hdr, Int32(0),
-                                cutlass.min(Int32(MAX_CHUNK), ntok - (i + 1) * BATCH), topk,
-                                n_ids, n_wts)
-                            have = Int32(1)
-                    # Each (token, k)'s local segment: -1 for another rank's expert, an id
-                    # outside the experts, or a later k naming an expert an earlier k named
-                    # (the sender counted the same pairs).
-                    for w in cutlass.range(lane, hn * topk, WARP):
-                        c = w // topk
-                        k = w - c * topk
-                        e = s_scratch[scratch + IDS_AT + w]
+                _lap(s_time, times, None, tracing, lane)
+                # The batch's ids and weights (into shared memory) and source tokens: loaded
+                # while the previous batch was placed, or now (all in flight together).
+                if have == 0:
+                    n_tok = self._load_header(lane, head, hdr, in_batch, topk, n_ids, n_wts)
+                for j in cutlass.range_constexpr(HEADER_REGS):
+                    w = lane + j * WARP
+                    if w < in_batch * topk:
+                        s_scratch[scratch + IDS_AT + w] = n_ids[j]
+                        s_wts[wts + w] = n_wts[j]
+                tok = n_tok
+                cute.arch.sync_warp()
+                # The next batch's, once its source has published it (lane 0 saw its tail:
+                # acquired with this one's).
+                have = Int32(0)
+                ahead = cute.arch.shuffle_sync(Int32(tail > at + 1), 0)
+                if ahead != 0 and i + 1 < batches:
+                    nslot = Int32((at + 1) % Int64(stage_batches))
+                    n_tok = self._load_header(
+                        lane, peers[s] + headers_offset + Int64(headers((0, nslot, channel))),
+                        hdr, cutlass.min(Int32(BATCH), ntok - (i + 1) * BATCH), topk, n_ids,
+                        n_wts)
+                    have = Int32(1)
+                # Each (token, k)'s local segment: -1 for another rank's expert, an id outside
+                # the experts, or a later k naming an expert an earlier k named (the sender
+                # counted the same pairs).
+                for w in cutlass.range(lane, in_batch * topk, WARP):
+                    c = w // topk
+                    k = w - c * topk
+                    e = s_scratch[scratch + IDS_AT + w]
+                    g = Int32(-1)
+                    if e >= lo and e < lo + local_experts:
+                        g = e - lo + shared
+                        for k2 in cutlass.range(k):
+                            if s_scratch[scratch + IDS_AT + c * topk + k2] == e:
+                                g = Int32(-1)
+                    if skip_a2a != 0 and s != my_rank:
                         g = Int32(-1)
-                        if e >= lo and e < lo + local_experts:
-                            g = e - lo + shared
-                            for k2 in cutlass.range(k):
-                                if s_scratch[scratch + IDS_AT + c * topk + k2] == e:
-                                    g = Int32(-1)
-                        if skip_a2a != 0 and s != my_rank:
-                            g = Int32(-1)
-                        s_scratch[scratch + SEGS_AT + w] = g
-                    cute.arch.sync_warp()
-                    # The chunk's messages: its tokens with a segment here, or this rank's
-                    # own shared-expert tokens, in order.
-                    comes = Int32(0)
-                    if lane < hn:
-                        for k in cutlass.range(topk):
-                            if s_scratch[scratch + SEGS_AT + lane * topk + k] >= 0:
-                                comes = Int32(1)
-                        if shared != 0 and s == my_rank and tok >= shared_begin and \
-                                tok < shared_end:
+                    s_scratch[scratch + SEGS_AT + w] = g
+                cute.arch.sync_warp()
+                # The batch's messages: its tokens with a segment here, or this rank's own
+                # shared-expert tokens, in order.
+                comes = Int32(0)
+                if lane < in_batch:
+                    for k in cutlass.range(topk):
+                        if s_scratch[scratch + SEGS_AT + lane * topk + k] >= 0:
                             comes = Int32(1)
-                    ballot = cute.arch.vote_ballot_sync(comes != 0)
-                    cnt = cute.arch.popc(ballot)
-                    if placed + cnt > n:  # more than the counts said: never past them
+                    if shared != 0 and s == my_rank and tok >= shared_begin and \
+                            tok < shared_end:
+                        comes = Int32(1)
+                ballot = cute.arch.vote_ballot_sync(comes != 0)
+                cnt = cute.arch.popc(ballot)
+                if placed + cnt > n:  # more than the counts said: never past them
+                    cute.arch.atomic_or(error_field(error, "bad_counts"),
+                                        Int32(ERROR_COUNTS), sem="relaxed", scope="gpu")
+                    cnt = n - placed
+                m_of = cute.arch.popc(ballot & ((Int32(1) << lane) - 1))
+                if comes != 0 and m_of < cnt:
+                    if tok < 0 or tok >= max_tokens:
                         cute.arch.atomic_or(error_field(error, "bad_counts"),
                                             Int32(ERROR_COUNTS), sem="relaxed", scope="gpu")
-                        cnt = n - placed
-                    m_of = cute.arch.popc(ballot & ((Int32(1) << lane) - 1))
-                    if comes != 0 and m_of < cnt:
-                        if tok < 0 or tok >= max_tokens:
-                            cute.arch.atomic_or(error_field(error, "bad_counts"),
-                                                Int32(ERROR_COUNTS), sem="relaxed", scope="gpu")
-                            tok = Int32(0)
-                        s_scratch[scratch + MAP_AT + m_of] = lane
-                        s_scratch[scratch + TOKS_AT + m_of] = tok
-                        s_scratch[scratch + STAGE_AT + m_of] = slot * BATCH + h + lane
-                    cute.arch.sync_warp()
-                    if lane == 0 and i == 0 and h == 0:
-                        _stamp_max(trace, tracing, channel, "chunk_read",
-                                   cute.arch.globaltimer())
-                    issued, drained = self._place(
-                        lane, sub, per_source, s, cnt, first_msg + placed, topk, max_tokens,
-                        my_rank, shared, shared_begin, shared_end, staging, stage, channel,
-                        tokens, scales, scale_rows, segment_rows, src_info, comb_rows,
-                        comb_weights, comb_tokens, scales_offset, row_capacity, s_next, s_off,
-                        s_first, s_scratch, s_wts, scratch, half, wts, next_at,
-                        s_src[5 * MAX_RANKS + s], recv_ids, recv_weights, shared,
-                        pieces_at, full, s_piece, held, pieces, msg_bytes,
-                        payload_bytes, blocks, scale_cols, rk, scale_mode, scale_bytes, layout,
-                        tiler, g_crd, thr, tiles, warp_copy, payload_vectors, issued, drained,
-                        trace, tracing, Int32(i == 0 and h == 0))
-                    if half == 0:
-                        mark0 = issued
-                    else:
-                        mark1 = issued
-                    chunk = chunk + 1
-                    if lane == 0 and i == 0 and h == 0:
-                        _stamp_max(trace, tracing, channel, "chunk_stored",
-                                   cute.arch.globaltimer())
-                    placed = placed + cnt
+                        tok = Int32(0)
+                    s_scratch[scratch + MAP_AT + m_of] = lane
+                    s_scratch[scratch + TOKS_AT + m_of] = tok
+                    s_scratch[scratch + STAGE_AT + m_of] = slot * BATCH + lane
+                cute.arch.sync_warp()
+                if lane == 0 and i == 0:
+                    _stamp_max(trace, tracing, channel, "chunk_read", cute.arch.globaltimer())
+                _lap(s_time, times, "header_ns", tracing, lane)
+                issued, drained = self._place(
+                    lane, sub, per_source, s, cnt, first_msg + placed, topk, max_tokens,
+                    my_rank, shared, shared_begin, shared_end, staging, stage, channel,
+                    tokens, scales, scale_rows, segment_rows, src_info, comb_rows,
+                    comb_weights, comb_tokens, scales_offset, row_capacity, s_next, s_off,
+                    s_first, s_scratch, s_wts, scratch, i % 2, wts, next_at,
+                    s_src[5 * MAX_RANKS + s], recv_ids, recv_weights, shared,
+                    pieces_at, full, s_piece, held, pieces, msg_bytes,
+                    payload_bytes, blocks, scale_cols, rk, scale_mode, scale_bytes, layout,
+                    tiler, g_crd, thr, tiles, warp_copy, payload_vectors, issued, drained,
+                    trace, tracing, Int32(i == 0))
+                _lap(s_time, times, "place_ns", tracing, lane)
+                if lane == 0 and i == 0:
+                    _stamp_max(trace, tracing, channel, "chunk_stored", cute.arch.globaltimer())
+                placed = placed + cnt
             done_through = at + 1  # the batches (counted across rounds) this warp is done with
             if cutlass.const_expr(self.bulk):
                 # The previous batch's pieces have landed: that batch goes back to s now, this
@@ -441,10 +415,12 @@ class ReceivePhase:
                 target = batch_mark
                 if stage_batches == 1:
                     target = issued
+                _lap(s_time, times, None, tracing, lane)
                 drained = self._drain_pieces(
                     target, lane, drained, msg_bytes, payload_bytes, pieces_at, full, s_piece,
                     held, tokens, topk, s_scratch, scratch, scale_rows, scales, scale_mode,
                     scales_offset, scale_bytes, scale_cols, row_capacity)
+                _lap(s_time, times, "drain_ns", tracing, lane)
                 batch_mark = issued
                 if stage_batches > 1:
                     done_through = at
@@ -474,12 +450,15 @@ class ReceivePhase:
             i = i + 1
         if cutlass.const_expr(self.bulk):
             # Every piece has landed before the stream's slots go back to s.
+            _lap(s_time, times, None, tracing, lane)
             drained = self._drain_pieces(
                 issued, lane, drained, msg_bytes, payload_bytes, pieces_at, full, s_piece,
                 held, tokens, topk, s_scratch, scratch, scale_rows, scales, scale_mode,
                 scales_offset, scale_bytes, scale_cols, row_capacity)
+            _lap(s_time, times, "drain_ns", tracing, lane)
             if per_source > 1:
                 cute.arch.barrier(barrier_id=2 + s, number_of_threads=WARP * per_source)
+                _lap(s_time, times, "sync_ns", tracing, lane)
         # The batches past s's last message here are not read at all: they all go back to s.
         if placed < n and alive != 0:  # the batches held fewer messages than the counts said
             if lane == 0:
@@ -497,15 +476,16 @@ class ReceivePhase:
                 cute.arch.cp_async_bulk_wait_group(0)  # the rows are written before the CTA ends
         if lane == 0:
             _stamp_max(trace, tracing, channel, "rows_written", cute.arch.globaltimer())
-        if sub == 0 and lane == 0:
-            _stamp_max(trace, tracing, channel, "recv_wait_ns", waited)
+        if tracing != 0 and lane == 0:
+            for f in cutlass.range_constexpr(len(RECV_TIMES)):
+                _stamp_max(trace, tracing, channel, RECV_TIMES[f], s_time[times + f])
 
     @cute.jit
-    def _load_header(self, lane, at, hdr, h, hn, topk, n_ids: cute.Tensor, n_wts: cute.Tensor):
-        """Load the ids and weights of tokens h .. h + hn - 1 of the batch header at global
-        address `at` into the lanes' registers (word w = lane + j * WARP of the chunk in
-        n_ids[j], n_wts[j]); returns lane c's source token (c < hn; -1 for the other lanes). The
-        loads are not waited for."""
+    def _load_header(self, lane, at, hdr, hn, topk, n_ids: cute.Tensor, n_wts: cute.Tensor):
+        """Load the ids and weights of the hn tokens of the batch header at global address `at`
+        into the lanes' registers (word w = lane + j * WARP of the batch in n_ids[j],
+        n_wts[j]); returns lane c's source token (c < hn; -1 for the other lanes). The loads are
+        not waited for."""
         words = cute.make_layout(header_token_word(topk, BATCH))
         head = cute.make_tensor(gmem_ptr(Int32, at, 16), words)
         head_f = cute.make_tensor(gmem_ptr(Float32, at, 16), words)
@@ -514,11 +494,11 @@ class ReceivePhase:
             if w < hn * topk:
                 c = w // topk
                 k = w - c * topk
-                n_ids[j] = head[hdr((k, IDS, h + c))]
-                n_wts[j] = head_f[hdr((k, WEIGHTS, h + c))]
+                n_ids[j] = head[hdr((k, IDS, c))]
+                n_wts[j] = head_f[hdr((k, WEIGHTS, c))]
         tok = Int32(-1)
         if lane < hn:
-            tok = head[header_token_word(topk, h + lane)]
+            tok = head[header_token_word(topk, lane)]
         return tok
 
     @cute.jit
@@ -533,60 +513,85 @@ class ReceivePhase:
                pieces_at: cute.Pointer, full: cute.Pointer, s_piece: cute.Tensor, held, pieces,
                msg_bytes, payload_bytes, blocks, scale_cols, rk, scale_mode, scale_bytes, layout,
                tiler, g_crd, thr, tiles, warp_copy: cute.TiledCopy, payload_vectors, issued,
-               drained, trace: cute.Pointer, tracing, first_chunk):
-        """A chunk's `cnt` messages (messages first .. first + cnt - 1 of source s here): their
-        rows, message by message (the experts of one message differ, so its lanes never share a
-        counter; a warp barrier between messages); what combine needs of them (the first warp of
-        s); then this warp's messages m = sub, sub + per_source, ... pulled from the source's
-        staging into their rows. The rows go to half `half` of the warp's chunk rows.
+               drained, trace: cute.Pointer, tracing, first_batch):
+        """A batch's `cnt` messages (messages first .. first + cnt - 1 of source s here): their
+        rows, 32 (message, k) pairs at a time (lanes of one segment ranked by `match.any`); what
+        combine needs of them (the first warp of s); then this warp's messages m = sub,
+        sub + per_source, ... pulled from the source's staging into their rows. The rows go to
+        half `half` of the warp's batch rows.
         Returns the warp's (issued, drained) pieces of the bulk path."""
         vec = self.vector_bytes
-        rows0 = scratch + ROWS_AT + half * MAX_CHUNK * ROWS  # message m's at rows0 + m * ROWS
-        for m in cutlass.range(cnt):
-            c = s_scratch[scratch + MAP_AT + m]
-            row = Int32(-1)
+        rows0 = scratch + ROWS_AT + half * BATCH * ROWS  # message m's at rows0 + m * ROWS
+        # The (message, k) pairs of the batch, message-major, 32 at a time: lanes holding the
+        # same segment take consecutive rows in lane order (so in message order), the group's
+        # last lane moving the segment's next row past them; a message's k name distinct
+        # segments.
+        pairs = cnt * topk
+        for w0 in cutlass.range(0, pairs, WARP):
+            w = w0 + lane
+            m = w // topk
+            k = w - m * topk
             g = Int32(-1)
-            if lane < topk:
-                g = s_scratch[scratch + SEGS_AT + c * topk + lane]
+            c = Int32(0)
+            if w < pairs:
+                c = s_scratch[scratch + MAP_AT + m]
+                g = s_scratch[scratch + SEGS_AT + c * topk + k]
+            row = Int32(-1)
             if segment_rows == SOURCE_ROWS:
                 # One row per message, sources in order, each in its token order: held by the
                 # message's first local k.
-                local = cute.arch.vote_ballot_sync(g >= 0)
-                if g >= 0 and (local & ((Int32(1) << lane) - 1)) == 0:
-                    row = src_base + first + m
-            elif lane < topk:
                 if g >= 0:
-                    row = s_next[next_at + g]
+                    row = src_base + first + m
+                    for k2 in cutlass.range(k):
+                        if s_scratch[scratch + SEGS_AT + c * topk + k2] >= 0:
+                            row = Int32(-1)
+            else:
+                # Pairs with no segment here match only themselves (a key no segment has).
+                key = -2 - lane
+                if g >= 0:
+                    key = g
+                same = cute.arch.match_sync(0xFFFFFFFF, key)
+                rank = cute.arch.popc(Int32(same) & ((Int32(1) << lane) - 1))
+                if g >= 0:
+                    row = s_next[next_at + g] + rank
+                cute.arch.sync_warp()  # every lane has read the counters before they move
+                if g >= 0 and rank == cute.arch.popc(Int32(same)) - 1:
                     s_next[next_at + g] = row + 1
-                    if cutlass.const_expr(self.fmt == "nvfp4"):
-                        s_scratch[scratch + SROWS_AT + m * ROWS + lane] = \
-                            row - s_off[g] + s_first[g] * ATOM_ROWS
-            if lane == topk:
-                tok = s_scratch[scratch + TOKS_AT + m]
-                if shared != 0 and s == my_rank and tok >= shared_begin and tok < shared_end:
-                    row = tok - shared_begin  # segment 0: this rank's tokens in order
                 if cutlass.const_expr(self.fmt == "nvfp4"):
-                    s_scratch[scratch + SROWS_AT + m * ROWS + lane] = row
-            if lane <= topk:
+                    if g >= 0:
+                        s_scratch[scratch + SROWS_AT + m * ROWS + k] = \
+                            row - s_off[g] + s_first[g] * ATOM_ROWS
+            if w < pairs:
                 if row >= row_capacity:
                     row = -2 - row  # past the output's capacity: recorded, not written
-                s_scratch[rows0 + m * ROWS + lane] = row
-            # The next message's lanes read counters this one's lanes just wrote (the same
-            # expert under another k): ordered by the warp barrier, not by lockstep.
+                s_scratch[rows0 + m * ROWS + k] = row
+            # The next pairs' lanes read the counters these lanes just moved.
             cute.arch.sync_warp()
+        # Each message's shared-expert row (k = topk): this rank's own tokens in order.
+        if lane < cnt:
+            tok = s_scratch[scratch + TOKS_AT + lane]
+            row = Int32(-1)
+            if shared != 0 and s == my_rank and tok >= shared_begin and tok < shared_end:
+                row = tok - shared_begin  # segment 0
+            if cutlass.const_expr(self.fmt == "nvfp4"):
+                s_scratch[scratch + SROWS_AT + lane * ROWS + topk] = row
+            if row >= row_capacity:
+                row = -2 - row
+            s_scratch[rows0 + lane * ROWS + topk] = row
+        cute.arch.sync_warp()
         if sub == 0:
             self._record(lane, s, first, cnt, topk, max_tokens, src_info, comb_rows,
                          comb_weights, comb_tokens, s_scratch, s_wts, scratch, rows0, wts,
                          segment_rows, recv_ids, recv_weights, local_base)
-        if lane == 0 and first_chunk != 0:
+        if lane == 0 and first_batch != 0:
             _stamp_max(trace, tracing, channel, "chunk_placed", cute.arch.globaltimer())
         if cutlass.const_expr(self.bulk):
-            # Every piece of this warp's messages of the chunk through the warp's ring.
+            # Every piece of this warp's messages of the batch through the warp's ring.
             for m in cutlass.range(sub, cnt, per_source):
                 msg = staging + Int64(stage((0, s_scratch[scratch + STAGE_AT + m], channel)))
                 for p in cutlass.range(pieces):
                     issued, drained = self._pull_piece(
-                        lane, msg, half * MAX_CHUNK + m, p, issued, drained, msg_bytes,
+                        lane, msg, half * BATCH + m, p, issued, drained, msg_bytes,
                         payload_bytes, pieces_at, full, s_piece, held, tokens, topk, s_scratch,
                         scratch, scale_rows, scales, scale_mode, scales_offset, scale_bytes,
                         scale_cols, row_capacity)
@@ -626,7 +631,7 @@ class ReceivePhase:
                     tokens: cute.Pointer, topk, s_scratch: cute.Tensor, scratch,
                     scale_rows: cute.Pointer, scales: cute.Pointer, scale_mode, scales_offset,
                     scale_bytes, scale_cols, row_capacity):
-        """Bulk-load piece p of message m of the chunk (staged at `msg`) into the warp's next
+        """Bulk-load piece p of message m of the batch (staged at `msg`) into the warp's next
         piece of shared memory once the stores that read it last are done reading it; then
         store the oldest piece if LAG pieces are in flight. Returns (issued, drained)."""
         at = issued % PIECES
@@ -642,7 +647,7 @@ class ReceivePhase:
                 cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.mbarrier_arrive_and_expect_tx(full + at, nbytes)
             bulk_load(ring + at * PIECE, msg + offset, nbytes, full + at)
-        s_piece[held + at] = m * 64 + p  # (message of the chunk, piece): every lane writes it
+        s_piece[held + at] = m * 64 + p  # (message of the batch, piece): every lane writes it
         cute.arch.sync_warp()  # ... before any lane reads it back in `_store_piece`
         issued = issued + 1
         if issued - drained > LAG:
@@ -728,9 +733,9 @@ class ReceivePhase:
                 comb_rows: cute.Pointer, comb_weights: cute.Pointer, comb_tokens: cute.Pointer,
                 s_scratch: cute.Tensor, s_wts: cute.Tensor, scratch, rows0, wts, segment_rows,
                 recv_ids: cute.Pointer, recv_weights: cute.Pointer, local_base):
-        """What combine needs of the chunk's messages first .. first + cnt - 1 of source s (row
+        """What combine needs of the batch's messages first .. first + cnt - 1 of source s (row
         and weight per k, source token), and src_info of every row they filled (message m's rows
-        at word rows0 + m * ROWS of s_scratch; its weights are those of its token of the chunk,
+        at word rows0 + m * ROWS of s_scratch; its weights are those of its token of the batch,
         `MAP_AT`)."""
         for i in cutlass.range(lane, cnt * topk, WARP):
             m = i // topk

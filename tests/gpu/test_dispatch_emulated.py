@@ -158,7 +158,7 @@ def test_emulated_skip_a2a_without_weights_at_the_experts(fmt, ranks, sms):
 def test_a_traced_dispatch_records_each_channels_timeline():
     from cute_ep.ep import Buffer
     from layouts import EPConfig
-    from layouts.channels import SEND_TIMES, TRACE_FIELDS
+    from layouts.channels import RECV_TIMES, SEND_TIMES, TRACE_FIELDS
 
     cfg = EPConfig(2048, 8, 32, 2, 1024, "bf16")
     bufs = Buffer.emulated(cfg, timeout_s=20.0, sms=6)
@@ -189,16 +189,19 @@ def test_a_traced_dispatch_records_each_channels_timeline():
                 & (stored <= t[:, field["recv_done"]]))[seen].all()
         assert (t[:, field["start"]] > 0).all()
         # Each sender time is one warp's total of a part of its run (the most any warp spent
-        # there); every channel routed and copied tokens. The receivers' longest wait lies
-        # inside their run.
+        # there); every channel routed and copied tokens.
         sender = t[:, [field[f] for f in SEND_TIMES]]
         assert (sender >= 0).all()
         assert (sender[:, SEND_TIMES.index("batch_ns")] > 0).all()
         assert (sender[:, SEND_TIMES.index("copy_ns")] > 0).all()
         assert (sender <= (t[:, field["send_done"]] - t[:, field["start"]])[:, None]).all()
-        recv = t[:, field["recv_wait_ns"]]
+        # So is each receiver time, inside the receivers' run; every channel that received
+        # read headers, placed messages and waited for its pieces (BF16: bulk copies).
+        recv = t[:, [field[f] for f in RECV_TIMES]]
         assert (recv >= 0).all()
-        assert (recv <= t[:, field["end"]] - t[:, field["layout_ready"]]).all()
+        assert (recv <= (t[:, field["rows_written"]] - t[:, field["layout_ready"]])[:, None]).all()
+        for f in ("header_ns", "place_ns", "drain_ns"):
+            assert (recv[:, RECV_TIMES.index(f)][seen] > 0).all(), f
         buf.trace_dispatch(False)
         assert buf.trace is None
 
