@@ -127,15 +127,15 @@ def channel_messages_layout(ranks, channels) -> Layout:
 # What a traced dispatch records per channel (int64 each, `trace_layout`): %globaltimer at the
 # kernel's start, once its tokens are routed (counted per destination), once its counts are
 # sent, once every channel's counts arrived, once they are summed, once the row layout is known,
-# when its receivers first saw a batch, read its first chunk's header, placed that chunk's rows
-# and issued its pieces' row stores, when its last sender warp finished, when its last
-# receiver warp had issued its rows' stores and when those were written, once the CTA counted
-# itself done with the round, at the kernel's end; then, for the sender
-# warp that spent the most on each, the nanoseconds it waited for staging credit, wrote batch
+# when its receivers first saw a batch, read its first batch's header, placed that batch's rows
+# and issued its pieces' row stores (fields still named `chunk_*`), when its last sender warp
+# finished, when its last receiver warp had issued its rows' stores and when those were
+# written, once the CTA counted itself done with the round, at the kernel's end; then, for the
+# sender warp that spent the most on each, the nanoseconds it waited for staging credit, wrote batch
 # headers, copied tokens, and fenced and published tails; last, the receivers' (RECV_TIMES).
 SEND_TIMES = ("credit_wait_ns", "batch_ns", "copy_ns", "fence_ns")
 # A receiver warp's time (the longest warp's, each part on its own): waiting for a batch's tail,
-# reading a chunk's header (ids, weights, tokens: over NVLink from another source) and finding
+# reading a batch's header (ids, weights, tokens: over NVLink from another source) and finding
 # its messages, placing them in their rows and issuing their pulls and stores, waiting for
 # earlier pieces to land and be stored (bulk formats), and waiting at the end of its stream for
 # the other warps of its source (bulk formats; between batches they do not wait for each other).

@@ -86,8 +86,8 @@ ROWS_AT = STAGE_AT + BATCH
 # their rows while the next batch is placed.
 SROWS_AT = ROWS_AT + 2 * BATCH * ROWS
 SCRATCH = SROWS_AT + BATCH * ROWS
-# s_src words per source: messages, messages of the channels before, messages in all, the
-# chunk decision of its first warp, tokens of its channel, its first row (rows by source); then,
+# s_src words per source: messages, messages of the channels before, messages in all, whether a
+# warp of it gave up (timed out), tokens of its channel, its first row (rows by source); then,
 # per staging slot, how many of the source's warps have finished the batches it held
 # (DONE_AT + slot).
 DONE_AT = 6
