@@ -642,9 +642,11 @@ class ReceivePhase:
             # (one per piece drained), at most PIECES - 1 - LAG are newer than its own.
             cute.arch.cp_async_bulk_wait_group(PIECES - 1 - LAG, read=True)
             if cutlass.const_expr(self.fmt != "bf16"):
-                # The lanes' loads of scale words from the piece this one replaces
-                # (`_store_piece`) before the bulk load writes it.
-                cute.arch.fence_proxy("async.shared", space="cta")
+                if scale_mode != SCALES_BULK:
+                    # The lanes' loads of scale words from the piece this one replaces
+                    # (`_store_piece`) before the bulk load writes it. Bulk-stored scales are
+                    # read by the async proxy alone, which the wait above already orders.
+                    cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.mbarrier_arrive_and_expect_tx(full + at, nbytes)
             bulk_load(ring + at * PIECE, msg + offset, nbytes, full + at)
         s_piece[held + at] = m * 64 + p  # (message of the batch, piece): every lane writes it
