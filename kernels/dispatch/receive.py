@@ -402,7 +402,7 @@ class ReceivePhase:
                     pieces_at, full, s_piece, held, pieces, msg_bytes,
                     payload_bytes, blocks, scale_cols, rk, scale_mode, scale_bytes, layout,
                     tiler, g_crd, thr, tiles, warp_copy, payload_vectors, issued, drained,
-                    trace, tracing, Int32(i == 0))
+                    trace, tracing, Int32(i == 0), s_time, times)
                 _lap(s_time, times, "place_ns", tracing, lane)
                 if lane == 0 and i == 0:
                     _stamp_max(trace, tracing, channel, "chunk_stored", cute.arch.globaltimer())
@@ -419,7 +419,7 @@ class ReceivePhase:
                 drained = self._drain_pieces(
                     target, lane, drained, msg_bytes, payload_bytes, pieces_at, full, s_piece,
                     held, tokens, topk, s_scratch, scratch, scale_rows, scales, scale_mode,
-                    scales_offset, scale_bytes, scale_cols, row_capacity)
+                    scales_offset, scale_bytes, scale_cols, row_capacity, s_time, times, tracing)
                 _lap(s_time, times, "drain_ns", tracing, lane)
                 batch_mark = issued
                 if stage_batches > 1:
@@ -454,7 +454,7 @@ class ReceivePhase:
             drained = self._drain_pieces(
                 issued, lane, drained, msg_bytes, payload_bytes, pieces_at, full, s_piece,
                 held, tokens, topk, s_scratch, scratch, scale_rows, scales, scale_mode,
-                scales_offset, scale_bytes, scale_cols, row_capacity)
+                scales_offset, scale_bytes, scale_cols, row_capacity, s_time, times, tracing)
             _lap(s_time, times, "drain_ns", tracing, lane)
             if per_source > 1:
                 cute.arch.barrier(barrier_id=2 + s, number_of_threads=WARP * per_source)
@@ -513,7 +513,7 @@ class ReceivePhase:
                pieces_at: cute.Pointer, full: cute.Pointer, s_piece: cute.Tensor, held, pieces,
                msg_bytes, payload_bytes, blocks, scale_cols, rk, scale_mode, scale_bytes, layout,
                tiler, g_crd, thr, tiles, warp_copy: cute.TiledCopy, payload_vectors, issued,
-               drained, trace: cute.Pointer, tracing, first_batch):
+               drained, trace: cute.Pointer, tracing, first_batch, s_time: cute.Tensor, times):
         """A batch's `cnt` messages (messages first .. first + cnt - 1 of source s here): their
         rows, 32 (message, k) pairs at a time (lanes of one segment ranked by `match.any`); what
         combine needs of them (the first warp of s); then this warp's messages m = sub,
@@ -594,7 +594,7 @@ class ReceivePhase:
                         lane, msg, half * BATCH + m, p, issued, drained, msg_bytes,
                         payload_bytes, pieces_at, full, s_piece, held, tokens, topk, s_scratch,
                         scratch, scale_rows, scales, scale_mode, scales_offset, scale_bytes,
-                        scale_cols, row_capacity)
+                        scale_cols, row_capacity, s_time, times, tracing)
         else:
             for m in cutlass.range(sub, cnt, per_source):
                 msg = staging + Int64(stage((0, s_scratch[scratch + STAGE_AT + m], channel)))
@@ -630,7 +630,7 @@ class ReceivePhase:
                     ring: cute.Pointer, full: cute.Pointer, s_piece: cute.Tensor, held,
                     tokens: cute.Pointer, topk, s_scratch: cute.Tensor, scratch,
                     scale_rows: cute.Pointer, scales: cute.Pointer, scale_mode, scales_offset,
-                    scale_bytes, scale_cols, row_capacity):
+                    scale_bytes, scale_cols, row_capacity, s_time: cute.Tensor, times, tracing):
         """Bulk-load piece p of message m of the batch (staged at `msg`) into the warp's next
         piece of shared memory once the stores that read it last are done reading it; then
         store the oldest piece if LAG pieces are in flight. Returns (issued, drained)."""
@@ -640,7 +640,9 @@ class ReceivePhase:
         if lane == 0:
             # Piece `issued - PIECES` last held this one; of the store groups committed since
             # (one per piece drained), at most PIECES - 1 - LAG are newer than its own.
+            _lap(s_time, times, "place_ns", tracing, lane)
             cute.arch.cp_async_bulk_wait_group(PIECES - 1 - LAG, read=True)
+            _lap(s_time, times, "free_ns", tracing, lane)
             if cutlass.const_expr(self.fmt != "bf16"):
                 if scale_mode != SCALES_BULK:
                     # The lanes' loads of scale words from the piece this one replaces
@@ -656,7 +658,8 @@ class ReceivePhase:
             drained = self._store_piece(lane, drained, msg_bytes, payload_bytes, ring, full,
                                         s_piece, held, tokens, topk, s_scratch, scratch,
                                         scale_rows, scales, scale_mode, scales_offset,
-                                        scale_bytes, scale_cols, row_capacity)
+                                        scale_bytes, scale_cols, row_capacity, s_time, times,
+                                        tracing, "place_ns")
         return issued, drained
 
     @cute.jit
@@ -664,13 +667,14 @@ class ReceivePhase:
                       full: cute.Pointer, s_piece: cute.Tensor, held, tokens: cute.Pointer,
                       topk, s_scratch: cute.Tensor, scratch, scale_rows: cute.Pointer,
                       scales: cute.Pointer, scale_mode, scales_offset, scale_bytes, scale_cols,
-                      row_capacity):
+                      row_capacity, s_time: cute.Tensor, times, tracing):
         """`_store_piece` until the warp has stored `until` pieces; returns drained."""
         while drained < until:
             drained = self._store_piece(lane, drained, msg_bytes, payload_bytes, ring, full,
                                         s_piece, held, tokens, topk, s_scratch, scratch,
                                         scale_rows, scales, scale_mode, scales_offset,
-                                        scale_bytes, scale_cols, row_capacity)
+                                        scale_bytes, scale_cols, row_capacity, s_time, times,
+                                        tracing, "drain_ns")
         return drained
 
     @cute.jit
@@ -678,7 +682,8 @@ class ReceivePhase:
                      full: cute.Pointer, s_piece: cute.Tensor, held, tokens: cute.Pointer, topk,
                      s_scratch: cute.Tensor, scratch, scale_rows: cute.Pointer,
                      scales: cute.Pointer, scale_mode, scales_offset, scale_bytes, scale_cols,
-                     row_capacity):
+                     row_capacity, s_time: cute.Tensor, times, tracing,
+                     part: cutlass.Constexpr):
         """Wait for the warp's oldest piece in flight to land and store it to every row of its
         message (one async group a piece): the payload bytes it holds by bulk stores to the
         rows; FP8 and NVFP4 scale bytes it holds by `scale_mode` (SCALES_BULK: bulk stores to
@@ -686,7 +691,9 @@ class ReceivePhase:
         bytes cleared; SCALES_SLABS: the lanes' stores into FP8's transposed output).
         Returns drained + 1."""
         at = drained % PIECES
+        _lap(s_time, times, part, tracing, lane)
         cute.arch.mbarrier_wait(full + at, (drained // PIECES) % 2)
+        _lap(s_time, times, "land_ns", tracing, lane)
         what = s_piece[held + at]
         m = what // 64
         rows_at = scratch + ROWS_AT + m * ROWS
