@@ -472,8 +472,7 @@ class ReceivePhase:
         if lane == 0:
             _stamp_max(trace, tracing, channel, "recv_done", cute.arch.globaltimer())
         if cutlass.const_expr(self.bulk):
-            if lane == 0:
-                cute.arch.cp_async_bulk_wait_group(0)  # the rows are written before the CTA ends
+            cute.arch.cp_async_bulk_wait_group(0)  # every lane's rows written before the CTA ends
         if lane == 0:
             _stamp_max(trace, tracing, channel, "rows_written", cute.arch.globaltimer())
         if tracing != 0 and lane == 0:
@@ -637,12 +636,13 @@ class ReceivePhase:
         at = issued % PIECES
         offset = Int64(p) * PIECE
         nbytes = cutlass.min(Int32(PIECE), Int32(Int64(msg_bytes) - offset))
+        # Piece `issued - PIECES` last held this one; of each lane's store groups committed since
+        # (one per piece drained), at most PIECES - 1 - LAG are newer than its own.
+        _lap(s_time, times, "place_ns", tracing, lane)
+        cute.arch.cp_async_bulk_wait_group(PIECES - 1 - LAG, read=True)
+        cute.arch.sync_warp()  # every lane's stores have read the piece
+        _lap(s_time, times, "free_ns", tracing, lane)
         if lane == 0:
-            # Piece `issued - PIECES` last held this one; of the store groups committed since
-            # (one per piece drained), at most PIECES - 1 - LAG are newer than its own.
-            _lap(s_time, times, "place_ns", tracing, lane)
-            cute.arch.cp_async_bulk_wait_group(PIECES - 1 - LAG, read=True)
-            _lap(s_time, times, "free_ns", tracing, lane)
             if cutlass.const_expr(self.fmt != "bf16"):
                 if scale_mode != SCALES_BULK:
                     # The lanes' loads of scale words from the piece this one replaces
@@ -685,7 +685,7 @@ class ReceivePhase:
                      row_capacity, s_time: cute.Tensor, times, tracing,
                      part: cutlass.Constexpr):
         """Wait for the warp's oldest piece in flight to land and store it to every row of its
-        message (one async group a piece): the payload bytes it holds by bulk stores to the
+        message (an async group a piece in every lane): the payload bytes it holds by bulk stores to the
         rows; FP8 and NVFP4 scale bytes it holds by `scale_mode` (SCALES_BULK: bulk stores to
         the rows of `scale_rows`; SCALES_LANES: the lanes' word stores there, NVFP4's padding
         bytes cleared; SCALES_SLABS: the lanes' stores into FP8's transposed output).
@@ -702,20 +702,21 @@ class ReceivePhase:
         pay = Int32(cutlass.min(end, Int64(payload_bytes)) - offset)  # <= 0: scales only
         sc_lo = cutlass.max(offset, Int64(scales_offset))  # the scale bytes the piece holds
         sc_hi = cutlass.min(end, Int64(scales_offset) + Int64(scale_bytes))
-        if lane == 0:
-            for k in cutlass.range(topk + 1):
-                r = s_scratch[rows_at + k]
-                if r >= 0:
-                    if pay > 0:
-                        bulk_store(tokens.toint() + Int64(r) * payload_bytes + offset,
-                                   ring + at * PIECE, pay)
-                    if cutlass.const_expr(self.fmt != "bf16"):
-                        if scale_mode == SCALES_BULK and sc_hi > sc_lo:
-                            bulk_store(scale_rows.toint() + Int64(r) * Int64(scale_bytes)
-                                       + sc_lo - Int64(scales_offset),
-                                       ring + at * PIECE + Int32(sc_lo - offset),
-                                       Int32(sc_hi - sc_lo))
-            cute.arch.cp_async_bulk_commit_group()
+        # Lane k stores the piece to the message's row k, all of them at once; every lane
+        # commits a group a piece (empty where it has no row), so the lanes' counts agree.
+        if lane < topk + 1:
+            r = s_scratch[rows_at + lane]
+            if r >= 0:
+                if pay > 0:
+                    bulk_store(tokens.toint() + Int64(r) * payload_bytes + offset,
+                               ring + at * PIECE, pay)
+                if cutlass.const_expr(self.fmt != "bf16"):
+                    if scale_mode == SCALES_BULK and sc_hi > sc_lo:
+                        bulk_store(scale_rows.toint() + Int64(r) * Int64(scale_bytes)
+                                   + sc_lo - Int64(scales_offset),
+                                   ring + at * PIECE + Int32(sc_lo - offset),
+                                   Int32(sc_hi - sc_lo))
+        cute.arch.cp_async_bulk_commit_group()
         if cutlass.const_expr(self.fmt != "bf16"):
             if scale_mode != SCALES_BULK and sc_hi > sc_lo:
                 words = cute.make_tensor(cute.recast_ptr((ring + at * PIECE).align(16),
