@@ -686,9 +686,10 @@ class ReceivePhase:
                      part: cutlass.Constexpr):
         """Wait for the warp's oldest piece in flight to land and store it to every row of its
         message (an async group a piece in every lane): the payload bytes it holds by bulk
-        stores to the rows; FP8 and NVFP4 scale bytes it holds by `scale_mode` (SCALES_BULK: bulk stores to
-        the rows of `scale_rows`; SCALES_LANES: the lanes' word stores there, NVFP4's padding
-        bytes cleared; SCALES_SLABS: the lanes' stores into FP8's transposed output).
+        stores to the rows; FP8 and NVFP4 scale bytes it holds by `scale_mode` (SCALES_BULK:
+        bulk stores to the rows of `scale_rows`; SCALES_LANES: the lanes' word stores there,
+        NVFP4's padding bytes cleared; SCALES_SLABS: the lanes' stores into FP8's transposed
+        output).
         Returns drained + 1."""
         at = drained % PIECES
         _lap(s_time, times, part, tracing, lane)
