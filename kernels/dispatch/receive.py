@@ -850,13 +850,17 @@ class ReceivePhase:
         """FP8: zero the alignment rows after each segment's rows (payload words, their scales in
         `scale_rows`, src_info -1): warp `warp_id` of `warps` (every channel's receivers) takes
         segments warp_id, warp_id + warps, ..., its lanes the segment's padding words."""
-        words = Int32(payload_bytes // 4)
+        vectors = Int32(payload_bytes // 16)  # FP8 payload rows are whole 16-byte vectors
+        zeros = cute.make_rmem_tensor(cute.make_layout(4), Int32)
+        for j in cutlass.range_constexpr(4):
+            zeros[j] = Int32(0)
         for g in cutlass.range(warp_id, segments, warps):
             pad_begin = s_off[g] + s_raw[g]
             pad_rows = s_off[g + 1] - pad_begin
-            for i in cutlass.range(lane, pad_rows * words, WARP):
-                store_i32(tokens.toint() + Int64(pad_begin) * payload_bytes + Int64(i) * 4,
-                          Int32(0))
+            for i in cutlass.range(lane, pad_rows * vectors, WARP):
+                cute.autovec_copy(zeros, cute.make_tensor(gmem_ptr(
+                    Int32, tokens.toint() + Int64(pad_begin) * payload_bytes + Int64(i) * 16, 16),
+                    cute.make_layout(4)))
             for i in cutlass.range(lane, pad_rows * blocks, WARP):
                 store_i32(scale_rows.toint() + Int64(scale_rows_layout(blocks, row_capacity)(
                     (Int64(i % blocks), Int64(pad_begin + i // blocks)))) * 4, Int32(0))
