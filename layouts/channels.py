@@ -139,7 +139,11 @@ SEND_TIMES = ("credit_wait_ns", "batch_ns", "copy_ns", "fence_ns")
 # its messages, placing them in their rows and issuing their pulls and stores, waiting for
 # earlier pieces to land and be stored (bulk formats), and waiting at the end of its stream for
 # the other warps of its source (bulk formats; between batches they do not wait for each other).
-RECV_TIMES = ("recv_wait_ns", "header_ns", "place_ns", "drain_ns", "sync_ns")
+# Of the bulk formats' placing and draining, two waits on their own: for a piece to land from
+# the source (`land_ns`) and for the stores that last read a piece to be done reading it before
+# the next load into it (`free_ns`); `place_ns` and `drain_ns` are the rest.
+RECV_TIMES = ("recv_wait_ns", "header_ns", "place_ns", "drain_ns", "sync_ns", "land_ns",
+              "free_ns")
 TRACE_FIELDS = ("start", "routed", "counts_sent", "counts_arrived", "counts_summed",
                 "layout_ready", "first_batch", "chunk_read", "chunk_placed", "chunk_stored",
                 "send_done", "recv_done", "rows_written",

@@ -59,7 +59,8 @@ def bench_times(record: dict) -> dict[tuple, float]:
 # The traced calls' stamps and waits a side-by-side table shows (us, the slowest rank's).
 TRACE_FIELDS = {"dispatch": ("counts_arrived", "first_batch", "send_done", "recv_done", "end",
                              "fence_us", "copy_us", "credit_wait_us", "recv_wait_us",
-                             "header_us", "place_us", "drain_us", "sync_us"),
+                             "header_us", "place_us", "drain_us", "sync_us", "land_us",
+                             "free_us"),
                 "combine": ("send_done", "end", "tail_wait_us", "credit_wait_us")}
 
 

@@ -56,9 +56,9 @@ SEND_BARRIER = 15  # the named barrier of the sender warps (receivers use 1 and 
 # A receiver warp of a bulk format pulls messages through its own ring of PIECES shared-memory
 # pieces of PIECE bytes (bulk loads from the source's staging, bulk stores to the rows), LAG
 # pieces in flight ahead of the stores.
-PIECE = 4096
-PIECES = 4  # (5 left no room for a warp's batch scratch)
-LAG = PIECES - 2
+PIECE = 8192  # a whole FP8 message (H 7168: 7392 bytes) in one piece
+PIECES = 2
+LAG = PIECES - 1  # one piece loading while the other is stored
 assert WIDE_TILE_ROWS * WIDE_TILE_WORDS * 4 <= PIECES * PIECE  # a warp's wide tile: in its pieces
 # How a bulk-moved FP8 / NVFP4 message's scale bytes reach each row (`_store_piece`): bulk
 # stores into `scale_rows` (rows of 16-byte multiples), the lanes' word stores there (NVFP4's

@@ -402,7 +402,7 @@ class ReceivePhase:
                     pieces_at, full, s_piece, held, pieces, msg_bytes,
                     payload_bytes, blocks, scale_cols, rk, scale_mode, scale_bytes, layout,
                     tiler, g_crd, thr, tiles, warp_copy, payload_vectors, issued, drained,
-                    trace, tracing, Int32(i == 0))
+                    trace, tracing, Int32(i == 0), s_time, times)
                 _lap(s_time, times, "place_ns", tracing, lane)
                 if lane == 0 and i == 0:
                     _stamp_max(trace, tracing, channel, "chunk_stored", cute.arch.globaltimer())
@@ -419,7 +419,7 @@ class ReceivePhase:
                 drained = self._drain_pieces(
                     target, lane, drained, msg_bytes, payload_bytes, pieces_at, full, s_piece,
                     held, tokens, topk, s_scratch, scratch, scale_rows, scales, scale_mode,
-                    scales_offset, scale_bytes, scale_cols, row_capacity)
+                    scales_offset, scale_bytes, scale_cols, row_capacity, s_time, times, tracing)
                 _lap(s_time, times, "drain_ns", tracing, lane)
                 batch_mark = issued
                 if stage_batches > 1:
@@ -454,7 +454,7 @@ class ReceivePhase:
             drained = self._drain_pieces(
                 issued, lane, drained, msg_bytes, payload_bytes, pieces_at, full, s_piece,
                 held, tokens, topk, s_scratch, scratch, scale_rows, scales, scale_mode,
-                scales_offset, scale_bytes, scale_cols, row_capacity)
+                scales_offset, scale_bytes, scale_cols, row_capacity, s_time, times, tracing)
             _lap(s_time, times, "drain_ns", tracing, lane)
             if per_source > 1:
                 cute.arch.barrier(barrier_id=2 + s, number_of_threads=WARP * per_source)
@@ -472,8 +472,7 @@ class ReceivePhase:
         if lane == 0:
             _stamp_max(trace, tracing, channel, "recv_done", cute.arch.globaltimer())
         if cutlass.const_expr(self.bulk):
-            if lane == 0:
-                cute.arch.cp_async_bulk_wait_group(0)  # the rows are written before the CTA ends
+            cute.arch.cp_async_bulk_wait_group(0)  # every lane's rows written before the CTA ends
         if lane == 0:
             _stamp_max(trace, tracing, channel, "rows_written", cute.arch.globaltimer())
         if tracing != 0 and lane == 0:
@@ -513,7 +512,7 @@ class ReceivePhase:
                pieces_at: cute.Pointer, full: cute.Pointer, s_piece: cute.Tensor, held, pieces,
                msg_bytes, payload_bytes, blocks, scale_cols, rk, scale_mode, scale_bytes, layout,
                tiler, g_crd, thr, tiles, warp_copy: cute.TiledCopy, payload_vectors, issued,
-               drained, trace: cute.Pointer, tracing, first_batch):
+               drained, trace: cute.Pointer, tracing, first_batch, s_time: cute.Tensor, times):
         """A batch's `cnt` messages (messages first .. first + cnt - 1 of source s here): their
         rows, 32 (message, k) pairs at a time (lanes of one segment ranked by `match.any`); what
         combine needs of them (the first warp of s); then this warp's messages m = sub,
@@ -594,7 +593,7 @@ class ReceivePhase:
                         lane, msg, half * BATCH + m, p, issued, drained, msg_bytes,
                         payload_bytes, pieces_at, full, s_piece, held, tokens, topk, s_scratch,
                         scratch, scale_rows, scales, scale_mode, scales_offset, scale_bytes,
-                        scale_cols, row_capacity)
+                        scale_cols, row_capacity, s_time, times, tracing)
         else:
             for m in cutlass.range(sub, cnt, per_source):
                 msg = staging + Int64(stage((0, s_scratch[scratch + STAGE_AT + m], channel)))
@@ -630,21 +629,26 @@ class ReceivePhase:
                     ring: cute.Pointer, full: cute.Pointer, s_piece: cute.Tensor, held,
                     tokens: cute.Pointer, topk, s_scratch: cute.Tensor, scratch,
                     scale_rows: cute.Pointer, scales: cute.Pointer, scale_mode, scales_offset,
-                    scale_bytes, scale_cols, row_capacity):
+                    scale_bytes, scale_cols, row_capacity, s_time: cute.Tensor, times, tracing):
         """Bulk-load piece p of message m of the batch (staged at `msg`) into the warp's next
         piece of shared memory once the stores that read it last are done reading it; then
         store the oldest piece if LAG pieces are in flight. Returns (issued, drained)."""
         at = issued % PIECES
         offset = Int64(p) * PIECE
         nbytes = cutlass.min(Int32(PIECE), Int32(Int64(msg_bytes) - offset))
+        # Piece `issued - PIECES` last held this one; of each lane's store groups committed since
+        # (one per piece drained), at most PIECES - 1 - LAG are newer than its own.
+        _lap(s_time, times, "place_ns", tracing, lane)
+        cute.arch.cp_async_bulk_wait_group(PIECES - 1 - LAG, read=True)
+        cute.arch.sync_warp()  # every lane's stores have read the piece
+        _lap(s_time, times, "free_ns", tracing, lane)
         if lane == 0:
-            # Piece `issued - PIECES` last held this one; of the store groups committed since
-            # (one per piece drained), at most PIECES - 1 - LAG are newer than its own.
-            cute.arch.cp_async_bulk_wait_group(PIECES - 1 - LAG, read=True)
             if cutlass.const_expr(self.fmt != "bf16"):
-                # The lanes' loads of scale words from the piece this one replaces
-                # (`_store_piece`) before the bulk load writes it.
-                cute.arch.fence_proxy("async.shared", space="cta")
+                if scale_mode != SCALES_BULK:
+                    # The lanes' loads of scale words from the piece this one replaces
+                    # (`_store_piece`) before the bulk load writes it. Bulk-stored scales are
+                    # read by the async proxy alone, which the wait above already orders.
+                    cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.mbarrier_arrive_and_expect_tx(full + at, nbytes)
             bulk_load(ring + at * PIECE, msg + offset, nbytes, full + at)
         s_piece[held + at] = m * 64 + p  # (message of the batch, piece): every lane writes it
@@ -654,7 +658,8 @@ class ReceivePhase:
             drained = self._store_piece(lane, drained, msg_bytes, payload_bytes, ring, full,
                                         s_piece, held, tokens, topk, s_scratch, scratch,
                                         scale_rows, scales, scale_mode, scales_offset,
-                                        scale_bytes, scale_cols, row_capacity)
+                                        scale_bytes, scale_cols, row_capacity, s_time, times,
+                                        tracing, "place_ns")
         return issued, drained
 
     @cute.jit
@@ -662,13 +667,14 @@ class ReceivePhase:
                       full: cute.Pointer, s_piece: cute.Tensor, held, tokens: cute.Pointer,
                       topk, s_scratch: cute.Tensor, scratch, scale_rows: cute.Pointer,
                       scales: cute.Pointer, scale_mode, scales_offset, scale_bytes, scale_cols,
-                      row_capacity):
+                      row_capacity, s_time: cute.Tensor, times, tracing):
         """`_store_piece` until the warp has stored `until` pieces; returns drained."""
         while drained < until:
             drained = self._store_piece(lane, drained, msg_bytes, payload_bytes, ring, full,
                                         s_piece, held, tokens, topk, s_scratch, scratch,
                                         scale_rows, scales, scale_mode, scales_offset,
-                                        scale_bytes, scale_cols, row_capacity)
+                                        scale_bytes, scale_cols, row_capacity, s_time, times,
+                                        tracing, "drain_ns")
         return drained
 
     @cute.jit
@@ -676,15 +682,19 @@ class ReceivePhase:
                      full: cute.Pointer, s_piece: cute.Tensor, held, tokens: cute.Pointer, topk,
                      s_scratch: cute.Tensor, scratch, scale_rows: cute.Pointer,
                      scales: cute.Pointer, scale_mode, scales_offset, scale_bytes, scale_cols,
-                     row_capacity):
+                     row_capacity, s_time: cute.Tensor, times, tracing,
+                     part: cutlass.Constexpr):
         """Wait for the warp's oldest piece in flight to land and store it to every row of its
-        message (one async group a piece): the payload bytes it holds by bulk stores to the
-        rows; FP8 and NVFP4 scale bytes it holds by `scale_mode` (SCALES_BULK: bulk stores to
-        the rows of `scale_rows`; SCALES_LANES: the lanes' word stores there, NVFP4's padding
-        bytes cleared; SCALES_SLABS: the lanes' stores into FP8's transposed output).
+        message (an async group a piece in every lane): the payload bytes it holds by bulk
+        stores to the rows; FP8 and NVFP4 scale bytes it holds by `scale_mode` (SCALES_BULK:
+        bulk stores to the rows of `scale_rows`; SCALES_LANES: the lanes' word stores there,
+        NVFP4's padding bytes cleared; SCALES_SLABS: the lanes' stores into FP8's transposed
+        output).
         Returns drained + 1."""
         at = drained % PIECES
+        _lap(s_time, times, part, tracing, lane)
         cute.arch.mbarrier_wait(full + at, (drained // PIECES) % 2)
+        _lap(s_time, times, "land_ns", tracing, lane)
         what = s_piece[held + at]
         m = what // 64
         rows_at = scratch + ROWS_AT + m * ROWS
@@ -693,20 +703,21 @@ class ReceivePhase:
         pay = Int32(cutlass.min(end, Int64(payload_bytes)) - offset)  # <= 0: scales only
         sc_lo = cutlass.max(offset, Int64(scales_offset))  # the scale bytes the piece holds
         sc_hi = cutlass.min(end, Int64(scales_offset) + Int64(scale_bytes))
-        if lane == 0:
-            for k in cutlass.range(topk + 1):
-                r = s_scratch[rows_at + k]
-                if r >= 0:
-                    if pay > 0:
-                        bulk_store(tokens.toint() + Int64(r) * payload_bytes + offset,
-                                   ring + at * PIECE, pay)
-                    if cutlass.const_expr(self.fmt != "bf16"):
-                        if scale_mode == SCALES_BULK and sc_hi > sc_lo:
-                            bulk_store(scale_rows.toint() + Int64(r) * Int64(scale_bytes)
-                                       + sc_lo - Int64(scales_offset),
-                                       ring + at * PIECE + Int32(sc_lo - offset),
-                                       Int32(sc_hi - sc_lo))
-            cute.arch.cp_async_bulk_commit_group()
+        # Lane k stores the piece to the message's row k, all of them at once; every lane
+        # commits a group a piece (empty where it has no row), so the lanes' counts agree.
+        if lane < topk + 1:
+            r = s_scratch[rows_at + lane]
+            if r >= 0:
+                if pay > 0:
+                    bulk_store(tokens.toint() + Int64(r) * payload_bytes + offset,
+                               ring + at * PIECE, pay)
+                if cutlass.const_expr(self.fmt != "bf16"):
+                    if scale_mode == SCALES_BULK and sc_hi > sc_lo:
+                        bulk_store(scale_rows.toint() + Int64(r) * Int64(scale_bytes)
+                                   + sc_lo - Int64(scales_offset),
+                                   ring + at * PIECE + Int32(sc_lo - offset),
+                                   Int32(sc_hi - sc_lo))
+        cute.arch.cp_async_bulk_commit_group()
         if cutlass.const_expr(self.fmt != "bf16"):
             if scale_mode != SCALES_BULK and sc_hi > sc_lo:
                 words = cute.make_tensor(cute.recast_ptr((ring + at * PIECE).align(16),
@@ -839,13 +850,17 @@ class ReceivePhase:
         """FP8: zero the alignment rows after each segment's rows (payload words, their scales in
         `scale_rows`, src_info -1): warp `warp_id` of `warps` (every channel's receivers) takes
         segments warp_id, warp_id + warps, ..., its lanes the segment's padding words."""
-        words = Int32(payload_bytes // 4)
+        vectors = Int32(payload_bytes // 16)  # FP8 payload rows are whole 16-byte vectors
+        zeros = cute.make_rmem_tensor(cute.make_layout(4), Int32)
+        for j in cutlass.range_constexpr(4):
+            zeros[j] = Int32(0)
         for g in cutlass.range(warp_id, segments, warps):
             pad_begin = s_off[g] + s_raw[g]
             pad_rows = s_off[g + 1] - pad_begin
-            for i in cutlass.range(lane, pad_rows * words, WARP):
-                store_i32(tokens.toint() + Int64(pad_begin) * payload_bytes + Int64(i) * 4,
-                          Int32(0))
+            for i in cutlass.range(lane, pad_rows * vectors, WARP):
+                cute.autovec_copy(zeros, cute.make_tensor(gmem_ptr(
+                    Int32, tokens.toint() + Int64(pad_begin) * payload_bytes + Int64(i) * 16, 16),
+                    cute.make_layout(4)))
             for i in cutlass.range(lane, pad_rows * blocks, WARP):
                 store_i32(scale_rows.toint() + Int64(scale_rows_layout(blocks, row_capacity)(
                     (Int64(i % blocks), Int64(pad_begin + i // blocks)))) * 4, Int32(0))

@@ -196,11 +196,12 @@ def test_a_traced_dispatch_records_each_channels_timeline():
         assert (sender[:, SEND_TIMES.index("copy_ns")] > 0).all()
         assert (sender <= (t[:, field["send_done"]] - t[:, field["start"]])[:, None]).all()
         # So is each receiver time, inside the receivers' run; every channel that received
-        # read headers, placed messages and waited for its pieces (BF16: bulk copies).
+        # read headers, placed messages, waited for its pieces to land (BF16: bulk copies) and
+        # drained them.
         recv = t[:, [field[f] for f in RECV_TIMES]]
         assert (recv >= 0).all()
         assert (recv <= (t[:, field["rows_written"]] - t[:, field["layout_ready"]])[:, None]).all()
-        for f in ("header_ns", "place_ns", "drain_ns"):
+        for f in ("header_ns", "place_ns", "drain_ns", "land_ns"):
             assert (recv[:, RECV_TIMES.index(f)][seen] > 0).all(), f
         buf.trace_dispatch(False)
         assert buf.trace is None
