@@ -852,8 +852,7 @@ class ReceivePhase:
         segments warp_id, warp_id + warps, ..., its lanes the segment's padding words."""
         vectors = Int32(payload_bytes // 16)  # FP8 payload rows are whole 16-byte vectors
         zeros = cute.make_rmem_tensor(cute.make_layout(4), Int32)
-        for j in cutlass.range_constexpr(4):
-            zeros[j] = Int32(0)
+        zeros.fill(0)
         for g in cutlass.range(warp_id, segments, warps):
             pad_begin = s_off[g] + s_raw[g]
             pad_rows = s_off[g + 1] - pad_begin
