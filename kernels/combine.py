@@ -453,7 +453,8 @@ class EpCombine:
         written) goes to s's tail, each time it grows, after one system-scope fence (the warps'
         release stores and this lane's acquire loads order their ring stores before it). Ends
         once every warp of s is done: they always finish, their own waits being bounded (one
-        that gave up stops its progress, and so the tail, where it was). Only on PUBLISH_MAX_RANKS ranks or fewer."""
+        that gave up stops its progress, and so the tail, where it was). Only on
+        PUBLISH_MAX_RANKS ranks or fewer."""
         per_home = SEND_WARPS // ranks
         if lane < ranks and per_home > 0 and ranks <= PUBLISH_MAX_RANKS:
             s = lane
