@@ -11,9 +11,11 @@ sender warps, RECV_WARPS receiver warps and a publisher warp:
   over the message's rows here (zeros for a message that only brought the shared expert's
   token); an unreduced one sends each of the message's rows, in k order. Rows are stored
   straight into the home rank's ring slots over NVLink once the home rank has returned credit.
-  The warps of a home do not wait for each other: each records its progress after a chunk, and
-  a publisher warp (`_publish`) advances the stream's tail at the home rank to the chunk all of
-  them have written, with the system-scope fence that the senders then never wait for.
+  On two ranks (PUBLISH_MAX_RANKS) the warps of a home do not wait for each other: each records
+  its progress after a chunk, and a publisher warp (`_publish`) advances the stream's tail at the
+  home rank to the chunk all of them have written, with the system-scope fence that the senders
+  then never wait for. On more, a home's warps meet after each chunk (a named barrier) and
+  their first warp fences and advances the tail.
 - Receivers (the home side): a chunk of this channel's tokens at a time (unreduced, as many
   tokens as the ring holds K rows of), each token by one warp: a weighted combine adds, in
   fp32, the row of every rank the token went to and the shared expert's row (this rank's `y`,
@@ -51,6 +53,11 @@ SEND_WARPS = 8
 RECV_WARPS = 4
 PUBLISH_WARPS = 1  # the warp that publishes the expert side's streams (`_publish`)
 PUBLISH_POLL_NS = 200  # its sleep between polls of the sender warps' progress
+# The most ranks whose streams the publisher warp publishes. Past them, each home's sender warps
+# meet after every chunk and their first warp fences and publishes: one warp's fences, taken in
+# turn for four homes, left their receivers waiting (4 x H100: the combine 531 us lockstep
+# without the publisher, 569-576 with it; 2 x H100: 386 without, 360 with).
+PUBLISH_MAX_RANKS = 2
 ROW_VECTOR = 8  # bf16 elements per 16-byte access
 PAIRS = ROW_VECTOR // 2  # 32-bit words of bf16 pairs in one
 STAGES = 8  # row steps a warp's sum has in flight (cp.async into its shared memory), plus one
@@ -308,6 +315,8 @@ class EpCombine:
             # the end over it while its siblings may not have started).
             pos = s_pub[s]
             head_word = here + counters_offset + Int64(counters((channel, s, HEADS, COMBINE))) * 8
+            tail_word = peers[s] + counters_offset + Int64(
+                counters((channel, my_rank, TAILS, COMBINE))) * 8
             head = pos
             alive = Int32(1)
             at = w * MAX_CHUNK * MAX_TOPK
@@ -406,14 +415,25 @@ class EpCombine:
                                             tiler, g_crd, steps, vectors, thr, row_copy,
                                             row_capacity)
                         cute.arch.sync_warp()
-                # This warp's share of the chunk is written: its progress, for `_publish` (the
-                # warps of s do not wait for each other).
-                pos = pos + Int64(total)
-                j0 = j0 + cnt
-                cute.arch.sync_warp()
-                if lane == 0 and alive != 0:
-                    cute.arch.store(s_prog.iterator + w, pos, sem="release", scope="cta",
-                                    ss="cta")
+                if ranks > PUBLISH_MAX_RANKS:
+                    # Every warp of s has written its share of the chunk: warp 0 of s fences
+                    # and publishes it (each home's fence in its own warp, alongside the others').
+                    cute.arch.barrier(barrier_id=1 + s, number_of_threads=WARP * per_home)
+                    pos = pos + Int64(total)
+                    j0 = j0 + cnt
+                    if sub == 0 and lane == 0 and alive != 0:
+                        cute.arch.fence_acq_rel_sys()  # with the relaxed store: a release
+                        cute.arch.store(gmem_ptr(Int64, tail_word, 8), pos, sem="relaxed",
+                                        scope="sys")
+                else:
+                    # This warp's share of the chunk is written: its progress, for `_publish`
+                    # (the warps of s do not wait for each other).
+                    pos = pos + Int64(total)
+                    j0 = j0 + cnt
+                    cute.arch.sync_warp()
+                    if lane == 0 and alive != 0:
+                        cute.arch.store(s_prog.iterator + w, pos, sem="release", scope="cta",
+                                        ss="cta")
             cute.arch.sync_warp()
             if lane == 0:
                 cute.arch.store(s_done.iterator + w, Int32(1), sem="release", scope="cta",
@@ -433,9 +453,10 @@ class EpCombine:
         written) goes to s's tail, each time it grows, after one system-scope fence (the warps'
         release stores and this lane's acquire loads order their ring stores before it). Ends
         once every warp of s is done: they always finish, their own waits being bounded (one
-        that gave up stops its progress, and so the tail, where it was)."""
+        that gave up stops its progress, and so the tail, where it was). Only on
+        PUBLISH_MAX_RANKS ranks or fewer."""
         per_home = SEND_WARPS // ranks
-        if lane < ranks and per_home > 0:
+        if lane < ranks and per_home > 0 and ranks <= PUBLISH_MAX_RANKS:
             s = lane
             tail_word = peers[s] + counters_offset + Int64(
                 counters((channel, my_rank, TAILS, COMBINE))) * 8
