@@ -54,9 +54,9 @@ RECV_WARPS = 4
 PUBLISH_WARPS = 1  # the warp that publishes the expert side's streams (`_publish`)
 PUBLISH_POLL_NS = 200  # its sleep between polls of the sender warps' progress
 # The most ranks whose streams the publisher warp publishes. Past them, each home's sender warps
-# meet after every chunk and their first warp fences and publishes: one warp's fences, taken in
-# turn for four homes, left their receivers waiting (4 x H100: the combine 531 us lockstep
-# without the publisher, 569-576 with it; 2 x H100: 386 without, 360 with).
+# meet after every chunk and their first warp fences and publishes, so each home's fences run in
+# its own warp: with one warp publishing four homes the combine was slower (4 x H100: 531 us
+# lockstep without the publisher, 569-576 with it; 2 x H100: 386 without, 360 with).
 PUBLISH_MAX_RANKS = 2
 ROW_VECTOR = 8  # bf16 elements per 16-byte access
 PAIRS = ROW_VECTOR // 2  # 32-bit words of bf16 pairs in one
