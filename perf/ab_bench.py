@@ -27,7 +27,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # this tree's cute_ep reads records
-from ab_quant import alternated, parse_side, run_side, summary_rows  # noqa: E402
+from ab_quant import (alternated, parse_side, recorded_argv, run_side,  # noqa: E402
+                      summary_rows)
 
 # Decode figures a side-by-side table shows: (record field, the table's SMs label).
 DECODE = (("graph_dispatch_us", "decode"), ("graph_combine_us", "decode"),
@@ -164,7 +165,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             first = runs[sides[0]][0]
-            json.dump({"device": first["device"], "gpus": first["gpus"], "argv": sys.argv[1:],
+            json.dump({"device": first["device"], "gpus": first["gpus"], "argv": recorded_argv(sys.argv[1:]),
                        "sides": {n: [str(t), str(lib)] for n, t, lib in args.side},
                        "failed": failed, "stopped": stopped, "runs": runs}, f, indent=1)
     first = runs[sides[0]][0]

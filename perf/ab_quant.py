@@ -39,6 +39,17 @@ def parse_side(text: str) -> tuple[str, Path, Path]:
     return name, Path(tree), Path(library)
 
 
+def recorded_argv(argv: list[str]) -> list[str]:
+    """The command line as a record keeps it: an absolute path (the machine's output folder,
+    say) by its file name alone, alone or after `--option=`."""
+    def strip(arg: str) -> str:
+        key, eq, value = arg.partition("=")
+        if eq and key.startswith("-") and os.path.isabs(value):
+            return f"{key}={Path(value).name}"
+        return Path(arg).name if os.path.isabs(arg) else arg
+    return [strip(a) for a in argv]
+
+
 def alternated(sides, runs: int):
     """(run, name, tree, library) for every run of every side, sides alternated within a run,
     with a progress bar."""
@@ -156,7 +167,7 @@ def main() -> None:
     Console(width=160).print(view)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": device, "argv": sys.argv[1:],
+            json.dump({"device": device, "argv": recorded_argv(sys.argv[1:]),
                        "sides": {n: [str(t), str(lib)] for n, t, lib in args.side},
                        "runs": runs}, f, indent=1)
 

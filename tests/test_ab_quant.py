@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, "perf")
-from ab_quant import bench_arguments, parse_side, percent_of_copy, summary_rows  # noqa: E402
+from ab_quant import (bench_arguments, parse_side, percent_of_copy, recorded_argv,  # noqa: E402
+                      summary_rows)
 
 
 def _record(kernel, us, copy_us, i=2048, l2="zero"):
@@ -81,3 +82,11 @@ def test_every_side_gets_the_same_bench_arguments():
     assert bench_arguments(["zero", "read"], [2048, 7168], 512) == [
         "--l2", "zero", "--l2", "read", "--intermediate", "2048", "--intermediate", "7168",
         "--valid-rows", "512"]
+
+
+def test_a_record_keeps_absolute_paths_of_the_command_line_by_their_file_names():
+    argv = ["--side", "a=build/ab/tree-a:build/ab/lib-a", "--json", "/somewhere/out/ab.json",
+            "--json=/elsewhere/ab2.json", "--runs", "2", "--", "--formats", "bf16"]
+    assert recorded_argv(argv) == ["--side", "a=build/ab/tree-a:build/ab/lib-a", "--json",
+                                   "ab.json", "--json=ab2.json", "--runs", "2", "--",
+                                   "--formats", "bf16"]
