@@ -10,7 +10,10 @@
   writes another 58.7 MB three times on the current stream;
 - with two GPUs visible, torch's `copy_` from GPU 0 to GPU 1.
 
-Times are the median of 20 calls between CUDA events; GB/s counts the bytes copied once.
+Times are the median of 20 calls between CUDA events, each queued behind a device sleep so the
+host's enqueueing is not timed (`perf/timing.py`); GB/s counts the bytes copied once. The
+rounds' times are the median over 10 calls of each round's end, from a start event on the
+copies' stream, also queued behind a sleep.
 """
 
 from __future__ import annotations
@@ -18,8 +21,10 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import statistics
 
 import torch
+from timing import median_ms, sleep_cycles
 
 CHANNELS = 24
 ROUNDS = 4
@@ -53,21 +58,6 @@ def _copy_2d(dst, src, pitch, width, height, stream):
     err = _cuda.cuMemcpy2DAsync_v2(ctypes.byref(p), ctypes.c_void_p(stream))
     if err:
         raise RuntimeError(f"cuMemcpy2DAsync: CUresult {err}")
-
-
-def _median_us(fn, reps=20):
-    main = torch.cuda.current_stream()
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(main)
-        fn()
-        b.record(main)
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return sorted(times)[len(times) // 2]
 
 
 def main(argv=None) -> int:
@@ -109,21 +99,27 @@ def main(argv=None) -> int:
             done.record(s)
             main_stream.wait_event(done)
 
-    rows = [("torch copy_", _median_us(lambda: y.copy_(x))),
-            ("SM kernel (add_)", _median_us(lambda: y.add_(x, alpha=0)))]
-    rows += [(f"1D, {k} streams", _median_us(lambda k=k: fan_out(k, "1d"))) for k in (1, 2, 4, 8, 16)]
-    rows += [(f"2D rounds, {k} streams", _median_us(lambda k=k: fan_out(k, "2d")))
+    def median_us(fn):
+        return median_ms(fn, 20, None, prep=lambda: None) * 1e3
+
+    rows = [("torch copy_", median_us(lambda: y.copy_(x))),
+            ("SM kernel (add_)", median_us(lambda: y.add_(x, alpha=0)))]
+    rows += [(f"1D, {k} streams", median_us(lambda k=k: fan_out(k, "1d")))
+             for k in (1, 2, 4, 8, 16)]
+    rows += [(f"2D rounds, {k} streams", median_us(lambda k=k: fan_out(k, "2d")))
              for k in (1, 2, 4, 8)]
     if torch.cuda.device_count() > 1:
         z = torch.empty_like(x, device="cuda:1")
-        rows.append(("peer copy_ GPU 0 -> 1", _median_us(lambda: z.copy_(x))))
+        rows.append(("peer copy_ GPU 0 -> 1", median_us(lambda: z.copy_(x))))
 
     x2, y2 = torch.randn_like(x), torch.empty_like(x)
+    gate = sleep_cycles(500.0)
     rounds = {}
     for busy in (False, True):
         samples = []
         for _ in range(10):
             torch.cuda.synchronize()
+            torch.cuda._sleep(gate)  # everything below is queued before the GPU reaches it
             start = torch.cuda.Event()
             start.record(main_stream)
             s = streams[0]
@@ -146,7 +142,8 @@ def main(argv=None) -> int:
             main_stream.wait_event(done)
             torch.cuda.synchronize()
             samples.append([round(a.elapsed_time(e) * 1e3, 1) for e in ends])
-        rounds["beside an SM kernel" if busy else "alone"] = samples[len(samples) // 2]
+        rounds["beside an SM kernel" if busy else "alone"] = [
+            round(statistics.median(column), 1) for column in zip(*samples)]
 
     table = Table(title=f"{torch.cuda.get_device_name()}: copies of {nbytes / 1e6:.1f} MB, "
                         "median of 20")
