@@ -61,7 +61,8 @@ from layouts.buffers import (AT_EXPERTS, AT_HOME, ERROR_CAPACITY, ERROR_CHANNELS
                              channel_messages, combine_routes, control_buffers,
                              dispatch_scale_rows, output_scales, total_bytes)
 from layouts.channels import (DEFAULT_CHANNELS, DISPATCH_RECEIVE, DISPATCH_SEND,
-                              STAGE_BATCH_TOKENS, ChannelGeometry, active_channels)
+                              PREFIXED_TOKENS, STAGE_BATCH_TOKENS, ChannelGeometry,
+                              active_channels)
 
 # The SM budget engines give communication (DeepEP's tuned default is 20-24): the rest of the GPU
 # stays free for the other micro-batch's GEMMs. Dispatch runs one persistent CTA per SM of it.
@@ -89,7 +90,7 @@ DISPATCH_VARYING = ("source", "source_stride", "load_bytes", "scale_source", "sc
                     "recv_weights", "num_tokens",
                     "skip_a2a", "shared_begin", "shared_end", "has_weights", "active", "launched",
                     "trace",
-                    "tracing", "phases", "x", "global_scale", "encode")
+                    "tracing", "phases", "x", "global_scale", "encode", "prefixed")
 COMBINE_VARYING = ("y", "comb_rows", "comb_weights", "chan_msgs", "topk_ids", "out",
                    "home_weights", "num_tokens", "weighted", "skip_a2a", "shared_begin",
                    "shared_end", "active", "trace", "tracing")
@@ -530,7 +531,7 @@ class Buffer:
             self._receive_pending = None
             # The receive part quantizes nothing (the send part did).
             self._dispatch_launch(*pending[0], DISPATCH_RECEIVE, self._no_bf16_at,
-                                  self._no_f32_at, 0)
+                                  self._no_f32_at, 0, pending[2])
         return out, hook
 
     def _no_receive_pending(self) -> None:
@@ -609,10 +610,11 @@ class Buffer:
             num_tokens, int(skip_a2a), shared_begin, shared_end, int(weighted), active,
             active + self.spare_ctas if num_tokens > FUSED_ENCODE_TOKENS * active else active,
             self._no_i64_at if trace is None else trace.data_ptr(), int(trace is not None))
-        self._dispatch_launch(*args, phases, x_at, gs_at, encode)
+        prefixed = self._prefixed_for(num_input_tokens)
+        self._dispatch_launch(*args, phases, x_at, gs_at, encode, prefixed)
         if phases == DISPATCH_SEND:
             # The receive launch reads what these arguments point at: keep the tensors alive.
-            self._receive_pending = (args, (x, ids, topk_weights, out))
+            self._receive_pending = (args, (x, ids, topk_weights, out), prefixed)
         return out
 
     def _plan_outputs(self) -> None:
@@ -802,8 +804,9 @@ class Buffer:
                              f"dropped from this dispatch and its combine")
         if bad_counts & ERROR_CHANNELS:
             raise ValueError("ranks dispatched with different num_input_tokens (so over different "
-                             "numbers of channels); pass the same value on every rank. This "
-                             "Buffer's streams are now out of step: recreate it")
+                             "numbers of channels, or with counts of different kinds); pass the "
+                             "same value on every rank. This Buffer's streams are now out of "
+                             "step: recreate it")
         if bad_counts & ERROR_CAPACITY:
             raise ValueError(f"a dispatch received more rows than its output holds "
                              f"(EPConfig.recv_capacity={self.cfg.recv_capacity}, "
@@ -894,6 +897,13 @@ class Buffer:
                                       begin, end, topk_ids.to(torch.int32).contiguous()),
                               rows, weights, none if source_tokens is None else source_tokens,
                               none if messages is None else messages, channels)
+
+    def _prefixed_for(self, num_input_tokens) -> int:
+        """1 where a dispatch bounded by `num_input_tokens` (else max_tokens_per_rank) sends
+        prefixed counts (at most PREFIXED_TOKENS tokens a rank), else 0: the same on every rank,
+        like `active_channels`."""
+        bound = self.cfg.max_tokens_per_rank if num_input_tokens is None else num_input_tokens
+        return int(bound <= PREFIXED_TOKENS)
 
     def active_channels(self, num_input_tokens: int | None) -> int:
         """The channels a dispatch splits each rank's tokens over: every channel of the budget,

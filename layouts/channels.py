@@ -26,7 +26,11 @@ Before any message, each channel tells every destination what it will send this 
 COUNT_SEGMENTS the rows for each segment) of (channel, source) under the round's parity, raised by
 `count_flags` to the round's epoch. A destination places rows only once it holds every (channel,
 source)'s counts, so its expert-grouped row order is fixed before the data arrives and each
-message lands in its rows as it comes.
+message lands in its rows as it comes. A dispatch of at most PREFIXED_TOKENS tokens a rank (a
+decode step's) sends each entry in three kinds (COUNT_KINDS): the channel's own, the sum over
+the source's channels before it and over all of them (every channel routes all of its rank's
+tokens to know them), so a receiving channel reads its own (channel, source) words only instead
+of summing every channel's.
 
 Every function of a layout here also takes DSL integers, so a kernel evaluates the same layout.
 
@@ -58,6 +62,10 @@ STAGE_BATCH_TOKENS = 16
 # The counts entries of (channel, source): its messages to this rank, its tokens this round (so
 # its batches), then one per segment (the rows it fills there).
 COUNT_MESSAGES, COUNT_TOKENS, COUNT_SEGMENTS = 0, 1, 2
+# The kinds of a counts entry: the (channel, source)'s own count; with prefixed counts also the
+# sum over the source's channels before it and over all its channels.
+COUNT_OWN, COUNT_BEFORE, COUNT_ALL = 0, 1, 2
+COUNT_KINDS = 3
 
 
 def ring_layout(item_bytes, slots, channels, ranks) -> Layout:
@@ -98,12 +106,15 @@ def headers_layout(item_bytes, batches, channels) -> Layout:
 
 
 def counts_layout(entries, channels, ranks) -> Layout:
-    """(entry, channel, source, parity) -> int32 word: what (channel, source) sends here in a
-    round of that parity. Round n + 2 reuses round n's words: a rank starts round n + 2 only
-    after its round n + 1 received every source's counts, which each source sent after it had
-    finished round n."""
-    return Layout((entries, channels, ranks, PARITIES),
-                  (1, entries, entries * channels, entries * channels * ranks))
+    """(entry, kind, channel, source, parity) -> int32 word: what (channel, source) sends here
+    in a round of that parity (kind COUNT_OWN, and with prefixed counts COUNT_BEFORE and
+    COUNT_ALL). Round n + 2 reuses round n's words: a rank starts round n + 2 only after its
+    round n + 1 received every source's counts, which each source sent after it had finished
+    round n."""
+    per_channel = entries * COUNT_KINDS
+    return Layout((entries, COUNT_KINDS, channels, ranks, PARITIES),
+                  (1, entries, per_channel, per_channel * channels,
+                   per_channel * channels * ranks))
 
 
 def count_flags_layout(channels, ranks) -> Layout:
@@ -245,10 +256,17 @@ class ChannelGeometry:
         return channel_tokens(channel, num_tokens, self.channels)
 
 
-# A dispatch of few tokens (decode) uses one channel per this many, up to the budget. A channel's
-# sender moves its tokens one after another (about 5 us a token at 24 SMs on 4 x H200 in the
-# 2026-11-22 traces), so decode wants every channel it can fill: 128 tokens take all 24.
-TOKENS_PER_CHANNEL = 4
+# A dispatch of few tokens (decode) uses one channel per this many, up to the budget: a channel
+# quantizes, sends and stores its tokens' rows on one SM, so decode wants every channel it can
+# fill. With prefixed counts more channels cost no channel more counts to read: at 128 tokens a
+# rank on 2 x H100, 2 a channel on 48 SMs took 30.7 us (FP8 from bf16) where 4 (32 channels)
+# took 36.1.
+TOKENS_PER_CHANNEL = 2
+# A dispatch of at most this many tokens a rank (num_input_tokens, else max_tokens_per_rank) sends
+# prefixed counts (`counts_layout`): each of its channels routes every token of the rank (at
+# most 2 a thread at top-8), where summing the counts of every channel cost each receiving
+# channel a chain of loads per channel.
+PREFIXED_TOKENS = 256
 
 
 def active_channels(channels: int, max_tokens: int, num_input_tokens: int | None) -> int:

@@ -31,6 +31,9 @@ def test_bench_refuses_too_few_iterations_and_gpus():
         main(["bench", "--iters", "10"])
     with pytest.raises(SystemExit, match="unknown format"):
         main(["bench", "--formats", "bf16,int4"])
+    for bad in ("0", "-3", "most"):
+        with pytest.raises(SystemExit, match="--decode-sms takes"):
+            main(["bench", "--decode-sms", bad])
     if torch.cuda.device_count() < 2:
         with pytest.raises(SystemExit, match="2\\+ GPUs"):
             main(["bench"])

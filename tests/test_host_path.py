@@ -249,6 +249,28 @@ def test_dispatch_send_launches_the_send_part_and_its_hook_the_receive_part(cpu_
     assert buf.combine(y, out.handle).shape == (T, H)
 
 
+def test_a_dispatch_of_a_decode_steps_size_sends_prefixed_counts(cpu_buffer):
+    """A dispatch bounded by at most PREFIXED_TOKENS tokens a rank (num_input_tokens, else
+    max_tokens_per_rank) sends prefixed counts, whatever its own token count (every rank passes
+    the same bound); a larger bound, summed counts. A dispatch_send's two launches agree."""
+    from layouts.channels import PREFIXED_TOKENS
+
+    x, ids, w = _inputs()
+    small = cpu_buffer()
+    for t in (T, 5):
+        small.dispatch(x[:t], ids[:t], w[:t])
+        assert small._dispatch_launch.calls[-1]["prefixed"] == 1
+    big = cpu_buffer(tokens=PREFIXED_TOKENS + 1)
+    for bound, prefixed in ((None, 0), (PREFIXED_TOKENS, 1), (PREFIXED_TOKENS + 1, 0), (T, 1)):
+        big.dispatch(x, ids, w, num_input_tokens=bound)
+        assert big._dispatch_launch.calls[-1]["prefixed"] == prefixed, bound
+    for bound, prefixed in ((T, 1), (None, 0)):
+        out, hook = big.dispatch_send(x, ids, w, num_input_tokens=bound)
+        hook()
+        send, receive = big._dispatch_launch.calls[-2:]
+        assert send["prefixed"] == receive["prefixed"] == prefixed, bound
+
+
 def test_dispatch_send_refuses_more_tokens_than_the_staging_holds(cpu_buffer):
     """4 channels of one staged batch (16 tokens) hold 64 tokens: 65 would make a sender wait
     for credit that only the receive launch gives."""

@@ -22,7 +22,9 @@ For each token format, on every rank, with the same inputs each time:
   stream per peer (the practical NVLink ceiling); and for bf16 and fp8-input, the torch gather a
   user of DeepEP's normal mode runs after its dispatch (one row per received token) to reach
   these expert-grouped rows (`deepep_gather_us`; DeepEP's dispatch + it compares with ours);
-- **decode** (`--decode-tokens` per rank, default 128, passed as `num_input_tokens`): eager and
+- **decode** (`--decode-tokens` per rank, default 128, passed as `num_input_tokens`; a Buffer of
+  `--decode-sms`, by default every SM as DeepEP's low-latency kernels take, of which a decode
+  step's channels, one per `TOKENS_PER_CHANNEL` tokens, run on as many): eager and
   CUDA-graph replay times of dispatch and of dispatch + combine (combine = the difference), the
   host time of one call (the Python call returning, no synchronisation), and the kernels' own
   time by the method of DeepEP's `tests/test_low_latency.py` (its `bench_kineto`): a large
@@ -77,6 +79,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sms", default="24,all",
                    help="comma-separated SM budgets for the throughput sweep ('all': every SM); "
                         "the first is the headline")
+    p.add_argument("--decode-sms", default="all",
+                   help="the decode Buffer's SM budget ('all': every SM, as DeepEP's "
+                        "low-latency kernels take)")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--out", default="perf/results", help="folder for the JSON record")
     p.add_argument("--plot", metavar="FILE",
@@ -97,6 +102,13 @@ def main(argv=None) -> int:
         if f not in FORMATS:
             raise SystemExit(f"unknown format {f!r}; choose from {', '.join(FORMATS)}")
     budgets = [None if s.strip() == "all" else int(s) for s in args.sms.split(",")]
+    try:
+        decode_sms = _decode_sms(args.decode_sms)
+        if decode_sms is not None and decode_sms < 1:
+            raise ValueError
+    except ValueError:
+        raise SystemExit(f"--decode-sms takes 'all' or a positive number, not "
+                         f"{args.decode_sms!r}") from None
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         raise SystemExit(f"cute-ep bench needs 2+ GPUs of one host; "
                          f"{torch.cuda.device_count()} visible")
@@ -115,6 +127,7 @@ def main(argv=None) -> int:
         # without this key timed from an idle GPU, the host's launch included).
         "timing": "gpu",
         "config": {"tokens": args.tokens, "decode_tokens": args.decode_tokens,
+                   "decode_sms": args.decode_sms,
                    "hidden": args.hidden, "topk": args.topk, "experts": args.experts,
                    "iters": args.iters, "sms": [s or "all" for s in budgets],
                    "sms_per_gpu": torch.cuda.get_device_properties(0).multi_processor_count,
@@ -576,7 +589,7 @@ def _decode(rank, world, args, fmt, flush) -> dict:
 
     t = args.decode_tokens
     cfg = EPConfig(args.hidden, args.topk, args.experts, world, t, _layer_format(fmt))
-    buf = Buffer(cfg)
+    buf = Buffer(cfg, sms=_decode_sms(args.decode_sms))
     x, ids, w, y, quant = _inputs(cfg, t, 100 + rank, fmt)
     quant = dict(quant, num_input_tokens=t)  # the decode path: channels sized for t tokens
     eager = _layer_times(buf, x, ids, w, y, quant, args.iters, flush)
@@ -617,6 +630,11 @@ def _decode(rank, world, args, fmt, flush) -> dict:
             "host_dispatch_us": host["dispatch"], "host_combine_us": host["combine"],
             "steady_host_dispatch_us": steady["dispatch"],
             "steady_host_combine_us": steady["combine"]}
+
+
+def _decode_sms(value: str) -> int | None:
+    """`--decode-sms` as `Buffer(sms=)` takes it: None for "all"."""
+    return None if value == "all" else int(value)
 
 
 def _host_us(buf, x, ids, w, y, quant, layers: int, barrier_each: bool) -> dict[str, float]:
@@ -749,7 +767,8 @@ def _print(record, formats) -> None:
                   "call after a barrier (the ranks' launch skew included); lockstep: mean of "
                   "calls back to back, as DeepEP's test_intranode.py times its own.")
 
-    d = Table(title=f"decode: {cfg['decode_tokens']} tokens/rank, median of {cfg['iters']} "
+    d = Table(title=f"decode: {cfg['decode_tokens']} tokens/rank, "
+                    f"{cfg.get('decode_sms', 24)} SMs, median of {cfg['iters']} "
                     f"(slowest rank shown)")
     columns = {"graph dispatch us": "graph_dispatch_us", "graph combine us": "graph_combine_us",
                "graph layer us": "graph_layer_us", "kernel dispatch us": "kernel_dispatch_us",

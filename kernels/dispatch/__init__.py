@@ -7,7 +7,9 @@ RECV_WARPS_REGISTERS) receiver warps, and runs these parts:
 1. Counts (all warps): the channel's tokens are routed (each valid (token, k) pair, a later k
    naming the same expert dropped, ids outside [0, E) dropped and reported) and counted per
    expert and per destination rank; the counts go to every destination's `counts` table under
-   the round's parity, and the channel's count flag there is raised to the round's epoch.
+   the round's parity, and the channel's count flag there is raised to the round's epoch. A
+   dispatch of a decode step's size (PREFIXED_TOKENS) has every channel route all of its rank's
+   tokens and send prefixed counts: its own, the sum over the channels before it and the total.
 1b. Encode (FP8 and NVFP4 given bf16 tokens, when the host asks for it: a few tokens a channel,
    a decode step's; all warps): the channel's own tokens are quantized into their messages in the
    local send buffer (`kernels.encode`) while the counts travel. More tokens are quantized by
@@ -25,11 +27,13 @@ RECV_WARPS_REGISTERS) receiver warps, and runs these parts:
    returned credit for the batch the slot held, and the warp that
    finishes a batch last (one shared-memory atomic a warp) fences once at system scope and
    publishes the batch in every destination's `tails`.
-3. Receive (the receiver warps): they wait for every (channel, source)'s counts (a count flag's
-   system-scope acquire, then the counts themselves by plain loads, ordered after the acquires by
-   the receivers' barrier), from which each CTA derives the whole row layout (segments padded to
-   the format's row alignment, NVFP4 segments on fresh 128-row scale blocks) and the first row of
-   every (segment, source) that its channel fills. The warps of source s then take s's batches of
+3. Receive (the receiver warps): they wait for every (channel, source)'s counts (prefixed: their
+   own channel's of each source; a count flag's system-scope acquire, then the counts themselves
+   by plain loads, ordered after the acquires by the receivers' barrier), from which each CTA
+   derives the whole row layout (segments padded to the format's row alignment, NVFP4 segments
+   on fresh 128-row scale blocks) and the first row of every (segment, source) that its channel
+   fills. FP8's alignment rows are zeroed by the sender warps once they have sent (the receivers
+   tell them the layout is ready at a named barrier and go on to their first batch). The warps of source s then take s's batches of
    this channel in order as its tail advances: they read the batch's header from the source (over
    NVLink), keep the tokens with an expert here (or this rank's shared-expert tokens), the whole
    batch at once, and place each such message in the next free row of each of its local experts,
@@ -70,21 +74,21 @@ from kernels.encode import (BF16_PER_VECTOR, E2M1_ARCHES, ENCODE_THREADS, NVFP4_
 from kernels.memory import load_f32
 from kernels.placement import claim_channel
 from kernels.nvfp4 import SCALE_TABLE_BYTES, fill_scale_table, scale_table_layout
-from kernels.dispatch.common import (BATCH, FORMATS, LIMITS, MAX_EXPERTS, MAX_RANKS,
-                                     MAX_SEGMENTS, MAX_STAGE_BATCHES, MAX_TOPK, PHASE_DISPATCH,
-                                     PIECE, PIECES, BULK_FORMATS, RECV_TIME_WORDS,
-                                     RECV_WARPS_BULK, RECV_WARPS_REGISTERS, SCRATCH,
-                                     SEND_VECTORS, SEND_WARPS,
-                                     SRC_WORDS, TILE_ROWS, TILE_STRIDE, TILE_VECTORS, WARP, _stamp,
-                                     _wait_at_least)
+from kernels.dispatch.common import (BATCH, BULK_FORMATS, COUNT_WORDS, FORMATS, FP8_BLOCK,
+                                     LIMITS, MAX_RANKS, MAX_SEGMENTS, MAX_STAGE_BATCHES, MAX_TOPK,
+                                     PAD_BARRIER, PHASE_DISPATCH, PIECE, PIECES, RECV_TIME_WORDS,
+                                     RECV_WARPS_BULK, RECV_WARPS_REGISTERS, SCRATCH, SEND_VECTORS,
+                                     SEND_WARPS, SRC_WORDS, TILE_ROWS, TILE_STRIDE, TILE_VECTORS,
+                                     WARP, _stamp, _wait_at_least)
 from kernels.dispatch.counts import CountsPhase
 from kernels.dispatch.receive import ReceivePhase
 from kernels.dispatch.scales import ScalesPhase
 from kernels.dispatch.send import SendPhase
 from kernels.routing import channel_tokens
 from layouts.abi import ARCHES, GridRule, KernelSpec, Param
-from layouts.channels import (COUNT_SEGMENTS, DISPATCH_RECEIVE, DISPATCH_SEND, RECV_TIMES,
-                              SEND_TIMES, count_flags_layout, counters_layout, counts_layout)
+from layouts.channels import (COUNT_KINDS, COUNT_SEGMENTS, DISPATCH_RECEIVE, DISPATCH_SEND,
+                              RECV_TIMES, SEND_TIMES, count_flags_layout, counters_layout,
+                              counts_layout)
 from layouts.config import FP8_ROW_ALIGN, FP8_SCALES
 
 
@@ -125,7 +129,7 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
 
     @property
     def smem_bytes(self) -> int:
-        words = (MAX_EXPERTS + 2 * MAX_RANKS + 8  # s_cnt
+        words = ((0 if self.bulk else COUNT_WORDS)  # the routing counts (bulk: in the ring)
                  + self.recv_warps * MAX_SEGMENTS  # s_next
                  + MAX_RANKS * MAX_SEGMENTS  # s_totals
                  + 4 * (MAX_SEGMENTS + 4)  # s_off, s_tot, s_raw, s_first
@@ -247,6 +251,9 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                 Param("x", "ptr", "bfloat16", align=16),
                 Param("global_scale", "ptr", "float32", align=4),
                 Param("encode", "i32"),
+                # Prefixed counts (`layouts.channels.counts_layout`), the same on every rank:
+                # a dispatch of at most PREFIXED_TOKENS tokens a rank (register receivers: never).
+                Param("prefixed", "i32"),
             ),
             block=(self.threads, 1, 1),
             grid=(GridRule(ceil_div=("launched", 1)), GridRule(constant=1),
@@ -279,7 +286,7 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                  flags_offset: Int64,
                  counters_offset: Int64, timeout_ns: Int64, trace: cute.Pointer,
                  tracing: Int32, phases: Int32, x: cute.Pointer, global_scale: cute.Pointer,
-                 encode: Int32, stream):
+                 encode: Int32, prefixed: Int32, stream):
         self.kernel(peer_bases, source, scale_source, scale_stride, topk_ids, topk_weights,
                     streams, rounds, done, error,
                     tokens, scales, scale_rows, scales_offsets, row_offsets, expert_ids, seg_counts,
@@ -292,7 +299,7 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                     row_capacity, segment_rows, channels, active, launched,
                     headers_offset, staging_offset, counts_offset, flags_offset,
                     counters_offset, timeout_ns, trace, tracing, phases, x, global_scale, encode,
-                    row_tiled_copy(WARP, Uint8, self.vector_bytes),
+                    prefixed, row_tiled_copy(WARP, Uint8, self.vector_bytes),
                     row_tiled_copy(WARP, Uint8, 16),
                     row_tiled_copy(ENCODE_THREADS, BFloat16, BF16_PER_VECTOR),
                     row_tiled_copy(ENCODE_THREADS, Float8E4M3FN, BF16_PER_VECTOR)).launch(
@@ -322,7 +329,7 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                flags_offset: Int64,
                counters_offset: Int64, timeout_ns: Int64, trace: cute.Pointer, tracing: Int32,
                phases: Int32, x: cute.Pointer, global_scale: cute.Pointer, encode: Int32,
-               warp_copy: cute.TiledCopy, send_copy: cute.TiledCopy, enc_in: cute.TiledCopy,
+               prefixed: Int32, warp_copy: cute.TiledCopy, send_copy: cute.TiledCopy, enc_in: cute.TiledCopy,
                enc_out: cute.TiledCopy):
         tidx, _, _ = cute.arch.thread_idx()
         channel, _, _ = cute.arch.block_idx()
@@ -333,8 +340,6 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
         entries = COUNT_SEGMENTS + segments
 
         smem = cutlass.memory.SmemAllocator()
-        s_cnt = smem.allocate_tensor(Int32, cute.make_layout(MAX_EXPERTS + 2 * MAX_RANKS + 8),
-                                     byte_alignment=16)
         s_next = smem.allocate_tensor(Int32, cute.make_layout(self.recv_warps * MAX_SEGMENTS),
                                       byte_alignment=16)
         s_totals = smem.allocate_tensor(Int32, cute.make_layout(MAX_RANKS * MAX_SEGMENTS),
@@ -375,6 +380,17 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
         if cutlass.const_expr(self.fmt == "nvfp4"):
             s_table = smem.allocate_tensor(Float32, scale_table_layout(), byte_alignment=16)
 
+        # The routing counts (`_publish_counts`): bulk receivers' kernels count in their ring, free
+        # until the counts are out (three regions: prefixed counts); the others in a region of
+        # their own, and never prefixed.
+        if cutlass.const_expr(self.bulk):
+            assert COUNT_KINDS * COUNT_WORDS * 4 <= pieces * piece
+            counted = cute.make_tensor(cute.recast_ptr(s_ring.iterator, dtype=Int32),
+                                       cute.make_layout(COUNT_KINDS * COUNT_WORDS))
+        else:
+            counted = smem.allocate_tensor(Int32, cute.make_layout(COUNT_WORDS),
+                                           byte_alignment=16)
+            prefixed = Int32(0)
         s_channel = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
         if launched > active:
             # Spare CTAs: one channel per TPC (kernels/placement.py); the others leave.
@@ -428,11 +444,11 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                         prefetch_rows(x, t0 + tidx, payload_vectors * self.vector_bytes
                                       * (2 if self.fmt == "nvfp4" else 1))
                 # 1. Counts ----------------------------------------------------------------------
-                self._publish_counts(tidx, channel, t0, t1, topk_ids, topk, experts,
+                self._publish_counts(tidx, channel, t0, t1, num_tokens, topk_ids, topk, experts,
                                      local_experts, my_rank, skip_a2a, shared, shared_begin,
                                      shared_end, ranks, entries, peers, counts_offset, counts_at,
-                                     flags_offset, flags_at, parity, epoch, active, error, s_cnt,
-                                     trace, tracing)
+                                     flags_offset, flags_at, parity, epoch, active, prefixed,
+                                     error, counted, trace, tracing)
 
                 # 1b. Encode (FP8 / NVFP4 given bf16 tokens) -------------------------------------
                 # Every warp quantizes the channel's own tokens into the send buffer while the
@@ -453,6 +469,12 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                                staging_offset, counters_offset, counters, timeout_ns,
                                payload_vectors, scales_offset, send_copy, s_arrive, s_head,
                                s_time, trace, tracing)
+                    if cutlass.const_expr(self.row_align > 1):
+                        if phases & DISPATCH_RECEIVE != 0:
+                            self._pad_after_send(warp, lane, channel, active, tokens,
+                                                 scale_rows, src_info, s_off, s_raw,
+                                                 local_experts + shared, segment_rows,
+                                                 payload_vectors, row_capacity)
 
             if phases & DISPATCH_RECEIVE != 0:
                 # 3. Receive ---------------------------------------------------------------------
@@ -469,7 +491,7 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                                   flags_offset, counters_offset, counters, counts_at, flags_at,
                                   parity, epoch, timeout_ns, s_next, s_totals, s_off, s_tot, s_raw,
                                   s_first, s_src, s_rows, s_wts, s_ring, s_full, s_piece, s_time,
-                                  warp_copy, trace, tracing)
+                                  warp_copy, trace, tracing, phases & DISPATCH_SEND, prefixed)
 
                 # The last CTA to finish advances the round.
                 cute.arch.sync_threads()
@@ -502,6 +524,21 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
             if tidx == 0:
                 _stamp(trace, tracing, channel, "end", cute.arch.globaltimer())
 
+
+    @cute.jit
+    def _pad_after_send(self, warp, lane, channel, active, tokens: cute.Pointer,
+                        scale_rows: cute.Pointer, src_info: cute.Pointer,
+                        s_off: cute.Tensor, s_raw: cute.Tensor, segments, segment_rows,
+                        payload_vectors, row_capacity):
+        """Sender warp `warp`, its batches sent: once the receivers have the row layout
+        (PAD_BARRIER), zero its share of FP8's alignment rows (every channel's sender warps take
+        a segment each in turn), off the receivers' way to their first batch."""
+        cute.arch.barrier(barrier_id=PAD_BARRIER, number_of_threads=self.threads)
+        if segment_rows == 0 and s_off[segments] <= row_capacity:
+            self._zero_row_padding(channel * SEND_WARPS + warp, active * SEND_WARPS, lane, tokens,
+                                   scale_rows, src_info, s_off, s_raw, segments,
+                                   Int64(payload_vectors) * self.vector_bytes,
+                                   payload_vectors * self.vector_bytes // FP8_BLOCK, row_capacity)
 
     @cute.jit
     def _encode_tokens(self, tidx, t0, t1, x: cute.Pointer, global_scale: cute.Pointer,

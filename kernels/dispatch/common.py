@@ -16,6 +16,10 @@ MAX_TOPK = 16
 MAX_SEGMENTS = 272  # local experts + a shared expert, with slack
 MAX_EXPERTS = 2176  # MAX_RANKS x 272
 SEND_WARPS = 4
+# The named barrier at which a dispatch's receiver warps tell its sender warps that the row layout
+# is ready (the senders then zero FP8's alignment rows); barrier 1 is the receivers', 2 + s the
+# warps of source s.
+PAD_BARRIER = 2 + MAX_RANKS
 # A receiver warp's int64 words of s_time, after the sender warps' SEND_TIMES: its RECV_TIMES,
 # then the %globaltimer reading at which its current part began (`_lap`).
 RECV_TIME_WORDS = len(RECV_TIMES) + 1
@@ -69,7 +73,13 @@ FP8_BLOCK = 128
 NVFP4_BLOCK = 16
 FORMATS = ("bf16", "fp8", "nvfp4")
 PHASE_DISPATCH = 1  # the error record's phase (layouts.buffers.PHASES order, 1-based)
-FLAG_ROUND = 256  # a count flag holds epoch * FLAG_ROUND + the channels its source used
+# A count flag holds epoch * FLAG_ROUND + the channels its source used, + FLAG_PREFIXED where its
+# counts are prefixed (`layouts.channels.counts_layout`): ranks that disagree are reported.
+FLAG_ROUND = 512
+FLAG_PREFIXED = 256
+# The words of a channel's routing counts in shared memory: per expert, per destination rank
+# (messages), the shared expert's tokens (`CountsPhase._publish_counts`).
+COUNT_WORDS = MAX_EXPERTS + 2 * MAX_RANKS + 8
 IDS, WEIGHTS = METADATA_FIELDS.index("expert_ids"), METADATA_FIELDS.index("weights")
 LIMITS = {"max_ranks": MAX_RANKS, "max_topk": MAX_TOPK, "max_segments": MAX_SEGMENTS - 1,
           "max_experts": MAX_EXPERTS, "max_stage_batches": MAX_STAGE_BATCHES,

@@ -10,13 +10,14 @@ from cutlass import Float32, Int32, Int64, Uint8
 
 from kernels.bulk_copy import bulk_load, bulk_store
 from kernels.copy import row_predicate
-from kernels.dispatch.common import (BATCH, DONE_AT, FLAG_ROUND, FP8_BLOCK, HEADER_REGS, IDS,
-                                     IDS_AT, LAG, MAP_AT, MAX_RANKS, MAX_SEGMENTS,
-                                     MAX_STAGE_BATCHES, MAX_TOPK, NVFP4_BLOCK, PHASE_DISPATCH,
-                                     PIECE, PIECES, RECV_TIME_WORDS, ROWS, ROWS_AT, SCALE_REGS,
-                                     SCALES_BULK, SCALES_LANES, SCALES_SLABS, SCRATCH, SEGS_AT,
-                                     SEND_WARPS, SROWS_AT, STAGE_AT, TOKS_AT, WARP, WEIGHTS, _lap,
-                                     _stamp, _stamp_max, _wait_at_least)
+from kernels.dispatch.common import (BATCH, DONE_AT, FLAG_PREFIXED, FLAG_ROUND, FP8_BLOCK,
+                                     HEADER_REGS, IDS, IDS_AT, LAG, MAP_AT, MAX_RANKS,
+                                     MAX_SEGMENTS, MAX_STAGE_BATCHES, MAX_TOPK, NVFP4_BLOCK,
+                                     PAD_BARRIER, PHASE_DISPATCH, PIECE, PIECES, RECV_TIME_WORDS,
+                                     ROWS, ROWS_AT, SCALES_BULK, SCALES_LANES, SCALES_SLABS,
+                                     SCALE_REGS, SCRATCH, SEGS_AT, SEND_WARPS, SROWS_AT, STAGE_AT,
+                                     TOKS_AT, WARP, WEIGHTS, _lap, _stamp, _stamp_max,
+                                     _wait_at_least)
 from kernels.memory import error_field, gmem_ptr, store_f32, store_i32
 from kernels.scan import warp_exclusive_scan
 from layouts.buffers import ERROR_CAPACITY, ERROR_CHANNELS, ERROR_COUNTS, scale_rows_layout
@@ -48,22 +49,32 @@ class ReceivePhase:
                  s_off: cute.Tensor, s_tot: cute.Tensor, s_raw: cute.Tensor, s_first: cute.Tensor,
                  s_src: cute.Tensor, s_rows: cute.Tensor, s_wts: cute.Tensor,
                  s_ring: cute.Tensor, s_full: cute.Pointer, s_piece: cute.Tensor,
-                 s_time: cute.Tensor, warp_copy: cute.TiledCopy, trace: cute.Pointer, tracing):
-        """The receiver warps (thread rt of recv_warps * 32)."""
+                 s_time: cute.Tensor, warp_copy: cute.TiledCopy, trace: cute.Pointer, tracing,
+                 pad_by_senders, prefixed):
+        """The receiver warps (thread rt of recv_warps * 32). `pad_by_senders`: this launch's
+        sender warps zero the FP8 alignment rows (`_pad_after_send`), not the receivers.
+        `prefixed`: the sources sent prefixed counts (`layouts.channels.counts_layout`)."""
         threads = self.recv_threads
         rwarp = rt // WARP
         lane = rt % WARP
         segments = local_experts + shared
-        # 3a. Every (channel, source)'s counts of this round. A source that split its tokens
-        # over another number of channels (another num_input_tokens) is reported, not waited
-        # for past its channels.
-        for i in cutlass.range(rt, ranks * active, threads):
+        # 3a. Every (channel, source)'s counts of this round (prefixed counts: this channel's of
+        # every source). A source that split its tokens over another number of channels (another
+        # num_input_tokens), or sent counts of the other kind, is reported, not waited for past
+        # its channels.
+        flags = ranks * active
+        if prefixed != 0:
+            flags = ranks
+        for i in cutlass.range(rt, flags, threads):
             s = i // active
             c = i - s * active
+            if prefixed != 0:
+                s = i
+                c = channel
             flag, ok = _wait_at_least(here + flags_offset + Int64(flags_at((c, s, parity))) * 8,
                                       epoch * FLAG_ROUND, timeout_ns, error, s,
                                       Int32(PHASE_DISPATCH))
-            if ok != 0 and flag % FLAG_ROUND != Int64(active):
+            if ok != 0 and flag % FLAG_ROUND != Int64(active) + Int64(prefixed * FLAG_PREFIXED):
                 cute.arch.atomic_or(error_field(error, "bad_counts"), Int32(ERROR_CHANNELS),
                                     sem="relaxed", scope="gpu")
         cute.arch.barrier(barrier_id=1, number_of_threads=threads)
@@ -79,8 +90,9 @@ class ReceivePhase:
             # loads need not wait for the error words; a failed layer discards them unreported.
             n = self._count(here, counts_offset, counts_at, COUNT_MESSAGES, channel, rt, parity)
             ntok = self._count(here, counts_offset, counts_at, COUNT_TOKENS, channel, rt, parity)
-            before, total = self._sum_counts(here, counts_offset, counts_at, COUNT_MESSAGES, rt,
-                                             parity, channel, active, max_tokens, error, failed)
+            before, total = self._counts_before(here, counts_offset, counts_at, COUNT_MESSAGES,
+                                                rt, parity, channel, active, max_tokens, error,
+                                                failed, prefixed)
             if failed:
                 n = Int32(0)
                 ntok = Int32(0)
@@ -112,8 +124,9 @@ class ReceivePhase:
         for i in cutlass.range(rt, ranks * segments, threads):
             s = i // segments
             g = i - s * segments
-            part, total = self._sum_counts(here, counts_offset, counts_at, COUNT_SEGMENTS + g,
-                                           s, parity, channel, active, max_tokens, error, failed)
+            part, total = self._counts_before(here, counts_offset, counts_at, COUNT_SEGMENTS + g,
+                                              s, parity, channel, active, max_tokens, error,
+                                              failed, prefixed)
             if failed:
                 part = Int32(0)
                 total = Int32(0)
@@ -176,11 +189,15 @@ class ReceivePhase:
         blocks = payload_vectors * self.vector_bytes // FP8_BLOCK
         scale_cols = payload_vectors * self.vector_bytes * 2 // NVFP4_BLOCK
         rk = (scale_cols + 3) // 4
-        # Padding: the receiver warps of every channel take a segment each in turn.
+        # Padding: the warps of every channel take a segment each in turn; the sender warps once
+        # they have sent, where this launch has them (the receivers tell them the layout is
+        # ready at PAD_BARRIER and go on to the batches), else the receiver warps here.
         if cutlass.const_expr(self.row_align > 1):
             # (Slabs leave the rows past a segment's count undefined; an overflow, everything
             # past the capacity.)
-            if segment_rows == 0 and s_off[segments] <= row_capacity:
+            if pad_by_senders != 0:
+                cute.arch.barrier_arrive(barrier_id=PAD_BARRIER, number_of_threads=self.threads)
+            elif segment_rows == 0 and s_off[segments] <= row_capacity:
                 self._zero_row_padding(channel * self.recv_warps + rwarp,
                                        active * self.recv_warps, lane, tokens, scale_rows,
                                        src_info, s_off, s_raw, segments, payload_bytes, blocks,

@@ -251,21 +251,28 @@ def test_decode_splits_tokens_over_fewer_channels(fmt):
     _layer(bufs, 70, [40, 40, 40, 40], weighted=False, num_input_tokens=40)
 
 
-def test_ranks_that_disagree_on_num_input_tokens_get_an_error_not_a_hang():
+@pytest.mark.parametrize("bounds", [(16, 256), (256, 300)])
+def test_ranks_that_disagree_on_num_input_tokens_get_an_error_not_a_hang(bounds):
+    """Bounds that split the tokens over different numbers of channels (16 and 256 tokens at 16
+    SMs: 8 and 16), or over the same 16 with counts of different kinds (256: prefixed, 300:
+    summed, `layouts.channels.PREFIXED_TOKENS`)."""
     import time
 
     from cute_ep.ep import Buffer
     from layouts import EPConfig
 
-    cfg = EPConfig(1024, 4, 16, 2, 256, "bf16")
+    cfg = EPConfig(1024, 4, 16, 2, 512, "bf16")
     bufs = Buffer.emulated(cfg, timeout_s=30.0, sms=16)
-    x = torch.randn(32, 1024, device="cuda").to(torch.bfloat16)
-    ids = torch.randint(0, 16, (32, 1), device="cuda").repeat(1, 4)
+    kinds = {bufs[0]._prefixed_for(b) for b in bounds}
+    channels = {bufs[0].active_channels(b) for b in bounds}
+    assert (len(channels), len(kinds)) == ((2, 1) if bounds == (16, 256) else (1, 2))
+    x = torch.randn(16, 1024, device="cuda").to(torch.bfloat16)
+    ids = torch.randint(0, 16, (16, 1), device="cuda").repeat(1, 4)
     ids = (ids + torch.arange(4, device="cuda")) % 16
-    w = torch.rand(32, 4, device="cuda")
+    w = torch.rand(16, 4, device="cuda")
     streams = [torch.cuda.Stream() for _ in bufs]
     start = time.monotonic()
-    for buf, stream, bound in zip(bufs, streams, (32, 256)):
+    for buf, stream, bound in zip(bufs, streams, bounds):
         with torch.cuda.stream(stream):
             buf.dispatch(x, ids.int(), w, num_input_tokens=bound)
     torch.cuda.synchronize()
