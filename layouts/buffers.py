@@ -97,6 +97,13 @@ def wide_tile_word(row, chunk, shift):
     return row * WIDE_TILE_WORDS + ((chunk ^ ((row >> shift) & 7)) * 4)
 
 
+# FP8 packed rows, at most this many in all (a decode step's): the dispatch's receivers store
+# each row's scales straight into the output's transposed [H / 128, rows], a 4-byte store a
+# block, and the dispatch skips its write-out of `scale_rows` (and the grid-wide wait before
+# it). More rows take the write-out, whose stores are whole lines.
+DIRECT_SCALE_ROWS = 2048
+
+
 def scale_rows_layout(words, rows) -> Layout:
     """(scale word, row) -> int32 word of the row-major scale buffer: a row's `words` words
     contiguous. Also takes DSL integers (the dispatch kernel evaluates the same layout)."""

@@ -471,7 +471,7 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                                s_time, trace, tracing)
                     if cutlass.const_expr(self.row_align > 1):
                         if phases & DISPATCH_RECEIVE != 0:
-                            self._pad_after_send(warp, lane, channel, active, tokens,
+                            self._pad_after_send(warp, lane, channel, active, tokens, scales,
                                                  scale_rows, src_info, s_off, s_raw,
                                                  local_experts + shared, segment_rows,
                                                  payload_vectors, row_capacity)
@@ -505,7 +505,8 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                 if cutlass.const_expr(self.fmt != "bf16"):
                     # (Not after an overflow of the output's rows: the layout runs past the
                     # buffers.)
-                    if segment_rows <= 0 and s_off[local_experts + shared] <= row_capacity:
+                    if segment_rows <= 0 and s_off[local_experts + shared] <= row_capacity \
+                            and not self._direct_scales(s_off, local_experts + shared):
                         # Every CTA's received scales are in scale_rows once the round has advanced:
                         # then all of them write the output's layout, a share each.
                         if tidx == 0:
@@ -527,7 +528,7 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
 
     @cute.jit
     def _pad_after_send(self, warp, lane, channel, active, tokens: cute.Pointer,
-                        scale_rows: cute.Pointer, src_info: cute.Pointer,
+                        scales: cute.Pointer, scale_rows: cute.Pointer, src_info: cute.Pointer,
                         s_off: cute.Tensor, s_raw: cute.Tensor, segments, segment_rows,
                         payload_vectors, row_capacity):
         """Sender warp `warp`, its batches sent: once the receivers have the row layout
@@ -536,7 +537,7 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
         cute.arch.barrier(barrier_id=PAD_BARRIER, number_of_threads=self.threads)
         if segment_rows == 0 and s_off[segments] <= row_capacity:
             self._zero_row_padding(channel * SEND_WARPS + warp, active * SEND_WARPS, lane, tokens,
-                                   scale_rows, src_info, s_off, s_raw, segments,
+                                   scales, scale_rows, src_info, s_off, s_raw, segments,
                                    Int64(payload_vectors) * self.vector_bytes,
                                    payload_vectors * self.vector_bytes // FP8_BLOCK, row_capacity)
 

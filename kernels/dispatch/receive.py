@@ -20,7 +20,8 @@ from kernels.dispatch.common import (BATCH, DONE_AT, FLAG_PREFIXED, FLAG_ROUND, 
                                      _wait_at_least)
 from kernels.memory import error_field, gmem_ptr, store_f32, store_i32
 from kernels.scan import warp_exclusive_scan
-from layouts.buffers import ERROR_CAPACITY, ERROR_CHANNELS, ERROR_COUNTS, scale_rows_layout
+from layouts.buffers import (DIRECT_SCALE_ROWS, ERROR_CAPACITY, ERROR_CHANNELS, ERROR_COUNTS,
+                             scale_rows_layout)
 from layouts.channels import (COUNT_MESSAGES, COUNT_SEGMENTS, COUNT_TOKENS, DISPATCH, HEADS,
                               RECV_TIMES, SEND_TIMES, TAILS, batch_header_layout,
                               channel_messages_layout, header_token_word, headers_layout,
@@ -199,9 +200,9 @@ class ReceivePhase:
                 cute.arch.barrier_arrive(barrier_id=PAD_BARRIER, number_of_threads=self.threads)
             elif segment_rows == 0 and s_off[segments] <= row_capacity:
                 self._zero_row_padding(channel * self.recv_warps + rwarp,
-                                       active * self.recv_warps, lane, tokens, scale_rows,
-                                       src_info, s_off, s_raw, segments, payload_bytes, blocks,
-                                       row_capacity)
+                                       active * self.recv_warps, lane, tokens, scales,
+                                       scale_rows, src_info, s_off, s_raw, segments,
+                                       payload_bytes, blocks, row_capacity)
 
         # 3b. The messages of source s (warps rwarp = s, s + ranks, ... share them: each copies
         # its share of every payload, the first of them does the rest).
@@ -291,6 +292,8 @@ class ReceivePhase:
             scale_bytes = (blocks if self.fmt == "fp8" else rk) * 4
             if segment_rows > 0:
                 scale_mode = Int32(SCALES_SLABS)
+            elif self._direct_scales(s_off, local_experts + shared):
+                scale_mode = Int32(SCALES_SLABS)  # a decode step's rows: straight to the output
             elif scale_bytes % 16 != 0 or (self.fmt == "nvfp4" and scale_cols % 4 != 0):
                 scale_mode = Int32(SCALES_LANES)
         pieces = Int32((msg_bytes + PIECE - 1) // PIECE)
@@ -861,12 +864,25 @@ class ReceivePhase:
                           word)
 
     @cute.jit
+    def _direct_scales(self, s_off: cute.Tensor, segments):
+        """Whether this dispatch's FP8 packed rows take their scales straight into the output
+        (at most DIRECT_SCALE_ROWS rows in all, read from the row layout every CTA derives
+        alike): the same answer in every receiver and at the kernel's end."""
+        direct = False
+        if cutlass.const_expr(self.fmt == "fp8"):
+            direct = s_off[segments] <= DIRECT_SCALE_ROWS
+        return direct
+
+    @cute.jit
     def _zero_row_padding(self, warp_id, warps, lane, tokens: cute.Pointer,
-                          scale_rows: cute.Pointer, src_info: cute.Pointer, s_off: cute.Tensor,
-                          s_raw: cute.Tensor, segments, payload_bytes, blocks, row_capacity):
+                          scales: cute.Pointer, scale_rows: cute.Pointer,
+                          src_info: cute.Pointer, s_off: cute.Tensor, s_raw: cute.Tensor,
+                          segments, payload_bytes, blocks, row_capacity):
         """FP8: zero the alignment rows after each segment's rows (payload words, their scales in
-        `scale_rows`, src_info -1): warp `warp_id` of `warps` (every channel's receivers) takes
-        segments warp_id, warp_id + warps, ..., its lanes the segment's padding words."""
+        `scale_rows`, or in the output where the rows' scales go there (`_direct_scales`),
+        src_info -1): warp `warp_id` of `warps` (every channel's receivers) takes segments
+        warp_id, warp_id + warps, ..., its lanes the segment's padding words."""
+        direct = self._direct_scales(s_off, segments)
         vectors = Int32(payload_bytes // 16)  # FP8 payload rows are whole 16-byte vectors
         zeros = cute.make_rmem_tensor(cute.make_layout(4), Int32)
         zeros.fill(0)
@@ -878,7 +894,11 @@ class ReceivePhase:
                     Int32, tokens.toint() + Int64(pad_begin) * payload_bytes + Int64(i) * 16, 16),
                     cute.make_layout(4)))
             for i in cutlass.range(lane, pad_rows * blocks, WARP):
-                store_i32(scale_rows.toint() + Int64(scale_rows_layout(blocks, row_capacity)(
-                    (Int64(i % blocks), Int64(pad_begin + i // blocks)))) * 4, Int32(0))
+                if direct:
+                    store_i32(scales.toint() + (Int64(i % blocks) * Int64(row_capacity)
+                                                + Int64(pad_begin + i // blocks)) * 4, Int32(0))
+                else:
+                    store_i32(scale_rows.toint() + Int64(scale_rows_layout(blocks, row_capacity)(
+                        (Int64(i % blocks), Int64(pad_begin + i // blocks)))) * 4, Int32(0))
             for i in cutlass.range(lane, pad_rows * 2, WARP):
                 store_i32(src_info.toint() + Int64(pad_begin) * 8 + Int64(i) * 4, Int32(-1))

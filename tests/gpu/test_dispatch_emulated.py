@@ -635,6 +635,25 @@ def test_the_sources_layout_gives_deepeps_rows_ids_and_weights(fmt):
                 assert torch.equal(combined[s_], want), f"seed {seed}, rank {s_}: combine"
 
 
+@pytest.mark.parametrize("prequantized", [False, True])
+def test_fp8_scales_straight_to_the_output_or_by_the_write_out_alternate_exactly(prequantized):
+    """FP8 packed rows: at most DIRECT_SCALE_ROWS rows in all take their scales straight into the
+    output's transposed layout (and the dispatch skips its write-out), more take the write-out
+    of `scale_rows`; layers of each kind alternate on the same Buffers, every scale word (the
+    alignment rows' zeros included) as the reference's."""
+    from cute_ep.ep import Buffer
+    from layouts import EPConfig
+    from layouts.buffers import DIRECT_SCALE_ROWS
+
+    cfg = EPConfig(2048, 8, 16, 2, 1024, "fp8")
+    bufs = Buffer.emulated(cfg, timeout_s=20.0, sms=6)
+    # About 8 rows a token here (top-8 of 16 experts, 8 of them local, over 2 ranks).
+    small, large = DIRECT_SCALE_ROWS // 32, DIRECT_SCALE_ROWS // 4
+    for seed, tokens in enumerate(([small, small], [large, large], [small, 0], [large, small],
+                                   [3, 5])):
+        _layer(bufs, 900 + seed, tokens, prequantized=prequantized)
+
+
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
 @pytest.mark.parametrize("hidden", [2048, 10240])
 def test_bf16_tokens_quantized_in_the_dispatch_or_by_ep_encode_give_the_reference(fmt, hidden,
