@@ -170,10 +170,12 @@ class _Carved:
                 for name in names]
 
     @classmethod
-    def _of(cls, flat: torch.Tensor | None, carve: _Carve | None, **fields):
-        """An instance with `fields` set and the rest carved from `flat`."""
+    def _of(cls, fields: dict):
+        """An instance whose attributes are `fields`, the dict itself (a call builds it fresh):
+        the fields given, and `_flat` and `_carve` (None for an instance with every field
+        given), which carve the rest."""
         obj = cls.__new__(cls)
-        obj.__dict__.update(fields, _flat=flat, _carve=carve)
+        obj.__dict__ = fields
         return obj
 
 
@@ -321,11 +323,15 @@ class Buffer:
         self._quantized_rows = _quantized_rows(cfg)
         # The same as torch dtypes for the checks' fast path (codes dtype, columns, scales
         # dtype, columns); None where a pre-quantized input always takes the detailed checks.
-        self._quantized_fast = None
-        if self._quantized_rows is not None and not (cfg.format == "nvfp4" and cfg.hidden % 64):
+        self._quantized_fast = self._quantized_strides = None
+        if self._quantized_rows is not None:
             (code_dtype, code_cols, _), (scale_dtype, scale_cols, _) = self._quantized_rows
-            self._quantized_fast = (getattr(torch, code_dtype), code_cols,
-                                    getattr(torch, scale_dtype), scale_cols)
+            code_dtype, scale_dtype = getattr(torch, code_dtype), getattr(torch, scale_dtype)
+            if not (cfg.format == "nvfp4" and cfg.hidden % 64):
+                self._quantized_fast = (code_dtype, code_cols, scale_dtype, scale_cols)
+            # The bytes of a checked input's code row and scale row (what its shapes give).
+            self._quantized_strides = (code_cols * code_dtype.itemsize,
+                                       scale_cols * scale_dtype.itemsize)
         self.geo = ChannelGeometry(cfg, channels=self._sms, **(geometry or {}))
         self.channel_offsets = self.geo.peer_offsets()
         self.peer_visible_bytes = self.channel_offsets["total"]
@@ -479,8 +485,10 @@ class Buffer:
         """A dispatch's checks (inputs, global scale, no receive hook pending, the token bound);
         returns the token count."""
         num_tokens = self._check_dispatch_inputs(x, topk_ids, topk_weights)
-        if global_scale is not None or self._takes_global_scale:  # else nothing to check
-            self._check_global_scale(global_scale, type(x) is tuple)
+        quantized = type(x) is tuple
+        # Else nothing to check: no scale given, and none needed (bf16 x of an nvfp4 layer).
+        if global_scale is not None or (self._takes_global_scale and not quantized):
+            self._check_global_scale(global_scale, quantized)
         if self._receive_pending is not None:
             self._no_receive_pending()
         if num_input_tokens is not None and not 0 <= num_tokens <= int(num_input_tokens):
@@ -571,9 +579,8 @@ class Buffer:
             load_bytes = source_stride
         elif type(x) is tuple:  # pre-quantized: (codes, scales), a row of each per token
             codes, scales = x
-            source, source_stride = codes.data_ptr(), codes.shape[1] * codes.element_size()
-            scale_source = scales.data_ptr()
-            scale_stride = scales.shape[1] * scales.element_size()
+            source, scale_source = codes.data_ptr(), scales.data_ptr()
+            source_stride, scale_stride = self._quantized_strides
             load_bytes = source_stride
         else:  # bf16 tokens, quantized into the send buffer before the senders stream them
             gs_at = global_scale.data_ptr() if global_scale is not None else self._no_f32_at
@@ -646,6 +653,8 @@ class Buffer:
             outputs += [("recv_topk_ids", (cap, cfg.topk), torch.int32),
                         ("recv_topk_weights", (cap, cfg.topk), torch.float32)]
         self._output_carve = _Carve(outputs)
+        # A carved DispatchOutput's attributes before the call's own (tokens, handle, _flat).
+        self._output_fields = {**self._absent, "_carve": self._output_carve}
         names = ("rows", "weights", "tokens", "messages", "channels")  # self._routes' order
         self._handle_carve = _Carve([(name, b.torch_shape, getattr(torch, b.dtype))
                                      for name, b in zip(names, self._routes)],
@@ -660,16 +669,19 @@ class Buffer:
         dev = self.device
         tokens = self._tokens_like.new_empty(*self._tokens_shape)
         if separate:
-            return DispatchOutput._of(
-                None, None, tokens=tokens, **self._absent, **self._output_carve.separate(dev),
-                handle=DispatchHandle._of(None, None, routing=route,
-                                          **self._handle_carve.separate(dev)))
+            handle = DispatchHandle._of({"routing": route, **self._handle_carve.separate(dev),
+                                         "_flat": None, "_carve": None})
+            return DispatchOutput._of({**self._absent, **self._output_carve.separate(dev),
+                                       "tokens": tokens, "handle": handle, "_flat": None,
+                                       "_carve": None})
         # The rows on their own (a caller may free them after its GEMM while it keeps the
         # handle for combine); scales, metadata and handle in one allocation.
         flat = self._bytes_like.new_empty(self._handle_carve.end)
-        handle = DispatchHandle._of(flat, self._handle_carve, routing=route)
-        return DispatchOutput._of(flat, self._output_carve, tokens=tokens, handle=handle,
-                                  **self._absent)
+        handle = DispatchHandle._of({"routing": route, "_flat": flat,
+                                     "_carve": self._handle_carve})
+        fields = self._output_fields.copy()  # the absent fields and the carve
+        fields["tokens"], fields["handle"], fields["_flat"] = tokens, handle, flat
+        return DispatchOutput._of(fields)
 
     def dispatch(self, x, topk_ids, topk_weights=None, *, skip_a2a=False,
                  num_input_tokens=None, global_scale=None) -> DispatchOutput:
@@ -705,10 +717,10 @@ class Buffer:
         cfg, r = self.cfg, handle.routing
         if self._receive_pending is not None:
             self._no_receive_pending()
-        if not (type(y) is torch.Tensor and y.dtype is torch.bfloat16 and y.dim() == 2
-                and y.shape[1] == cfg.hidden and y.shape[0] >= cfg.row_capacity
-                and y.get_device() == self._device_index and y.is_contiguous()
-                and not y.data_ptr() % 16):  # else say what is wrong
+        if not (type(y) is torch.Tensor and y.dtype is torch.bfloat16
+                and len(shape := y.shape) == 2 and shape[1] == cfg.hidden
+                and shape[0] >= cfg.row_capacity and y.get_device() == self._device_index
+                and y.is_contiguous() and not y.data_ptr() % 16):  # else say what is wrong
             check_tensor(y, name="y", dtype="bfloat16", align=16,
                          device_index=self._device_index)
             if y.dim() != 2 or y.shape[1] != cfg.hidden:
@@ -723,10 +735,10 @@ class Buffer:
             if topk_weights is not None:
                 raise ValueError("the sources layout's combine adds each received row once; "
                                  "weigh the rows before combine")
-            return self._launch_combine(y, handle, AT_EXPERTS, self._no_f32)
+            return self._launch_combine(y, handle, AT_EXPERTS, self._no_f32_at)
         if topk_weights is None:
             return self._launch_combine(y, handle, AT_EXPERTS if r.weighted else UNREDUCED,
-                                        self._no_f32)
+                                        self._no_f32_at)
         if r.weighted:
             raise ValueError("this dispatch carried topk_weights, so its combine is already "
                              "weighted: pass topk_weights to dispatch or to combine, not both")
@@ -736,15 +748,16 @@ class Buffer:
         if tuple(topk_weights.shape) != (t, k):
             raise ValueError(f"topk_weights must be float32 [{t}, {k}] (the dispatch's "
                              f"tokens), got {tuple(topk_weights.shape)}")
-        return self._launch_combine(y, handle, AT_HOME, topk_weights)
+        return self._launch_combine(y, handle, AT_HOME, topk_weights.data_ptr())
 
     def _combine_rows(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Combine, weighted at the experts, of a handle whose rows all lie below y's row count
         (`cute_ep.deepep`'s one-row messages into its own [N, H] rows): y bf16, contiguous."""
         check_tensor(y, name="x", dtype="bfloat16", align=16, device_index=self._device_index)
-        return self._launch_combine(y, handle, AT_EXPERTS, self._no_f32)
+        return self._launch_combine(y, handle, AT_EXPERTS, self._no_f32_at)
 
-    def _launch_combine(self, y, handle, mode: int, home: torch.Tensor) -> torch.Tensor:
+    def _launch_combine(self, y, handle, mode: int, home: int) -> torch.Tensor:
+        """`home`: the address of the home side's weights (a placeholder's where none)."""
         r, k, hidden = handle.routing, self.cfg.topk, self.cfg.hidden
         t = r.num_tokens
         out = self._bf16_like.new_empty(t, k, hidden) if mode == UNREDUCED else \
@@ -754,7 +767,7 @@ class Buffer:
         self.calls[1] += 1
         self._combine_launch(
             y.data_ptr(), rows, weights, channels, r.topk_ids.data_ptr(), out.data_ptr(),
-            home.data_ptr(), t, mode, int(r.skip_a2a), r.shared_begin, r.shared_end,
+            home, t, mode, int(r.skip_a2a), r.shared_begin, r.shared_end,
             r.channels, self._no_i64_at if trace is None else trace.data_ptr(),
             int(trace is not None))
         return out
@@ -964,9 +977,10 @@ class Buffer:
             fast = self._quantized_fast
             if fast is not None and len(x) == 2:
                 codes, scales = x
-                if type(codes) is tensor and type(scales) is tensor and codes.dim() == 2:
-                    t = codes.shape[0]
-                    if (codes.dtype is fast[0] and codes.shape[1] == fast[1]
+                if type(codes) is tensor and type(scales) is tensor and \
+                        len(shape := codes.shape) == 2:
+                    t = shape[0]
+                    if (codes.dtype is fast[0] and shape[1] == fast[1]
                             and scales.dtype is fast[2] and scales.shape == (t, fast[3])
                             and codes.get_device() == dev and scales.get_device() == dev
                             and codes.is_contiguous() and scales.is_contiguous()
@@ -976,9 +990,9 @@ class Buffer:
             num_tokens = self._check_quantized_input(x)
             self._check_routing(topk_ids, topk_weights, num_tokens)
             return num_tokens
-        if type(x) is tensor and x.dim() == 2:
-            t = x.shape[0]
-            if (x.dtype is torch.bfloat16 and x.shape[1] == cfg.hidden
+        if type(x) is tensor and len(shape := x.shape) == 2:
+            t = shape[0]
+            if (x.dtype is torch.bfloat16 and shape[1] == cfg.hidden
                     and x.get_device() == dev and x.is_contiguous() and not x.data_ptr() % 16
                     and self._routing_ok(topk_ids, topk_weights, t)):
                 return t

@@ -82,13 +82,15 @@ class _RankBuffer:
                           topk_ids=topk_ids.int())
         shared = [(int(row), int(res.src_info[row, 0])) for row in placed
                   if int(res.src_info[row, 1]) < 0]
-        handle = DispatchHandle._of(None, None, routing=routing, rows=rows, weights=weights,
-                                    tokens=tokens, messages=messages,
-                                    channels=messages[None, :].clone(), shared_rows=shared)
-        return DispatchOutput._of(None, None, tokens=res.tokens, scales=res.scales,
-                                  row_offsets=res.row_offsets.int(), expert_ids=res.expert_ids,
-                                  src_info=res.src_info, counts=res.counts, handle=handle,
-                                  scales_offsets=None)
+        handle = DispatchHandle._of(dict(routing=routing, rows=rows, weights=weights,
+                                         tokens=tokens, messages=messages,
+                                         channels=messages[None, :].clone(), shared_rows=shared,
+                                         _flat=None, _carve=None))
+        return DispatchOutput._of(dict(tokens=res.tokens, scales=res.scales,
+                                       row_offsets=res.row_offsets.int(),
+                                       expert_ids=res.expert_ids, src_info=res.src_info,
+                                       counts=res.counts, handle=handle, scales_offsets=None,
+                                       _flat=None, _carve=None))
 
     def combine(self, y, handle):
         cfg = self.cfg

@@ -53,10 +53,10 @@ def test_carved_fields_are_views_made_on_first_read():
                            ("channels", (1, 2), torch.int32)], start=out_carve.end)
     flat = torch.zeros(handle_carve.end, dtype=torch.uint8)
     route = Routing(1, 4, True, False, 0, 4, torch.zeros(4, 1, dtype=torch.int32))
-    handle = DispatchHandle._of(flat, handle_carve, routing=route)
+    handle = DispatchHandle._of({"routing": route, "_flat": flat, "_carve": handle_carve})
     tokens = torch.zeros(4, 8, dtype=torch.bfloat16)
-    out = DispatchOutput._of(flat, out_carve, tokens=tokens, scales=None, handle=handle,
-                             scales_offsets=None)
+    out = DispatchOutput._of({"tokens": tokens, "scales": None, "handle": handle,
+                              "scales_offsets": None, "_flat": flat, "_carve": out_carve})
     assert "counts" not in out.__dict__ and "rows" not in handle.__dict__
     assert handle._address("rows") == flat.data_ptr() + handle_carve.parts["rows"][0]
     handle.rows.fill_(-1)
@@ -76,7 +76,7 @@ def test_addresses_follow_a_replaced_field_and_an_uncarved_handle():
                     ("channels", (1, 2), torch.int32)])
     flat = torch.zeros(carve.end, dtype=torch.uint8)
     route = Routing(1, 4, True, False, 0, 4, torch.zeros(4, 1, dtype=torch.int32))
-    handle = DispatchHandle._of(flat, carve, routing=route)
+    handle = DispatchHandle._of({"routing": route, "_flat": flat, "_carve": carve})
     names = ("rows", "weights", "channels")
     assert handle._addresses(names) == [handle._address(n) for n in names]
     handle.rows  # a view made on first read: the same address

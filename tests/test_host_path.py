@@ -68,6 +68,13 @@ def _inputs(t=T):
     return x, ids, torch.rand(t, K, generator=gen)
 
 
+def _quantized(fmt):
+    """A pre-quantized input of T tokens for an fp8 or nvfp4 Buffer: (codes, scales)."""
+    if fmt == "fp8":
+        return torch.zeros(T, H, dtype=torch.float8_e4m3fn), torch.ones(T, H // 128)
+    return torch.zeros(T, H // 2, dtype=torch.uint8), torch.zeros(T, H // 16, dtype=torch.uint8)
+
+
 def test_dispatch_and_combine_pass_their_tensors_addresses(cpu_buffer):
     buf = cpu_buffer()
     for t in (T, 5, 0, T):  # a new token count: new outputs, new arguments
@@ -321,11 +328,7 @@ def test_a_pre_quantized_input_takes_the_quick_checks_and_a_bad_one_the_detailed
     launching nothing, before and after good calls."""
     buf = cpu_buffer(fmt)
     _, ids, w = _inputs()
-    if fmt == "fp8":
-        codes, scales = torch.zeros(T, H, dtype=torch.float8_e4m3fn), torch.ones(T, H // 128)
-    else:
-        codes = torch.zeros(T, H // 2, dtype=torch.uint8)
-        scales = torch.zeros(T, H // 16, dtype=torch.uint8)
+    codes, scales = _quantized(fmt)
     detailed = []
     check = ep.check_tensor
 
@@ -398,3 +401,44 @@ def test_the_kernels_pointers_name_each_output_part_carved_or_separate(cpu_buffe
             want = part.data_ptr() if part is not None else placeholder[arg].data_ptr()
             assert d[arg] == want, (arg, fmt, layout)
         assert d["tokens"] == out.tokens.data_ptr()
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
+def test_each_dispatch_output_owns_its_fields(cpu_buffer, fmt):
+    """A carved output starts from the Buffer's planned fields (the format's absent ones None)
+    but in a dict of its own: a view made on one output's first read is that output's, never
+    the next dispatch's nor the plan's."""
+    buf = cpu_buffer(fmt)
+    x, ids, w = _inputs()
+    gs = {"global_scale": torch.ones(1)} if fmt == "nvfp4" else {}
+    planned = dict(buf._output_fields)
+    first = buf.dispatch(x, ids, w, **gs)
+    info, offsets = first.src_info, first.row_offsets  # views made now, kept in first's dict
+    second = buf.dispatch(x, ids, w, **gs)
+    assert buf._output_fields == planned and "src_info" not in second.__dict__
+    assert second.src_info.data_ptr() != info.data_ptr()
+    assert second.row_offsets.data_ptr() != offsets.data_ptr()
+    assert second.handle is not first.handle and second.handle.routing.num_tokens == T
+    assert (first.scales is None) == (second.scales is None) == (fmt == "bf16")
+    assert (first.scales_offsets is None) == (fmt != "nvfp4")
+    assert first.recv_topk_ids is None and second.recv_topk_weights is None
+    separate = buf.dispatch_for_operator(x, ids, w, False, None, gs.get("global_scale"))
+    assert separate.__dict__["_flat"] is None and separate.handle.__dict__["_carve"] is None
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_a_pre_quantized_input_passes_its_row_bytes_by_either_check(cpu_buffer, fmt):
+    """The row bytes of codes and scales, planned once per Buffer, are those of the input's
+    own shapes, whether the quick checks passed it or the detailed ones (int64 ids)."""
+    buf = cpu_buffer(fmt)
+    _, ids, w = _inputs()
+    codes, scales = _quantized(fmt)
+    on = lambda t: t.as_subclass(_OnDevice)  # noqa: E731
+    for call in (lambda: buf.dispatch((codes, scales), ids, w),
+                 lambda: buf.dispatch((on(codes), on(scales)), on(ids.long()), on(w))):
+        call()
+        d = buf._dispatch_launch.calls[-1]
+        assert (d["source"], d["scale_source"]) == (codes.data_ptr(), scales.data_ptr())
+        assert (d["source_stride"], d["load_bytes"], d["scale_stride"]) == (
+            codes.stride(0) * codes.element_size(), codes.stride(0) * codes.element_size(),
+            scales.stride(0) * scales.element_size())
