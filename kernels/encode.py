@@ -20,7 +20,7 @@ from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64
 from kernels.bulk_copy import bulk_prefetch_l2
 from kernels.copy import row_predicate, row_tiled_copy
 from kernels.fp8 import FP8_BLOCK, scale_fp8_block
-from kernels.memory import gmem_ptr, load_f32, store_u8
+from kernels.memory import gmem_ptr, load_f32, store_f32, store_u8
 from kernels.nvfp4 import (SCALE_TABLE_BYTES, fill_scale_table, quantize_nvfp4_pairs,
                            scale_table_layout)
 from layouts.abi import ARCHES, GridRule, KernelSpec, Param
@@ -89,6 +89,53 @@ def encode_fp8_token(tidx, src_addr, dst_addr, scales_addr, hidden, pow2: cutlas
                 vec = tile * ENCODE_THREADS + tidx
                 if lane % vectors_per_block == 0 and vec < rows:
                     scales[vec // vectors_per_block] = scale
+
+
+@cute.jit
+def encode_fp8_rows(tidx, threads: cutlass.Constexpr, src_addr, dst_addr, msg_bytes,
+                    scales_offset, hidden, rows, pow2: cutlass.Constexpr):
+    """Thread `tidx` of `threads` (whole warps): `rows` consecutive bf16 tokens at `src_addr`
+    (rows of `hidden`, a multiple of 128) to their messages, `msg_bytes` apart from `dst_addr`
+    (e4m3 codes, then fp32 scales at `scales_offset`). The rows' 8-element vectors are spread
+    over every thread at once (vector v = tile * threads + tidx of the rows taken as one; 16
+    consecutive lanes share a 128-element block), each thread's FP8_AHEAD loads in flight before
+    it quantizes the first: a few tokens take all of the CTA's warps, where a token each for
+    ENCODE_THREADS threads left some idle and gave the rest a whole token's tiles in turn. The
+    math of `kernels.fp8.scale_fp8_block`."""
+    per_row = hidden // BF16_PER_VECTOR
+    total = rows * per_row
+    lane = tidx % WARP
+    vectors_per_block = FP8_BLOCK // BF16_PER_VECTOR
+    regs = [cute.make_rmem_tensor(cute.make_layout(BF16_PER_VECTOR), BFloat16)
+            for _ in range(FP8_AHEAD)]
+    for first in cutlass.range(0, total, threads * FP8_AHEAD):
+        for a in cutlass.range_constexpr(FP8_AHEAD):
+            v = first + a * threads + tidx
+            regs[a].fill(0.0)
+            if v < total:
+                cute.autovec_copy(cute.make_tensor(
+                    gmem_ptr(BFloat16, src_addr + Int64(v) * (BF16_PER_VECTOR * 2), 16),
+                    cute.make_layout(BF16_PER_VECTOR)), regs[a])
+        for a in cutlass.range_constexpr(FP8_AHEAD):
+            # Uniform over the warp (its block shuffles need every lane); the lanes past the
+            # rows quantize zeros and store nothing.
+            if first + a * threads + tidx - lane < total:
+                v = first + a * threads + tidx
+                vals = cute.make_rmem_tensor(cute.make_layout(BF16_PER_VECTOR), Float32)
+                vals.store(regs[a].load().to(Float32))
+                scale = scale_fp8_block(vals, BF16_PER_VECTOR, vectors_per_block, pow2)
+                q = cute.make_rmem_tensor(cute.make_layout(BF16_PER_VECTOR), Float8E4M3FN)
+                q.store(vals.load().to(Float8E4M3FN))
+                if v < total:
+                    row = v // per_row
+                    vec = v - row * per_row
+                    msg = dst_addr + Int64(row) * Int64(msg_bytes)
+                    cute.autovec_copy(q, cute.make_tensor(
+                        gmem_ptr(Float8E4M3FN, msg + Int64(vec) * BF16_PER_VECTOR, 8),
+                        cute.make_layout(BF16_PER_VECTOR)))
+                    if lane % vectors_per_block == 0:
+                        store_f32(msg + Int64(scales_offset) + Int64(vec // vectors_per_block) * 4,
+                                  scale)
 
 
 @cute.jit

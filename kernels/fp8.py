@@ -43,7 +43,10 @@ def scale_fp8_block(vals: cute.Tensor, n: cutlass.Constexpr, lanes: cutlass.Cons
                     pow2: cutlass.Constexpr = False) -> Float32:
     """`vals`: this thread's `n` fp32 values of a block shared by `lanes` consecutive lanes (a
     power of two). Divides them in place by the block's scale (`pow2`: rounded up to a power of
-    two) and clamps them to +-448; returns the scale."""
+    two); returns the scale. The caller converts them to e4m3 with saturation (`F2FP.SATFINITE`,
+    what `.to(Float8E4M3FN)` compiles to): a quotient past +-448 (a rounding of amax / 448, or
+    an infinite amax) becomes +-448 there and a NaN stays NaN, as the reference's clamp to +-448
+    gives, so no clamp of its own (two min/max a value)."""
     amax = Float32(0.0)
     for i in cutlass.range_constexpr(n):
         amax = cute.arch.fmax(amax, cute.arch.fmax(vals[i], -vals[i], nan=True), nan=True)
@@ -66,7 +69,4 @@ def scale_fp8_block(vals: cute.Tensor, n: cutlass.Constexpr, lanes: cutlass.Cons
         else:
             for i in cutlass.range_constexpr(n):
                 vals[i] = vals[i] / scale
-    for i in cutlass.range_constexpr(n):
-        vals[i] = cute.arch.fmin(cute.arch.fmax(vals[i], Float32(-FP8_MAX), nan=True),
-                                 Float32(FP8_MAX), nan=True)
     return scale

@@ -401,3 +401,18 @@ def test_a_rank_records_its_gpus_sm_clocks_or_none(monkeypatch):
         raise subprocess.TimeoutExpired(argv, 30)
 
     assert bench.gpu_clocks(0, slow) is None
+
+
+def test_a_traced_call_reads_only_the_channels_that_ran(monkeypatch):
+    """A decode step runs fewer channels than its Buffer has: the rows of those that never
+    started (start 0) are left out, so the stamps stay relative to the first channel's start."""
+    import torch
+
+    from cute_ep.tools import bench
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.distributed, "barrier", lambda *a: None)
+    fields = ("start", "end", "wait_ns")
+    trace = torch.tensor([[1000, 5000, 700], [2000, 9000, 300], [0, 0, 0]], dtype=torch.int64)
+    out = bench._traced(lambda on: None, lambda: trace, lambda: None, fields)
+    assert out == {"end": 8.0, "wait_us": 0.7}

@@ -66,11 +66,11 @@ round counter advances when the last CTA finishes, so a CUDA graph replays the l
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64, Uint8
+from cutlass import Float32, Int32, Int64, Uint8
 
 from kernels.copy import row_tiled_copy
-from kernels.encode import (BF16_PER_VECTOR, E2M1_ARCHES, ENCODE_THREADS, NVFP4_AHEAD,
-                            encode_fp8_token, encode_nvfp4_token, prefetch_rows)
+from kernels.encode import (E2M1_ARCHES, ENCODE_THREADS, NVFP4_AHEAD, encode_fp8_rows,
+                            encode_nvfp4_token, prefetch_rows)
 from kernels.memory import load_f32
 from kernels.placement import claim_channel
 from kernels.nvfp4 import SCALE_TABLE_BYTES, fill_scale_table, scale_table_layout
@@ -300,9 +300,7 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                     headers_offset, staging_offset, counts_offset, flags_offset,
                     counters_offset, timeout_ns, trace, tracing, phases, x, global_scale, encode,
                     prefixed, row_tiled_copy(WARP, Uint8, self.vector_bytes),
-                    row_tiled_copy(WARP, Uint8, 16),
-                    row_tiled_copy(ENCODE_THREADS, BFloat16, BF16_PER_VECTOR),
-                    row_tiled_copy(ENCODE_THREADS, Float8E4M3FN, BF16_PER_VECTOR)).launch(
+                    row_tiled_copy(WARP, Uint8, 16)).launch(
             grid=(launched, 1, 1), block=(self.threads, 1, 1), smem=self.smem_bytes,
             stream=stream)
 
@@ -329,8 +327,7 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                flags_offset: Int64,
                counters_offset: Int64, timeout_ns: Int64, trace: cute.Pointer, tracing: Int32,
                phases: Int32, x: cute.Pointer, global_scale: cute.Pointer, encode: Int32,
-               prefixed: Int32, warp_copy: cute.TiledCopy, send_copy: cute.TiledCopy, enc_in: cute.TiledCopy,
-               enc_out: cute.TiledCopy):
+               prefixed: Int32, warp_copy: cute.TiledCopy, send_copy: cute.TiledCopy):
         tidx, _, _ = cute.arch.thread_idx()
         channel, _, _ = cute.arch.block_idx()
         warp = tidx // WARP
@@ -456,8 +453,7 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                 if cutlass.const_expr(self.fmt != "bf16"):
                     if encode != 0:
                         self._encode_tokens(tidx, t0, t1, x, global_scale, source, source_stride,
-                                            scales_offset, payload_vectors, s_table, enc_in,
-                                            enc_out)
+                                            scales_offset, payload_vectors, s_table)
                         cute.arch.sync_threads()
 
                 # 2. Send ------------------------------------------------------------------------
@@ -544,29 +540,31 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
     @cute.jit
     def _encode_tokens(self, tidx, t0, t1, x: cute.Pointer, global_scale: cute.Pointer,
                        send_buf: cute.Pointer, msg_bytes, scales_offset, payload_vectors,
-                       table: cute.Tensor, enc_in: cute.TiledCopy, enc_out: cute.TiledCopy):
+                       table: cute.Tensor):
         """Tokens t0 .. t1 - 1 of `x` (bf16 rows) into their messages in `send_buf` (a token's
-        payload, then its scales at `scales_offset`), ENCODE_THREADS threads a token, the CTA's
-        whole groups of them taking every groups-th token (the threads past the last whole group,
-        where the CTA's are not a multiple of ENCODE_THREADS, take none)."""
-        groups = self.threads // ENCODE_THREADS
-        group = tidx // ENCODE_THREADS
-        gtid = tidx - group * ENCODE_THREADS
+        payload, then its scales at `scales_offset`): FP8 by every thread of the CTA, the
+        tokens' vectors spread over all of them (`encode_fp8_rows`); NVFP4 by ENCODE_THREADS
+        threads a token, the CTA's whole groups of them taking every groups-th token (the
+        threads past the last whole group, where the CTA's are not a multiple of
+        ENCODE_THREADS, take none)."""
         hidden = payload_vectors * self.vector_bytes * (2 if self.fmt == "nvfp4" else 1)
-        gs = Float32(0.0)
-        if cutlass.const_expr(self.fmt == "nvfp4"):
+        if cutlass.const_expr(self.fmt == "fp8"):
+            encode_fp8_rows(tidx, self.threads, x.toint() + Int64(t0) * Int64(hidden) * 2,
+                            send_buf.toint() + Int64(t0) * Int64(msg_bytes), msg_bytes,
+                            scales_offset, hidden, t1 - t0, self.scales == "pow2")
+        else:
+            groups = self.threads // ENCODE_THREADS
+            group = tidx // ENCODE_THREADS
+            gtid = tidx - group * ENCODE_THREADS
             gs = load_f32(global_scale.toint())
-        if group < groups:
-            for t in cutlass.range(t0 + group, t1, groups):
-                msg = send_buf.toint() + Int64(t) * Int64(msg_bytes)
-                row = x.toint() + Int64(t) * Int64(hidden) * 2
-                if cutlass.const_expr(self.fmt == "fp8"):
-                    encode_fp8_token(gtid, row, msg, msg + Int64(scales_offset), hidden,
-                                     self.scales == "pow2", enc_in, enc_out)
-                else:
+            if group < groups:
+                for t in cutlass.range(t0 + group, t1, groups):
+                    msg = send_buf.toint() + Int64(t) * Int64(msg_bytes)
+                    row = x.toint() + Int64(t) * Int64(hidden) * 2
                     # (The register receivers' kernel, at 96 registers, loads a block at a time.)
                     encode_nvfp4_token(gtid, row, msg, msg + Int64(scales_offset), hidden, gs,
                                        self.e2m1, table, NVFP4_AHEAD if self.bulk else 1)
+
 
 def dispatch_kernels() -> list:
     """Every format's kernel: FP8 with exact and power-of-two scales, NVFP4 with each arch's
