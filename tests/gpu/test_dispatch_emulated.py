@@ -655,14 +655,16 @@ def test_fp8_scales_straight_to_the_output_or_by_the_write_out_alternate_exactly
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
-@pytest.mark.parametrize("hidden", [2048, 10240])
+@pytest.mark.parametrize("hidden", [1152, 2048, 10240])
 def test_bf16_tokens_quantized_in_the_dispatch_or_by_ep_encode_give_the_reference(fmt, hidden,
                                                                                  monkeypatch):
     """bf16 tokens of an FP8 or NVFP4 layer are quantized inside the dispatch kernel for a few a
     channel and by `ep_encode` for more (`FUSED_ENCODE_TOKENS`): forced each way, every size
     (empty ranks, a few tokens, more than a batch a channel) gives the reference's bytes.
     H = 10240 takes a thread's loads of a token in two rounds (`kernels.encode`'s FP8_AHEAD
-    tiles, NVFP4_AHEAD blocks)."""
+    tiles, NVFP4_AHEAD blocks); H = 1152 (144 FP8 vectors a token) has a warp of the dispatch's
+    FP8 encode end one token's vectors and begin the next's, or end the channel's tokens, halfway
+    (`encode_fp8_rows`)."""
     import cute_ep.ep as ep
     from cute_ep.ep import Buffer
     from layouts import EPConfig
