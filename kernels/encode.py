@@ -10,7 +10,8 @@ one of two places, both on the layer's SM budget:
   each of GROUPS groups, group g of CTA c taking tokens c * GROUPS + g, + ctas * GROUPS, ...;
 - the dispatch kernel itself (its phase 1b), each channel its own tokens with every warp of its
   CTA, right after it has sent its counts: for a few tokens a channel (a decode step's), where a
-  second launch would cost more than the quantization.
+  second launch would cost more than the quantization. FP8 there spreads the tokens' vectors over
+  all of the CTA's threads (`encode_fp8_rows`), so two tokens take its twelve warps at once.
 """
 
 import cutlass
