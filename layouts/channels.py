@@ -258,10 +258,10 @@ class ChannelGeometry:
 
 # A dispatch of few tokens (decode) uses one channel per this many, up to the budget: a channel
 # quantizes, sends and stores its tokens' rows on one SM, so decode wants every channel it can
-# fill. With prefixed counts more channels cost no channel more counts to read: at 128 tokens a
-# rank on 2 x H100, 2 a channel on 48 SMs took 30.7 us (FP8 from bf16) where 4 (32 channels)
-# took 36.1.
-TOKENS_PER_CHANNEL = 2
+# fill, and with prefixed counts more channels cost no channel more counts to read. 128 tokens a
+# rank on 2 x H100 over every SM (FP8 from bf16, DeepEP's kernel-time method, 2026-11-27): 29.2
+# us at one token a channel, 33.2 at two (before prefixed counts, four a channel on 48 SMs: 38.6).
+TOKENS_PER_CHANNEL = 1
 # A dispatch of at most this many tokens a rank (num_input_tokens, else max_tokens_per_rank) sends
 # prefixed counts (`counts_layout`): each of its channels routes every token of the rank (at
 # most 2 a thread at top-8), where summing the counts of every channel cost each receiving
