@@ -66,6 +66,9 @@ COUNT_MESSAGES, COUNT_TOKENS, COUNT_SEGMENTS = 0, 1, 2
 # sum over the source's channels before it and over all its channels.
 COUNT_OWN, COUNT_BEFORE, COUNT_ALL = 0, 1, 2
 COUNT_KINDS = 3
+# A count flag holds the round's epoch, a bit for prefixed counts and, below it, the channels its
+# source used (`kernels/dispatch/common.py`'s FLAG_ROUND and FLAG_PREFIXED): at most this many.
+MAX_CHANNELS = 255
 
 
 def ring_layout(item_bytes, slots, channels, ranks) -> Layout:
@@ -187,6 +190,10 @@ class ChannelGeometry:
         for name in ("channels", "chunk_tokens", "ring_chunks", "stage_batches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.channels > MAX_CHANNELS:
+            raise ValueError(f"at most {MAX_CHANNELS} channels (SMs) a Buffer, got "
+                             f"{self.channels}: a count flag carries the channels its source "
+                             f"used below its prefixed-counts bit")
 
     @property
     def ring_slots(self) -> int:

@@ -7,7 +7,8 @@ from cutlass import Int32, Int64
 
 from kernels.memory import error_field, gmem_ptr, trace_word
 from layouts.buffers import ERROR_CHANNELS, WIDE_TILE_ROWS, WIDE_TILE_WORDS
-from layouts.channels import DISPATCH, HEADS, RECV_TIMES, STAGE_BATCH_TOKENS, TRACE_FIELDS
+from layouts.channels import (DISPATCH, HEADS, MAX_CHANNELS, RECV_TIMES, STAGE_BATCH_TOKENS,
+                              TRACE_FIELDS)
 from layouts.formats import METADATA_FIELDS
 
 WARP = 32
@@ -75,8 +76,8 @@ FORMATS = ("bf16", "fp8", "nvfp4")
 PHASE_DISPATCH = 1  # the error record's phase (layouts.buffers.PHASES order, 1-based)
 # A count flag holds epoch * FLAG_ROUND + the channels its source used, + FLAG_PREFIXED where its
 # counts are prefixed (`layouts.channels.counts_layout`): ranks that disagree are reported.
-FLAG_ROUND = 512
-FLAG_PREFIXED = 256
+FLAG_PREFIXED = MAX_CHANNELS + 1
+FLAG_ROUND = 2 * FLAG_PREFIXED
 # The words of a channel's routing counts in shared memory: per expert, per destination rank
 # (messages), the shared expert's tokens (`CountsPhase._publish_counts`).
 COUNT_WORDS = MAX_EXPERTS + 2 * MAX_RANKS + 8

@@ -86,3 +86,12 @@ def test_decode_uses_one_channel_per_few_tokens(channels):
         # every token below the bound has a channel, and the runs tile [0, T)
         runs = [channel_tokens(c, bound, active) for c in range(active)]
         assert runs[0][0] == 0 and runs[-1][1] == bound
+
+
+def test_a_geometry_refuses_more_channels_than_a_count_flag_carries():
+    from layouts.channels import MAX_CHANNELS
+
+    cfg = EPConfig(hidden=256, topk=2, experts=8, ranks=2, max_tokens_per_rank=16)
+    assert ChannelGeometry(cfg, MAX_CHANNELS).channels == MAX_CHANNELS
+    with pytest.raises(ValueError, match=f"at most {MAX_CHANNELS} channels"):
+        ChannelGeometry(cfg, MAX_CHANNELS + 1)
