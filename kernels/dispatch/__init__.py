@@ -33,11 +33,12 @@ RECV_WARPS_REGISTERS) receiver warps, and runs these parts:
    derives the whole row layout (segments padded to the format's row alignment, NVFP4 segments
    on fresh 128-row scale blocks) and the first row of every (segment, source) that its channel
    fills. FP8's alignment rows are zeroed by the sender warps once they have sent (the receivers
-   tell them the layout is ready at a named barrier and go on to their first batch). The warps of source s then take s's batches of
-   this channel in order as its tail advances: they read the batch's header from the source (over
-   NVLink), keep the tokens with an expert here (or this rank's shared-expert tokens), the whole
-   batch at once, and place each such message in the next free row of each of its local experts,
-   so rows follow source-token order without any plan on the sender. The payload is loaded once
+   tell them the layout is ready at a named barrier and go on to their first batch). The warps
+   of source s then take s's batches of this channel in order as its tail advances: they read
+   the batch's header from the source (over NVLink), keep the tokens with an expert here (or
+   this rank's shared-expert tokens), the whole batch at once, and place each such message in
+   the next free row of each of its local experts, so rows follow source-token order without
+   any plan on the sender. The payload is loaded once
    from the source's staging (over NVLink) and stored to every row: BF16 by bulk copies
    (`cp.async.bulk`) through PIECES pieces of shared memory per warp, each piece bulk-stored to
    every row as it lands; FP8 and NVFP4 through registers, a row's scales contiguously into

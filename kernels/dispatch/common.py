@@ -78,9 +78,12 @@ PHASE_DISPATCH = 1  # the error record's phase (layouts.buffers.PHASES order, 1-
 # counts are prefixed (`layouts.channels.counts_layout`): ranks that disagree are reported.
 FLAG_PREFIXED = MAX_CHANNELS + 1
 FLAG_ROUND = 2 * FLAG_PREFIXED
-# The words of a channel's routing counts in shared memory: per expert, per destination rank
-# (messages), the shared expert's tokens (`CountsPhase._publish_counts`).
-COUNT_WORDS = MAX_EXPERTS + 2 * MAX_RANKS + 8
+# A region of a channel's routing counts in shared memory (`CountsPhase._publish_counts`): a word
+# per expert, from MSGS_AT one per destination rank (its messages), at SHARED_AT the tokens a
+# fused shared expert takes; COUNT_WORDS in all.
+MSGS_AT = MAX_EXPERTS
+SHARED_AT = MSGS_AT + MAX_RANKS
+COUNT_WORDS = SHARED_AT + MAX_RANKS + 8
 IDS, WEIGHTS = METADATA_FIELDS.index("expert_ids"), METADATA_FIELDS.index("weights")
 LIMITS = {"max_ranks": MAX_RANKS, "max_topk": MAX_TOPK, "max_segments": MAX_SEGMENTS - 1,
           "max_experts": MAX_EXPERTS, "max_stage_batches": MAX_STAGE_BATCHES,

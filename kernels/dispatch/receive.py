@@ -755,8 +755,7 @@ class ReceivePhase:
                                 store_i32(scale_rows.toint() + (Int64(r) * Int64(scale_bytes)
                                                                 + Int64(c) * 4), word)
                             else:
-                                store_i32(scales.toint() + (Int64(c) * Int64(row_capacity)
-                                                            + Int64(r)) * 4, word)
+                                store_i32(self._fp8_scale_at(scales, c, r, row_capacity), word)
         return drained + 1
 
     @cute.jit
@@ -860,8 +859,13 @@ class ReceivePhase:
                 (Int64(c), Int64(row)))) * 4, word)
         else:
             if cutlass.const_expr(self.fmt == "fp8"):
-                store_i32(scales.toint() + (Int64(c) * Int64(row_capacity) + Int64(row)) * 4,
-                          word)
+                store_i32(self._fp8_scale_at(scales, c, row, row_capacity), word)
+
+    @cute.jit
+    def _fp8_scale_at(self, scales: cute.Pointer, c, row, row_capacity):
+        """The address of block c's fp32 scale of row `row` in FP8's transposed output scales
+        ([H / 128, row_capacity])."""
+        return scales.toint() + (Int64(c) * Int64(row_capacity) + Int64(row)) * 4
 
     @cute.jit
     def _direct_scales(self, s_off: cute.Tensor, segments):
@@ -895,8 +899,8 @@ class ReceivePhase:
                     cute.make_layout(4)))
             for i in cutlass.range(lane, pad_rows * blocks, WARP):
                 if direct:
-                    store_i32(scales.toint() + (Int64(i % blocks) * Int64(row_capacity)
-                                                + Int64(pad_begin + i // blocks)) * 4, Int32(0))
+                    store_i32(self._fp8_scale_at(scales, i % blocks, pad_begin + i // blocks,
+                                                 row_capacity), Int32(0))
                 else:
                     store_i32(scale_rows.toint() + Int64(scale_rows_layout(blocks, row_capacity)(
                         (Int64(i % blocks), Int64(pad_begin + i // blocks)))) * 4, Int32(0))
