@@ -61,8 +61,8 @@ from layouts.buffers import (AT_EXPERTS, AT_HOME, ERROR_CAPACITY, ERROR_CHANNELS
                              channel_messages, combine_routes, control_buffers,
                              dispatch_scale_rows, output_scales, total_bytes)
 from layouts.channels import (DEFAULT_CHANNELS, DISPATCH_RECEIVE, DISPATCH_SEND,
-                              PREFIXED_TOKENS, STAGE_BATCH_TOKENS, ChannelGeometry,
-                              active_channels)
+                              STAGE_BATCH_TOKENS, ChannelGeometry, active_channels,
+                              prefixed_counts)
 
 # The SM budget engines give communication (DeepEP's tuned default is 20-24): the rest of the GPU
 # stays free for the other micro-batch's GEMMs. Dispatch runs one persistent CTA per SM of it.
@@ -913,10 +913,9 @@ class Buffer:
 
     def _prefixed_for(self, num_input_tokens) -> int:
         """1 where a dispatch bounded by `num_input_tokens` (else max_tokens_per_rank) sends
-        prefixed counts (at most PREFIXED_TOKENS tokens a rank), else 0: the same on every rank,
+        prefixed counts (`layouts.channels.prefixed_counts`), else 0: the same on every rank,
         like `active_channels`."""
-        bound = self.cfg.max_tokens_per_rank if num_input_tokens is None else num_input_tokens
-        return int(bound <= PREFIXED_TOKENS)
+        return int(prefixed_counts(self.cfg.max_tokens_per_rank, num_input_tokens))
 
     def active_channels(self, num_input_tokens: int | None) -> int:
         """The channels a dispatch splits each rank's tokens over: every channel of the budget,

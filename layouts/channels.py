@@ -276,12 +276,24 @@ TOKENS_PER_CHANNEL = 1
 PREFIXED_TOKENS = 256
 
 
+def token_bound(max_tokens: int, num_input_tokens: int | None) -> int:
+    """The bound on a dispatch's tokens a rank that every rank agrees on: `num_input_tokens`,
+    else the layer's `max_tokens`."""
+    return int(max_tokens if num_input_tokens is None else num_input_tokens)
+
+
 def active_channels(channels: int, max_tokens: int, num_input_tokens: int | None) -> int:
     """The channels a dispatch (and its combine) split each rank's tokens over: all `channels`
     of the budget, or for a small bound on the tokens (`num_input_tokens`, the same on every
     rank) one per TOKENS_PER_CHANNEL tokens, so fewer CTAs run, wait and count."""
-    bound = max_tokens if num_input_tokens is None else num_input_tokens
-    return min(channels, max(1, -(-int(bound) // TOKENS_PER_CHANNEL)))
+    bound = token_bound(max_tokens, num_input_tokens)
+    return min(channels, max(1, -(-bound // TOKENS_PER_CHANNEL)))
+
+
+def prefixed_counts(max_tokens: int, num_input_tokens: int | None) -> bool:
+    """Whether a dispatch of that bound sends prefixed counts (`counts_layout`): at most
+    PREFIXED_TOKENS tokens a rank."""
+    return token_bound(max_tokens, num_input_tokens) <= PREFIXED_TOKENS
 
 
 def channel_tokens(channel: int, num_tokens: int, channels: int) -> tuple[int, int]:

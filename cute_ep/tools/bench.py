@@ -101,9 +101,9 @@ def main(argv=None) -> int:
     for f in formats:
         if f not in FORMATS:
             raise SystemExit(f"unknown format {f!r}; choose from {', '.join(FORMATS)}")
-    budgets = [None if s.strip() == "all" else int(s) for s in args.sms.split(",")]
+    budgets = [_sm_budget(s.strip()) for s in args.sms.split(",")]
     try:
-        decode_sms = _decode_sms(args.decode_sms)
+        decode_sms = _sm_budget(args.decode_sms)
         if decode_sms is not None and decode_sms < 1:
             raise ValueError
     except ValueError:
@@ -592,7 +592,7 @@ def _decode(rank, world, args, fmt, flush) -> dict:
 
     t = args.decode_tokens
     cfg = EPConfig(args.hidden, args.topk, args.experts, world, t, _layer_format(fmt))
-    buf = Buffer(cfg, sms=_decode_sms(args.decode_sms))
+    buf = Buffer(cfg, sms=_sm_budget(args.decode_sms))
     x, ids, w, y, quant = _inputs(cfg, t, 100 + rank, fmt)
     quant = dict(quant, num_input_tokens=t)  # the decode path: channels sized for t tokens
     eager = _layer_times(buf, x, ids, w, y, quant, args.iters, flush)
@@ -635,8 +635,8 @@ def _decode(rank, world, args, fmt, flush) -> dict:
             "steady_host_combine_us": steady["combine"]}
 
 
-def _decode_sms(value: str) -> int | None:
-    """`--decode-sms` as `Buffer(sms=)` takes it: None for "all"."""
+def _sm_budget(value: str) -> int | None:
+    """An SM budget of `--sms` or `--decode-sms` as `Buffer(sms=)` takes it: None for "all"."""
     return None if value == "all" else int(value)
 
 
