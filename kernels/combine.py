@@ -77,6 +77,13 @@ def _handle_word(i, words, topk, sub, per_home, first, s, max_tokens):
 
 
 @cute.jit
+def _home_tail(peers: cute.Tensor, s, counters_offset, counters, channel, my_rank):
+    """The address, in home rank s's counters, of the tail of this rank's combine stream on
+    `channel` (what the expert side publishes)."""
+    return peers[s] + counters_offset + Int64(counters((channel, my_rank, TAILS, COMBINE))) * 8
+
+
+@cute.jit
 def _trace_set(trace: cute.Pointer, channel, field: cutlass.Constexpr, value):
     cute.arch.store(trace_word(trace, channel, COMBINE_TRACE_FIELDS, field), Int64(value))
 
@@ -315,8 +322,7 @@ class EpCombine:
             # the end over it while its siblings may not have started).
             pos = s_pub[s]
             head_word = here + counters_offset + Int64(counters((channel, s, HEADS, COMBINE))) * 8
-            tail_word = peers[s] + counters_offset + Int64(
-                counters((channel, my_rank, TAILS, COMBINE))) * 8
+            tail_word = _home_tail(peers, s, counters_offset, counters, channel, my_rank)
             head = pos
             alive = Int32(1)
             at = w * MAX_CHUNK * MAX_TOPK
@@ -458,8 +464,7 @@ class EpCombine:
         per_home = SEND_WARPS // ranks
         if lane < ranks and per_home > 0 and ranks <= PUBLISH_MAX_RANKS:
             s = lane
-            tail_word = peers[s] + counters_offset + Int64(
-                counters((channel, my_rank, TAILS, COMBINE))) * 8
+            tail_word = _home_tail(peers, s, counters_offset, counters, channel, my_rank)
             published = s_pub[s]
             finished = Int32(0)
             while finished == 0:
