@@ -62,6 +62,8 @@ ROW_VECTOR = 8  # bf16 elements per 16-byte access
 PAIRS = ROW_VECTOR // 2  # 32-bit words of bf16 pairs in one
 STAGES = 8  # row steps a warp's sum has in flight (cp.async into its shared memory), plus one
 PHASE_COMBINE = 2  # the error record's phase (1-based, layouts.buffers.PHASES order)
+# s_flag's word of the receivers' next token of a chunk (after alive and the per-rank counts).
+CLAIM_AT = 4 * MAX_RANKS + 4
 LIMITS = {"max_ranks": MAX_RANKS, "max_topk": MAX_TOPK, "max_chunk": MAX_CHUNK}
 
 
@@ -103,9 +105,9 @@ class EpCombine:
     @property
     def smem_bytes(self) -> int:
         words = (SEND_WARPS * 2 * MAX_CHUNK * MAX_TOPK  # rows, weights of a sender's chunk
-                 + 2 * MAX_CHUNK * MAX_RANKS  # receivers: first item per (token, rank), counts
-                 + MAX_CHUNK + 4 * MAX_RANKS + 8
-                 + MAX_CHUNK * MAX_TOPK  # receivers: a chunk's ids
+                 + 3 * MAX_CHUNK * MAX_RANKS  # receivers: first item per (token, rank), counts x 2
+                 + 2 * MAX_CHUNK + 4 * MAX_RANKS + 8
+                 + 2 * MAX_CHUNK * MAX_TOPK  # receivers: two chunks' ids
                  + 2 * RECV_WARPS * (MAX_TOPK + 1)  # receivers: a token's row addresses
                  + RECV_WARPS * MAX_TOPK  # receivers: a token's home weights
                  + SEND_WARPS)  # senders: done
@@ -206,13 +208,14 @@ class EpCombine:
                                    byte_alignment=16)
         s_first = smem.allocate_tensor(Int32, cute.make_layout(MAX_CHUNK * MAX_RANKS),
                                        byte_alignment=16)
-        s_items = smem.allocate_tensor(Int32, cute.make_layout(MAX_CHUNK * MAX_RANKS),
+        # A chunk's routes, two chunks' worth: the receivers sum one while warp 0 routes the next.
+        s_items = smem.allocate_tensor(Int32, cute.make_layout(2 * MAX_CHUNK * MAX_RANKS),
                                        byte_alignment=16)
-        s_mask = smem.allocate_tensor(Int32, cute.make_layout(MAX_CHUNK + 4), byte_alignment=16)
+        s_mask = smem.allocate_tensor(Int32, cute.make_layout(2 * MAX_CHUNK), byte_alignment=16)
         s_flag = smem.allocate_tensor(Int32, cute.make_layout(4 * MAX_RANKS + 8),
                                       byte_alignment=16)
         s_pos = smem.allocate_tensor(Int64, cute.make_layout(2 * MAX_RANKS), byte_alignment=16)
-        s_ids = smem.allocate_tensor(Int32, cute.make_layout(MAX_CHUNK * MAX_TOPK),
+        s_ids = smem.allocate_tensor(Int32, cute.make_layout(2 * MAX_CHUNK * MAX_TOPK),
                                      byte_alignment=16)
         s_addr = smem.allocate_tensor(Int64, cute.make_layout(RECV_WARPS * (MAX_TOPK + 1)),
                                       byte_alignment=16)
@@ -726,44 +729,25 @@ class EpCombine:
         n_ids = cute.make_rmem_tensor(cute.make_layout(MAX_CHUNK * MAX_TOPK // WARP), Int32)
         if rw == 0 and t0 < t1:
             self._load_ids(lane, topk_ids, t0, cutlass.min(group, t1 - t0) * topk, topk, n_ids)
+            routing = self._route_chunk(lane, t0, t1, group, 0, topk, topk_ids, experts,
+                                        local_experts, my_rank, skip_a2a, shared, shared_begin,
+                                        shared_end, ranks, weighted, n_ids, s_first, s_items,
+                                        s_mask, s_ids, routing, tracing)
+        chunk = Int32(0)
         for base in cutlass.range(t0, t1, group):
             g = t1 - base
             if g > group:
                 g = group
-            # The chunk's routes and where each token's items start in each rank's stream.
+            buf = chunk % 2
+            # Where each token's items start in each rank's stream (warp 0 routed the chunk
+            # while the receivers summed the one before), then wait for them to arrive.
             if rw == 0:
-                routed = Int64(0)
-                if tracing != 0:
-                    routed = cute.arch.globaltimer()
-                words = g * topk
-                for q in cutlass.range_constexpr(MAX_CHUNK * MAX_TOPK // WARP):
-                    if q * WARP + lane < words:
-                        s_ids[q * WARP + lane] = n_ids[q]
-                cute.arch.sync_warp()
-                if base + group < t1:
-                    self._load_ids(lane, topk_ids, base + group,
-                                   cutlass.min(group, t1 - base - group) * topk, topk, n_ids)
-                if lane < g:
-                    t = base + lane
-                    mask, _ = route_ids(s_ids, lane, topk, t, topk, experts, local_experts,
-                                        my_rank, skip_a2a, shared, shared_begin, shared_end,
-                                        s_first, False)
-                    s_mask[lane] = mask
-                    for d in cutlass.range(ranks):
-                        items = (mask >> d) & 1
-                        if weighted != AT_EXPERTS:
-                            items = self._pairs_at(s_ids, lane, topk, experts, local_experts, d,
-                                                   skip_a2a, my_rank)
-                        s_items[lane * MAX_RANKS + d] = items
-                cute.arch.sync_warp()
-                if tracing != 0:
-                    routing = routing + cute.arch.globaltimer() - routed
                 if lane < ranks:
                     d = lane
                     run = s_pos[d]
                     for i in cutlass.range(g):
                         s_first[i * MAX_RANKS + d] = Int32(run - s_pos[d])
-                        run = run + Int64(s_items[i * MAX_RANKS + d])
+                        run = run + Int64(s_items[(buf * MAX_CHUNK + i) * MAX_RANKS + d])
                     need = run
                     ok = Int32(1)
                     if need > s_pos[MAX_RANKS + d] and s_flag[0] != 0:
@@ -780,16 +764,29 @@ class EpCombine:
                     if ok == 0:
                         s_flag[0] = Int32(0)
                     s_flag[1 + d] = Int32(need - s_pos[d])  # items consumed from d
+                if lane == 0:
+                    s_flag[CLAIM_AT] = Int32(0)
             cute.arch.barrier(barrier_id=9, number_of_threads=threads)
-            for i in cutlass.range(rw, g, RECV_WARPS):
+            if rw == 0 and base + group < t1:
+                routing = self._route_chunk(lane, base + group, t1, group, 1 - buf, topk,
+                                            topk_ids, experts, local_experts, my_rank, skip_a2a,
+                                            shared, shared_begin, shared_end, ranks, weighted,
+                                            n_ids, s_first, s_items, s_mask, s_ids, routing,
+                                            tracing)
+            # The chunk's tokens, a warp each as they claim them (warp 0 joins once it has
+            # routed the next chunk).
+            i = self._claim(lane, s_flag)
+            while i < g:
                 t = base + i
                 if s_flag[0] == 0:
                     t = t1  # a wait failed: nothing to read
                 if t < t1 and weighted == AT_EXPERTS:
                     self._sum_token(lane, t, i, here, ring_offset, ring, ring_slots, channel,
                                     ranks, y, out, shared, shared_begin, shared_end,
-                                    steps, vectors, s_first, s_mask, s_pos, s_addr,
-                                    rw * (MAX_TOPK + 1), stages)
+                                    steps, vectors, s_first,
+                                    cute.make_tensor(s_mask.iterator + buf * MAX_CHUNK,
+                                                     cute.make_layout(MAX_CHUNK)),
+                                    s_pos, s_addr, rw * (MAX_TOPK + 1), stages)
                 if t < t1 and weighted == AT_HOME:
                     self._weigh_token(lane, t, i, here, ring_offset, ring, ring_slots, channel,
                                       topk, experts, local_experts, skip_a2a, my_rank, out,
@@ -800,6 +797,7 @@ class EpCombine:
                                      topk, experts, local_experts, skip_a2a, my_rank, out,
                                      layout, tiler, g_crd, steps, vectors, thr, row_copy,
                                      topk_ids, s_first, s_pos)
+                i = self._claim(lane, s_flag)
             cute.arch.barrier(barrier_id=9, number_of_threads=threads)
             # Credit back to every rank the chunk read from. Relaxed, as dispatch's: every
             # load from the chunk's slots has returned (its value summed into a stored row).
@@ -812,6 +810,7 @@ class EpCombine:
                             counters((channel, my_rank, HEADS, COMBINE))) * 8, 8), s_pos[lane],
                             sem="relaxed", scope="sys")
             cute.arch.barrier(barrier_id=9, number_of_threads=threads)
+            chunk = chunk + 1
         if rw == 0 and lane < ranks:
             cute.arch.store(gmem_ptr(Int64, streams.toint() + Int64(
                 counters((channel, lane, HEADS, COMBINE))) * 8, 8), s_pos[lane])
@@ -821,6 +820,55 @@ class EpCombine:
             if lane == 0:
                 _trace_max(trace, channel, "recv_done", cute.arch.globaltimer())
                 _trace_max(trace, channel, "route_ns", routing)
+
+    @cute.jit
+    def _route_chunk(self, lane, base, t1, group, buf, topk, topk_ids: cute.Pointer, experts,
+                     local_experts, my_rank, skip_a2a, shared, shared_begin, shared_end, ranks,
+                     weighted, n_ids: cute.Tensor, s_first: cute.Tensor, s_items: cute.Tensor,
+                     s_mask: cute.Tensor, s_ids: cute.Tensor, routing, tracing):
+        """Warp 0: the routes of the chunk of tokens from `base` into buffer `buf` of s_ids,
+        s_mask and s_items (each token's rank mask and its items per rank), its ids from `n_ids`
+        (loaded a chunk ahead), and the next chunk's ids into `n_ids`. Returns `routing` plus
+        the time it took (tracing on)."""
+        routed = Int64(0)
+        if tracing != 0:
+            routed = cute.arch.globaltimer()
+        g = cutlass.min(group, t1 - base)
+        words = g * topk
+        ids = cute.make_tensor(s_ids.iterator + buf * (MAX_CHUNK * MAX_TOPK),
+                               cute.make_layout(MAX_CHUNK * MAX_TOPK))
+        for q in cutlass.range_constexpr(MAX_CHUNK * MAX_TOPK // WARP):
+            if q * WARP + lane < words:
+                ids[q * WARP + lane] = n_ids[q]
+        cute.arch.sync_warp()
+        if base + group < t1:
+            self._load_ids(lane, topk_ids, base + group,
+                           cutlass.min(group, t1 - base - group) * topk, topk, n_ids)
+        if lane < g:
+            # (route_ids counts nothing: s_first stands in for its unused counts.)
+            mask, _ = route_ids(ids, lane, topk, base + lane, topk, experts, local_experts,
+                                my_rank, skip_a2a, shared, shared_begin, shared_end, s_first,
+                                False)
+            s_mask[buf * MAX_CHUNK + lane] = mask
+            for d in cutlass.range(ranks):
+                items = (mask >> d) & 1
+                if weighted != AT_EXPERTS:
+                    items = self._pairs_at(ids, lane, topk, experts, local_experts, d, skip_a2a,
+                                           my_rank)
+                s_items[(buf * MAX_CHUNK + lane) * MAX_RANKS + d] = items
+        cute.arch.sync_warp()
+        if tracing != 0:
+            routing = routing + cute.arch.globaltimer() - routed
+        return routing
+
+    @cute.jit
+    def _claim(self, lane, s_flag: cute.Tensor):
+        """The next token of the chunk for this warp (lane 0 takes it from the chunk's shared
+        counter, s_flag[CLAIM_AT]; every lane returns it)."""
+        i = Int32(0)
+        if lane == 0:
+            i = cute.arch.atomic_add(s_flag.iterator + CLAIM_AT, Int32(1))
+        return cute.arch.shuffle_sync(i, 0)
 
     @cute.jit
     def _load_ids(self, lane, topk_ids: cute.Pointer, base, words, topk, regs: cute.Tensor):
