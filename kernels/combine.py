@@ -17,7 +17,9 @@ sender warps, RECV_WARPS receiver warps and a publisher warp:
   then never wait for. On more, a home's warps meet after each chunk (a named barrier) and
   their first warp fences and advances the tail.
 - Receivers (the home side): a chunk of this channel's tokens at a time (unreduced, as many
-  tokens as the ring holds K rows of), each token by one warp: a weighted combine adds, in
+  tokens as the ring holds K rows of), routed by warp 0 while the warps sum the chunk before
+  (two chunks' routes in shared memory), each token by the warp that claims it next (a shared
+  counter: warp 0 joins once it has routed): a weighted combine adds, in
   fp32, the row of every rank the token went to and the shared expert's row (this rank's `y`,
   unweighted); an unreduced one copies each k's row (zeros where none), and one weighted at
   home (`AT_HOME`: the weights are the home side's, given to combine, not dispatch's) sums, in
