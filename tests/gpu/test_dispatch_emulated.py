@@ -137,6 +137,24 @@ def test_emulated_shared_expert_and_skip_a2a(fmt):
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
+def test_emulated_shared_expert_at_a_decode_bound_with_prefixed_counts(fmt):
+    """The fused shared expert and skip_a2a with a bound of at most PREFIXED_TOKENS: each
+    channel counts the shared segment's rows before its own and in all from every token of its
+    rank, as it does the experts'."""
+    from cute_ep.ep import Buffer
+    from layouts import EPConfig
+    from layouts.channels import PREFIXED_TOKENS
+
+    cfg = EPConfig(1024, 4, 32, 4, 512, fmt, fused_shared_expert=True)
+    bufs = Buffer.emulated(cfg, timeout_s=20.0, sms=12)
+    assert bufs[0]._prefixed_for(128) == 1 and bufs[0]._prefixed_for(None) == 0
+    assert 128 <= PREFIXED_TOKENS
+    _layer(bufs, 11, [128, 3, 0, 77], num_input_tokens=128)
+    _layer(bufs, 12, [100] * 4, skip_a2a=True, num_input_tokens=128)
+    _layer(bufs, 13, [128] * 4, routing="hot", num_input_tokens=128)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
 @pytest.mark.parametrize("ranks,sms", [(2, 24), (4, 12), (8, 6)])
 def test_emulated_skip_a2a_without_weights_at_the_experts(fmt, ranks, sms):
     """skip_a2a (every rank holds every token and keeps its own experts) with a combine that
