@@ -143,12 +143,10 @@ def test_emulated_shared_expert_at_a_decode_bound_with_prefixed_counts(fmt):
     rank, as it does the experts'."""
     from cute_ep.ep import Buffer
     from layouts import EPConfig
-    from layouts.channels import PREFIXED_TOKENS
 
     cfg = EPConfig(1024, 4, 32, 4, 512, fmt, fused_shared_expert=True)
     bufs = Buffer.emulated(cfg, timeout_s=20.0, sms=12)
     assert bufs[0]._prefixed_for(128) == 1 and bufs[0]._prefixed_for(None) == 0
-    assert 128 <= PREFIXED_TOKENS
     _layer(bufs, 11, [128, 3, 0, 77], num_input_tokens=128)
     _layer(bufs, 12, [100] * 4, skip_a2a=True, num_input_tokens=128)
     _layer(bufs, 13, [128] * 4, routing="hot", num_input_tokens=128)
