@@ -62,7 +62,7 @@ from layouts.buffers import (AT_EXPERTS, AT_HOME, ERROR_CAPACITY, ERROR_CHANNELS
                              dispatch_scale_rows, output_scales, total_bytes)
 from layouts.channels import (DEFAULT_CHANNELS, DISPATCH_RECEIVE, DISPATCH_SEND,
                               STAGE_BATCH_TOKENS, ChannelGeometry, active_channels,
-                              prefixed_counts)
+                              prefixed_counts, read_count_flag)
 
 # The SM budget engines give communication (DeepEP's tuned default is 20-24): the rest of the GPU
 # stays free for the other micro-batch's GEMMs. Dispatch runs one persistent CTA per SM of it.
@@ -837,7 +837,8 @@ class Buffer:
         (a side stream, nothing synchronised with the current one): for a layer that stalls.
         Stream positions and peer-visible counters are [phase, kind, rank, channel] (phase:
         dispatch, combine; kind: made ready, done with; `layouts.channels.counters_layout`);
-        count flags [parity, source, channel] (epoch * 256 + channels the source used)."""
+        count flags [parity, source, channel] (`layouts.channels.count_flag`: the round, the
+        channels the source used, whether its counts are prefixed)."""
         geo, off, r = self.geo, self.channel_offsets, self.cfg.ranks
         side = torch.cuda.Stream(self.device)
         with torch.cuda.stream(side):
@@ -1150,7 +1151,8 @@ def stall_report() -> str:
                                      for p, v in enumerate(by_peer))
                     lines.append(f"  {name} {phase} {kind}: {runs}")
         for parity, by_source in enumerate(st["count_flags"]):
-            runs = "; ".join(f"rank {p}: {_channel_runs(v)}" for p, v in enumerate(by_source))
+            runs = "; ".join(f"rank {p}: {_channel_runs([read_count_flag(w) for w in v])}"
+                             for p, v in enumerate(by_source))
             lines.append(f"  count flags parity {parity}: {runs}")
         for name, fields in (("trace", "TRACE_FIELDS"), ("combine_trace",
                                                           "COMBINE_TRACE_FIELDS")):

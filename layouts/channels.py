@@ -67,8 +67,26 @@ COUNT_MESSAGES, COUNT_TOKENS, COUNT_SEGMENTS = 0, 1, 2
 COUNT_OWN, COUNT_BEFORE, COUNT_ALL = 0, 1, 2
 COUNT_KINDS = 3
 # A count flag holds the round's epoch, a bit for prefixed counts and, below it, the channels its
-# source used (`kernels/dispatch/common.py`'s FLAG_ROUND and FLAG_PREFIXED): at most this many.
+# source used: at most this many (`count_flag`).
 MAX_CHANNELS = 255
+FLAG_PREFIXED = MAX_CHANNELS + 1
+FLAG_ROUND = 2 * FLAG_PREFIXED
+
+
+def count_flag(epoch: int, channels: int, prefixed: bool) -> int:
+    """The count flag a source raises for round `epoch` of a dispatch over `channels` channels
+    (`prefixed`: it sent prefixed counts, `counts_layout`)."""
+    return epoch * FLAG_ROUND + FLAG_PREFIXED * int(prefixed) + channels
+
+
+def read_count_flag(word: int) -> str:
+    """A count flag in words: "round 3, 24 channels" (", prefixed counts" where they are), or
+    "none" for a flag never raised."""
+    if word == 0:
+        return "none"
+    epoch, rest = divmod(word, FLAG_ROUND)
+    prefixed, channels = divmod(rest, FLAG_PREFIXED)
+    return f"round {epoch}, {channels} channels" + (", prefixed counts" if prefixed else "")
 
 
 def ring_layout(item_bytes, slots, channels, ranks) -> Layout:

@@ -79,3 +79,12 @@ def test_stall_report_runs_show_the_channels_that_lag():
     assert _channel_runs([4] * 24) == "4"
     assert _channel_runs([5, 5, 4, 5]) == "5 (ch 0-1) 4 (ch 2) 5 (ch 3)"
     assert _channel_runs([0, 1]) == "0 (ch 0) 1 (ch 1)"
+
+
+def test_stall_report_reads_count_flags_in_words_and_runs():
+    from cute_ep.ep import _channel_runs
+    from layouts.channels import count_flag, read_count_flag
+
+    flags = [count_flag(2, 24, False)] * 3 + [count_flag(1, 24, False)]
+    assert _channel_runs([read_count_flag(w) for w in flags]) == \
+        "round 2, 24 channels (ch 0-2) round 1, 24 channels (ch 3)"

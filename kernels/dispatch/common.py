@@ -7,8 +7,10 @@ from cutlass import Int32, Int64
 
 from kernels.memory import error_field, gmem_ptr, trace_word
 from layouts.buffers import ERROR_CHANNELS, WIDE_TILE_ROWS, WIDE_TILE_WORDS
-from layouts.channels import (DISPATCH, HEADS, MAX_CHANNELS, RECV_TIMES, STAGE_BATCH_TOKENS,
-                              TRACE_FIELDS)
+# A count flag holds epoch * FLAG_ROUND + the channels its source used, + FLAG_PREFIXED where its
+# counts are prefixed (`layouts.channels.count_flag`): ranks that disagree are reported.
+from layouts.channels import (DISPATCH, FLAG_PREFIXED, FLAG_ROUND, HEADS, RECV_TIMES,  # noqa: F401
+                              STAGE_BATCH_TOKENS, TRACE_FIELDS)
 from layouts.formats import METADATA_FIELDS
 
 WARP = 32
@@ -74,10 +76,6 @@ FP8_BLOCK = 128
 NVFP4_BLOCK = 16
 FORMATS = ("bf16", "fp8", "nvfp4")
 PHASE_DISPATCH = 1  # the error record's phase (layouts.buffers.PHASES order, 1-based)
-# A count flag holds epoch * FLAG_ROUND + the channels its source used, + FLAG_PREFIXED where its
-# counts are prefixed (`layouts.channels.counts_layout`): ranks that disagree are reported.
-FLAG_PREFIXED = MAX_CHANNELS + 1
-FLAG_ROUND = 2 * FLAG_PREFIXED
 # A region of a channel's routing counts in shared memory (`CountsPhase._publish_counts`): a word
 # per expert, from MSGS_AT one per destination rank (its messages), at SHARED_AT the tokens a
 # fused shared expert takes; COUNT_WORDS in all.

@@ -95,3 +95,18 @@ def test_a_geometry_refuses_more_channels_than_a_count_flag_carries():
     assert ChannelGeometry(cfg, MAX_CHANNELS).channels == MAX_CHANNELS
     with pytest.raises(ValueError, match=f"at most {MAX_CHANNELS} channels"):
         ChannelGeometry(cfg, MAX_CHANNELS + 1)
+
+
+def test_a_count_flag_reads_back_as_its_round_channels_and_kind():
+    from layouts.channels import MAX_CHANNELS, count_flag, read_count_flag
+
+    assert read_count_flag(0) == "none"
+    assert read_count_flag(count_flag(1, 24, True)) == "round 1, 24 channels, prefixed counts"
+    assert read_count_flag(count_flag(7, MAX_CHANNELS, False)) == \
+        f"round 7, {MAX_CHANNELS} channels"
+    # Distinct (round, channels, kind) give distinct flags, and a later round's is larger: the
+    # receivers wait for epoch * FLAG_ROUND or more.
+    words = {count_flag(e, c, p) for e in (1, 2, 3) for c in (1, 24, MAX_CHANNELS)
+             for p in (False, True)}
+    assert len(words) == 3 * 3 * 2
+    assert count_flag(2, 1, False) > count_flag(1, MAX_CHANNELS, True)
