@@ -714,6 +714,9 @@ class Buffer:
 
     def _checked_combine(self, y, handle: DispatchHandle, topk_weights) -> torch.Tensor:
         """`combine_async`'s checks and launch; returns the output."""
+        fields = getattr(handle, "__dict__", None)
+        if fields is None or fields.get("_carve") is not self._handle_carve:
+            self._check_foreign_handle(handle)
         cfg, r = self.cfg, handle.routing
         if self._receive_pending is not None:
             self._no_receive_pending()
@@ -749,6 +752,24 @@ class Buffer:
             raise ValueError(f"topk_weights must be float32 [{t}, {k}] (the dispatch's "
                              f"tokens), got {tuple(topk_weights.shape)}")
         return self._launch_combine(y, handle, AT_HOME, topk_weights.data_ptr())
+
+    def _check_foreign_handle(self, handle) -> None:
+        """A handle this Buffer's dispatch did not carve (the `cute_ep::dispatch` operator's,
+        `handle_of`'s, or another Buffer's): combine reads its tensors at this Buffer's sizes, so
+        a handle of another configuration is refused here, not read out of bounds."""
+        if not isinstance(handle, DispatchHandle):
+            raise TypeError(f"combine takes the DispatchHandle of a dispatch (out.handle), got "
+                            f"{type(handle).__name__}")
+        r, cfg = handle.routing, self.cfg
+        want = {name: b.torch_shape for name, b in zip(("rows", "weights", "channels"),
+                                                          (*self._routes[:2], self._routes[-1]))}
+        got = {name: tuple(getattr(handle, name).shape) for name in want}
+        ids = tuple(r.topk_ids.shape)
+        if got != want or ids != (r.num_tokens, cfg.topk) or r.channels > self.geo.channels:
+            raise ValueError(f"this handle is not of a dispatch with this Buffer's configuration "
+                             f"({cfg}): its rows, weights and channels are {got} (here "
+                             f"{want}), its ids {ids}, its channels {r.channels} (here at most "
+                             f"{self.geo.channels})")
 
     def _combine_rows(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Combine, weighted at the experts, of a handle whose rows all lie below y's row count

@@ -442,3 +442,21 @@ def test_a_pre_quantized_input_passes_its_row_bytes_by_either_check(cpu_buffer, 
         assert (d["source_stride"], d["load_bytes"], d["scale_stride"]) == (
             codes.stride(0) * codes.element_size(), codes.stride(0) * codes.element_size(),
             scales.stride(0) * scales.element_size())
+
+
+def test_combine_refuses_a_handle_of_another_configuration(cpu_buffer):
+    """Combine reads a handle's tensors at its Buffer's sizes: a handle of a Buffer with another
+    configuration (here twice the tokens) is refused by name, not read out of bounds; one of
+    another Buffer with the same configuration, or rebuilt by `handle_of`, is taken."""
+    buf, same, wider = cpu_buffer(), cpu_buffer(), cpu_buffer(tokens=2 * T)
+    x, ids, w = _inputs()
+    y = torch.zeros(buf.cfg.row_capacity, H, dtype=torch.bfloat16)
+    theirs = wider.dispatch(x, ids, w)
+    with pytest.raises(ValueError, match="not of a dispatch with this Buffer's configuration"):
+        buf.combine(y, theirs.handle)
+    with pytest.raises(TypeError, match="DispatchHandle"):
+        buf.combine(y, theirs)
+    assert buf.combine(y, same.dispatch(x, ids, w).handle).shape == (T, H)
+    h = buf.dispatch(x, ids, w).handle
+    rebuilt = buf.handle_of(ids, h.rows, h.weights, h.channels, True, False, h.routing.channels)
+    assert buf.combine(y, rebuilt).shape == (T, H)
