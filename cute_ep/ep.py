@@ -761,8 +761,7 @@ class Buffer:
             raise TypeError(f"combine takes the DispatchHandle of a dispatch (out.handle), got "
                             f"{type(handle).__name__}")
         r, cfg = handle.routing, self.cfg
-        want = {name: b.torch_shape for name, b in zip(("rows", "weights", "channels"),
-                                                          (*self._routes[:2], self._routes[-1]))}
+        want = {name: self._handle_carve.parts[name][1] for name in _COMBINE_READS}
         got = {name: tuple(getattr(handle, name).shape) for name in want}
         ids = tuple(r.topk_ids.shape)
         if got != want or ids != (r.num_tokens, cfg.topk) or r.channels > self.geo.channels:
