@@ -7,10 +7,7 @@ from cutlass import Int32, Int64
 
 from kernels.memory import error_field, gmem_ptr, trace_word
 from layouts.buffers import ERROR_CHANNELS, WIDE_TILE_ROWS, WIDE_TILE_WORDS
-# A count flag holds epoch * FLAG_ROUND + the channels its source used, + FLAG_PREFIXED where its
-# counts are prefixed (`layouts.channels.count_flag`): ranks that disagree are reported.
-from layouts.channels import (DISPATCH, FLAG_PREFIXED, FLAG_ROUND, HEADS, RECV_TIMES,  # noqa: F401
-                              STAGE_BATCH_TOKENS, TRACE_FIELDS)
+from layouts.channels import DISPATCH, HEADS, RECV_TIMES, STAGE_BATCH_TOKENS, TRACE_FIELDS
 from layouts.formats import METADATA_FIELDS
 
 WARP = 32

@@ -7,13 +7,13 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 
-from kernels.dispatch.common import (COUNT_UNROLL, COUNT_WORDS, FLAG_PREFIXED, FLAG_ROUND,
-                                     MAX_TOPK, MSGS_AT, SHARED_AT, _stamp)
+from kernels.dispatch.common import (COUNT_UNROLL, COUNT_WORDS, MAX_TOPK, MSGS_AT, SHARED_AT,
+                                     _stamp)
 from kernels.memory import error_field, gmem_ptr, load_i32, store_i32
 from kernels.routing import route_token
 from layouts.buffers import ERROR_COUNTS
 from layouts.channels import (COUNT_ALL, COUNT_BEFORE, COUNT_KINDS, COUNT_MESSAGES, COUNT_OWN,
-                              COUNT_SEGMENTS, COUNT_TOKENS)
+                              COUNT_SEGMENTS, COUNT_TOKENS, FLAG_PREFIXED, FLAG_ROUND)
 
 
 class CountsPhase:

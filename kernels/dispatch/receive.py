@@ -10,20 +10,19 @@ from cutlass import Float32, Int32, Int64, Uint8
 
 from kernels.bulk_copy import bulk_load, bulk_store
 from kernels.copy import row_predicate
-from kernels.dispatch.common import (BATCH, DONE_AT, FLAG_PREFIXED, FLAG_ROUND, FP8_BLOCK,
-                                     HEADER_REGS, IDS, IDS_AT, LAG, MAP_AT, MAX_RANKS,
-                                     MAX_SEGMENTS, MAX_STAGE_BATCHES, MAX_TOPK, NVFP4_BLOCK,
-                                     PAD_BARRIER, PHASE_DISPATCH, PIECE, PIECES, RECV_TIME_WORDS,
-                                     ROWS, ROWS_AT, SCALES_BULK, SCALES_LANES, SCALES_SLABS,
-                                     SCALE_REGS, SCRATCH, SEGS_AT, SEND_WARPS, SROWS_AT, STAGE_AT,
-                                     TOKS_AT, WARP, WEIGHTS, _lap, _stamp, _stamp_max,
-                                     _wait_at_least)
+from kernels.dispatch.common import (BATCH, DONE_AT, FP8_BLOCK, HEADER_REGS, IDS, IDS_AT, LAG,
+                                     MAP_AT, MAX_RANKS, MAX_SEGMENTS, MAX_STAGE_BATCHES, MAX_TOPK,
+                                     NVFP4_BLOCK, PAD_BARRIER, PHASE_DISPATCH, PIECE, PIECES,
+                                     RECV_TIME_WORDS, ROWS, ROWS_AT, SCALES_BULK, SCALES_LANES,
+                                     SCALES_SLABS, SCALE_REGS, SCRATCH, SEGS_AT, SEND_WARPS,
+                                     SROWS_AT, STAGE_AT, TOKS_AT, WARP, WEIGHTS, _lap, _stamp,
+                                     _stamp_max, _wait_at_least)
 from kernels.memory import error_field, gmem_ptr, store_f32, store_i32
 from kernels.scan import warp_exclusive_scan
 from layouts.buffers import (DIRECT_SCALE_ROWS, ERROR_CAPACITY, ERROR_CHANNELS, ERROR_COUNTS,
                              scale_rows_layout)
-from layouts.channels import (COUNT_MESSAGES, COUNT_SEGMENTS, COUNT_TOKENS, DISPATCH, HEADS,
-                              RECV_TIMES, SEND_TIMES, TAILS, batch_header_layout,
+from layouts.channels import (COUNT_MESSAGES, COUNT_SEGMENTS, COUNT_TOKENS, DISPATCH,
+                              FLAG_PREFIXED, FLAG_ROUND, HEADS, RECV_TIMES, SEND_TIMES, TAILS, batch_header_layout,
                               channel_messages_layout, header_token_word, headers_layout,
                               staging_layout)
 from layouts.config import SOURCE_ROWS
