@@ -83,7 +83,7 @@ _COMBINE_READS = ("rows", "weights", "channels")
 # has at most this many of them (one staging batch: a decode step's), by `ep_encode` otherwise.
 FUSED_ENCODE_TOKENS = STAGE_BATCH_TOKENS
 DISPATCH_VARYING = ("source", "source_stride", "load_bytes", "scale_source", "scale_stride",
-                    "topk_ids",
+                    "topk_ids", "id_words",
                     "topk_weights", "tokens", "scales", "scales_offsets",
                     "row_offsets", "expert_ids", "seg_counts", "src_info", "comb_rows",
                     "comb_weights", "comb_tokens", "comb_counts", "chan_msgs", "recv_ids",
@@ -91,9 +91,20 @@ DISPATCH_VARYING = ("source", "source_stride", "load_bytes", "scale_source", "sc
                     "skip_a2a", "shared_begin", "shared_end", "has_weights", "active", "launched",
                     "trace",
                     "tracing", "phases", "x", "global_scale", "encode", "prefixed")
-COMBINE_VARYING = ("y", "comb_rows", "comb_weights", "chan_msgs", "topk_ids", "out",
-                   "home_weights", "num_tokens", "weighted", "skip_a2a", "shared_begin",
+COMBINE_VARYING = ("y", "comb_rows", "comb_weights", "chan_msgs", "topk_ids", "id_words",
+                   "out", "home_weights", "num_tokens", "weighted", "skip_a2a", "shared_begin",
                    "shared_end", "active", "trace", "tracing")
+
+# The expert ids' dtypes the kernels read (`kernels.routing.load_id`).
+_ID_DTYPES = (torch.int32, torch.int64)
+
+
+def _contiguous_ids(topk_ids: torch.Tensor) -> torch.Tensor:
+    """int32 or int64 ids as the kernels read them: contiguous, the dtype kept."""
+    if topk_ids.dtype not in _ID_DTYPES:
+        raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    return topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
+
 
 __all__ = ["Buffer", "DispatchOutput", "DispatchHandle", "Routing", "ConfigMismatch",
            "PeerTimeout", "stall_report"]
@@ -189,7 +200,7 @@ class Routing:
     skip_a2a: bool
     shared_begin: int  # this rank's shared-expert tokens [begin, end)
     shared_end: int
-    topk_ids: torch.Tensor  # int32 [T, K]
+    topk_ids: torch.Tensor  # int32 or int64 [T, K], contiguous, as the caller gave them
 
 
 @dataclass
@@ -560,8 +571,9 @@ class Buffer:
         `phases` DISPATCH_SEND alone, the arguments of the receive launch are kept for the
         hook (`dispatch_send`)."""
         cfg = self.cfg
-        ids = topk_ids if topk_ids.dtype is torch.int32 and topk_ids.is_contiguous() \
-            else topk_ids.to(torch.int32).contiguous()
+        # int32 or int64 ids (contiguous, checked) as they are: the kernels read either (an
+        # int64 id that int32 cannot hold is out of range, `kernels.routing.load_id`).
+        ids = topk_ids
         weighted = topk_weights is not None
         if cfg.fused_shared_expert and not weighted:
             raise ValueError("fused_shared_expert needs topk_weights: the unreduced [T, K, H] "
@@ -607,6 +619,7 @@ class Buffer:
         self.calls[0] += 1
         args = (
             source, source_stride, load_bytes, scale_source, scale_stride, ids.data_ptr(),
+            ids.element_size() >> 2,
             topk_weights.data_ptr() if weighted else self._no_f32_at,
             out.tokens.data_ptr(),
             out._address("scales") if cfg.format != "bf16" else self._no_f32_at,
@@ -786,7 +799,8 @@ class Buffer:
         trace = self.combine_trace
         self.calls[1] += 1
         self._combine_launch(
-            y.data_ptr(), rows, weights, channels, r.topk_ids.data_ptr(), out.data_ptr(),
+            y.data_ptr(), rows, weights, channels, r.topk_ids.data_ptr(),
+            r.topk_ids.element_size() >> 2, out.data_ptr(),
             home, t, mode, int(r.skip_a2a), r.shared_begin, r.shared_end,
             r.channels, self._no_i64_at if trace is None else trace.data_ptr(),
             int(trace is not None))
@@ -928,7 +942,7 @@ class Buffer:
         begin, end = self._shared_tokens(num_tokens, skip_a2a)
         none = rows.new_empty(0)
         return DispatchHandle(Routing(int(active), num_tokens, bool(weighted), bool(skip_a2a),
-                                      begin, end, topk_ids.to(torch.int32).contiguous()),
+                                      begin, end, _contiguous_ids(topk_ids)),
                               rows, weights, none if source_tokens is None else source_tokens,
                               none if messages is None else messages, channels)
 
@@ -1028,7 +1042,7 @@ class Buffer:
         are (cheap reads only: False sends the caller to the detailed checks)."""
         cfg, dev, tensor = self.cfg, self._device_index, torch.Tensor
         return (t <= cfg.max_tokens_per_rank and type(topk_ids) is tensor
-                and topk_ids.dtype is torch.int32 and topk_ids.shape == (t, cfg.topk)
+                and topk_ids.dtype in _ID_DTYPES and topk_ids.shape == (t, cfg.topk)
                 and topk_ids.get_device() == dev and topk_ids.is_contiguous()
                 and (topk_weights is None or (
                     type(topk_weights) is tensor and topk_weights.dtype is torch.float32
@@ -1043,7 +1057,7 @@ class Buffer:
             raise ValueError(f"{num_tokens} tokens exceeds max_tokens_per_rank="
                              f"{cfg.max_tokens_per_rank}")
         check_tensor(topk_ids, name="topk_ids", dtype=None, device_index=dev)
-        if topk_ids.dtype not in (torch.int32, torch.int64) or \
+        if topk_ids.dtype not in _ID_DTYPES or \
                 tuple(topk_ids.shape) != (num_tokens, cfg.topk):
             raise ValueError(f"topk_ids must be int32/int64 [{num_tokens}, {cfg.topk}], got "
                              f"{topk_ids.dtype} {tuple(topk_ids.shape)}")

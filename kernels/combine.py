@@ -45,7 +45,7 @@ from kernels.copy import row_predicate, row_tiled_copy
 from kernels.dispatch.common import MAX_CHUNK, MAX_RANKS, MAX_TOPK, WARP, _wait_at_least
 from kernels.memory import gmem_ptr, load_f32, load_i32, nanosleep, trace_word
 from kernels.nvfp4 import high_bf16, low_bf16
-from kernels.routing import channel_tokens, route_ids, valid_expert
+from kernels.routing import channel_tokens, load_id, route_ids, valid_expert
 from layouts.abi import GridRule, KernelSpec, Param
 from layouts.buffers import AT_EXPERTS, AT_HOME, UNREDUCED  # the `weighted` argument
 from layouts.channels import (COMBINE, COMBINE_TRACE_FIELDS, HEADS, TAILS,
@@ -133,7 +133,9 @@ class EpCombine:
                 Param("comb_rows", "ptr", "int32", align=4),
                 Param("comb_weights", "ptr", "float32", align=4),
                 Param("chan_msgs", "ptr", "int32", align=4, min_elements=("ranks", 1)),
+                # int32 ids, or int64 read as word pairs (id_words 2: `kernels.routing.load_id`).
                 Param("topk_ids", "ptr", "int32", align=4),
+                Param("id_words", "i32"),
                 Param("out", "ptr", "bfloat16", align=16, writes=True),
                 Param("home_weights", "ptr", "float32", align=4),
                 Param("streams", "ptr", "int64", align=8, writes=True),
@@ -171,7 +173,7 @@ class EpCombine:
     @cute.jit
     def __call__(self, peer_bases: cute.Pointer, y: cute.Pointer, comb_rows: cute.Pointer,
                  comb_weights: cute.Pointer, chan_msgs: cute.Pointer, topk_ids: cute.Pointer,
-                 out: cute.Pointer, home_weights: cute.Pointer, streams: cute.Pointer,
+                 id_words: Int32, out: cute.Pointer, home_weights: cute.Pointer, streams: cute.Pointer,
                  error: cute.Pointer, num_tokens: Int32, max_tokens: Int32, topk: Int32,
                  local_experts: Int32, ranks: Int32, my_rank: Int32, weighted: Int32,
                  skip_a2a: Int32, shared: Int32, shared_begin: Int32, shared_end: Int32,
@@ -179,7 +181,7 @@ class EpCombine:
                  active: Int32, ring_slots: Int32, chunk_tokens: Int32, ring_offset: Int64,
                  counters_offset: Int64, timeout_ns: Int64, trace: cute.Pointer,
                  tracing: Int32, stream):
-        self.kernel(peer_bases, y, comb_rows, comb_weights, chan_msgs, topk_ids, out,
+        self.kernel(peer_bases, y, comb_rows, comb_weights, chan_msgs, topk_ids, id_words, out,
                     home_weights, streams, error, num_tokens, max_tokens, topk, local_experts,
                     ranks, my_rank, weighted, skip_a2a, shared, shared_begin, shared_end,
                     hidden, row_capacity, channels, active, ring_slots, chunk_tokens,
@@ -191,7 +193,7 @@ class EpCombine:
     @cute.kernel
     def kernel(self, peer_bases: cute.Pointer, y: cute.Pointer, comb_rows: cute.Pointer,
                comb_weights: cute.Pointer, chan_msgs: cute.Pointer, topk_ids: cute.Pointer,
-               out: cute.Pointer, home_weights: cute.Pointer, streams: cute.Pointer,
+               id_words: Int32, out: cute.Pointer, home_weights: cute.Pointer, streams: cute.Pointer,
                error: cute.Pointer, num_tokens: Int32, max_tokens: Int32, topk: Int32,
                local_experts: Int32, ranks: Int32, my_rank: Int32, weighted: Int32,
                skip_a2a: Int32, shared: Int32, shared_begin: Int32, shared_end: Int32,
@@ -272,7 +274,8 @@ class EpCombine:
             self._publish(lane, channel, peers, ranks, my_rank, counters_offset, counters,
                           s_prog, s_done, s_pub)
         else:
-            self._receive(warp - SEND_WARPS, lane, channel, peers, here, y, topk_ids, out,
+            self._receive(warp - SEND_WARPS, lane, channel, peers, here, y, topk_ids, id_words,
+                          out,
                           home_weights, streams, error, num_tokens, topk, local_experts, ranks,
                           my_rank, weighted, skip_a2a, shared, shared_begin, shared_end, channels,
                           active, ring_slots, chunk_tokens, ring_offset, counters_offset, counters,
@@ -702,8 +705,9 @@ class EpCombine:
 
     @cute.jit
     def _receive(self, rw, lane, channel, peers: cute.Tensor, here, y: cute.Pointer,
-                 topk_ids: cute.Pointer, out: cute.Pointer, home_weights: cute.Pointer,
-                 streams: cute.Pointer, error: cute.Pointer, num_tokens, topk, local_experts,
+                 topk_ids: cute.Pointer, id_words, out: cute.Pointer,
+                 home_weights: cute.Pointer, streams: cute.Pointer, error: cute.Pointer,
+                 num_tokens, topk, local_experts,
                  ranks, my_rank, weighted,
                  skip_a2a, shared, shared_begin, shared_end, channels, active, ring_slots,
                  chunk_tokens, ring_offset, counters_offset, counters, ring, timeout_ns, layout,
@@ -730,8 +734,10 @@ class EpCombine:
         # before is routed, waited for and summed.
         n_ids = cute.make_rmem_tensor(cute.make_layout(MAX_CHUNK * MAX_TOPK // WARP), Int32)
         if rw == 0 and t0 < t1:
-            self._load_ids(lane, topk_ids, t0, cutlass.min(group, t1 - t0) * topk, topk, n_ids)
-            routing = self._route_chunk(lane, t0, t1, group, 0, topk, topk_ids, experts,
+            self._load_ids(lane, topk_ids, id_words, t0, cutlass.min(group, t1 - t0) * topk,
+                           topk, n_ids)
+            routing = self._route_chunk(lane, t0, t1, group, 0, topk, topk_ids, id_words,
+                                        experts,
                                         local_experts, my_rank, skip_a2a, shared, shared_begin,
                                         shared_end, ranks, weighted, n_ids, s_first, s_items,
                                         s_mask, s_ids, routing, tracing)
@@ -771,12 +777,14 @@ class EpCombine:
             cute.arch.barrier(barrier_id=9, number_of_threads=threads)
             if rw == 0 and base + group < t1:
                 routing = self._route_chunk(lane, base + group, t1, group, 1 - buf, topk,
-                                            topk_ids, experts, local_experts, my_rank, skip_a2a,
+                                            topk_ids, id_words, experts, local_experts, my_rank, skip_a2a,
                                             shared, shared_begin, shared_end, ranks, weighted,
                                             n_ids, s_first, s_items, s_mask, s_ids, routing,
                                             tracing)
             # The chunk's tokens, a warp each as they claim them (warp 0 joins once it has
-            # routed the next chunk).
+            # routed the next chunk); their ids, as routed, in buffer `buf` of s_ids.
+            chunk_ids = cute.make_tensor(s_ids.iterator + buf * (MAX_CHUNK * MAX_TOPK),
+                                         cute.make_layout(MAX_CHUNK * MAX_TOPK))
             i = self._claim(lane, s_flag)
             while i < g:
                 t = base + i
@@ -792,13 +800,13 @@ class EpCombine:
                 if t < t1 and weighted == AT_HOME:
                     self._weigh_token(lane, t, i, here, ring_offset, ring, ring_slots, channel,
                                       topk, experts, local_experts, skip_a2a, my_rank, out,
-                                      home_weights, steps, vectors, topk_ids, s_first, s_pos,
+                                      home_weights, steps, vectors, chunk_ids, s_first, s_pos,
                                       s_addr, s_hw, rw * (MAX_TOPK + 1), rw * MAX_TOPK, stages)
                 if t < t1 and weighted == UNREDUCED:
                     self._copy_token(lane, t, i, here, ring_offset, ring, ring_slots, channel,
                                      topk, experts, local_experts, skip_a2a, my_rank, out,
                                      layout, tiler, g_crd, steps, vectors, thr, row_copy,
-                                     topk_ids, s_first, s_pos)
+                                     chunk_ids, s_first, s_pos)
                 i = self._claim(lane, s_flag)
             cute.arch.barrier(barrier_id=9, number_of_threads=threads)
             # Credit back to every rank the chunk read from. Relaxed, as dispatch's: every
@@ -824,7 +832,8 @@ class EpCombine:
                 _trace_max(trace, channel, "route_ns", routing)
 
     @cute.jit
-    def _route_chunk(self, lane, base, t1, group, buf, topk, topk_ids: cute.Pointer, experts,
+    def _route_chunk(self, lane, base, t1, group, buf, topk, topk_ids: cute.Pointer, id_words,
+                     experts,
                      local_experts, my_rank, skip_a2a, shared, shared_begin, shared_end, ranks,
                      weighted, n_ids: cute.Tensor, s_first: cute.Tensor, s_items: cute.Tensor,
                      s_mask: cute.Tensor, s_ids: cute.Tensor, routing, tracing):
@@ -844,7 +853,7 @@ class EpCombine:
                 ids[q * WARP + lane] = n_ids[q]
         cute.arch.sync_warp()
         if base + group < t1:
-            self._load_ids(lane, topk_ids, base + group,
+            self._load_ids(lane, topk_ids, id_words, base + group,
                            cutlass.min(group, t1 - base - group) * topk, topk, n_ids)
         if lane < g:
             # (route_ids counts nothing: s_first stands in for its unused counts.)
@@ -873,13 +882,14 @@ class EpCombine:
         return cute.arch.shuffle_sync(i, 0)
 
     @cute.jit
-    def _load_ids(self, lane, topk_ids: cute.Pointer, base, words, topk, regs: cute.Tensor):
-        """The `words` topk_ids words of the chunk from token `base` into `regs`, lane + q *
-        WARP in regs[q], every load in flight together (indices past the chunk read its last
-        word again)."""
+    def _load_ids(self, lane, topk_ids: cute.Pointer, id_words, base, words, topk,
+                  regs: cute.Tensor):
+        """The `words` ids of the chunk from token `base` into `regs` (`load_id`: int32 or
+        int64), lane + q * WARP in regs[q], every load in flight together (indices past the
+        chunk read its last id again)."""
         for q in cutlass.range_constexpr(MAX_CHUNK * MAX_TOPK // WARP):
-            regs[q] = load_i32(topk_ids.toint() + (Int64(base) * Int64(topk) + Int64(
-                cutlass.min(q * WARP + lane, words - 1))) * 4)
+            regs[q] = load_id(topk_ids.toint(), Int64(base) * Int64(topk) + Int64(
+                cutlass.min(q * WARP + lane, words - 1)), id_words)
 
     @cute.jit
     def _pairs_at(self, ids: cute.Tensor, row, topk, experts, local_experts, d, skip_a2a,
@@ -933,11 +943,11 @@ class EpCombine:
     def _copy_token(self, lane, t, i, here, ring_offset, ring, ring_slots, channel, topk,
                     experts, local_experts, skip_a2a, my_rank, out: cute.Pointer, layout, tiler,
                     g_crd, steps, vectors, thr, row_copy: cute.TiledCopy,
-                    topk_ids: cute.Pointer, s_first: cute.Tensor, s_pos: cute.Tensor):
-        """Unreduced: out[t, k] = the row of (t, k) from its expert's rank, zeros where none."""
-        ids = cute.make_tensor(topk_ids, cute.make_layout((t + 1) * topk))
+                    ids: cute.Tensor, s_first: cute.Tensor, s_pos: cute.Tensor):
+        """Unreduced: out[t, k] = the row of (t, k) from its expert's rank, zeros where none
+        (t's ids: row i of the chunk's `ids`)."""
         for k in cutlass.range(topk):
-            live, d, item = self._item_of(ids, t, k, i, topk, experts, local_experts, skip_a2a,
+            live, d, item = self._item_of(ids, k, i, topk, experts, local_experts, skip_a2a,
                                           my_rank, s_first, s_pos)
             slot = self._ring_row(here, ring_offset, ring, ring_slots, channel, d, item)
             src = cute.zipped_divide(cute.make_tensor(gmem_ptr(BFloat16, slot, 16), layout),
@@ -955,20 +965,21 @@ class EpCombine:
                           pred=row_predicate(crd, vectors))
 
     @cute.jit
-    def _item_of(self, ids: cute.Tensor, t, k, i, topk, experts, local_experts, skip_a2a,
+    def _item_of(self, ids: cute.Tensor, k, i, topk, experts, local_experts, skip_a2a,
                  my_rank, s_first: cute.Tensor, s_pos: cute.Tensor):
-        """(1, rank, stream item) of token t's pair k as its rank returns it (the pairs of t
-        to one rank come in k order), or (0, 0, 0) for a pair that went nowhere."""
-        live = valid_expert(ids, t, k, topk, experts)
+        """(1, rank, stream item) of pair k of the chunk's token i (its ids: row i of the
+        chunk's `ids`) as its rank returns it (a token's pairs to one rank come in k order), or
+        (0, 0, 0) for a pair that went nowhere."""
+        live = valid_expert(ids, i, k, topk, experts)
         d = Int32(0)
         idx = Int32(0)
         if live != 0:
-            d = ids[t * topk + k] // local_experts
+            d = ids[i * topk + k] // local_experts
             if skip_a2a != 0 and d != my_rank:
                 live = Int32(0)
             for k2 in cutlass.range(k):
-                if valid_expert(ids, t, k2, topk, experts) != 0 and \
-                        ids[t * topk + k2] // local_experts == d:
+                if valid_expert(ids, i, k2, topk, experts) != 0 and \
+                        ids[i * topk + k2] // local_experts == d:
                     idx = idx + 1
         item = Int64(0)
         if live != 0:
@@ -978,18 +989,18 @@ class EpCombine:
     @cute.jit
     def _weigh_token(self, lane, t, i, here, ring_offset, ring, ring_slots, channel, topk,
                      experts, local_experts, skip_a2a, my_rank, out: cute.Pointer,
-                     home_weights: cute.Pointer, steps, vectors, topk_ids: cute.Pointer,
+                     home_weights: cute.Pointer, steps, vectors, ids: cute.Tensor,
                      s_first: cute.Tensor, s_pos: cute.Tensor, s_addr: cute.Tensor,
                      s_hw: cute.Tensor, at, wat, stages):
         """Weighted at home: out[t] = bf16(sum over t's live pairs k, in k order and fp32, of
         home_weights[t, k] * the row of (t, k)). Lane k < topk finds pair k's row and weight;
-        the live ones are listed first (s_addr, s_hw), then summed (`_row_sum`)."""
-        ids = cute.make_tensor(topk_ids, cute.make_layout((t + 1) * topk))
+        the live ones are listed first (s_addr, s_hw), then summed (`_row_sum`). t's ids: row i
+        of the chunk's `ids`."""
         live = Int32(0)
         addr = Int64(0)
         wk = Float32(0.0)
         if lane < topk:
-            live, d, item = self._item_of(ids, t, lane, i, topk, experts, local_experts,
+            live, d, item = self._item_of(ids, lane, i, topk, experts, local_experts,
                                           skip_a2a, my_rank, s_first, s_pos)
             if live != 0:
                 addr = self._ring_row(here, ring_offset, ring, ring_slots, channel, d, item)

@@ -3,9 +3,39 @@ combine both apply."""
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32
+from cutlass import Int32, Int64
 
-from layouts.buffers import ERROR_ID_RANGE, ERROR_ID_TWICE
+from kernels.memory import load_i32
+from layouts.buffers import ERROR_ID_RANGE, ERROR_ID_TWICE, ID_TOO_WIDE
+
+
+@cute.jit
+def load_id(topk_ids, i, id_words):
+    """Id i (flat index into [T, K]) of the ids at address `topk_ids`: int32 words (id_words
+    1), or int64 (2) read as their low word when the high word is its sign, else ID_TOO_WIDE
+    (out of range, reported), so that no id past int32 aliases a valid one."""
+    e = Int32(0)
+    if id_words == 1:
+        e = load_i32(topk_ids + Int64(i) * 4)
+    else:
+        low = load_i32(topk_ids + Int64(i) * 8)
+        high = load_i32(topk_ids + Int64(i) * 8 + 4)
+        e = low
+        if high != (low >> 31):
+            e = Int32(ID_TOO_WIDE)
+    return e
+
+
+@cute.jit
+def token_ids(topk_ids, t, topk, id_words, max_topk: cutlass.Constexpr):
+    """Token t's K ids (`load_id`) in registers, -1 (an empty slot) past K <= max_topk: every
+    load issued before the first is used."""
+    regs = cute.make_rmem_tensor(cute.make_layout(max_topk), Int32)
+    for k in cutlass.range_constexpr(max_topk):
+        regs[k] = Int32(-1)
+        if k < topk:
+            regs[k] = load_id(topk_ids, Int64(t) * Int64(topk) + Int64(k), id_words)
+    return regs
 
 
 @cute.jit
@@ -85,19 +115,14 @@ def _with_shared(mask, t, my_rank, shared, shared_begin, shared_end):
 
 
 @cute.jit
-def route_token(topk_ids: cute.Pointer, t, topk, experts, local_experts, my_rank, skip_a2a,
-                shared, shared_begin, shared_end, s_cnt: cute.Tensor, count: cutlass.Constexpr,
-                max_topk: cutlass.Constexpr):
-    """`route_ids` of token t, its ids read from the [T, K] `topk_ids` (K <= max_topk): all K
-    loaded into registers first (one round trip), then checked there, where reading them from
-    global memory in the checks' loops waited a round trip for the first and an L1 hit for each
-    of the K^2 / 2 others."""
-    ids = cute.make_tensor(topk_ids, cute.make_layout((t + 1) * topk))
-    regs = cute.make_rmem_tensor(cute.make_layout(max_topk), Int32)
-    for k in cutlass.range_constexpr(max_topk):
-        regs[k] = Int32(-1)
-        if k < topk:
-            regs[k] = ids[t * topk + k]
+def route_token(topk_ids: cute.Pointer, id_words, t, topk, experts, local_experts, my_rank,
+                skip_a2a, shared, shared_begin, shared_end, s_cnt: cute.Tensor,
+                count: cutlass.Constexpr, max_topk: cutlass.Constexpr):
+    """`route_ids` of token t, its ids read from the [T, K] `topk_ids` (int32 or int64 words,
+    `load_id`; K <= max_topk): all K loaded into registers first (one round trip), then checked
+    there, where reading them from global memory in the checks' loops waited a round trip for
+    the first and an L1 hit for each of the K^2 / 2 others."""
+    regs = token_ids(topk_ids.toint(), t, topk, id_words, max_topk)
     mask = Int32(0)
     bad = Int32(0)
     for k in cutlass.range_constexpr(max_topk):

@@ -31,6 +31,10 @@ PHASES = 2  # dispatch, combine: the error record's phase is 1 + this order
 # outside [0, E) other than -1, an empty slot) and ERROR_ID_TWICE (a token listing one expert at two k).
 ERROR_FIELDS = ("missing_rank", "phase", "bad_ids", "bad_counts")
 ERROR_ID_RANGE, ERROR_ID_TWICE = 1, 2
+# topk_ids come as int32 or int64 (torch's default integer, DeepEP's topk_idx); the kernels read
+# an int64 id as its two 32-bit words, and one that int32 cannot hold as this id: out of range
+# like any other (reported as ERROR_ID_RANGE, its pair dropped), never its low word.
+ID_TOO_WIDE = -2
 # bad_counts holds bits ERROR_COUNTS (a count outside [0, max tokens]), ERROR_CHANNELS (ranks
 # split their tokens over different numbers of channels: different num_input_tokens) and
 # ERROR_CAPACITY (a dispatch received more rows than its output holds: `EPConfig.recv_capacity`).

@@ -85,6 +85,7 @@ def test_dispatch_and_combine_pass_their_tensors_addresses(cpu_buffer):
         assert (d["source"], d["topk_ids"], d["topk_weights"]) == (
             x.data_ptr(), ids.data_ptr(), w.data_ptr())
         assert (d["num_tokens"], d["has_weights"], d["source_stride"]) == (t, 1, 2 * H)
+        assert d["id_words"] == 1  # int32 ids
         for name, tensor in [("tokens", out.tokens), ("row_offsets", out.row_offsets),
                              ("expert_ids", out.expert_ids), ("seg_counts", out.counts),
                              ("src_info", out.src_info), ("comb_rows", h.rows),
@@ -102,23 +103,47 @@ def test_dispatch_and_combine_pass_their_tensors_addresses(cpu_buffer):
             y.data_ptr(), combined.data_ptr(), h.rows.data_ptr(), h.weights.data_ptr(),
             h.channels.data_ptr())
         assert (c["num_tokens"], c["weighted"], c["active"]) == (t, ep.AT_EXPERTS, d["active"])
+        assert (c["topk_ids"], c["id_words"]) == (ids.data_ptr(), 1)
 
 
 def test_an_unweighted_dispatch_combines_unreduced_or_weighted_at_home(cpu_buffer):
     buf = cpu_buffer()
     x, ids, w = _inputs()
-    ids = ids.long().as_subclass(_OnDevice)  # the detailed checks; converted, the copy passed
+    ids = ids.long().as_subclass(_OnDevice)  # the detailed checks
     out = buf.dispatch(x.as_subclass(_OnDevice), ids)
     d = buf._dispatch_launch.calls[-1]
     assert d["topk_weights"] == buf._no_f32.data_ptr() and d["has_weights"] == 0
-    assert d["topk_ids"] == out.handle.routing.topk_ids.data_ptr() != ids.data_ptr()
+    # int64 ids go to the kernels as they are, read as word pairs: no conversion launched.
+    assert d["topk_ids"] == out.handle.routing.topk_ids.data_ptr() == ids.data_ptr()
+    assert d["id_words"] == 2
     y = torch.zeros(buf.cfg.row_capacity, H, dtype=torch.bfloat16)
     assert buf.combine(y, out.handle).shape == (T, K, H)
     assert buf._combine_launch.calls[-1]["weighted"] == ep.UNREDUCED
     home = buf.combine(y, out.handle, topk_weights=w.as_subclass(_OnDevice))
     c = buf._combine_launch.calls[-1]
+    assert (c["topk_ids"], c["id_words"]) == (ids.data_ptr(), 2)
     assert home.shape == (T, H) and (c["weighted"], c["home_weights"]) == (ep.AT_HOME,
                                                                            w.data_ptr())
+
+
+def test_handle_of_keeps_int64_ids_and_refuses_other_dtypes(cpu_buffer):
+    """The kernels read int32 or int64 ids: handle_of (the combine operator's handle) keeps
+    int64 ids as they are, never narrowed to int32 (which would wrap an id past its range onto
+    a valid one), and refuses any other dtype."""
+    buf = cpu_buffer()
+    x, ids, w = _inputs()
+    wide = ids.long()
+    out = buf.dispatch(x, wide, w)
+    h = out.handle
+    rebuilt = buf.handle_of(wide, h.rows, h.weights, h.channels, True, False, h.routing.channels)
+    assert rebuilt.routing.topk_ids is wide
+    y = torch.zeros(buf.cfg.row_capacity, H, dtype=torch.bfloat16)
+    buf.combine(y, rebuilt)
+    c = buf._combine_launch.calls[-1]
+    assert (c["topk_ids"], c["id_words"]) == (wide.data_ptr(), 2)
+    with pytest.raises(TypeError, match="topk_ids must be int32 or int64, got torch.float32"):
+        buf.handle_of(wide.float(), h.rows, h.weights, h.channels, True, False,
+                      h.routing.channels)
 
 
 def test_bad_input_is_refused_after_good_input(cpu_buffer):

@@ -188,7 +188,9 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                 Param("source", "ptr", "uint8", align=16),
                 Param("scale_source", "ptr", "uint8", align=4),
                 Param("scale_stride", "i32"),
+                # int32 ids, or int64 read as word pairs (id_words 2: `kernels.routing.load_id`).
                 Param("topk_ids", "ptr", "int32", align=4),
+                Param("id_words", "i32"),
                 Param("topk_weights", "ptr", "float32", align=4),
                 Param("streams", "ptr", "int64", align=8, writes=True),
                 Param("rounds", "ptr", "int64", align=8, writes=True),
@@ -267,7 +269,8 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
     @cute.jit
     def __call__(self, peer_bases: cute.Pointer, source: cute.Pointer,
                  scale_source: cute.Pointer, scale_stride: Int32, topk_ids: cute.Pointer,
-                 topk_weights: cute.Pointer, streams: cute.Pointer, rounds: cute.Pointer,
+                 id_words: Int32, topk_weights: cute.Pointer, streams: cute.Pointer,
+                 rounds: cute.Pointer,
                  done: cute.Pointer, error: cute.Pointer, tokens: cute.Pointer,
                  scales: cute.Pointer, scale_rows: cute.Pointer,
                  scales_offsets: cute.Pointer, row_offsets: cute.Pointer,
@@ -288,7 +291,8 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                  counters_offset: Int64, timeout_ns: Int64, trace: cute.Pointer,
                  tracing: Int32, phases: Int32, x: cute.Pointer, global_scale: cute.Pointer,
                  encode: Int32, prefixed: Int32, stream):
-        self.kernel(peer_bases, source, scale_source, scale_stride, topk_ids, topk_weights,
+        self.kernel(peer_bases, source, scale_source, scale_stride, topk_ids, id_words,
+                    topk_weights,
                     streams, rounds, done, error,
                     tokens, scales, scale_rows, scales_offsets, row_offsets, expert_ids, seg_counts,
                     src_info, comb_rows, comb_weights, comb_tokens, comb_counts, chan_msgs,
@@ -308,7 +312,8 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
     @cute.kernel
     def kernel(self, peer_bases: cute.Pointer, source: cute.Pointer,
                scale_source: cute.Pointer, scale_stride: Int32, topk_ids: cute.Pointer,
-               topk_weights: cute.Pointer, streams: cute.Pointer, rounds: cute.Pointer,
+               id_words: Int32, topk_weights: cute.Pointer, streams: cute.Pointer,
+               rounds: cute.Pointer,
                done: cute.Pointer, error: cute.Pointer, tokens: cute.Pointer,
                scales: cute.Pointer, scale_rows: cute.Pointer,
                scales_offsets: cute.Pointer, row_offsets: cute.Pointer,
@@ -442,7 +447,8 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                         prefetch_rows(x, t0 + tidx, payload_vectors * self.vector_bytes
                                       * (2 if self.fmt == "nvfp4" else 1))
                 # 1. Counts ----------------------------------------------------------------------
-                self._publish_counts(tidx, channel, t0, t1, num_tokens, topk_ids, topk, experts,
+                self._publish_counts(tidx, channel, t0, t1, num_tokens, topk_ids, id_words, topk,
+                                     experts,
                                      local_experts, my_rank, skip_a2a, shared, shared_begin,
                                      shared_end, ranks, entries, peers, counts_offset, counts_at,
                                      flags_offset, flags_at, parity, epoch, active, prefixed,
@@ -460,7 +466,8 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                 # 2. Send ------------------------------------------------------------------------
                 if warp < SEND_WARPS:
                     self._send(warp, lane, channel, t0, t1, peers, here, source, scale_source,
-                               scale_stride, topk_ids, topk_weights, streams, error, topk, ranks,
+                               scale_stride, topk_ids, id_words, topk_weights, streams, error, topk,
+                               ranks,
                                my_rank, has_weights, header_bytes, source_stride, load_bytes,
                                stage_bytes, stage_batches, channels, headers_offset,
                                staging_offset, counters_offset, counters, timeout_ns,

@@ -20,7 +20,8 @@ class CountsPhase:
     """Routing, counting and the counts' exchange."""
 
     @cute.jit
-    def _publish_counts(self, tidx, channel, t0, t1, num_tokens, topk_ids: cute.Pointer, topk,
+    def _publish_counts(self, tidx, channel, t0, t1, num_tokens, topk_ids: cute.Pointer,
+                        id_words, topk,
                         experts, local_experts, my_rank, skip_a2a, shared, shared_begin,
                         shared_end, ranks, entries, peers: cute.Tensor, counts_offset, counts_at,
                         flags_offset, flags_at, parity, epoch, active, prefixed,
@@ -51,9 +52,9 @@ class CountsPhase:
                 region = Int32(2)
             counts = cute.make_tensor(counted.iterator + region * COUNT_WORDS,
                                       cute.make_layout(COUNT_WORDS))
-            mask, bad = route_token(topk_ids, t, topk, experts, local_experts, my_rank,
-                                    skip_a2a, shared, shared_begin, shared_end, counts, True,
-                                    MAX_TOPK)
+            mask, bad = route_token(topk_ids, id_words, t, topk, experts, local_experts,
+                                    my_rank, skip_a2a, shared, shared_begin, shared_end, counts,
+                                    True, MAX_TOPK)
             if bad != 0 and region == 0:
                 cute.arch.atomic_or(error_field(error, "bad_ids"), bad, sem="relaxed",
                                     scope="gpu")

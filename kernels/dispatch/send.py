@@ -11,6 +11,7 @@ from kernels.copy import row_predicate
 from kernels.dispatch.common import (BATCH, FP8_BLOCK, IDS, MAX_RANKS, NVFP4_BLOCK, SCALE_REGS,
                                      SEND_WARPS, WARP, WEIGHTS, _await_credit, _stamp_max)
 from kernels.memory import gmem_ptr, load_f32, load_i32, store_i32
+from kernels.routing import load_id
 from layouts.channels import (DISPATCH, SEND_TIMES, TAILS, batch_header_layout, header_token_word,
                               headers_layout, staging_layout)
 
@@ -20,7 +21,7 @@ class SendPhase:
 
     @cute.jit
     def _send(self, sw, lane, channel, t0, t1, peers: cute.Tensor, here, source: cute.Pointer,
-              scale_source: cute.Pointer, scale_stride, topk_ids: cute.Pointer,
+              scale_source: cute.Pointer, scale_stride, topk_ids: cute.Pointer, id_words,
               topk_weights: cute.Pointer, streams: cute.Pointer, error: cute.Pointer, topk,
               ranks, my_rank, has_weights, header_bytes, source_stride, load_bytes, stage_bytes,
               stage_batches, channels, headers_offset, staging_offset, counters_offset,
@@ -91,7 +92,7 @@ class SendPhase:
                     b = w // topk
                     k = w - b * topk
                     from_at = Int64(batch) * Int64(topk) + Int64(w)
-                    head[hdr((k, IDS, b))] = load_i32(topk_ids.toint() + from_at * 4)
+                    head[hdr((k, IDS, b))] = load_id(topk_ids.toint(), from_at, id_words)
                     weight = Float32(0.0)
                     if has_weights != 0:
                         weight = load_f32(topk_weights.toint() + from_at * 4)

@@ -46,6 +46,10 @@ def _bad_inputs(rank, world):
     bad[3, 1] = 8
     buf.dispatch(x, bad, w)
     expect("id range", buf.check)
+    wide = ids.long()
+    wide[5, 0] += 2 ** 32  # its low word is still a valid expert id
+    buf.dispatch(x, wide, w)
+    expect("id past int32", buf.check)
     expect("config", lambda: Buffer(EPConfig(1024, 2, 8, 2, 16)))
     expect("format", lambda: Buffer(EPConfig(1024, 2, 8, 1, 16, "mxfp4")))
     shared = Buffer(EPConfig(1024, 2, 8, 1, 16, fused_shared_expert=True))
@@ -75,6 +79,7 @@ def test_bad_input_is_refused_with_a_message_that_says_what_was_expected():
         "strided": "must be contiguous",
         "short y": "row_capacity",
         "id range": "expert id outside [0, 8)",
+        "id past int32": "expert id outside [0, 8)",
         "config": "ranks=2, the process group has 1",
         "format": "dispatch formats",
         "shared unweighted": "fused_shared_expert needs topk_weights",

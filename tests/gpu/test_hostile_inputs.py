@@ -144,6 +144,9 @@ def test_degenerate_global_scales_give_the_reference_bytes(picks):
 
 HIDDEN, TOPK, EXPERTS, MAX_T = 512, 4, 16, 48
 VALUES = [float("nan"), float("inf"), float("-inf"), 3e38, -3e38, 1e-40, -0.0]
+# Added to a valid int64 id: each sum lies outside int32, and the first two keep the valid id
+# as the low word.
+WIDE = [2 ** 32, -2 ** 32, 2 ** 31, -2 ** 31 - 1 - EXPERTS, 2 ** 40]
 
 
 def _buffer_properties(rank, world, examples):
@@ -163,6 +166,22 @@ def _buffer_properties(rank, world, examples):
         ids = torch.rand(t, EXPERTS, device="cuda", generator=gen).argsort(1)[:, :TOPK].int()
         w = torch.rand(t, TOPK, device="cuda", generator=gen)
         return x, ids, w
+
+    def same_rows(fmt, out, want):
+        """The dispatch output `out` holds the reference's rows `want`, byte for byte."""
+        n = want.num_rows
+        assert out.row_offsets.tolist() == want.row_offsets.tolist()
+        assert torch.equal(out.src_info[:n], want.src_info[:n])
+        if fmt == "fp8":
+            assert _fp8_equal(out.tokens[:n], want.tokens[:n]), "fp8 codes"
+            assert torch.equal(out.scales[:, :n].isnan(), want.scales[:, :n].isnan())
+            assert torch.equal(out.scales[:, :n].nan_to_num(), want.scales[:, :n].nan_to_num())
+        elif fmt == "nvfp4":
+            assert torch.equal(out.tokens[:n], want.tokens[:n]), "nvfp4 codes"
+            assert torch.equal(reference.nvfp4_row_scales(out, HIDDEN, n),
+                               reference.nvfp4_row_scales(want, HIDDEN, n)), "nvfp4 scales"
+        else:
+            assert torch.equal(out.tokens[:n].view(torch.int16), want.tokens[:n].view(torch.int16))
 
     @settings(max_examples=examples, deadline=None, derandomize=True)
     @given(fmt=st.sampled_from(sorted(bufs)), t=st.integers(0, MAX_T + 3),
@@ -187,21 +206,8 @@ def _buffer_properties(rank, world, examples):
             raise AssertionError(f"T={t} > {MAX_T} was accepted")
         out = buf.dispatch(x, ids, w, **quant)
         buf.check()
-        want = reference.dispatch(buf.cfg, [x], [ids],
-                                  global_scales=[gs] if fmt == "nvfp4" else None)[0]
-        n = want.num_rows
-        assert out.row_offsets.tolist() == want.row_offsets.tolist()
-        assert torch.equal(out.src_info[:n], want.src_info[:n])
-        if fmt == "fp8":
-            assert _fp8_equal(out.tokens[:n], want.tokens[:n]), "fp8 codes"
-            assert torch.equal(out.scales[:, :n].isnan(), want.scales[:, :n].isnan())
-            assert torch.equal(out.scales[:, :n].nan_to_num(), want.scales[:, :n].nan_to_num())
-        elif fmt == "nvfp4":
-            assert torch.equal(out.tokens[:n], want.tokens[:n]), "nvfp4 codes"
-            assert torch.equal(reference.nvfp4_row_scales(out, HIDDEN, n),
-                               reference.nvfp4_row_scales(want, HIDDEN, n)), "nvfp4 scales"
-        else:
-            assert torch.equal(out.tokens[:n].view(torch.int16), want.tokens[:n].view(torch.int16))
+        same_rows(fmt, out, reference.dispatch(
+            buf.cfg, [x], [ids], global_scales=[gs] if fmt == "nvfp4" else None)[0])
         buf.combine(torch.zeros(buf.cfg.row_capacity, HIDDEN, dtype=torch.bfloat16,
                                 device="cuda"), out.handle)
         buf.check()
@@ -242,12 +248,54 @@ def _buffer_properties(rank, world, examples):
                 ).all(), float(err.max())
         buf.check()  # reported once: nothing left over for the next call
 
+    @settings(max_examples=examples, deadline=None, derandomize=True)
+    @given(fmt=st.sampled_from(sorted(bufs)), t=st.integers(1, MAX_T),
+           seed=st.integers(0, 2 ** 20), at_home=st.booleans(),
+           wide=st.lists(st.tuples(st.integers(0, MAX_T - 1), st.integers(0, TOPK - 1),
+                                   st.sampled_from(WIDE)), max_size=4))
+    def wide_ids(fmt, t, seed, at_home, wide):
+        """int64 ids (DeepEP's topk_idx dtype): the reference's rows, as for int32 ids. An id
+        that int32 cannot hold, though its low word names a valid expert, is out of range: its
+        pair is dropped from the dispatch and its combine and reported by check(), never read
+        as its low word."""
+        buf = bufs[fmt]
+        x, ids, w = inputs(seed, t)
+        ids = ids.long()
+        for r, k, add in wide:
+            if r < t:
+                ids[r, k] += add
+        fits = (ids >= -2 ** 31) & (ids < 2 ** 31)
+        keep = fits.float()  # inputs() gives distinct valid ids: the rest are all kept
+        quant = {"global_scale": torch.tensor([1.0], device="cuda")} if fmt == "nvfp4" else {}
+        out = buf.dispatch(x, ids, None if at_home else w, **quant)
+        y = out.tokens.clone() if fmt == "bf16" else torch.zeros(
+            buf.cfg.row_capacity, HIDDEN, dtype=torch.bfloat16, device="cuda")
+        combined = buf.combine(y, out.handle, topk_weights=w if at_home else None)
+        raised = None
+        try:
+            buf.check()
+        except ValueError as exc:
+            raised = str(exc)
+        assert (raised is not None) == bool((~fits).any()), (raised, ids.tolist())
+        assert raised is None or f"an expert id outside [0, {EXPERTS})" in raised, raised
+        # The reference takes the dropped pairs as empty slots (-1), found from the int64 values.
+        same_rows(fmt, out, reference.dispatch(
+            buf.cfg, [x], [torch.where(fits, ids, -1).int()],
+            global_scales=[1.0] if fmt == "nvfp4" else None)[0])
+        if fmt == "bf16":  # identity experts: each token's kept weights times itself
+            want = x.float() * (w * keep).sum(1, keepdim=True)
+            err = (combined.float() - want).abs()
+            assert (err <= 2 ** -7 * (x.float().abs() * (w * keep).sum(1, keepdim=True))
+                    + 1e-30).all(), float(err.max())
+        buf.check()
+
     values_and_token_counts()
     forbidden_ids()
+    wide_ids()
     return True
 
 
-def test_buffer_takes_any_values_any_token_count_and_forbidden_ids():
+def test_buffer_takes_any_values_any_token_count_forbidden_and_wide_ids():
     from cute_ep.tools.spawn import run_ranks
 
     assert run_ranks(_buffer_properties, world=1, examples=40, limit_s=300) == [True]
