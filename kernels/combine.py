@@ -173,7 +173,8 @@ class EpCombine:
     @cute.jit
     def __call__(self, peer_bases: cute.Pointer, y: cute.Pointer, comb_rows: cute.Pointer,
                  comb_weights: cute.Pointer, chan_msgs: cute.Pointer, topk_ids: cute.Pointer,
-                 id_words: Int32, out: cute.Pointer, home_weights: cute.Pointer, streams: cute.Pointer,
+                 id_words: Int32, out: cute.Pointer, home_weights: cute.Pointer,
+                 streams: cute.Pointer,
                  error: cute.Pointer, num_tokens: Int32, max_tokens: Int32, topk: Int32,
                  local_experts: Int32, ranks: Int32, my_rank: Int32, weighted: Int32,
                  skip_a2a: Int32, shared: Int32, shared_begin: Int32, shared_end: Int32,
@@ -193,7 +194,8 @@ class EpCombine:
     @cute.kernel
     def kernel(self, peer_bases: cute.Pointer, y: cute.Pointer, comb_rows: cute.Pointer,
                comb_weights: cute.Pointer, chan_msgs: cute.Pointer, topk_ids: cute.Pointer,
-               id_words: Int32, out: cute.Pointer, home_weights: cute.Pointer, streams: cute.Pointer,
+               id_words: Int32, out: cute.Pointer, home_weights: cute.Pointer,
+               streams: cute.Pointer,
                error: cute.Pointer, num_tokens: Int32, max_tokens: Int32, topk: Int32,
                local_experts: Int32, ranks: Int32, my_rank: Int32, weighted: Int32,
                skip_a2a: Int32, shared: Int32, shared_begin: Int32, shared_end: Int32,
@@ -777,7 +779,8 @@ class EpCombine:
             cute.arch.barrier(barrier_id=9, number_of_threads=threads)
             if rw == 0 and base + group < t1:
                 routing = self._route_chunk(lane, base + group, t1, group, 1 - buf, topk,
-                                            topk_ids, id_words, experts, local_experts, my_rank, skip_a2a,
+                                            topk_ids, id_words, experts, local_experts,
+                                            my_rank, skip_a2a,
                                             shared, shared_begin, shared_end, ranks, weighted,
                                             n_ids, s_first, s_items, s_mask, s_ids, routing,
                                             tracing)

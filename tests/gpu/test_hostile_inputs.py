@@ -252,7 +252,7 @@ def _buffer_properties(rank, world, examples):
     @given(fmt=st.sampled_from(sorted(bufs)), t=st.integers(1, MAX_T),
            seed=st.integers(0, 2 ** 20), at_home=st.booleans(),
            wide=st.lists(st.tuples(st.integers(0, MAX_T - 1), st.integers(0, TOPK - 1),
-                                   st.sampled_from(WIDE)), max_size=4))
+                                   st.sampled_from(WIDE + ["empty"])), max_size=4))
     def wide_ids(fmt, t, seed, at_home, wide):
         """int64 ids (DeepEP's topk_idx dtype): the reference's rows, as for int32 ids. An id
         that int32 cannot hold, though its low word names a valid expert, is out of range: its
@@ -262,10 +262,12 @@ def _buffer_properties(rank, world, examples):
         x, ids, w = inputs(seed, t)
         ids = ids.long()
         for r, k, add in wide:
-            if r < t:
+            if r < t and add == "empty":
+                ids[r, k] = -1  # an empty slot: its high word all ones, not reported
+            elif r < t:
                 ids[r, k] += add
         fits = (ids >= -2 ** 31) & (ids < 2 ** 31)
-        keep = fits.float()  # inputs() gives distinct valid ids: the rest are all kept
+        keep = (ids >= 0).float() * fits  # inputs() gives distinct valid ids: the rest kept
         quant = {"global_scale": torch.tensor([1.0], device="cuda")} if fmt == "nvfp4" else {}
         out = buf.dispatch(x, ids, None if at_home else w, **quant)
         y = out.tokens.clone() if fmt == "bf16" else torch.zeros(
