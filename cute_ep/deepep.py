@@ -393,7 +393,9 @@ class Buffer:
         sends each row home once (weight 1), DeepEP's unweighted combine."""
         r = self.group_size
         dev = in_rank.device
-        ids = topk_idx  # int32 or int64, as DeepEP's callers pass it: the kernels read either
+        # int32 or int64 as DeepEP's callers pass it (the kernels read either), made contiguous
+        # where it is a view.
+        ids = topk_idx.contiguous()
         width = ids.shape[1]
         core = self._normal_core("sources", hidden, fp8, width, experts, config,
                                  num_worst_tokens)
@@ -517,7 +519,7 @@ class Buffer:
         core = self._core(("ll", hidden, fmt, topk_idx.shape[1], num_experts, m, scales),
                           EPConfig(hidden, topk_idx.shape[1], num_experts, r, m, fmt,
                                    layout="slabs", fp8_scales=scales), self.num_sms)
-        ids = topk_idx  # int32 or int64: the kernels read either
+        ids = topk_idx.contiguous()  # int32 or int64: the kernels read either
         if return_recv_hook:  # the receive launch waits for the hook
             out, receive = core.dispatch_send(x, ids, None, num_input_tokens=m)
         else:
