@@ -98,11 +98,13 @@ def _trace_max(trace: cute.Pointer, channel, field: cutlass.Constexpr, value):
 
 
 class EpCombine:
-    def __init__(self, vectors: int = 4):
+    def __init__(self, vectors: int = 7):
         self.threads = WARP * (SEND_WARPS + RECV_WARPS + PUBLISH_WARPS)
         # 16-byte vectors per lane in one step of a row (a warp's step: WARP * vectors of the
         # row's vectors); a warp's sum has STAGES - 1 steps of rows in flight.
         self.vectors = vectors
+        # Steps in a warp's shared-memory ring (a power of two): as many as fit.
+        self.stages = STAGES if vectors <= 4 else 4
 
     @property
     def smem_bytes(self) -> int:
@@ -121,7 +123,7 @@ class EpCombine:
     @property
     def stage_bytes(self) -> int:
         """Shared memory of one warp's row sums: STAGES steps of a row."""
-        return STAGES * WARP * self.vectors * 16
+        return self.stages * WARP * self.vectors * 16
 
     def spec(self) -> KernelSpec:
         return KernelSpec(
@@ -564,7 +566,7 @@ class EpCombine:
         l_k = Int32(0)
         l_step = Int32(0)
         l_slot = Int32(0)
-        for _ in cutlass.range_constexpr(STAGES - 1):
+        for _ in cutlass.range_constexpr(self.stages - 1):
             l_k, l_step, l_slot = self._load_next(
                 l_k, l_step, l_slot, n, steps, step_vectors, step_bytes, vectors,
                 lane_offset, s_a, at, lane, lane_stage, stage_elems, mine, load_one, whole)
@@ -630,7 +632,7 @@ class EpCombine:
         l_k, l_step, l_slot = self._load_next(
             l_k, l_step, l_slot, n, steps, step_vectors, step_bytes, vectors, lane_offset, s_a,
             at, lane, lane_stage, stage_elems, mine, load_one, whole)
-        cute.arch.cp_async_wait_group(STAGES - 1)
+        cute.arch.cp_async_wait_group(self.stages - 1)
         # The unit's bf16 pairs as words: vector v's word j holds elements 2j (low half) and
         # 2j + 1 (high half).
         x = cute.make_rmem_tensor(cute.make_layout((self.vectors, PAIRS), stride=(PAIRS, 1)),
@@ -638,7 +640,7 @@ class EpCombine:
         cute.autovec_copy(cute.make_tensor(cute.recast_ptr(
             (lane_stage + c_slot * stage_elems).align(16), dtype=Int32),
             cute.make_layout((self.vectors, PAIRS), stride=(WARP * PAIRS, 1))), x)
-        c_slot = (c_slot + 1) & (STAGES - 1)
+        c_slot = (c_slot + 1) & (self.stages - 1)
         return l_k, l_step, l_slot, c_slot, x
 
     @cute.jit
@@ -663,7 +665,7 @@ class EpCombine:
         if l_k == n:
             l_k = Int32(0)
             l_step = l_step + 1
-        l_slot = (l_slot + 1) & (STAGES - 1)
+        l_slot = (l_slot + 1) & (self.stages - 1)
         return l_k, l_step, l_slot
 
     @cute.jit
