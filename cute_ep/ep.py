@@ -62,7 +62,7 @@ from layouts.buffers import (AT_EXPERTS, AT_HOME, ERROR_CAPACITY, ERROR_CHANNELS
                              dispatch_scale_rows, output_scales, total_bytes)
 from layouts.channels import (DEFAULT_CHANNELS, DISPATCH_RECEIVE, DISPATCH_SEND,
                               STAGE_BATCH_TOKENS, ChannelGeometry, active_channels,
-                              prefixed_counts, read_count_flag)
+                              combine_vectors, prefixed_counts, read_count_flag)
 
 # The SM budget engines give communication (DeepEP's tuned default is 20-24): the rest of the GPU
 # stays free for the other micro-batch's GEMMs. Dispatch runs one persistent CTA per SM of it.
@@ -362,7 +362,7 @@ class Buffer:
         self.k_dispatch = rt.select("ep_dispatch", dev, format=cfg.format,
                                     bulk=int(cfg.format != "nvfp4" or cfg.hidden % 32 == 0),
                                     **encode)
-        self.k_combine = rt.select("ep_combine", dev)
+        self.k_combine = rt.select("ep_combine", dev, vectors=combine_vectors(cfg.hidden))
         sizes = self.k_dispatch.spec.sizes
         if self.geo.ring_slots < max(self.geo.chunk_tokens, cfg.topk):
             raise ValueError(f"a ring of {self.geo.ring_slots} slots cannot hold a chunk of "

@@ -48,7 +48,7 @@ from kernels.nvfp4 import high_bf16, low_bf16
 from kernels.routing import channel_tokens, load_id, route_ids, valid_expert
 from layouts.abi import GridRule, KernelSpec, Param
 from layouts.buffers import AT_EXPERTS, AT_HOME, UNREDUCED  # the `weighted` argument
-from layouts.channels import (COMBINE, COMBINE_TRACE_FIELDS, HEADS, TAILS,
+from layouts.channels import (COMBINE, COMBINE_TRACE_FIELDS, COMBINE_VECTORS, HEADS, TAILS,
                               channel_messages_layout, counters_layout, ring_layout, trace_layout)
 
 SEND_WARPS = 8
@@ -62,7 +62,7 @@ PUBLISH_POLL_NS = 200  # its sleep between polls of the sender warps' progress
 PUBLISH_MAX_RANKS = 2
 ROW_VECTOR = 8  # bf16 elements per 16-byte access
 PAIRS = ROW_VECTOR // 2  # 32-bit words of bf16 pairs in one
-STAGES = 8  # row steps a warp's sum has in flight (cp.async into its shared memory), plus one
+STAGES = 8  # row steps (4 vectors a lane) a warp's sum has in flight (cp.async to shared), plus one
 PHASE_COMBINE = 2  # the error record's phase (1-based, layouts.buffers.PHASES order)
 # s_flag's word of the receivers' next token of a chunk (after alive and the per-rank counts).
 CLAIM_AT = 4 * MAX_RANKS + 4
@@ -98,12 +98,16 @@ def _trace_max(trace: cute.Pointer, channel, field: cutlass.Constexpr, value):
 
 
 class EpCombine:
-    def __init__(self, vectors: int = 7):
+    def __init__(self, vectors: int = 4):
         self.threads = WARP * (SEND_WARPS + RECV_WARPS + PUBLISH_WARPS)
         # 16-byte vectors per lane in one step of a row (a warp's step: WARP * vectors of the
-        # row's vectors); a warp's sum has STAGES - 1 steps of rows in flight.
+        # row's vectors); a warp's sum has self.stages - 1 steps of rows in flight.
         self.vectors = vectors
-        # Steps in a warp's shared-memory ring (a power of two): as many as fit.
+        # Steps in a warp's shared-memory ring (a power of two): as many as the shared memory
+        # holds, STAGES at 4 vectors. At H 7168 and 24 SMs on 2 x H200, 7 vectors through 4
+        # stages took the combine from 346.0-346.4 to 328.2-328.8 us lockstep
+        # (ab-2026-11-27-2xH200-combine-vectors.json): the loop's overhead per value is what
+        # bounds it.
         self.stages = STAGES if vectors <= 4 else 4
 
     @property
@@ -122,7 +126,7 @@ class EpCombine:
 
     @property
     def stage_bytes(self) -> int:
-        """Shared memory of one warp's row sums: STAGES steps of a row."""
+        """Shared memory of one warp's row sums: self.stages steps of a row."""
         return self.stages * WARP * self.vectors * 16
 
     def spec(self) -> KernelSpec:
@@ -519,7 +523,7 @@ class EpCombine:
         s_a[at ..] (each times its weight s_wt[wat ..] if `weigh`); zeros if n is 0.
 
         A step of the rows (WARP * vectors 16-byte vectors) at a time: the loads go through
-        this warp's shared memory `stages` by cp.async, one (step, row) unit per stage, STAGES
+        this warp's shared memory `stages` by cp.async, one (step, row) unit per stage, stages
         - 1 units in flight ahead of the sums; a lane reads back only what it copied itself.
         Every index is a counter advanced by one and a lane's part of a unit a fixed layout (its
         vectors lane + WARP * v), so a unit costs its copies, conversions and adds and little
@@ -1022,4 +1026,4 @@ class EpCombine:
 
 
 def combine_kernels() -> list:
-    return [EpCombine()]
+    return [EpCombine(vectors) for vectors in COMBINE_VECTORS]

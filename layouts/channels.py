@@ -186,6 +186,20 @@ TRACE_FIELDS = ("start", "routed", "counts_sent", "counts_arrived", "counts_summ
 # when its last sender warp and its last receiver warp finished, at the kernel's end; then the
 # longest any sender warp waited for ring credit, any receiver waited for a rank's rows, and its
 # receivers spent routing their chunks of tokens.
+# The combine's row sums walk a row a step at a time, each lane one of these many 16-byte
+# vectors of it a step (kernels/combine.py builds one kernel per value).
+COMBINE_VECTORS = (4, 7)
+
+
+def combine_vectors(hidden: int) -> int:
+    """A lane's 16-byte vectors a step of the combine's row sums over rows of `hidden` bf16
+    values: the most of COMBINE_VECTORS whose steps (32 lanes' worth) cover a row exactly, so
+    no step is partly idle and the fewest steps carry the loop's overhead (H 7168: 7, four
+    steps); the first where none does."""
+    whole = [v for v in COMBINE_VECTORS if (hidden // 8) % (32 * v) == 0]
+    return max(whole) if whole else COMBINE_VECTORS[0]
+
+
 COMBINE_TRACE_FIELDS = ("start", "send_done", "recv_done", "end", "credit_wait_ns",
                         "tail_wait_ns", "route_ns")
 

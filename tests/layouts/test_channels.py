@@ -3,9 +3,9 @@
 import pytest
 
 from layouts.buffers import EPConfig
-from layouts.channels import (COUNTER_BYTES, TOKENS_PER_CHANNEL, ChannelGeometry,
-                              active_channels, batch_header_layout, channel_tokens,
-                              header_token_word)
+from layouts.channels import (COMBINE_VECTORS, COUNTER_BYTES, TOKENS_PER_CHANNEL,
+                              ChannelGeometry, active_channels, batch_header_layout,
+                              channel_tokens, combine_vectors, header_token_word)
 
 from .conftest import MODELS
 
@@ -110,3 +110,12 @@ def test_a_count_flag_reads_back_as_its_round_channels_and_kind():
              for p in (False, True)}
     assert len(words) == 3 * 3 * 2
     assert count_flag(2, 1, False) > count_flag(1, MAX_CHANNELS, True)
+
+
+@pytest.mark.parametrize("hidden, vectors", [(7168, 7), (1792, 7), (3584, 7), (4096, 4),
+                                             (2048, 4), (8192, 4), (5120, 4), (1000, 4)])
+def test_the_combine_takes_the_widest_step_that_covers_a_row_whole(hidden, vectors):
+    """H 7168 (896 vectors) is four steps of 7 vectors a lane (224) and seven of 4 (128): the
+    wider; 5120 (640) is whole only at 4; 1000 at neither, so the first."""
+    assert combine_vectors(hidden) == vectors
+    assert vectors in COMBINE_VECTORS
