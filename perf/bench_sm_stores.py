@@ -136,12 +136,13 @@ def main():
             assert torch.equal(got, want), "bulk stores wrote other bytes"
     for piece in args.bulk_pieces:
         kernel = runtime().select("store_rate", "cuda", mode="bulk", piece=piece)
-        per_cta, _ = _sweep(rows, f"store_rate bulk {piece} B", lambda share, n: kernel.launch(
-            dst, share, n), budgets, total, piece, args.reps, flush, copies=True)
+        per_cta, _ = _sweep(rows, f"store_rate {piece}-byte bulk",
+                            lambda share, n: kernel.launch(dst, share, n), budgets, total, piece,
+                            args.reps, flush, copies=True)
         piece_bytes = torch.arange(8 * piece, device="cuda") % 251
         got = dst[:per_cta].view(-1, piece)
         want = piece_bytes.view(8, piece)[torch.arange(got.shape[0], device="cuda") % 8]
-        assert torch.equal(got, want.to(torch.uint8)), f"{piece}-byte bulk stores wrote other bytes"
+        assert torch.equal(got, want.to(torch.uint8)), f"{piece}-byte stores wrote other bytes"
     kernel = runtime().select("load_rate", "cuda")
     piece = kernel.spec.sizes["piece"]
     dst.copy_(torch.randint(0, 256, (total,), dtype=torch.uint8, device="cuda"))
