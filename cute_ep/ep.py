@@ -95,15 +95,21 @@ COMBINE_VARYING = ("y", "comb_rows", "comb_weights", "chan_msgs", "topk_ids", "i
                    "out", "home_weights", "num_tokens", "weighted", "skip_a2a", "shared_begin",
                    "shared_end", "active", "trace", "tracing")
 
-# The expert ids' dtypes the kernels read (`kernels.routing.load_id`).
+# The expert ids' dtypes the kernels read as they are (`kernels.routing.load_id`: an int64 id
+# that int32 cannot hold is out of range there; the host never narrows ids).
 _ID_DTYPES = (torch.int32, torch.int64)
+
+
+def _id_words(topk_ids: torch.Tensor) -> int:
+    """The kernels' `id_words` of int32 (1) or int64 (2) ids: the 32-bit words an id takes."""
+    return topk_ids.element_size() >> 2
 
 
 def _contiguous_ids(topk_ids: torch.Tensor) -> torch.Tensor:
     """int32 or int64 ids as the kernels read them: contiguous, the dtype kept."""
     if topk_ids.dtype not in _ID_DTYPES:
         raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
-    return topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
+    return topk_ids.contiguous()
 
 
 __all__ = ["Buffer", "DispatchOutput", "DispatchHandle", "Routing", "ConfigMismatch",
@@ -571,9 +577,6 @@ class Buffer:
         `phases` DISPATCH_SEND alone, the arguments of the receive launch are kept for the
         hook (`dispatch_send`)."""
         cfg = self.cfg
-        # int32 or int64 ids (contiguous, checked) as they are: the kernels read either (an
-        # int64 id that int32 cannot hold is out of range, `kernels.routing.load_id`).
-        ids = topk_ids
         weighted = topk_weights is not None
         if cfg.fused_shared_expert and not weighted:
             raise ValueError("fused_shared_expert needs topk_weights: the unreduced [T, K, H] "
@@ -606,7 +609,7 @@ class Buffer:
             source, source_stride, scale_source, scale_stride, load_bytes = self._encoded
 
         out = self._dispatch_outputs(Routing(active, num_tokens, weighted, skip_a2a,
-                                             shared_begin, shared_end, ids), separate)
+                                             shared_begin, shared_end, topk_ids), separate)
         flat = out.__dict__["_flat"]
         if flat is not None:  # the carved outputs, at fixed offsets in one allocation
             base = flat.data_ptr()
@@ -618,8 +621,8 @@ class Buffer:
         trace = self.trace
         self.calls[0] += 1
         args = (
-            source, source_stride, load_bytes, scale_source, scale_stride, ids.data_ptr(),
-            ids.element_size() >> 2,
+            source, source_stride, load_bytes, scale_source, scale_stride,
+            topk_ids.data_ptr(), _id_words(topk_ids),
             topk_weights.data_ptr() if weighted else self._no_f32_at,
             out.tokens.data_ptr(),
             out._address("scales") if cfg.format != "bf16" else self._no_f32_at,
@@ -634,7 +637,7 @@ class Buffer:
         self._dispatch_launch(*args, phases, x_at, gs_at, encode, prefixed)
         if phases == DISPATCH_SEND:
             # The receive launch reads what these arguments point at: keep the tensors alive.
-            self._receive_pending = (args, (x, ids, topk_weights, out), prefixed)
+            self._receive_pending = (args, (x, topk_ids, topk_weights, out), prefixed)
         return out
 
     def _plan_outputs(self) -> None:
@@ -800,7 +803,7 @@ class Buffer:
         self.calls[1] += 1
         self._combine_launch(
             y.data_ptr(), rows, weights, channels, r.topk_ids.data_ptr(),
-            r.topk_ids.element_size() >> 2, out.data_ptr(),
+            _id_words(r.topk_ids), out.data_ptr(),
             home, t, mode, int(r.skip_a2a), r.shared_begin, r.shared_end,
             r.channels, self._no_i64_at if trace is None else trace.data_ptr(),
             int(trace is not None))

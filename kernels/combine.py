@@ -792,8 +792,7 @@ class EpCombine:
                                             tracing)
             # The chunk's tokens, a warp each as they claim them (warp 0 joins once it has
             # routed the next chunk); their ids, as routed, in buffer `buf` of s_ids.
-            chunk_ids = cute.make_tensor(s_ids.iterator + buf * (MAX_CHUNK * MAX_TOPK),
-                                         cute.make_layout(MAX_CHUNK * MAX_TOPK))
+            chunk_ids = self._chunk_ids(s_ids, buf)
             i = self._claim(lane, s_flag)
             while i < g:
                 t = base + i
@@ -855,8 +854,7 @@ class EpCombine:
             routed = cute.arch.globaltimer()
         g = cutlass.min(group, t1 - base)
         words = g * topk
-        ids = cute.make_tensor(s_ids.iterator + buf * (MAX_CHUNK * MAX_TOPK),
-                               cute.make_layout(MAX_CHUNK * MAX_TOPK))
+        ids = self._chunk_ids(s_ids, buf)
         for q in cutlass.range_constexpr(MAX_CHUNK * MAX_TOPK // WARP):
             if q * WARP + lane < words:
                 ids[q * WARP + lane] = n_ids[q]
@@ -880,6 +878,12 @@ class EpCombine:
         if tracing != 0:
             routing = routing + cute.arch.globaltimer() - routed
         return routing
+
+    @cute.jit
+    def _chunk_ids(self, s_ids: cute.Tensor, buf):
+        """Buffer `buf` of s_ids: a chunk's ids as warp 0 routed them, token i's K at row i."""
+        return cute.make_tensor(s_ids.iterator + buf * (MAX_CHUNK * MAX_TOPK),
+                                cute.make_layout(MAX_CHUNK * MAX_TOPK))
 
     @cute.jit
     def _claim(self, lane, s_flag: cute.Tensor):

@@ -182,10 +182,6 @@ TRACE_FIELDS = ("start", "routed", "counts_sent", "counts_arrived", "counts_summ
                 "round_done", "end", *SEND_TIMES, *RECV_TIMES)
 
 
-# What a traced combine records per channel (int64 each): %globaltimer at the kernel's start,
-# when its last sender warp and its last receiver warp finished, at the kernel's end; then the
-# longest any sender warp waited for ring credit, any receiver waited for a rank's rows, and its
-# receivers spent routing their chunks of tokens.
 # The combine's row sums walk a row a step at a time, each lane one of these many 16-byte
 # vectors of it a step (kernels/combine.py builds one kernel per value).
 COMBINE_VECTORS = (4, 7)
@@ -200,6 +196,10 @@ def combine_vectors(hidden: int) -> int:
     return max(whole) if whole else COMBINE_VECTORS[0]
 
 
+# What a traced combine records per channel (int64 each): %globaltimer at the kernel's start,
+# when its last sender warp and its last receiver warp finished, at the kernel's end; then the
+# longest any sender warp waited for ring credit, any receiver waited for a rank's rows, and its
+# receivers spent routing their chunks of tokens.
 COMBINE_TRACE_FIELDS = ("start", "send_done", "recv_done", "end", "credit_wait_ns",
                         "tail_wait_ns", "route_ns")
 

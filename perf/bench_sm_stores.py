@@ -45,6 +45,16 @@ def _sweep(rows, name, launch, budgets, total, piece, reps, flush, copies=False)
     return per_cta, ctas
 
 
+def _check_bulk_bytes(dst, per_cta, piece):
+    """What the bulk stores wrote into the first CTA's share: piece p is warp p % 8's piece of
+    shared memory (byte i of the warps' pieces holds i % 251)."""
+    piece_bytes = torch.arange(8 * piece, device="cuda") % 251
+    got = dst[:per_cta].view(-1, piece)
+    warps = torch.arange(got.shape[0], device="cuda") % 8
+    want = piece_bytes.view(8, piece)[warps].to(torch.uint8)
+    assert torch.equal(got, want), f"{piece}-byte bulk stores wrote other bytes"
+
+
 def _sms(text: str) -> set:
     """The SM indices `text` names: all, even, odd, or first-last[%step] ranges joined by '+'."""
     if text in ("all", "even", "odd"):
@@ -128,21 +138,14 @@ def main():
         piece = kernel.spec.sizes["piece"]
         per_cta, _ = _sweep(rows, f"store_rate {mode}", lambda share, n: kernel.launch(
             dst, share, n), budgets, total, piece, args.reps, flush)
-        if mode == "bulk":  # what the bulk stores wrote: the pieces of shared memory
-            piece_bytes = torch.arange(8 * piece, device="cuda") % 251
-            got = dst[:per_cta].view(-1, piece)
-            warps = torch.arange(got.shape[0], device="cuda") % 8
-            want = piece_bytes.view(8, piece)[warps].to(torch.uint8)
-            assert torch.equal(got, want), "bulk stores wrote other bytes"
+        if mode == "bulk":
+            _check_bulk_bytes(dst, per_cta, piece)
     for piece in args.bulk_pieces:
         kernel = runtime().select("store_rate", "cuda", mode="bulk", piece=piece)
         per_cta, _ = _sweep(rows, f"store_rate {piece}-byte bulk",
                             lambda share, n: kernel.launch(dst, share, n), budgets, total, piece,
                             args.reps, flush, copies=True)
-        piece_bytes = torch.arange(8 * piece, device="cuda") % 251
-        got = dst[:per_cta].view(-1, piece)
-        want = piece_bytes.view(8, piece)[torch.arange(got.shape[0], device="cuda") % 8]
-        assert torch.equal(got, want.to(torch.uint8)), f"{piece}-byte stores wrote other bytes"
+        _check_bulk_bytes(dst, per_cta, piece)
     kernel = runtime().select("load_rate", "cuda")
     piece = kernel.spec.sizes["piece"]
     dst.copy_(torch.randint(0, 256, (total,), dtype=torch.uint8, device="cuda"))

@@ -167,6 +167,22 @@ def _buffer_properties(rank, world, examples):
         w = torch.rand(t, TOPK, device="cuda", generator=gen)
         return x, ids, w
 
+    def reported(buf):
+        """What buf.check() raised of bad input (its ValueError's message), or None."""
+        try:
+            buf.check()
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    def identity_sums(combined, x, w, keep):
+        """A combine of identity experts (y = the dispatched rows): each token is itself times
+        the sum of its kept pairs' weights, within bf16 rounding."""
+        want = x.float() * (w * keep).sum(1, keepdim=True)
+        err = (combined.float() - want).abs()
+        assert (err <= 2 ** -7 * (x.float().abs() * (w * keep).sum(1, keepdim=True)) + 1e-30
+                ).all(), float(err.max())
+
     def same_rows(fmt, out, want):
         """The dispatch output `out` holds the reference's rows `want`, byte for byte."""
         n = want.num_rows
@@ -235,17 +251,10 @@ def _buffer_properties(rank, world, examples):
                             device="cuda").reshape(t, TOPK)
         out = buf.dispatch(x, ids, w)
         combined = buf.combine(out.tokens.clone(), out.handle)  # identity experts
-        raised = None
-        try:
-            buf.check()
-        except ValueError as exc:
-            raised = str(exc)
+        raised = reported(buf)
         assert (raised is not None) == bool((keep == 0).any()), (raised, keep)
         assert int(out.row_offsets[-1]) == int(keep.sum())
-        want = x.float() * (w * keep).sum(1, keepdim=True)
-        err = (combined.float() - want).abs()
-        assert (err <= 2 ** -7 * (x.float().abs() * (w * keep).sum(1, keepdim=True)) + 1e-30
-                ).all(), float(err.max())
+        identity_sums(combined, x, w, keep)
         buf.check()  # reported once: nothing left over for the next call
 
     @settings(max_examples=examples, deadline=None, derandomize=True)
@@ -273,11 +282,7 @@ def _buffer_properties(rank, world, examples):
         y = out.tokens.clone() if fmt == "bf16" else torch.zeros(
             buf.cfg.row_capacity, HIDDEN, dtype=torch.bfloat16, device="cuda")
         combined = buf.combine(y, out.handle, topk_weights=w if at_home else None)
-        raised = None
-        try:
-            buf.check()
-        except ValueError as exc:
-            raised = str(exc)
+        raised = reported(buf)
         assert (raised is not None) == bool((~fits).any()), (raised, ids.tolist())
         assert raised is None or f"an expert id outside [0, {EXPERTS})" in raised, raised
         # The reference takes the dropped pairs as empty slots (-1), found from the int64 values.
@@ -285,10 +290,7 @@ def _buffer_properties(rank, world, examples):
             buf.cfg, [x], [torch.where(fits, ids, -1).int()],
             global_scales=[1.0] if fmt == "nvfp4" else None)[0])
         if fmt == "bf16":  # identity experts: each token's kept weights times itself
-            want = x.float() * (w * keep).sum(1, keepdim=True)
-            err = (combined.float() - want).abs()
-            assert (err <= 2 ** -7 * (x.float().abs() * (w * keep).sum(1, keepdim=True))
-                    + 1e-30).all(), float(err.max())
+            identity_sums(combined, x, w, keep)
         buf.check()
 
     values_and_token_counts()
