@@ -2,13 +2,10 @@
 ceiling of a dispatch receiver's row stores at an SM budget (`perf/bench_sm_stores.py`).
 `load_rate`: the same for reading (a combine's reads of the expert rows).
 
-Each CTA of WARPS warps writes its own `bytes_per_cta` of `dst`, one piece after another, warp
+Each CTA of WARPS warps writes its own `bytes_per_cta` of `dst`, one PIECE after another, warp
 w taking pieces w, w + WARPS, ...: "bulk" by bulk copies of a constant shared-memory piece
 (`cp.async.bulk`, the receivers' path; at most GROUPS of a warp's stores in flight), "lanes" by
-16-byte stores from registers (STEP vectors a lane at a time). Pieces are PIECE bytes; the bulk
-mode is also built with BULK_PIECES, the sizes of a dispatch receiver's row stores (FP8 and
-NVFP4 scale rows, NVFP4 and FP8 code rows at H 7168), so that the rate of small bulk copies
-(copies a second, not bytes) can be told from the rate of the bytes.
+16-byte stores from registers (STEP vectors a lane at a time).
 """
 
 import cutlass
@@ -29,44 +26,35 @@ PIECE = 4096
 GROUPS = 8
 STEP = 8  # 16-byte vectors a lane stores per step ("lanes"): PIECE / (32 * 16)
 LOAD_DEPTH = 4  # pieces a warp of `load_rate` has in flight: 16 KiB, 128 KiB a CTA
-# Bulk store sizes besides PIECE: FP8's 56 and NVFP4's 112 scale words of a row at H 7168, an
-# NVFP4 row's codes and an FP8 row's.
-BULK_PIECES = (224, 448, 3584, 7168)
 
 
-def _rate_spec(family: str, config: dict, buffers: tuple, smem_bytes: int,
-               piece: int = PIECE) -> KernelSpec:
+def _rate_spec(family: str, mode: str, buffers: tuple, smem_bytes: int) -> KernelSpec:
     """The ABI of a rate kernel: its buffers, then `bytes_per_cta` and `ctas`; one CTA of WARPS
     warps per `ctas`."""
     return KernelSpec(
         family=family,
-        config=config,
+        config={"mode": mode},
         params=buffers + (Param("bytes_per_cta", "i64"), Param("ctas", "i32")),
         block=(WARPS * WARP, 1, 1),
         grid=(GridRule(ceil_div=("ctas", 1)), GridRule(constant=1), GridRule(constant=1)),
         smem_bytes=smem_bytes,
-        sizes={"piece": piece},
+        sizes={"piece": PIECE},
     )
 
 
 class StoreRate:
-    def __init__(self, mode: str, piece: int = PIECE):
+    def __init__(self, mode: str):
         if mode not in MODES:
             raise ValueError(f"store_rate modes: {MODES}, not {mode!r}")
-        if piece <= 0 or piece % 16 or (mode == "lanes" and piece != PIECE):
-            raise ValueError(f"store_rate pieces are 16-byte multiples (lanes: {PIECE}), "
-                             f"not {piece}")
         self.mode = mode
-        self.piece = piece
 
     @property
     def smem_bytes(self) -> int:
-        return WARPS * self.piece + 128 if self.mode == "bulk" else 0
+        return WARPS * PIECE + 128 if self.mode == "bulk" else 0
 
     def spec(self) -> KernelSpec:
-        return _rate_spec(FAMILY, {"mode": self.mode, "piece": self.piece},
-                          (Param("dst", "ptr", "uint8", align=16, writes=True),),
-                          self.smem_bytes, self.piece)
+        return _rate_spec(FAMILY, self.mode, (Param("dst", "ptr", "uint8", align=16, writes=True),),
+                          self.smem_bytes)
 
     @cute.jit
     def __call__(self, dst: cute.Pointer, bytes_per_cta: Int64, ctas: Int32, stream):
@@ -81,21 +69,20 @@ class StoreRate:
         warp = tidx // WARP
         lane = tidx % WARP
         base = dst.toint() + Int64(cta) * bytes_per_cta
-        piece = self.piece
-        pieces = Int32(bytes_per_cta // piece)
+        pieces = Int32(bytes_per_cta // PIECE)
         if cutlass.const_expr(self.mode == "bulk"):
             smem = cutlass.memory.SmemAllocator()
-            buf = smem.allocate_tensor(Uint8, cute.make_layout(WARPS * piece),
+            buf = smem.allocate_tensor(Uint8, cute.make_layout(WARPS * PIECE),
                                        byte_alignment=128)
-            for i in cutlass.range(tidx, WARPS * piece, WARPS * WARP):
+            for i in cutlass.range(tidx, WARPS * PIECE, WARPS * WARP):
                 buf[i] = Uint8(i % 251)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.sync_threads()
             if lane == 0:
                 for p in cutlass.range(warp, pieces, WARPS):
                     cute.arch.cp_async_bulk_wait_group(GROUPS - 1)
-                    bulk_store(base + Int64(p) * piece, buf.iterator + warp * piece,
-                               Int32(piece))
+                    bulk_store(base + Int64(p) * PIECE, buf.iterator + warp * PIECE,
+                               Int32(PIECE))
                     cute.arch.cp_async_bulk_commit_group()
                 cute.arch.cp_async_bulk_wait_group(0)
         else:
@@ -122,7 +109,7 @@ class LoadRate:
     smem_bytes = WARPS * LOAD_DEPTH * PIECE
 
     def spec(self) -> KernelSpec:
-        return _rate_spec("load_rate", {"mode": "cp.async"}, (
+        return _rate_spec("load_rate", "cp.async", (
             Param("src", "ptr", "uint8", align=16), Param("sums", "ptr", "int32", writes=True)),
             self.smem_bytes)
 
@@ -174,8 +161,7 @@ class LoadRate:
 
 
 def store_rate_kernels() -> list:
-    return [StoreRate(m) for m in MODES] + [StoreRate("bulk", p) for p in BULK_PIECES] + \
-        [LoadRate()]
+    return [StoreRate(m) for m in MODES] + [LoadRate()]
 
 
 PLACE_WARPS = (8, 16, 32)

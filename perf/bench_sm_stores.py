@@ -4,16 +4,13 @@ a dispatch receiver's row stores at an SM budget (a BF16 dispatch of 4096 tokens
 the same rows.
 
     python perf/bench_sm_stores.py [--mib 512] [--reps 20] [--ctas 8,16,24,32,66,132]
-                                   [--bulk-pieces 224,448,3584,7168]
 
 `store_rate` (kernels/store_rate.py): one CTA an SM, 8 warps, each writing 4 KiB pieces of its
 CTA's share, by bulk copies from shared memory ("bulk") or by 16-byte stores from registers
 ("lanes"), beside torch's fill of the same bytes (every SM). `load_rate`: the same CTAs reading
 the bytes by `cp.async` into shared memory, 4 pieces a warp in flight (each thread's XOR of what
 it read is checked against the bytes). GB/s = bytes moved / median time; the last column divides
-it by the CTAs: what one SM moves. `--bulk-pieces` adds bulk stores of those sizes (built:
-kernels/store_rate.py's BULK_PIECES, a dispatch receiver's row stores) with the copies a
-microsecond one SM issues: small copies are bound by how many, not by their bytes.
+it by the CTAs: what one SM moves.
 """
 
 import argparse
@@ -23,36 +20,20 @@ import torch
 from timing import median_ms, report_copies
 
 from cute_ep.runtime.launch import runtime
-from kernels.store_rate import PIECE, PLACE_SLOTS
+from kernels.store_rate import PLACE_SLOTS
 
 
-def _sweep(rows, name, launch, budgets, total, piece, reps, flush, copies=False):
+def _sweep(rows, name, launch, budgets, total, piece, reps, flush):
     """`launch(bytes_per_cta, ctas)` timed at each CTA count of `budgets`, `total` bytes split
-    into whole pieces a CTA; a row each into `rows` (with `copies`, also the pieces a
-    microsecond one CTA writes). Returns the last budget's (bytes_per_cta, ctas), whose bytes
-    the caller checks."""
+    into whole pieces a CTA; a row each into `rows`. Returns the last budget's (bytes_per_cta,
+    ctas), whose bytes the caller checks."""
     for ctas in budgets:
         per_cta = total // ctas // piece * piece
         ms = median_ms(lambda: launch(per_cta, ctas), reps, flush)
         gbs = per_cta * ctas / ms / 1e6
-        row = {"kernel": f"{name} ({gbs / ctas:.0f} GB/s an SM)", "ctas": ctas,
-               "us": ms * 1e3, "gbs": gbs, "gbs_per_cta": gbs / ctas}
-        if copies:
-            row["copies_per_us_per_cta"] = per_cta // piece / (ms * 1e3)
-            row["kernel"] = (f"{name} ({gbs / ctas:.0f} GB/s, "
-                             f"{row['copies_per_us_per_cta']:.1f} copies/us an SM)")
-        rows.append(row)
+        rows.append({"kernel": f"{name} ({gbs / ctas:.0f} GB/s an SM)", "ctas": ctas,
+                     "us": ms * 1e3, "gbs": gbs, "gbs_per_cta": gbs / ctas})
     return per_cta, ctas
-
-
-def _check_bulk_bytes(dst, per_cta, piece):
-    """What the bulk stores wrote into the first CTA's share: piece p is warp p % 8's piece of
-    shared memory (byte i of the warps' pieces holds i % 251)."""
-    piece_bytes = torch.arange(8 * piece, device="cuda") % 251
-    got = dst[:per_cta].view(-1, piece)
-    warps = torch.arange(got.shape[0], device="cuda") % 8
-    want = piece_bytes.view(8, piece)[warps].to(torch.uint8)
-    assert torch.equal(got, want), f"{piece}-byte bulk stores wrote other bytes"
 
 
 def _sms(text: str) -> set:
@@ -120,9 +101,6 @@ def main():
                              "that work")
     parser.add_argument("--place-warps", default="8",
                         type=lambda v: [int(w) for w in v.split(",")])
-    parser.add_argument("--bulk-pieces", default="",
-                        type=lambda v: [int(p) for p in v.split(",") if p],
-                        help="bulk store sizes to add (built: 224,448,3584,7168)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     total = args.mib << 20
@@ -134,18 +112,16 @@ def main():
     rows.append({"kernel": "torch fill_ (every SM)", "ctas": "all", "us": ms * 1e3,
                  "gbs": total / ms / 1e6, "gbs_per_cta": None})
     for mode in ("bulk", "lanes"):
-        kernel = runtime().select("store_rate", "cuda", mode=mode, piece=PIECE)
+        kernel = runtime().select("store_rate", "cuda", mode=mode)
         piece = kernel.spec.sizes["piece"]
         per_cta, _ = _sweep(rows, f"store_rate {mode}", lambda share, n: kernel.launch(
             dst, share, n), budgets, total, piece, args.reps, flush)
-        if mode == "bulk":
-            _check_bulk_bytes(dst, per_cta, piece)
-    for piece in args.bulk_pieces:
-        kernel = runtime().select("store_rate", "cuda", mode="bulk", piece=piece)
-        per_cta, _ = _sweep(rows, f"store_rate {piece}-byte bulk",
-                            lambda share, n: kernel.launch(dst, share, n), budgets, total, piece,
-                            args.reps, flush, copies=True)
-        _check_bulk_bytes(dst, per_cta, piece)
+        if mode == "bulk":  # what the bulk stores wrote: the pieces of shared memory
+            piece_bytes = torch.arange(8 * piece, device="cuda") % 251
+            got = dst[:per_cta].view(-1, piece)
+            warps = torch.arange(got.shape[0], device="cuda") % 8
+            want = piece_bytes.view(8, piece)[warps].to(torch.uint8)
+            assert torch.equal(got, want), "bulk stores wrote other bytes"
     kernel = runtime().select("load_rate", "cuda")
     piece = kernel.spec.sizes["piece"]
     dst.copy_(torch.randint(0, 256, (total,), dtype=torch.uint8, device="cuda"))
