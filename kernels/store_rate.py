@@ -17,6 +17,7 @@ from kernels.copy import row_tiled_copy
 from kernels.memory import gmem_ptr, load_i32, store_i32, take_ticket
 from kernels.placement import sm_id
 from layouts.abi import GridRule, KernelSpec, Param
+from layouts.buffers import PLACE_SLOTS
 
 FAMILY = "store_rate"
 MODES = ("bulk", "lanes")
@@ -165,7 +166,8 @@ def store_rate_kernels() -> list:
 
 
 PLACE_WARPS = (8, 16, 32)
-PLACE_SLOTS = 256  # CTAs a store_place launch records, and SM indices its `allowed` table covers
+# PLACE_SLOTS (layouts.buffers): CTAs a store_place launch records, and SM indices its `allowed`
+# table covers.
 
 
 class StorePlace:

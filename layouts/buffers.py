@@ -136,6 +136,7 @@ def dispatch_round() -> Buffer:
 # advances the round and resets it); then the placement of a launch with spare CTAs
 # (`kernels/placement.py`): channels taken, CTAs arrived, and a bit per TPC that holds a channel.
 TPC_WORDS = 4  # 128 TPCs: 256 SMs
+PLACE_SLOTS = 64 * TPC_WORDS  # SM indices a placement table covers (`kernels.store_rate`)
 LAUNCH_FIELDS = ("finished", "taken", "arrived") + tuple(f"tpcs{i}" for i in range(TPC_WORDS))
 
 

@@ -20,7 +20,7 @@ import torch
 from timing import median_ms, report_copies
 
 from cute_ep.runtime.launch import runtime
-from kernels.store_rate import PLACE_SLOTS
+from layouts.buffers import PLACE_SLOTS
 
 
 def _sweep(rows, name, launch, budgets, total, piece, reps, flush):

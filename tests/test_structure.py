@@ -189,3 +189,12 @@ def test_every_bound_launch_names_each_parameter_of_its_kernel_once():
                         f"bind gives {sorted(varying)} varying and {sorted(constants)} fixed"
                 binds += 1
     assert binds >= 3  # encode, dispatch, combine
+
+
+def test_benchmarks_run_without_the_dsl():
+    """perf/ runs on GPU machines that have torch and a built library but not the CuTe DSL: no
+    script there imports kernels/ (whose modules import the DSL); what one needs of a kernel's
+    constants comes from layouts/."""
+    for path in sorted((ROOT / "perf").glob("*.py")):
+        found = re.search(r"^\s*(from kernels[.\s]|import kernels\b)", path.read_text(), re.M)
+        assert not found, f"perf/{path.name}: {found.group(0).strip()}"
