@@ -12,6 +12,7 @@ rebuilt. A configuration that fails is reported and the others still build.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import inspect
 import json
@@ -123,10 +124,20 @@ def source_digest(kernel) -> str:
     return h.hexdigest()
 
 
+def nvshmem_version() -> str:
+    """The NVSHMEM device library's version (the `nvidia-nvshmem-cu13` wheel whose bitcode a
+    kernel that calls NVSHMEM links) and its DSL bindings' (`nvshmem4py-cu13`)."""
+    from importlib.metadata import version
+
+    return f"{version('nvidia-nvshmem-cu13')}/{version('nvshmem4py-cu13')}"
+
+
 def build_key(kernel, spec: KernelSpec, arch: str) -> str:
     h = hashlib.sha256()
-    for part in (source_digest(kernel), dsl_version(), arch,
-                 json.dumps(spec.to_json(), sort_keys=True)):
+    parts = [source_digest(kernel), dsl_version(), arch, json.dumps(spec.to_json(), sort_keys=True)]
+    if getattr(kernel, "nvshmem", False):
+        parts.append(nvshmem_version())
+    for part in parts:
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()
@@ -241,13 +252,33 @@ def compile_kernel(kernel, spec: KernelSpec, arch: str) -> tuple[str, bytes]:
     return symbol, cubin
 
 
+@contextlib.contextmanager
+def nvshmem_bitcode(arch: str):
+    """While a kernel that calls NVSHMEM compiles for `arch` (sm_90a, sm_100a): the NVSHMEM
+    device bitcode of that SM architecture. nvshmem4py picks the file by the current GPU, which
+    a build machine need not have (nor the one the cubin is for)."""
+    from nvshmem.bindings.device.cute import _bitcode
+    from nvshmem.core.init_fini import find_device_bitcode_library
+
+    path = find_device_bitcode_library(arch=re.fullmatch(r"sm_(\d+)a?", arch).group(1))
+    chosen = _bitcode._device_bitcode_path
+    _bitcode._device_bitcode_path = lambda: path
+    try:
+        yield path
+    finally:
+        _bitcode._device_bitcode_path = chosen
+
+
 def compile_with_ptx(kernel, spec: KernelSpec, arch: str) -> tuple[str, bytes, str]:
-    """Compile one configuration for one arch; returns (symbol, cubin, PTX)."""
+    """Compile one configuration for one arch; returns (symbol, cubin, PTX). A kernel that
+    calls NVSHMEM (`kernel.nvshmem`) links its device library for that arch."""
     device_function = getattr(kernel, "kernel", None)  # every kernel class's @cute.kernel
     if hasattr(device_function, "set_name_prefix"):
         device_function.set_name_prefix(symbol_prefix(spec), remove_cutlass_symbol=True,
                                         keep_mangled_name=False)
-    with tempfile.TemporaryDirectory(prefix="cute-ep-build-") as tmp:
+    linked = nvshmem_bitcode(arch) if getattr(kernel, "nvshmem", False) else \
+        contextlib.nullcontext()
+    with tempfile.TemporaryDirectory(prefix="cute-ep-build-") as tmp, linked:
         compiled = cute.compile(
             kernel, *compile_args(spec),
             options=f"--gpu-arch {arch} --keep-ptx --keep-cubin --dump-dir {tmp}")
@@ -349,6 +380,7 @@ def build(kernels: list, out: Path, arches=ARCHES, force: bool = False,
                 **cubin_resources(cubin),
                 "build_key": key,
                 "spec": spec.to_json(),
+                **({"nvshmem": True} if getattr(kernel, "nvshmem", False) else {}),
             }
             report.results.append(
                 Result(spec.key, arch, "built", seconds=time.perf_counter() - start))

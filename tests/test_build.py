@@ -42,6 +42,29 @@ def test_ci_subset_has_every_family_for_both_arches(built):
         assert e["spec"]["block"][0] > 0
 
 
+def test_net_put_links_the_nvshmem_device_library_of_each_arch(built):
+    """The kernel that calls NVSHMEM (`kernels.net_put`) is built without a GPU: each arch's
+    cubin carries NVSHMEM's device code from that arch's bitcode (`kernels.build
+    .nvshmem_bitcode`), and the manifest marks it for the runtime's module initialisation; no
+    other kernel is marked."""
+    from kernels.build import nvshmem_bitcode
+
+    out, _ = built
+    entries = _manifest(out)["kernels"]
+    marked = {(e["spec"]["family"], e["arch"]) for e in entries if e.get("nvshmem")}
+    assert marked == {("net_put", a) for a in ("sm_90a", "sm_100a")}
+    for e in entries:
+        if e.get("nvshmem"):
+            cubin = (out / e["cubin"]).read_bytes()
+            assert b"nvshmemi_device_state" in cubin or b"nvshmemi" in cubin
+            assert e["stack_bytes"] >= 0 and e["registers"] > 0
+    for arch, sm in (("sm_90a", "90"), ("sm_100a", "100")):
+        with nvshmem_bitcode(arch) as path:
+            assert path.endswith(f"libnvshmem_device_sm_{sm}.bc")
+            from nvshmem.bindings.device.cute import _bitcode
+            assert _bitcode.NVSHMEM_DEVICE_BITCODE.path == path
+
+
 def test_unchanged_configs_are_not_rebuilt_and_damaged_ones_are(built):
     from kernels.build import build
     from kernels.matrix import ci_matrix

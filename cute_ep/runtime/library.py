@@ -32,6 +32,9 @@ class Entry:
     symbol: str
     cubin: Path
     sha256: str
+    # The cubin calls NVSHMEM (its device library linked in): its module is initialised for
+    # NVSHMEM after it loads (`cute_ep.runtime.nvshmem`).
+    nvshmem: bool = False
 
     @property
     def key(self) -> str:
@@ -47,7 +50,8 @@ class Manifest:
             spec = KernelSpec.from_json(e["spec"])
             self.entries[(spec.key, e["arch"])] = Entry(
                 spec=spec, arch=e["arch"], symbol=e["symbol"],
-                cubin=directory / e["cubin"], sha256=e["sha256"])
+                cubin=directory / e["cubin"], sha256=e["sha256"],
+                nvshmem=bool(e.get("nvshmem", False)))
 
     @classmethod
     def load(cls, path: str | os.PathLike | None = None) -> "Manifest":
