@@ -14,6 +14,17 @@ pytest.importorskip("nvshmem.core", reason="the multinode extra (nvshmem4py-cu13
 TIMEOUT_NS = 10_000_000_000
 
 
+def _join():
+    """This rank as a PE. Every PE of these tests is on this host: no network transport (the
+    default would look for InfiniBand devices)."""
+    import os
+
+    from cute_ep.runtime import nvshmem
+
+    os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
+    return nvshmem.init()
+
+
 def _payload(source: int, round_: int, nbytes: int) -> torch.Tensor:
     gen = torch.Generator(device="cuda").manual_seed(source * 1_000_003 + round_)
     return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda", generator=gen)
@@ -27,7 +38,7 @@ def _ring(rank, world, nbytes, rounds):
     from cute_ep.runtime import nvshmem
     from cute_ep.runtime.launch import runtime
 
-    assert nvshmem.init() == {"pe": rank, "npes": world, "device": torch.cuda.current_device()}
+    assert _join() == {"pe": rank, "npes": world, "device": torch.cuda.current_device()}
     assert nvshmem.init() is nvshmem.state()  # joined once
     dst = nvshmem.symmetric_bytes(nbytes)
     signal = nvshmem.symmetric_bytes(8).view(torch.int64)
@@ -59,7 +70,7 @@ def _absent_peer(rank, world):
     from cute_ep.runtime import nvshmem
     from cute_ep.runtime.launch import runtime
 
-    nvshmem.init()
+    _join()
     dst = nvshmem.symmetric_bytes(256)
     signal = nvshmem.symmetric_bytes(8).view(torch.int64)
     signal.zero_()
