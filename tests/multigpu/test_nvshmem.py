@@ -30,9 +30,10 @@ def _payload(source: int, round_: int, nbytes: int) -> torch.Tensor:
     return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda", generator=gen)
 
 
-def _ring(rank, world, nbytes, rounds):
-    """Rank r puts its round's bytes into rank r + 1's buffer with a signal of the round, then
-    waits for rank r - 1's: the bytes that land are r - 1's, every round."""
+def _ring(rank, world, nbytes, rounds, ctas):
+    """Rank r puts its round's bytes into rank r + 1's buffer, `ctas` CTAs each signalling once,
+    then waits for rank r - 1's signals of the round: the bytes that land are r - 1's, every
+    round."""
     import torch.distributed as dist
 
     from cute_ep.runtime import nvshmem
@@ -49,19 +50,21 @@ def _ring(rank, world, nbytes, rounds):
     kernel = runtime().select("net_put")
     for i in range(1, rounds + 1):
         src = _payload(rank, i, nbytes)
-        kernel.launch(dst, src, signal, error, nbytes, i, TIMEOUT_NS, (rank + 1) % world)
+        kernel.launch(dst, src, signal, error, nbytes, i * ctas, TIMEOUT_NS, (rank + 1) % world,
+                      ctas)
         torch.cuda.synchronize()
         assert error.tolist() == [0, 0, 0, 0], f"round {i}"
         assert torch.equal(dst, _payload((rank - 1) % world, i, nbytes)), f"round {i}"
-        assert int(signal.item()) == i
+        assert int(signal.item()) == i * ctas
         dist.barrier()  # every rank has read its bytes before the next round's puts land
     nvshmem.free(dst)
     return True
 
 
-@pytest.mark.parametrize("nbytes", [16, 3 * 1024 * 1024 + 16])
-def test_puts_with_signals_move_exact_bytes_round_after_round(nbytes):
-    assert all(run_ranks(_ring, nbytes=nbytes, rounds=20, limit_s=120))
+@pytest.mark.parametrize("nbytes,ctas", [(16, 1), (3 * 1024 * 1024 + 16, 1),
+                                         (3 * 1024 * 1024 + 7, 5), (4096, 8)])
+def test_puts_with_signals_move_exact_bytes_round_after_round(nbytes, ctas):
+    assert all(run_ranks(_ring, nbytes=nbytes, rounds=20, ctas=ctas, limit_s=120))
 
 
 def _absent_peer(rank, world):
@@ -79,7 +82,7 @@ def _absent_peer(rank, world):
     dist.barrier()
     if rank == 0:  # rank 1 never puts: rank 0's wait ends at the timeout, naming it
         runtime().select("net_put").launch(dst, _payload(0, 0, 256), signal, error, 256, 1,
-                                           200_000_000, 1)
+                                           200_000_000, 1, 1)
         torch.cuda.synchronize()
     dist.barrier()
     return error.tolist()
