@@ -124,12 +124,20 @@ def source_digest(kernel) -> str:
     return h.hexdigest()
 
 
-def nvshmem_version() -> str:
-    """The NVSHMEM device library's version (the `nvidia-nvshmem-cu13` wheel whose bitcode a
-    kernel that calls NVSHMEM links) and its DSL bindings' (`nvshmem4py-cu13`)."""
+def nvshmem_library_version() -> str:
+    """The version of the NVSHMEM library (the `nvidia-nvshmem-cu13` wheel) whose device
+    bitcode a kernel that calls NVSHMEM links. The host library that initialises its module
+    must be the same version: the manifest records it for the runtime to check."""
     from importlib.metadata import version
 
-    return f"{version('nvidia-nvshmem-cu13')}/{version('nvshmem4py-cu13')}"
+    return version("nvidia-nvshmem-cu13")
+
+
+def nvshmem_version() -> str:
+    """The NVSHMEM device library's version and its DSL bindings' (`nvshmem4py-cu13`)."""
+    from importlib.metadata import version
+
+    return f"{nvshmem_library_version()}/{version('nvshmem4py-cu13')}"
 
 
 def build_key(kernel, spec: KernelSpec, arch: str) -> str:
@@ -255,12 +263,21 @@ def compile_kernel(kernel, spec: KernelSpec, arch: str) -> tuple[str, bytes]:
 @contextlib.contextmanager
 def nvshmem_bitcode(arch: str):
     """While a kernel that calls NVSHMEM compiles for `arch` (sm_90a, sm_100a): the NVSHMEM
-    device bitcode of that SM architecture. nvshmem4py picks the file by the current GPU, which
-    a build machine need not have (nor the one the cubin is for)."""
+    device bitcode of that SM architecture (`libnvshmem_device_sm_90.bc`, as 3.8 ships),
+    or the one bitcode of every architecture of versions without those (3.4.5, the one
+    torch 2.11 installs: `libnvshmem_device.bc`). nvshmem4py picks the file by the current GPU, which a build
+    machine need not have (nor the one the cubin is for)."""
     from nvshmem.bindings.device.cute import _bitcode
     from nvshmem.core.init_fini import find_device_bitcode_library
+    from nvshmem.core.nvshmem_types import NvshmemInvalid
 
-    path = find_device_bitcode_library(arch=re.fullmatch(r"sm_(\d+)a?", arch).group(1))
+    try:
+        path = find_device_bitcode_library(arch=re.fullmatch(r"sm_(\d+)a?", arch).group(1))
+    except NvshmemInvalid:  # no per-arch file: the version's one bitcode, if it has it
+        path = find_device_bitcode_library(arch=None)
+        if Path(path).name != "libnvshmem_device.bc":
+            raise BuildError(f"NVSHMEM {nvshmem_library_version()} has no device bitcode for "
+                             f"{arch} (found {Path(path).name})") from None
     chosen = _bitcode._device_bitcode_path
     _bitcode._device_bitcode_path = lambda: path
     try:
@@ -380,7 +397,8 @@ def build(kernels: list, out: Path, arches=ARCHES, force: bool = False,
                 **cubin_resources(cubin),
                 "build_key": key,
                 "spec": spec.to_json(),
-                **({"nvshmem": True} if getattr(kernel, "nvshmem", False) else {}),
+                **({"nvshmem": nvshmem_library_version()} if getattr(kernel, "nvshmem", False)
+                   else {}),
             }
             report.results.append(
                 Result(spec.key, arch, "built", seconds=time.perf_counter() - start))

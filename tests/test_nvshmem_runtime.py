@@ -20,7 +20,7 @@ def test_a_module_or_an_allocation_before_joining_says_to_join():
     assert nvshmem.state() is None
     with pytest.raises(RuntimeError, match=r"net_put\[warps=4\] calls NVSHMEM: call "
                                            r"cute_ep.runtime.nvshmem.init"):
-        nvshmem.init_module(object(), "net_put[warps=4]")
+        nvshmem.init_module(object(), "net_put[warps=4]", "3.4.5")
     with pytest.raises(RuntimeError, match="init"):
         nvshmem.symmetric_bytes(64)
 
@@ -29,6 +29,17 @@ def test_without_the_package_the_error_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "nvshmem.core", None)
     with pytest.raises(nvshmem.NvshmemUnavailable, match=r"cute-ep\[multinode\]"):
         nvshmem._core()
+
+
+def test_a_module_built_against_another_nvshmem_is_refused_by_name(monkeypatch):
+    """NVSHMEM initialises a module only with the host library of the version its device code
+    came from; the runtime says which versions met, before NVSHMEM's bare status 7."""
+    monkeypatch.setattr(nvshmem, "_STATE", {"pe": 0, "npes": 2, "device": 0})
+    monkeypatch.setattr(nvshmem, "host_version", lambda: "3.8.0")
+    with pytest.raises(RuntimeError, match=r"net_put\[warps=4\] was built against NVSHMEM "
+                                           r"3\.4\.5, but this process has nvidia-nvshmem-cu13 "
+                                           r"3\.8\.0: install nvidia-nvshmem-cu13==3\.4\.5"):
+        nvshmem.init_module(object(), "net_put[warps=4]", "3.4.5")
 
 
 def test_the_manifest_marks_the_kernels_that_call_nvshmem(tmp_path):
@@ -41,8 +52,8 @@ def test_the_manifest_marks_the_kernels_that_call_nvshmem(tmp_path):
     other = {**spec, "family": "block_memcpy"}
     data = {"format": MANIFEST_FORMAT, "kernels": [
         {"arch": "sm_90a", "symbol": "a", "cubin": "a.cubin", "sha256": "0", "spec": spec,
-         "nvshmem": True},
+         "nvshmem": "3.4.5"},
         {"arch": "sm_90a", "symbol": "b", "cubin": "b.cubin", "sha256": "0", "spec": other}]}
     manifest = Manifest(tmp_path, data)
-    assert manifest.lookup("net_put[warps=4]", "sm_90a").nvshmem
-    assert not manifest.select("block_memcpy", "sm_90a").nvshmem
+    assert manifest.lookup("net_put[warps=4]", "sm_90a").nvshmem == "3.4.5"
+    assert manifest.select("block_memcpy", "sm_90a").nvshmem is None

@@ -441,7 +441,7 @@ class Runtime:
                 if entry.nvshmem:
                     from cute_ep.runtime.nvshmem import init_module
 
-                    init_module(module, entry.key)
+                    init_module(module, entry.key, entry.nvshmem)
                 self._modules[module_key] = module
             function = check(driver.cuModuleGetFunction(module, entry.symbol.encode()))
             if entry.spec.smem_bytes > _DEFAULT_DYNAMIC_SMEM_LIMIT:

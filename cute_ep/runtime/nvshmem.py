@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["NvshmemUnavailable", "free", "init", "init_module", "state", "symmetric_bytes"]
+__all__ = ["NvshmemUnavailable", "free", "host_version", "init", "init_module", "state",
+           "symmetric_bytes"]
 
 _STATE: dict | None = None
 
@@ -70,12 +71,31 @@ def init(group=None) -> dict:
     return _STATE
 
 
-def init_module(module, key: str) -> None:
+def host_version() -> str | None:
+    """The version of the NVSHMEM host library this process loads (the installed
+    `nvidia-nvshmem-cu13`), None if it is not installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("nvidia-nvshmem-cu13")
+    except PackageNotFoundError:
+        return None
+
+
+def init_module(module, key: str, built_with: str) -> None:
     """Initialise a loaded CUmodule of a kernel that calls NVSHMEM (`key`: its configuration,
-    for errors): NVSHMEM's device-side state in it (this PE, the heap). `init` comes first."""
+    for errors; `built_with`: the NVSHMEM version whose device library it links): NVSHMEM's
+    device-side state in it (this PE, the heap). `init` comes first, and the host library must
+    be the version the cubin was built with (NVSHMEM refuses any other)."""
     if _STATE is None:
         raise RuntimeError(f"{key} calls NVSHMEM: call cute_ep.runtime.nvshmem.init(group) on "
                            f"every rank before its first launch")
+    host = host_version()
+    if host != built_with:
+        raise RuntimeError(
+            f"{key} was built against NVSHMEM {built_with}, but this process has "
+            f"nvidia-nvshmem-cu13 {host}: install nvidia-nvshmem-cu13=={built_with}, or "
+            f"rebuild the library here (cute-ep build) with the NVSHMEM you have")
     from nvshmem import bindings
 
     status = bindings.cumodule_init(int(module))
