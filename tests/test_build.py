@@ -51,7 +51,9 @@ def test_net_put_links_the_nvshmem_device_library_of_each_arch(built):
     marked."""
     from importlib.metadata import version
 
-    from kernels.build import nvshmem_bitcode
+    import nvidia.nvshmem
+
+    from kernels.build import cubin_nvshmem_version, nvshmem_bitcode
 
     out, _ = built
     entries = _manifest(out)["kernels"]
@@ -63,12 +65,16 @@ def test_net_put_links_the_nvshmem_device_library_of_each_arch(built):
         if e.get("nvshmem"):
             cubin = (out / e["cubin"]).read_bytes()
             assert b"nvshmemi_device_state" in cubin or b"nvshmemi" in cubin
+            # the device code's own version, which nvshmemx_cumodule_init checks
+            assert cubin_nvshmem_version(cubin) == version("nvidia-nvshmem-cu13")
             assert e["stack_bytes"] >= 0 and e["registers"] > 0
     for arch, sm in (("sm_90a", "90"), ("sm_100a", "100")):
         with nvshmem_bitcode(arch) as path:
-            per_arch = Path(path).with_name(f"libnvshmem_device_sm_{sm}.bc")
-            assert Path(path) == (per_arch if per_arch.exists()
-                                  else per_arch.with_name("libnvshmem_device.bc"))
+            per_arch = Path(*nvidia.nvshmem.__path__, "lib", f"libnvshmem_device_sm_{sm}.bc")
+            if per_arch.exists():
+                assert Path(path) == per_arch
+            else:  # libNVVM's copy of the version's one bitcode
+                assert Path(path).name.startswith("libnvshmem_device-")
             from nvshmem.bindings.device.cute import _bitcode
             assert _bitcode.NVSHMEM_DEVICE_BITCODE.path == path
 
