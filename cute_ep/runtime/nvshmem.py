@@ -72,14 +72,17 @@ def init(group=None) -> dict:
 
 
 def host_version() -> str | None:
-    """The version of the NVSHMEM host library this process loads (the installed
-    `nvidia-nvshmem-cu13`), None if it is not installed."""
+    """The version of the NVSHMEM host library this process opens (as NVSHMEM reports it;
+    the installed `nvidia-nvshmem-cu13`'s if it cannot be asked), None without NVSHMEM."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
-        return version("nvidia-nvshmem-cu13")
-    except PackageNotFoundError:
-        return None
+        return _core().get_version().libnvshmem_version
+    except Exception:  # no package, or a host library nvshmem4py cannot open
+        try:
+            return version("nvidia-nvshmem-cu13")
+        except PackageNotFoundError:
+            return None
 
 
 def init_module(module, key: str, built_with: str) -> None:
