@@ -1152,6 +1152,11 @@ def _check_config(cfg: EPConfig, world: int) -> None:
         raise ValueError(f"the config has ranks={cfg.ranks}, the process group has {world}")
     if cfg.format not in FORMATS:
         raise NotImplementedError(f"dispatch formats: {FORMATS}, not {cfg.format!r}")
+    if cfg.nodes > 1:
+        raise NotImplementedError(
+            f"gpus_per_node={cfg.gpus_per_node} puts the {cfg.ranks} ranks on {cfg.nodes} nodes; "
+            f"the transport between nodes (NVSHMEM, cute_ep.runtime.nvshmem) does not carry "
+            f"dispatch and combine yet: leave gpus_per_node unset for ranks on one host")
     if cfg.ranks > MAX_RANKS:
         raise ValueError(f"at most {MAX_RANKS} ranks per host, got {cfg.ranks}")
     if cfg.topk > MAX_TOPK:

@@ -12,6 +12,7 @@ rebuilt. A configuration that fails is reported and the others still build.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import inspect
 import json
@@ -123,10 +124,28 @@ def source_digest(kernel) -> str:
     return h.hexdigest()
 
 
+def nvshmem_library_version() -> str:
+    """The version of the NVSHMEM library (the `nvidia-nvshmem-cu13` wheel) whose device
+    bitcode a kernel that calls NVSHMEM links. The host library that initialises its module
+    must be the same version: the manifest records it for the runtime to check."""
+    from importlib.metadata import version
+
+    return version("nvidia-nvshmem-cu13")
+
+
+def nvshmem_version() -> str:
+    """The NVSHMEM device library's version and its DSL bindings' (`nvshmem4py-cu13`)."""
+    from importlib.metadata import version
+
+    return f"{nvshmem_library_version()}/{version('nvshmem4py-cu13')}"
+
+
 def build_key(kernel, spec: KernelSpec, arch: str) -> str:
     h = hashlib.sha256()
-    for part in (source_digest(kernel), dsl_version(), arch,
-                 json.dumps(spec.to_json(), sort_keys=True)):
+    parts = [source_digest(kernel), dsl_version(), arch, json.dumps(spec.to_json(), sort_keys=True)]
+    if getattr(kernel, "nvshmem", False):
+        parts.append(nvshmem_version())
+    for part in parts:
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()
@@ -241,13 +260,110 @@ def compile_kernel(kernel, spec: KernelSpec, arch: str) -> tuple[str, bytes]:
     return symbol, cubin
 
 
+def cubin_nvshmem_version(cubin: bytes) -> str | None:
+    """The NVSHMEM version whose device code a cubin carries: its `nvshmemi_device_lib_version_d`
+    (major, minor, patch: three int32), the value `nvshmemx_cumodule_init` compares with the
+    host library's; None in a cubin without it. Read from the ELF symbol table (a symbol's
+    value is its offset in its section)."""
+    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", cubin, 0x3A)
+    # (type, offset, size, link) of each section header
+    headers = [struct.unpack_from("<4xI16xQQI", cubin, shoff + i * shentsize) for i in range(shnum)]
+    for kind, offset, size, link in headers:
+        if kind != 2:  # SHT_SYMTAB
+            continue
+        names = headers[link][1]
+        for at in range(offset, offset + size, 24):
+            name, shndx, value, length = struct.unpack_from("<I2xHQQ", cubin, at)
+            end = cubin.index(b"\0", names + name)
+            if cubin[names + name:end] == b"nvshmemi_device_lib_version_d" and length == 12:
+                base = headers[shndx][1]
+                return ".".join(map(str, struct.unpack_from("<3i", cubin, base + value)))
+    return None
+
+
+# An explicit section on a function (`define ... section ".text.compute"`), which libNVVM's
+# verifier refuses ("Explicit section marker ... is not allowed", NVVM_ERROR_INVALID_IR).
+_FUNCTION_SECTION = re.compile(r'^((?:define|declare) [^\n]*?) section "[^"\n]*"', re.M)
+
+
+def _bitcode_cache() -> Path:
+    """Where the build keeps the bitcode it derives from NVSHMEM's: the user's cache folder
+    ($XDG_CACHE_HOME, else ~/.cache), under cute-ep."""
+    import os
+
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "cute-ep" / "nvshmem"
+
+
+def libnvvm_bitcode(path: str) -> str:
+    """A copy of the LLVM bitcode at `path` that libNVVM accepts: without explicit function
+    sections. NVSHMEM 3.4's one `libnvshmem_device.bc` (clang-built) puts its transfer
+    functions (`nvshmemi_transfer_quiet`, `..._put_signal`, ...) in section ".text.compute";
+    libNVVM rejects the whole module for it. A section means nothing in PTX, which has none,
+    so dropping it leaves the code as it was. The rewrite goes through the DSL's own LLVM
+    (read the bitcode, print it as text, edit, parse and write it back), so it needs no other
+    tool (the DSL's `LlvmIrArtifact`); it takes some 20 s and 2 GB once, and its result is
+    kept, by the hash of the input, the DSL version and the edit, in `_bitcode_cache()`. The
+    device code stays this NVSHMEM's: its version symbol (`nvshmemi_device_lib_version_d`,
+    checked in `compile_with_ptx`) and device state are untouched."""
+    from cutlass._mlir._mlir_libs._cutlass_ir import LlvmIrArtifact
+
+    data = Path(path).read_bytes()
+    digest = hashlib.sha256(
+        data + dsl_version().encode() + _FUNCTION_SECTION.pattern.encode()).hexdigest()[:16]
+    cached = _bitcode_cache() / f"{Path(path).stem}-{digest}.bc"
+    if cached.is_file():
+        return str(cached)
+    text = _FUNCTION_SECTION.sub(r"\1", str(LlvmIrArtifact.from_bitcode(data)))
+    out = LlvmIrArtifact.from_textual_form(text.encode()).get_bitcode()
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=cached.parent, suffix=".part", delete=False) as f:
+        f.write(out)
+    Path(f.name).replace(cached)  # whole or absent, for builds running side by side
+    return str(cached)
+
+
+@contextlib.contextmanager
+def nvshmem_bitcode(arch: str):
+    """While a kernel that calls NVSHMEM compiles for `arch` (sm_90a, sm_100a): the NVSHMEM
+    device bitcode of that SM architecture (`libnvshmem_device_sm_90.bc`, as 3.8 ships),
+    or, for versions without those (3.4.5, the one torch 2.11 installs), a copy of their one
+    `libnvshmem_device.bc` of every architecture that libNVVM accepts (`libnvvm_bitcode`).
+    nvshmem4py picks the file by the current GPU, which a build machine need not have (nor
+    the one the cubin is for). 3.4.5's one bitcode is compiled for sm_90 (fine on sm_100a)
+    and has no IBGDA: a kernel built from it reaches another node through NVSHMEM's proxy
+    thread (IBRC, UCX), not GPU-initiated verbs."""
+    from nvshmem.bindings.device.cute import _bitcode
+    from nvshmem.core.init_fini import find_device_bitcode_library
+    from nvshmem.core.nvshmem_types import NvshmemInvalid
+
+    try:
+        path = find_device_bitcode_library(arch=re.fullmatch(r"sm_(\d+)a?", arch).group(1))
+    except NvshmemInvalid:  # no per-arch file: the version's one bitcode, if it has it
+        path = find_device_bitcode_library(arch=None)
+        if Path(path).name != "libnvshmem_device.bc":
+            raise BuildError(f"NVSHMEM {nvshmem_library_version()} has no device bitcode for "
+                             f"{arch} (found {Path(path).name})") from None
+        path = libnvvm_bitcode(path)
+    chosen = _bitcode._device_bitcode_path
+    _bitcode._device_bitcode_path = lambda: path
+    try:
+        yield path
+    finally:
+        _bitcode._device_bitcode_path = chosen
+
+
 def compile_with_ptx(kernel, spec: KernelSpec, arch: str) -> tuple[str, bytes, str]:
-    """Compile one configuration for one arch; returns (symbol, cubin, PTX)."""
+    """Compile one configuration for one arch; returns (symbol, cubin, PTX). A kernel that
+    calls NVSHMEM (`kernel.nvshmem`) links its device library for that arch."""
     device_function = getattr(kernel, "kernel", None)  # every kernel class's @cute.kernel
     if hasattr(device_function, "set_name_prefix"):
         device_function.set_name_prefix(symbol_prefix(spec), remove_cutlass_symbol=True,
                                         keep_mangled_name=False)
-    with tempfile.TemporaryDirectory(prefix="cute-ep-build-") as tmp:
+    linked = nvshmem_bitcode(arch) if getattr(kernel, "nvshmem", False) else \
+        contextlib.nullcontext()
+    with tempfile.TemporaryDirectory(prefix="cute-ep-build-") as tmp, linked:
         compiled = cute.compile(
             kernel, *compile_args(spec),
             options=f"--gpu-arch {arch} --keep-ptx --keep-cubin --dump-dir {tmp}")
@@ -259,6 +375,13 @@ def compile_with_ptx(kernel, spec: KernelSpec, arch: str) -> tuple[str, bytes, s
                              f"{[p.name for p in Path(tmp).iterdir()]}")
         ptx = ptx_files[0].read_text()
         cubin = cubin_files[0].read_bytes()
+    if getattr(kernel, "nvshmem", False):
+        # NVSHMEM refuses a module whose device code is of another version than its host
+        # library's (status 7); the manifest records the version the wheel says it is.
+        carried, wanted = cubin_nvshmem_version(cubin), nvshmem_library_version()
+        if carried is None or carried.split(".") != wanted.split(".")[:3]:
+            raise BuildError(f"the cubin carries NVSHMEM device code of version {carried}, "
+                             f"not {wanted}, the installed nvidia-nvshmem-cu13")
     symbol, sizes = ptx_signature(ptx)
     declared = [p.size for p in spec.params]
     if sizes != declared:
@@ -349,6 +472,8 @@ def build(kernels: list, out: Path, arches=ARCHES, force: bool = False,
                 **cubin_resources(cubin),
                 "build_key": key,
                 "spec": spec.to_json(),
+                **({"nvshmem": nvshmem_library_version()} if getattr(kernel, "nvshmem", False)
+                   else {}),
             }
             report.results.append(
                 Result(spec.key, arch, "built", seconds=time.perf_counter() - start))

@@ -12,6 +12,7 @@ from kernels.dispatch import dispatch_kernels
 from kernels.combine import combine_kernels
 from kernels.encode import encode_kernels
 from kernels.gate_table import GateTable
+from kernels.net_put import NetPut
 from kernels.nvfp4 import QuantizeNvfp4
 from kernels.peer_exchange import PeerExchange
 from kernels.quantize_quads import QuantizeNvfp4Quads
@@ -30,6 +31,7 @@ def full_matrix() -> list:
         *(BulkSend(chunk, stages) for chunk, stages in ((16384, 8), (8192, 12), (32768, 6))),
         *(BulkSend(chunk, stages, pull=True) for chunk, stages in ((16384, 8), (32768, 6))),
         *(PeerExchange(ranks) for ranks in RANK_COUNTS),
+        NetPut(),
         *row_expand_kernels(),
         *encode_kernels(),
         *dispatch_kernels(),

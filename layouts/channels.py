@@ -210,6 +210,17 @@ def trace_layout(channels, fields=TRACE_FIELDS) -> Layout:
     return Layout((len(fields), channels), (1, len(fields)))
 
 
+def part_offsets(sizes: dict[str, int]) -> dict[str, int]:
+    """Parts of these byte sizes placed one after another: each one's offset, and the total
+    ("total")."""
+    offsets, at = {}, 0
+    for name, nbytes in sizes.items():
+        offsets[name] = at
+        at += nbytes
+    offsets["total"] = at
+    return offsets
+
+
 @dataclass(frozen=True)
 class ChannelGeometry:
     cfg: EPConfig
@@ -283,12 +294,7 @@ class ChannelGeometry:
     def peer_offsets(self) -> dict[str, int]:
         """Byte offset of each part of `peer_bytes` in the peer-visible region, and its size
         ("total")."""
-        offsets, at = {}, 0
-        for name, nbytes in self.peer_bytes().items():
-            offsets[name] = at
-            at += nbytes
-        offsets["total"] = at
-        return offsets
+        return part_offsets(self.peer_bytes())
 
     def token_range(self, channel: int, num_tokens: int) -> tuple[int, int]:
         """The source tokens [begin, end) channel `channel` sends: contiguous, balanced."""

@@ -36,6 +36,9 @@ class EPConfig:
     # writes none past it and reports the overflow (`Buffer.check`).
     recv_capacity: int | None = None
     fp8_scales: str = "exact"
+    # GPUs of one host (NVLink peers): ranks r and r' share a node iff r // G == r' // G; between
+    # nodes the transport is NVSHMEM's. None: every rank on one node.
+    gpus_per_node: int | None = None
 
     def __post_init__(self):
         fmt = token_format(self.format)
@@ -59,6 +62,10 @@ class EPConfig:
             raise ValueError(f"fp8_scales must be one of {FP8_SCALES}, got {self.fp8_scales!r}")
         if self.fp8_scales != "exact" and self.format != "fp8":
             raise ValueError(f"fp8_scales={self.fp8_scales!r} is for the fp8 format")
+        if self.gpus_per_node is not None and not (
+                1 <= self.gpus_per_node and self.ranks % self.gpus_per_node == 0):
+            raise ValueError(f"gpus_per_node ({self.gpus_per_node}) must be a positive divisor of "
+                             f"ranks ({self.ranks}): every node holds the same number of GPUs")
         if self.recv_capacity is not None:
             if self.layout == "slabs":
                 raise ValueError("recv_capacity bounds the packed and sources layouts; slabs are "
@@ -73,6 +80,19 @@ class EPConfig:
     @property
     def local_experts(self) -> int:
         return self.experts // self.ranks
+
+    @property
+    def node_ranks(self) -> int:
+        """Ranks on one node (`gpus_per_node`, every rank where None)."""
+        return self.ranks if self.gpus_per_node is None else self.gpus_per_node
+
+    @property
+    def nodes(self) -> int:
+        return self.ranks // self.node_ranks
+
+    def node_of(self, rank: int) -> int:
+        """The node of `rank`: ranks node * node_ranks .. (node + 1) * node_ranks - 1."""
+        return rank // self.node_ranks
 
     @property
     def segments(self) -> int:

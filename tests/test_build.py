@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+from pathlib import Path
 
 import pytest
 
@@ -40,6 +41,42 @@ def test_ci_subset_has_every_family_for_both_arches(built):
         assert e["symbol"].encode() in cubin
         assert [p["name"] for p in e["spec"]["params"]]  # the ABI is recorded
         assert e["spec"]["block"][0] > 0
+
+
+def test_net_put_links_the_nvshmem_device_library_of_each_arch(built):
+    """The kernel that calls NVSHMEM (`kernels.net_put`) is built without a GPU: each arch's
+    cubin carries NVSHMEM's device code from that arch's bitcode (`kernels.build
+    .nvshmem_bitcode`; the one bitcode of versions that ship one), and the manifest marks it
+    with that NVSHMEM's version for the runtime's module initialisation; no other kernel is
+    marked."""
+    from importlib.metadata import version
+
+    import nvidia.nvshmem
+
+    from kernels.build import cubin_nvshmem_version, nvshmem_bitcode
+
+    out, _ = built
+    entries = _manifest(out)["kernels"]
+    marked = {(e["spec"]["family"], e["arch"], e["nvshmem"]) for e in entries
+              if e.get("nvshmem")}
+    assert marked == {("net_put", a, version("nvidia-nvshmem-cu13"))
+                      for a in ("sm_90a", "sm_100a")}
+    for e in entries:
+        if e.get("nvshmem"):
+            cubin = (out / e["cubin"]).read_bytes()
+            assert b"nvshmemi_device_state" in cubin or b"nvshmemi" in cubin
+            # the device code's own version, which nvshmemx_cumodule_init checks
+            assert cubin_nvshmem_version(cubin) == version("nvidia-nvshmem-cu13")
+            assert e["stack_bytes"] >= 0 and e["registers"] > 0
+    for arch, sm in (("sm_90a", "90"), ("sm_100a", "100")):
+        with nvshmem_bitcode(arch) as path:
+            per_arch = Path(*nvidia.nvshmem.__path__, "lib", f"libnvshmem_device_sm_{sm}.bc")
+            if per_arch.exists():
+                assert Path(path) == per_arch
+            else:  # libNVVM's copy of the version's one bitcode
+                assert Path(path).name.startswith("libnvshmem_device-")
+            from nvshmem.bindings.device.cute import _bitcode
+            assert _bitcode.NVSHMEM_DEVICE_BITCODE.path == path
 
 
 def test_unchanged_configs_are_not_rebuilt_and_damaged_ones_are(built):

@@ -12,6 +12,25 @@ def test_layouts_prints_the_byte_map_and_sizes(capsys):
         assert name in out
 
 
+def test_layouts_prints_the_parts_between_nodes_when_ranks_span_nodes(capsys, monkeypatch):
+    """`--gpus-per-node` below the ranks adds the parts of the transport between nodes (the
+    symmetric heap's, the node's reduce rings) with their total; on one node there are none."""
+    from layouts import EPConfig
+    from layouts.channels import ChannelGeometry
+    from layouts.nodes import NetGeometry
+
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main(["layouts", "--ranks", "16", "--gpus-per-node", "8", "--sms", "24"]) == 0
+    out = capsys.readouterr().out
+    net = NetGeometry(ChannelGeometry(EPConfig(7168, 8, 256, 16, 4096, gpus_per_node=8), 24))
+    assert "2 nodes of 8 GPUs" in out
+    for name, nbytes in {**net.symmetric_bytes(), **net.node_bytes()}.items():
+        assert f"{name}" in out and f"{nbytes:,}" in out
+    assert f"{net.symmetric_offsets()['total'] / 2**20:.1f} MiB" in out
+    assert main(["layouts", "--ranks", "8", "--gpus-per-node", "8"]) == 0
+    assert "between nodes" not in capsys.readouterr().out
+
+
 def test_layouts_refuses_a_bad_config(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")  # keep rich from wrapping the message
     assert main(["layouts", "--format", "fp8", "--hidden", "2880"]) == 2

@@ -438,6 +438,10 @@ class Runtime:
             module = self._modules.get(module_key)
             if module is None:
                 module = check(driver.cuModuleLoadData(entry.cubin.read_bytes()))
+                if entry.nvshmem:
+                    from cute_ep.runtime.nvshmem import init_module
+
+                    init_module(module, entry.key, entry.nvshmem)
                 self._modules[module_key] = module
             function = check(driver.cuModuleGetFunction(module, entry.symbol.encode()))
             if entry.spec.smem_bytes > _DEFAULT_DYNAMIC_SMEM_LIMIT:

@@ -32,6 +32,10 @@ class Entry:
     symbol: str
     cubin: Path
     sha256: str
+    # The cubin calls NVSHMEM: the version of the NVSHMEM device library linked into it (the
+    # host library that initialises its module after it loads must be the same version,
+    # `cute_ep.runtime.nvshmem`); None for every other kernel.
+    nvshmem: str | None = None
 
     @property
     def key(self) -> str:
@@ -47,7 +51,8 @@ class Manifest:
             spec = KernelSpec.from_json(e["spec"])
             self.entries[(spec.key, e["arch"])] = Entry(
                 spec=spec, arch=e["arch"], symbol=e["symbol"],
-                cubin=directory / e["cubin"], sha256=e["sha256"])
+                cubin=directory / e["cubin"], sha256=e["sha256"],
+                nvshmem=e.get("nvshmem") or None)
 
     @classmethod
     def load(cls, path: str | os.PathLike | None = None) -> "Manifest":

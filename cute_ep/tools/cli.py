@@ -71,11 +71,15 @@ def _layouts(argv) -> int:
                              "worst case)")
     parser.add_argument("--sms", type=int, default=DEFAULT_CHANNELS,
                         help=f"SM budget = dispatch channels (default {DEFAULT_CHANNELS})")
+    parser.add_argument("--gpus-per-node", type=int, default=None,
+                        help="GPUs of one host (default: every rank on one): with fewer than "
+                             "ranks, also the parts of the transport between nodes")
     args = parser.parse_args(argv)
     console = Console()
     try:
         cfg = EPConfig(args.hidden, args.topk, args.experts, args.ranks, args.max_tokens,
-                       args.format, args.shared_expert, recv_capacity=args.recv_capacity)
+                       args.format, args.shared_expert, recv_capacity=args.recv_capacity,
+                       gpus_per_node=args.gpus_per_node)
     except ValueError as exc:
         console.print(f"[red]invalid config:[/] {exc}")
         return 2
@@ -110,6 +114,22 @@ def _layouts(argv) -> int:
                   f"{peer_visible_bytes(cfg, args.sms) / 2**20:.1f} MiB peer-visible "
                   "(dispatch's staging and batch headers, combine's rings, counts and counters), then "
                   "local buffers and dispatch outputs")
+    if cfg.nodes > 1:
+        from layouts.channels import ChannelGeometry
+        from layouts.nodes import NetGeometry
+
+        net = NetGeometry(ChannelGeometry(cfg, args.sms))
+        parts = Table(title=f"between nodes: {cfg.nodes} nodes of {cfg.node_ranks} GPUs, "
+                            f"{net.remotes} remote node(s) a rank")
+        for col in ("where", "buffer", "bytes", "MiB"):
+            parts.add_column(col, justify="right" if col in ("bytes", "MiB") else "left")
+        for where, buffers in (("NVSHMEM symmetric heap", net.symmetric_bytes()),
+                               ("peer-visible in the node", net.node_bytes())):
+            for name, nbytes in buffers.items():
+                parts.add_row(where, name, f"{nbytes:,}", f"{nbytes / 2**20:.1f}")
+        console.print(parts)
+        console.print(f"NVSHMEM symmetric heap per rank for this layer: "
+                      f"{net.symmetric_offsets()['total'] / 2**20:.1f} MiB")
     return 0
 
 

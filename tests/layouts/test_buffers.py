@@ -119,11 +119,28 @@ def test_expert_major_rows_are_a_bijection_onto_valid_rows(counts, align):
     (dict(hidden=4100, format="nvfp4"), "multiple of the 16-element scale block"),
     (dict(max_tokens_per_rank=0), "max_tokens_per_rank must be positive"),
     (dict(ranks=0), "ranks must be at least 1"),
+    (dict(experts=12, ranks=6, gpus_per_node=4), "gpus_per_node .* positive divisor of ranks"),
+    (dict(gpus_per_node=0), "gpus_per_node .* positive divisor of ranks"),
 ])
 def test_bad_parameters_name_the_constraint(kwargs, constraint):
     base = dict(hidden=4096, topk=2, experts=8, ranks=2, max_tokens_per_rank=128, format="bf16")
     with pytest.raises(ValueError, match=constraint):
         EPConfig(**{**base, **kwargs})
+
+
+@pytest.mark.parametrize("ranks,gpus_per_node", [(8, None), (8, 8), (8, 4), (16, 8), (4, 1),
+                                                 (2, 1)])
+def test_ranks_share_a_node_when_their_index_divided_by_its_gpus_agrees(ranks, gpus_per_node):
+    """`gpus_per_node` G: ranks r and r' share a node iff r // G == r' // G; None puts every rank
+    on one node. The nodes partition the ranks into equal runs."""
+    cfg = EPConfig(4096, 2, 2 * ranks, ranks, 128, gpus_per_node=gpus_per_node)
+    g = ranks if gpus_per_node is None else gpus_per_node
+    assert cfg.node_ranks == g and cfg.nodes == ranks // g
+    for r in range(ranks):
+        for r2 in range(ranks):
+            assert (cfg.node_of(r) == cfg.node_of(r2)) == (r // g == r2 // g)
+    members = [[r for r in range(ranks) if cfg.node_of(r) == n] for n in range(cfg.nodes)]
+    assert members == [list(range(n * g, (n + 1) * g)) for n in range(cfg.nodes)]
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])

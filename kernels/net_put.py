@@ -1,0 +1,97 @@
+"""`net_put`: bytes moved between GPUs through NVSHMEM, the engine of the transport between nodes.
+
+`ctas` CTAs share `nbytes` of this PE's `src`, CTA c the c-th run of them (runs begin on 16-byte
+boundaries; the last ends at `nbytes`). Each CTA's first warp puts its run into the same place of `dst` at PE `peer` (a symmetric
+address: the same offset in every PE's NVSHMEM heap) with a signal: once those bytes have landed
+there, one is added to the peer's `signal` word (`nvshmemx_putmem_signal_nbi_warp` with
+NVSHMEM_SIGNAL_ADD, then `nvshmem_quiet`). Thread 0 of CTA 0 then waits for this PE's own `signal`
+to reach `value` (the peer's puts to it have all landed: `value` counts its CTAs' signals since
+the word was zero), as the dispatch waits for a peer (`_wait_at_least`: bounded by `timeout_ns`
+of `%globaltimer`): a peer that never puts makes it record `peer + 1` in `error` (the dispatch's
+error record, `layouts.buffers.ERROR_FIELDS`; the first failure wins) and return, never hang.
+
+Two PEs that launch it at each other exchange their buffers; with `value` = the round times the
+peer's CTAs (the signal words only grow) the same buffers serve round after round. A CUDA graph
+replay with the value in device memory is a later step. Between GPUs of one host NVSHMEM moves
+the bytes over NVLink; between hosts over the network (InfiniBand, IBGDA).
+
+Built ahead of time like every kernel here: NVSHMEM's device library (LLVM bitcode of
+`nvidia-nvshmem-cu13`, per SM architecture) is linked into the cubin (`kernels.build`), and the
+runtime initialises the loaded module for NVSHMEM (`cute_ep.runtime.nvshmem`).
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Int64, Uint64
+
+from kernels.dispatch.common import _wait_at_least
+from kernels.memory import gmem_ptr
+from layouts.abi import GridRule, KernelSpec, Param
+
+try:  # nvshmem4py's CuTe DSL device bindings: needed to build this kernel only
+    import nvshmem.bindings.device.cute as nvshmem_device
+except ImportError:  # pragma: no cover - the build extra installs it
+    nvshmem_device = None
+
+FAMILY = "net_put"
+WARP = 32
+SIGNAL_ADD = 10  # NVSHMEM_SIGNAL_ADD: the signal word grows by the value
+PHASE_NET = 0  # the error record's phase: neither a dispatch's nor a combine's
+
+
+class NetPut:
+    # `kernels.build` links NVSHMEM's device library into this kernel's cubin; the manifest
+    # marks it so that the runtime initialises its module for NVSHMEM after loading it.
+    nvshmem = True
+
+    def __init__(self, warps: int = 4):
+        self.warps = warps
+
+    def spec(self) -> KernelSpec:
+        return KernelSpec(
+            family=FAMILY,
+            config={"warps": self.warps},
+            params=(
+                Param("dst", "ptr", "uint8", align=16, writes=True),
+                Param("src", "ptr", "uint8", align=16),
+                Param("signal", "ptr", "int64", align=8, writes=True),
+                Param("error", "ptr", "int32", align=4, writes=True),
+                Param("nbytes", "i64"),
+                Param("value", "i64"),
+                Param("timeout_ns", "i64"),
+                Param("peer", "i32"),
+                Param("ctas", "i32"),
+            ),
+            block=(self.warps * WARP, 1, 1),
+            grid=(GridRule(ceil_div=("ctas", 1)), GridRule(constant=1), GridRule(constant=1)),
+        )
+
+    @cute.jit
+    def __call__(self, dst: cute.Pointer, src: cute.Pointer, signal: cute.Pointer,
+                 error: cute.Pointer, nbytes: Int64, value: Int64, timeout_ns: Int64,
+                 peer: Int32, ctas: Int32, stream):
+        self.kernel(dst, src, signal, error, nbytes, value, timeout_ns, peer, ctas).launch(
+            grid=(ctas, 1, 1), block=(self.warps * WARP, 1, 1), stream=stream)
+
+    @cute.kernel
+    def kernel(self, dst: cute.Pointer, src: cute.Pointer, signal: cute.Pointer,
+               error: cute.Pointer, nbytes: Int64, value: Int64, timeout_ns: Int64,
+               peer: Int32, ctas: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        vectors = nbytes // 16
+        first = vectors * Int64(cta) // Int64(ctas) * 16
+        end = vectors * Int64(cta + 1) // Int64(ctas) * 16
+        if cta == ctas - 1:
+            end = nbytes
+        run = end - first
+        if tidx < WARP:
+            # NVSHMEM's declarations take byte pointers of alignment 1 and a uint64 signal.
+            nvshmem_device.putmem_signal_nbi_warp(
+                gmem_ptr(cutlass.Int8, dst.toint() + first, 1),
+                gmem_ptr(cutlass.Int8, src.toint() + first, 1), Uint64(run),
+                gmem_ptr(Uint64, signal.toint(), 8), Uint64(1), Int32(SIGNAL_ADD), peer)
+            nvshmem_device.quiet()
+        if tidx == 0 and cta == 0:
+            _wait_at_least(signal.toint(), value, timeout_ns, error, peer, Int32(PHASE_NET))
+        cute.arch.sync_threads()
