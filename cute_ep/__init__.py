@@ -18,6 +18,7 @@ __version__ = "0.1.0"
 from cute_ep import torch_ops as _ops  # noqa: E402  (registers torch.ops.cute_ep.*)
 from cute_ep.ep import (Buffer, ConfigMismatch, DispatchHandle, DispatchOutput,  # noqa: E402
                         PeerTimeout)
+from cute_ep.nodes import NodeBuffer  # noqa: E402
 from cute_ep.ops import block_memcpy, block_prefix_sum  # noqa: E402
 from cute_ep.quant import quantize_nvfp4  # noqa: E402
 from cute_ep.silu import (fused_silu, fused_silu_fp8, fused_silu_mxfp4,  # noqa: E402
@@ -38,7 +39,7 @@ def buffer_bytes(cfg: EPConfig, channels: int | None = None) -> int:
     return total_bytes(cfg, DEFAULT_CHANNELS if channels is None else channels)
 
 
-__all__ = ["__version__", "Buffer", "EPConfig", "DispatchOutput", "DispatchHandle",
+__all__ = ["__version__", "Buffer", "NodeBuffer", "EPConfig", "DispatchOutput", "DispatchHandle",
            "PeerTimeout", "ConfigMismatch", "buffer_bytes", "fused_silu", "fused_silu_fp8",
            "fused_silu_nvfp4", "fused_silu_mxfp4", "quantize_nvfp4", "block_memcpy",
            "block_prefix_sum"]

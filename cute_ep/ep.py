@@ -1155,8 +1155,8 @@ def _check_config(cfg: EPConfig, world: int) -> None:
     if cfg.nodes > 1:
         raise NotImplementedError(
             f"gpus_per_node={cfg.gpus_per_node} puts the {cfg.ranks} ranks on {cfg.nodes} nodes; "
-            f"the transport between nodes (NVSHMEM, cute_ep.runtime.nvshmem) does not carry "
-            f"dispatch and combine yet: leave gpus_per_node unset for ranks on one host")
+            f"a Buffer serves the ranks of one host: use cute_ep.NodeBuffer (NVSHMEM between "
+            f"nodes), or leave gpus_per_node unset")
     if cfg.ranks > MAX_RANKS:
         raise ValueError(f"at most {MAX_RANKS} ranks per host, got {cfg.ranks}")
     if cfg.topk > MAX_TOPK:

@@ -487,13 +487,14 @@ def test_combine_refuses_a_handle_of_another_configuration(cpu_buffer):
     assert buf.combine(y, rebuilt).shape == (T, H)
 
 
-def test_ranks_on_several_nodes_are_refused_until_the_transport_between_them_exists():
-    """A config whose ranks span nodes (`gpus_per_node` below `ranks`) is refused before any
-    memory is mapped, naming what is missing; one node (or no `gpus_per_node`) passes."""
+def test_a_buffer_over_several_nodes_points_to_the_node_buffer():
+    """A config whose ranks span nodes (`gpus_per_node` below `ranks`) is refused by Buffer
+    before any memory is mapped, naming NodeBuffer; one node (or no `gpus_per_node`) passes."""
     from cute_ep.ep import _check_config
     from layouts import EPConfig
 
-    with pytest.raises(NotImplementedError, match="2 nodes; the transport between nodes"):
+    with pytest.raises(NotImplementedError, match="2 nodes; a Buffer serves the ranks of one "
+                                                  "host: use cute_ep.NodeBuffer"):
         _check_config(EPConfig(4096, 2, 8, 2, 64, gpus_per_node=1), 2)
     for g in (None, 2):
         _check_config(EPConfig(4096, 2, 8, 2, 64, gpus_per_node=g), 2)
