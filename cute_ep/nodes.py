@@ -26,7 +26,6 @@ node's dispatch, which is not built yet: G > 1 is refused by name. Needs the `mu
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 import torch.distributed as dist
@@ -35,6 +34,8 @@ from cute_ep.ep import Buffer
 from cute_ep.runtime import nvshmem
 from cute_ep.runtime.comm import DEFAULT_TIMEOUT_S, PeerTimeout, agree_on_config
 from layouts import EPConfig
+from layouts.algebra import align_up
+from layouts.formats import ALIGN
 
 __all__ = ["NodeBuffer", "NodeDispatchOutput", "NodeHandle"]
 
@@ -52,7 +53,6 @@ class NodeHandle:
 
     inner: object  # the node's DispatchHandle
     num_tokens: int  # this rank's own tokens
-    ext_tokens: int  # the node dispatch's input: own and received tokens
     sent: dict  # distance d -> int64 indices of this rank's tokens sent to node n + d
     received: dict  # distance d -> (first ext row, rows) of the tokens from node n - d
     own_first: int  # where this rank's own tokens begin in the node dispatch's input
@@ -108,7 +108,7 @@ def pack_rows(parts: list[torch.Tensor], topk_ids: torch.Tensor,
     cols = [p.reshape(tokens, p.shape[1:].numel()).view(torch.uint8) for p in parts] + \
         [meta.view(torch.uint8)]
     width = sum(c.shape[1] for c in cols)
-    pad = -width % 16
+    pad = align_up(width, ALIGN) - width
     if pad:
         cols.append(torch.zeros(tokens, pad, dtype=torch.uint8, device=topk_ids.device))
     return torch.cat(cols, dim=1)
@@ -120,7 +120,7 @@ def unpack_rows(rows: torch.Tensor, shapes: list[tuple[tuple[int, ...], torch.dt
     past T, dtype)), the ids (int32 [T, K]), weights (float32 [T, K]) and token indices (int64)."""
     tokens, at, parts = rows.shape[0], 0, []
     for shape, dtype in shapes:
-        width = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+        width = torch.Size(shape).numel() * dtype.itemsize
         parts.append(rows[:, at:at + width].contiguous().view(dtype).reshape(tokens, *shape))
         at += width
     meta = rows[:, at:at + 4 * (2 * topk + 1)].contiguous().view(torch.int32)
@@ -175,7 +175,7 @@ class NodeBuffer:
         # The widest token row of any input this layer takes (bf16 x, or pre-quantized codes
         # and scales), its metadata and padding.
         payload = max(2 * h, {"bf16": 0, "fp8": h + 4 * (h // 128), "nvfp4": h // 2 + h // 16}[fmt])
-        self.row_bytes = -(-(payload + 4 * (2 * k + 1)) // 16) * 16
+        self.row_bytes = align_up(payload + 4 * (2 * k + 1), ALIGN)
         self.slot_bytes = (HEADER_BYTES + cfg.max_tokens_per_rank * self.row_bytes,
                            HEADER_BYTES + cfg.max_tokens_per_rank * 2 * h)
         # Symmetric (every PE allocates the same, in the same order): per kind a send and a
@@ -220,7 +220,7 @@ class NodeBuffer:
             self._net_put(recv[d], send[d], self._signals[0, kind, d:d + 1],
                           HEADER_BYTES + rows.numel(), rnd * self.net_ctas, to_node(d),
                           self.net_ctas)
-        self._raise_timeout(KINDS[kind], to_node)
+        self._raise_timeout(KINDS[kind])
         headers = recv[1:, :HEADER_BYTES].view(torch.int32).tolist()
         got = {}
         for d, rows in sends.items():
@@ -237,8 +237,7 @@ class NodeBuffer:
         for d in sends:
             self._net_put(self._boxes[1], self._boxes[0], self._signals[1, kind, d:d + 1],
                           HEADER_BYTES, rnd, self._source_node(kind, d), 1)
-        self._raise_timeout(KINDS[kind] + " (slot hand-back)",
-                            lambda d: self._source_node(kind, d))
+        self._raise_timeout(KINDS[kind] + " (slot hand-back)")
         return got
 
     def _source_node(self, kind: int, d: int) -> int:
@@ -246,7 +245,7 @@ class NodeBuffer:
         by n - d; combine the other way round."""
         return (self.node - d) % self.nodes if kind == DISPATCH else (self.node + d) % self.nodes
 
-    def _raise_timeout(self, what: str, to_node) -> None:
+    def _raise_timeout(self, what: str) -> None:
         torch.cuda.current_stream(self.device).synchronize()
         missing = int(self._error[0].item())
         if missing:
@@ -326,7 +325,7 @@ class NodeBuffer:
             tokens=out.tokens, scales=out.scales, row_offsets=out.row_offsets,
             expert_ids=out.expert_ids, src_info=src, counts=out.counts,
             scales_offsets=out.scales_offsets,
-            handle=NodeHandle(out.handle, num_tokens, ext.shape[0], sent, received, own_first))
+            handle=NodeHandle(out.handle, num_tokens, sent, received, own_first))
 
     def combine(self, y: torch.Tensor, handle: NodeHandle) -> torch.Tensor:
         """`Buffer.combine` over several nodes: y [rows, H] bf16, the expert outputs of the
