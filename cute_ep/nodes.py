@@ -37,7 +37,7 @@ from layouts import EPConfig
 from layouts.algebra import align_up
 from layouts.formats import ALIGN
 
-__all__ = ["NodeBuffer", "NodeDispatchOutput", "NodeHandle"]
+__all__ = ["NodeBuffer", "NodeDispatchOutput", "NodeHandle", "check_node_inputs"]
 
 # CTAs of each put between nodes (`kernels.net_put`): each moves its share of the bytes, all
 # its threads together, and signals once. The default SM budget of a Buffer.
@@ -126,6 +126,60 @@ def unpack_rows(rows: torch.Tensor, shapes: list[tuple[tuple[int, ...], torch.dt
     meta = rows[:, at:at + 4 * (2 * topk + 1)].contiguous().view(torch.int32)
     return parts, meta[:, :topk], meta[:, topk:2 * topk].view(torch.float32), \
         meta[:, 2 * topk].long()
+
+
+def check_node_inputs(cfg: EPConfig, device: torch.device, x, topk_ids, topk_weights) -> int:
+    """A NodeBuffer dispatch's inputs checked as `Buffer.dispatch` checks its own (dtype, shape,
+    device, contiguity, the token bound, and every expert id in [-1, E), read on the device:
+    an id past the last node would otherwise go nowhere, silently); returns the token count."""
+    h = cfg.hidden
+
+    def placed(t, name):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device}, the layer's GPU is {device}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+
+    if type(x) is tuple:
+        wanted = {"fp8": (("x codes", torch.float8_e4m3fn, h),
+                          ("x scales", torch.float32, h // 128)),
+                  "nvfp4": (("x codes", torch.uint8, h // 2), ("x scales", torch.uint8, h // 16))}
+        if cfg.format not in wanted or len(x) != 2:
+            raise TypeError(f"x may be a (codes, scales) tuple only for an fp8 or nvfp4 layer "
+                            f"(this one is {cfg.format})")
+        tokens = None
+        for t, (name, dtype, cols) in zip(x, wanted[cfg.format]):
+            placed(t, name)
+            if t.dtype != dtype or t.dim() != 2 or t.shape[1] != cols or \
+                    tokens not in (None, t.shape[0]):
+                raise ValueError(f"{name} must be {dtype} [T, {cols}] (T the same for codes and "
+                                 f"scales), got {t.dtype} {tuple(t.shape)}")
+            tokens = t.shape[0]
+    else:
+        placed(x, "x")
+        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != h:
+            raise ValueError(f"x must be bf16 [T, {h}], got {x.dtype} {tuple(x.shape)}")
+        tokens = x.shape[0]
+    if tokens > cfg.max_tokens_per_rank:
+        raise ValueError(f"{tokens} tokens, more than max_tokens_per_rank="
+                         f"{cfg.max_tokens_per_rank}")
+    placed(topk_ids, "topk_ids")
+    if topk_ids.dtype not in (torch.int32, torch.int64) or \
+            tuple(topk_ids.shape) != (tokens, cfg.topk):
+        raise ValueError(f"topk_ids must be int32 or int64 [{tokens}, {cfg.topk}], got "
+                         f"{topk_ids.dtype} {tuple(topk_ids.shape)}")
+    if topk_weights is None:
+        raise NotImplementedError("between nodes combine returns weighted sums: pass "
+                                  "topk_weights")
+    placed(topk_weights, "topk_weights")
+    if topk_weights.dtype != torch.float32 or tuple(topk_weights.shape) != (tokens, cfg.topk):
+        raise ValueError(f"topk_weights must be float32 [{tokens}, {cfg.topk}], got "
+                         f"{topk_weights.dtype} {tuple(topk_weights.shape)}")
+    if tokens and bool(((topk_ids < -1) | (topk_ids >= cfg.experts)).any()):
+        raise ValueError(f"topk_ids holds expert ids outside [0, {cfg.experts}) that are not -1")
+    return tokens
 
 
 def localize_ids(topk_ids: torch.Tensor, node: int, node_experts: int) -> torch.Tensor:
@@ -265,9 +319,7 @@ class NodeBuffer:
         if torch.cuda.is_current_stream_capturing():
             raise NotImplementedError("a dispatch between nodes reads its counts on the host: "
                                       "eager only so far (no CUDA graph capture)")
-        if topk_weights is None:
-            raise NotImplementedError("between nodes combine returns weighted sums: pass "
-                                      "topk_weights")
+        num_tokens = check_node_inputs(self.cfg, self.device, x, topk_ids, topk_weights)
         quantized = type(x) is tuple
         if self.cfg.format == "nvfp4" and not quantized:
             # Each source quantizes its own tokens under its own global scale (as the
@@ -278,15 +330,7 @@ class NodeBuffer:
 
             x, quantized = quantize_nvfp4(x, global_scale, scales="linear"), True
         parts = list(x) if quantized else [x]
-        num_tokens = topk_ids.shape[0]
-        if num_tokens > self.cfg.max_tokens_per_rank:
-            raise ValueError(f"{num_tokens} tokens, more than max_tokens_per_rank="
-                             f"{self.cfg.max_tokens_per_rank}")
-        for p in parts:
-            if p.device != self.device or p.shape[0] != num_tokens or not p.is_contiguous():
-                raise ValueError(f"each input must be a contiguous tensor of {num_tokens} rows "
-                                 f"on {self.device}")
-        rows = pack_rows(parts, topk_ids, topk_weights.contiguous())
+        rows = pack_rows(parts, topk_ids, topk_weights)
         node_of = torch.where(topk_ids >= 0, topk_ids.div(self.node_experts,
                                                           rounding_mode="floor"), -1)
         sends, sent = {}, {}

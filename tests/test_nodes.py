@@ -64,3 +64,52 @@ def test_what_this_version_does_not_carry_is_refused_by_name():
         check_node_config(EPConfig(512, 4, 16, 2, 64, fused_shared_expert=True,
                                    gpus_per_node=1))
     check_node_config(EPConfig(512, 4, 16, 2, 64, "nvfp4", gpus_per_node=1))
+
+
+def _valid(fmt="bf16", tokens=5):
+    cfg = EPConfig(256, 2, 8, 2, 8, fmt, gpus_per_node=1)
+    ids = torch.tensor([[0, 7], [3, -1], [-1, -1], [4, 5], [6, 1]][:tokens], dtype=torch.int32)
+    return cfg, torch.zeros(tokens, 256, dtype=torch.bfloat16), ids, torch.rand(tokens, 2)
+
+
+def test_node_inputs_are_checked_like_a_buffer_s_and_ids_past_the_last_expert_refused():
+    from cute_ep.nodes import check_node_inputs
+
+    cpu = torch.device("cpu")
+    cfg, x, ids, w = _valid()
+    assert check_node_inputs(cfg, cpu, x, ids, w) == 5
+    assert check_node_inputs(cfg, cpu, x, ids.long(), w) == 5
+    assert check_node_inputs(cfg, cpu, x[:0], ids[:0], w[:0]) == 0
+    fp8 = EPConfig(256, 2, 8, 2, 8, "fp8", gpus_per_node=1)
+    codes = torch.zeros(5, 256, dtype=torch.float8_e4m3fn)
+    assert check_node_inputs(fp8, cpu, (codes, torch.ones(5, 2)), ids, w) == 5
+    nvfp4 = EPConfig(256, 2, 8, 2, 8, "nvfp4", gpus_per_node=1)
+    quads = (torch.zeros(5, 128, dtype=torch.uint8), torch.zeros(5, 16, dtype=torch.uint8))
+    assert check_node_inputs(nvfp4, cpu, quads, ids, w) == 5
+    bad = [
+        ("x must be bf16", lambda: check_node_inputs(cfg, cpu, x.float(), ids, w)),
+        ("x must be bf16", lambda: check_node_inputs(cfg, cpu, x[:, :128].contiguous(), ids, w)),
+        ("contiguous", lambda: check_node_inputs(cfg, cpu, x.t().contiguous().t(), ids, w)),
+        ("the layer's GPU", lambda: check_node_inputs(cfg, torch.device("cuda", 0), x, ids, w)),
+        ("more than max_tokens_per_rank", lambda: check_node_inputs(
+            cfg, cpu, torch.zeros(9, 256, dtype=torch.bfloat16), ids, w)),
+        ("topk_ids must be int32 or int64", lambda: check_node_inputs(cfg, cpu, x, ids.float(),
+                                                                      w)),
+        ("topk_ids must be", lambda: check_node_inputs(cfg, cpu, x, ids[:, :1].contiguous(), w)),
+        ("topk_weights must be float32", lambda: check_node_inputs(cfg, cpu, x, ids, w.double())),
+        ("outside \\[0, 8\\)", lambda: check_node_inputs(
+            cfg, cpu, x, torch.where(ids == 7, 8, ids), w)),
+        ("outside \\[0, 8\\)", lambda: check_node_inputs(
+            cfg, cpu, x, torch.where(ids == -1, -2, ids), w)),
+        ("x codes must be", lambda: check_node_inputs(fp8, cpu, (codes.view(torch.uint8),
+                                                                 torch.ones(5, 2)), ids, w)),
+        ("x scales must be", lambda: check_node_inputs(fp8, cpu, (codes, torch.ones(4, 2)),
+                                                       ids, w)),
+        ("only for an fp8 or nvfp4 layer", lambda: check_node_inputs(
+            cfg, cpu, (codes, torch.ones(5, 2)), ids, w)),
+    ]
+    for message, call in bad:
+        with pytest.raises((TypeError, ValueError), match=message):
+            call()
+    with pytest.raises(NotImplementedError, match="pass topk_weights"):
+        check_node_inputs(cfg, cpu, x, ids, None)
