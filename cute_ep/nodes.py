@@ -1,31 +1,35 @@
 """Expert parallelism over several nodes: NVSHMEM between nodes, the intranode Buffer inside each.
 
 `NodeBuffer(cfg)` with `cfg.gpus_per_node = G` puts the R ranks on N = R / G nodes (rank
-r = n * G + l is GPU l of node n) and the E experts on them in order, E / N a node. A dispatch
-moves each token over the network at most once per node that holds one of its experts: rank
-(n, l) sends it to rank (m, l), GPU l of node m, through NVSHMEM (`kernels.net_put`, a put with a
-signal, bounded waits). There the token joins the rank's own as one more input of node m's
-intranode dispatch (the Buffer over node m's G ranks and its experts, its ids made local, the
-other nodes' experts as -1), which fans it out over NVLink to the expert's rank. Combine runs the
-other way: node m's intranode combine reduces each token over node m's experts, and one NVSHMEM
-put a node returns those partial sums to the token's home rank, which adds them (fp32, in node
-order) to its own node's.
+r = n * G + l is GPU l of node n) and the E experts on them in order, E / N a node.
+
+Dispatch: GPU j of every node holds the tokens of the N sources j * N .. j * N + N - 1. Rank r
+sends each token, through NVSHMEM (`kernels.net_put`: a put with a signal, bounded waits), once
+to the holder of r's tokens on every node that has one of the token's experts (its own node
+included). A holder lays the tokens it received out as one input, source s's token t at row
+s * T + t, and runs its node's intranode dispatch on it (the Buffer over the node's G ranks and
+its experts, the ids made the node's, the other nodes' experts -1), which fans the tokens out
+over NVLink to their experts' GPUs. That dispatch orders an expert's rows by GPU and then by
+input row, which with the sources held in blocks is by source rank and token: the intranode
+path's order. Combine runs the other way: each node's intranode combine reduces every token over
+the node's experts, and the holder puts those partial sums back to each token's rank, which adds
+the nodes' sums in fp32, in node order.
 
 The outputs are the intranode path's for the same routing: rows grouped by local expert, inside
-an expert by source rank and token, `src_info` the source token and k slot. The ranks of a node
-need not see the other nodes' GPUs: no peer mapping is opened between nodes (a node's Buffer
-maps its own ranks only).
+an expert by source rank and token, `src_info` the source token and k slot. No peer mapping of
+cute-ep's is opened between nodes (a node's Buffer maps its own ranks only); NVSHMEM carries
+everything that crosses.
 
 This first version is eager (each network leg reads its counts on the host), BF16 / FP8 /
-NVFP4 (bf16 or pre-quantized input), weighted combine, one GPU a node (G = 1: every rank of a
-node is its own source, so the node's row order is the global one). Several GPUs a node need the
-rows of each expert reordered from (local source, node) to (node, local source) order after the
-node's dispatch, which is not built yet: G > 1 is refused by name. Needs the `multinode` extra.
+NVFP4 (bf16 or pre-quantized input) and weighted combine. Holding sources in blocks makes a rank
+send to GPUs of other indices, which a rail-aligned network prefers to avoid. Needs the
+`multinode` extra.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 import torch.distributed as dist
@@ -34,8 +38,6 @@ from cute_ep.ep import Buffer
 from cute_ep.runtime import nvshmem
 from cute_ep.runtime.comm import DEFAULT_TIMEOUT_S, PeerTimeout, agree_on_config
 from layouts import EPConfig
-from layouts.algebra import align_up
-from layouts.formats import ALIGN
 
 __all__ = ["NodeBuffer", "NodeDispatchOutput", "NodeHandle", "check_node_inputs"]
 
@@ -53,9 +55,8 @@ class NodeHandle:
 
     inner: object  # the node's DispatchHandle
     num_tokens: int  # this rank's own tokens
-    sent: dict  # distance d -> int64 indices of this rank's tokens sent to node n + d
-    received: dict  # distance d -> (first ext row, rows) of the tokens from node n - d
-    own_first: int  # where this rank's own tokens begin in the node dispatch's input
+    sent: list  # node m -> int64 indices of this rank's tokens sent to node m's holder
+    returns: list  # held source i -> the node input's rows of its tokens, as they came
 
 
 @dataclasses.dataclass
@@ -87,11 +88,6 @@ def check_node_config(cfg: EPConfig) -> None:
     if cfg.gpus_per_node is None or cfg.nodes < 2:
         raise ValueError("NodeBuffer is for ranks on several nodes: set gpus_per_node to the GPUs "
                          "of one node (Buffer serves one node)")
-    if cfg.node_ranks > 1:
-        raise NotImplementedError(
-            f"gpus_per_node={cfg.gpus_per_node}: the transport between nodes runs one GPU a node "
-            f"so far (the reorder of a node's rows from (local source, node) to source-rank order "
-            f"is not built)")
     if cfg.fused_shared_expert or cfg.layout != "packed" or cfg.recv_capacity is not None:
         raise NotImplementedError("between nodes: the packed layout, without a fused shared "
                                   "expert or a recv_capacity, so far")
@@ -108,7 +104,7 @@ def pack_rows(parts: list[torch.Tensor], topk_ids: torch.Tensor,
     cols = [p.reshape(tokens, p.shape[1:].numel()).view(torch.uint8) for p in parts] + \
         [meta.view(torch.uint8)]
     width = sum(c.shape[1] for c in cols)
-    pad = align_up(width, ALIGN) - width
+    pad = -width % 16
     if pad:
         cols.append(torch.zeros(tokens, pad, dtype=torch.uint8, device=topk_ids.device))
     return torch.cat(cols, dim=1)
@@ -120,7 +116,7 @@ def unpack_rows(rows: torch.Tensor, shapes: list[tuple[tuple[int, ...], torch.dt
     past T, dtype)), the ids (int32 [T, K]), weights (float32 [T, K]) and token indices (int64)."""
     tokens, at, parts = rows.shape[0], 0, []
     for shape, dtype in shapes:
-        width = torch.Size(shape).numel() * dtype.itemsize
+        width = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
         parts.append(rows[:, at:at + width].contiguous().view(dtype).reshape(tokens, *shape))
         at += width
     meta = rows[:, at:at + 4 * (2 * topk + 1)].contiguous().view(torch.int32)
@@ -229,18 +225,19 @@ class NodeBuffer:
         # The widest token row of any input this layer takes (bf16 x, or pre-quantized codes
         # and scales), its metadata and padding.
         payload = max(2 * h, {"bf16": 0, "fp8": h + 4 * (h // 128), "nvfp4": h // 2 + h // 16}[fmt])
-        self.row_bytes = align_up(payload + 4 * (2 * k + 1), ALIGN)
+        self.row_bytes = -(-(payload + 4 * (2 * k + 1)) // 16) * 16
         self.slot_bytes = (HEADER_BYTES + cfg.max_tokens_per_rank * self.row_bytes,
                            HEADER_BYTES + cfg.max_tokens_per_rank * 2 * h)
-        # Symmetric (every PE allocates the same, in the same order): per kind a send and a
-        # receive slot for each distance d = 1 .. N - 1 (slot 0 unused), its signal words, and
-        # the credit words and boxes of the handshake that frees a slot for the next round.
+        # Symmetric (every PE allocates the same, in the same order): per kind N send slots
+        # (one a destination: a dispatch sends to a holder on every node, a combine to each
+        # held source) and N receive slots, a signal word, and the credit word and boxes of
+        # the hand-back that frees the slots for the next round.
         self._send = [nvshmem.symmetric_bytes(self.nodes * b).view(self.nodes, b)
                       for b in self.slot_bytes]
         self._recv = [nvshmem.symmetric_bytes(self.nodes * b).view(self.nodes, b)
                       for b in self.slot_bytes]
-        self._signals = nvshmem.symmetric_bytes(2 * 2 * self.nodes * 8).view(torch.int64).view(
-            2, 2, self.nodes)  # [data / credit, kind, distance]
+        self._signals = nvshmem.symmetric_bytes(2 * 2 * 8).view(torch.int64).view(
+            2, 2)  # [data / credit, kind]
         self._boxes = nvshmem.symmetric_bytes(2 * HEADER_BYTES).view(2, HEADER_BYTES)
         self._signals.zero_()
         self._error = torch.zeros(4, dtype=torch.int32, device=self.device)
@@ -248,65 +245,75 @@ class NodeBuffer:
         torch.cuda.synchronize(self.device)
         dist.barrier(self.group)
 
-    def _pe(self, node: int) -> int:
-        return node * self.gpus + self.local
+    # Who sends to whom. GPU j of every node holds the tokens of the N sources r = j * N ..
+    # j * N + N - 1: it receives them and dispatches them inside its node. A node's dispatch
+    # orders an expert's rows by the node's GPU and then by input row, so with the sources held
+    # in blocks, in order, it orders them by source rank and token, as the intranode path does.
+
+    def _holder(self, node: int, source: int) -> int:
+        """The rank of `node` that holds `source`'s tokens."""
+        return node * self.gpus + source // self.nodes
+
+    def _held(self) -> list[int]:
+        """The sources this rank holds, in order (its receive slots')."""
+        return [self.local * self.nodes + s for s in range(self.nodes)]
 
     # The network legs ---------------------------------------------------------------------
 
-    def _net_put(self, dst, src, signal, nbytes, value, peer_node, ctas):
+    def _net_put(self, dst, src, signal, nbytes, value, peer, ctas):
         self._put.launch(dst, src, signal, self._error, nbytes, value,
-                         int(self.timeout_s * 1e9), self._pe(peer_node), ctas)
+                         int(self.timeout_s * 1e9), peer, ctas)
 
-    def _exchange(self, kind: int, sends: dict, to_node) -> dict:
-        """One network leg: for each distance d, rows [c, B] (uint8) into slot d of
-        `to_node(d)`'s receive buffer; returns what landed in this rank's slot d (from the node
-        that sends to this one at distance d) as rows, once every slot's signal has arrived,
-        then hands the slots back (each node waits until the rows it sent were read)."""
+    def _exchange(self, kind: int, sends: list, sources: list[int]) -> list[torch.Tensor]:
+        """One network leg: each (rank, slot, rows [c, B] uint8) of `sends` into that slot of
+        that rank's receive buffer; returns the rows in this rank's slots (slot i from rank
+        `sources[i]`) once all have landed, then hands the slots back (each rank waits until
+        the rows it sent were read). Every put adds its CTAs to one signal word of its
+        destination; only the last launch waits, for every source's."""
         self._rounds[kind] += 1
-        rnd = self._rounds[kind]
+        rnd, ctas = self._rounds[kind], self.net_ctas
         send, recv = self._send[kind], self._recv[kind]
-        for d, rows in sends.items():
-            count, width = rows.shape
-            send[d, :HEADER_BYTES].view(torch.int32).copy_(
+        width = sends[0][2].shape[1]
+        for i, (peer, slot, rows) in enumerate(sends):
+            count = rows.shape[0]
+            send[i, :HEADER_BYTES].view(torch.int32).copy_(
                 torch.tensor([count, rnd, width, 0], dtype=torch.int32))
             if count:
-                send[d, HEADER_BYTES:HEADER_BYTES + rows.numel()].copy_(rows.reshape(-1))
-            self._net_put(recv[d], send[d], self._signals[0, kind, d:d + 1],
-                          HEADER_BYTES + rows.numel(), rnd * self.net_ctas, to_node(d),
-                          self.net_ctas)
-        self._raise_timeout(KINDS[kind])
-        headers = recv[1:, :HEADER_BYTES].view(torch.int32).tolist()
-        got = {}
-        for d, rows in sends.items():
-            count, sent_round, width, _ = headers[d - 1]
-            if (sent_round, width) != (rnd, rows.shape[1]):
-                source = self._pe(self._source_node(kind, d))
+                send[i, HEADER_BYTES:HEADER_BYTES + rows.numel()].copy_(rows.reshape(-1))
+            last = i == len(sends) - 1
+            self._net_put(recv[slot], send[i], self._signals[0, kind:kind + 1],
+                          HEADER_BYTES + rows.numel(), rnd * len(sources) * ctas if last else 0,
+                          peer, ctas)
+        headers = recv[:len(sources), :HEADER_BYTES].view(torch.int32)
+        self._raise_timeout(KINDS[kind], lambda: [
+            src for src, (_, got_round, _, _) in zip(sources, headers.tolist())
+            if got_round != rnd])
+        got = []
+        for slot, (count, got_round, got_width, _) in enumerate(headers.tolist()):
+            if (got_round, got_width) != (rnd, width):
                 raise RuntimeError(
-                    f"{KINDS[kind]} between nodes: rank {self.rank} received round {sent_round} "
-                    f"of {width}-byte rows from rank {source}, expected round {rnd} of "
-                    f"{rows.shape[1]}: every rank must call with inputs of the same kind")
-            got[d] = recv[d, HEADER_BYTES:HEADER_BYTES + count * width].view(count, width).clone()
-        # The credit handshake: this rank has read its slots; the next round's puts into the
-        # peers' slots wait until they have read theirs.
-        for d in sends:
-            self._net_put(self._boxes[1], self._boxes[0], self._signals[1, kind, d:d + 1],
-                          HEADER_BYTES, rnd, self._source_node(kind, d), 1)
-        self._raise_timeout(KINDS[kind] + " (slot hand-back)")
+                    f"{KINDS[kind]} between nodes: rank {self.rank} received round {got_round} "
+                    f"of {got_width}-byte rows from rank {sources[slot]}, expected round {rnd} "
+                    f"of {width}: every rank must call with inputs of the same kind")
+            got.append(recv[slot, HEADER_BYTES:HEADER_BYTES + count * width]
+                       .view(count, width).clone())
+        # The hand-back: this rank has read its slots; each source's next put waits for it.
+        for i, source in enumerate(sources):
+            last = i == len(sources) - 1
+            self._net_put(self._boxes[1], self._boxes[0], self._signals[1, kind:kind + 1],
+                          HEADER_BYTES, rnd * len(sends) if last else 0, source, 1)
+        self._raise_timeout(KINDS[kind] + " (slot hand-back)",
+                            lambda: sorted({peer for peer, _, _ in sends}))
         return got
 
-    def _source_node(self, kind: int, d: int) -> int:
-        """The node whose rows land in slot d: dispatch sends to n + d, so its slot d is filled
-        by n - d; combine the other way round."""
-        return (self.node - d) % self.nodes if kind == DISPATCH else (self.node + d) % self.nodes
-
-    def _raise_timeout(self, what: str) -> None:
+    def _raise_timeout(self, what: str, missing) -> None:
+        """After a leg's waits: raise PeerTimeout naming the ranks (`missing()`, read only
+        then) whose puts did not arrive in time."""
         torch.cuda.current_stream(self.device).synchronize()
-        missing = int(self._error[0].item())
-        if missing:
-            peer = missing - 1
+        if int(self._error[0].item()):
+            names = ", ".join(f"rank {p} (node {p // self.gpus})" for p in missing())
             raise PeerTimeout(f"{what} between nodes: rank {self.rank} (node {self.node}) timed "
-                              f"out after {self.timeout_s:g} s waiting for rank {peer} (node "
-                              f"{peer // self.gpus})")
+                              f"out after {self.timeout_s:g} s waiting for {names}")
 
     # Dispatch and combine -----------------------------------------------------------------
 
@@ -316,7 +323,7 @@ class NodeBuffer:
         (codes, scales); topk_ids [T, K] global expert ids or -1; topk_weights float32 [T, K]
         (required: the partial sums of combine are weighted); global_scale as `Buffer`'s
         (nvfp4 bf16 x only: the tokens are quantized here, before they leave)."""
-        if torch.cuda.is_current_stream_capturing():
+        if self._capturing():
             raise NotImplementedError("a dispatch between nodes reads its counts on the host: "
                                       "eager only so far (no CUDA graph capture)")
         num_tokens = check_node_inputs(self.cfg, self.device, x, topk_ids, topk_weights)
@@ -333,59 +340,69 @@ class NodeBuffer:
         rows = pack_rows(parts, topk_ids, topk_weights)
         node_of = torch.where(topk_ids >= 0, topk_ids.div(self.node_experts,
                                                           rounding_mode="floor"), -1)
-        sends, sent = {}, {}
-        for d in range(1, self.nodes):
-            m = (self.node + d) % self.nodes
-            sent[d] = (node_of == m).any(dim=1).nonzero()[:, 0]
-            sends[d] = rows[sent[d]]
-        got = self._exchange(DISPATCH, sends, lambda d: (self.node + d) % self.nodes)
-        # The node's input in source-rank order: node s's tokens at (s, this GPU) in node order.
+        # A token once to the holder of this rank's tokens on every node with one of its
+        # experts (this node's included, which may be this GPU or another of the node).
+        sends, sent = [], []
+        for m in range(self.nodes):
+            sent.append((node_of == m).any(dim=1).nonzero()[:, 0])
+            sends.append((self._holder(m, self.rank), self.rank % self.nodes, rows[sent[m]]))
+        got = self._exchange(DISPATCH, sends, self._held())
+        # The node's input: held source s's token t at row s * T + t (T = max_tokens_per_rank),
+        # the rows of tokens not sent here routed nowhere (ids -1). The node's dispatch orders
+        # an expert's rows by its GPU and then by input row: by source rank and token; and a
+        # row's input index names its token (index % T).
+        t_max, k = self.cfg.max_tokens_per_rank, self.cfg.topk
         shapes = [(tuple(p.shape[1:]), p.dtype) for p in parts]
-        pieces, received, at, own_first = [], {}, 0, 0
-        for s in range(self.nodes):
-            if s == self.node:
-                piece, own_first = rows, at
-            else:
-                d = (self.node - s) % self.nodes
-                piece = got[d]
-                received[d] = (at, piece.shape[0])
-            pieces.append(piece)
-            at += piece.shape[0]
-        ext = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
-        ext_parts, ext_ids, ext_w, ext_t = unpack_rows(ext, shapes, self.cfg.topk)
-        ids = localize_ids(ext_ids, self.node, self.node_experts)
-        ext_w = ext_w.contiguous()
+        counts = [piece.shape[0] for piece in got]
+        arrived = torch.cat(got) if len(got) > 1 else got[0]
+        got_parts, got_ids, got_w, got_t = unpack_rows(arrived, shapes, k)
+        held = torch.repeat_interleave(torch.arange(len(got), device=self.device),
+                                       torch.tensor(counts, device=self.device))
+        at = held * t_max + got_t
+        size = len(got) * t_max
+        ext_parts = []
+        for part, (shape, dtype) in zip(got_parts, shapes):
+            full = torch.zeros(size, *shape, dtype=dtype, device=self.device)
+            full[at] = part
+            ext_parts.append(full)
+        ids = torch.full((size, k), -1, dtype=torch.int32, device=self.device)
+        ids[at] = localize_ids(got_ids, self.node, self.node_experts)
+        weights = torch.zeros(size, k, dtype=torch.float32, device=self.device)
+        weights[at] = got_w
         x_ext = tuple(ext_parts) if quantized else ext_parts[0]
-        out = self.inner.dispatch(x_ext, ids, ext_w)
-        # src_info: the node's input index -> the token's index at its source rank.
+        out = self.inner.dispatch(x_ext, ids, weights)
         src = out.src_info
         total = int(out.row_offsets[-1].item())
         if total:
-            first = src[:total, 0].long()
-            shared = first < 0
-            src[:total, 0] = torch.where(shared, first, ext_t[first.clamp(min=0)]).to(
-                torch.int32)
+            row = src[:total, 0]
+            src[:total, 0] = torch.where(row < 0, row, row % t_max)
+        returns = list(torch.split(at, counts))
         return NodeDispatchOutput(
             tokens=out.tokens, scales=out.scales, row_offsets=out.row_offsets,
             expert_ids=out.expert_ids, src_info=src, counts=out.counts,
             scales_offsets=out.scales_offsets,
-            handle=NodeHandle(out.handle, num_tokens, sent, received, own_first))
+            handle=NodeHandle(out.handle, num_tokens, sent, returns))
 
     def combine(self, y: torch.Tensor, handle: NodeHandle) -> torch.Tensor:
         """`Buffer.combine` over several nodes: y [rows, H] bf16, the expert outputs of the
         dispatch's rows; returns this rank's [T, H] bf16 weighted sums."""
-        if torch.cuda.is_current_stream_capturing():
+        if self._capturing():
             raise NotImplementedError("a combine between nodes is eager only so far")
         part = self.inner.combine(y, handle.inner)  # [ext tokens, H]: this node's experts
-        sends = {d: part[first:first + count].contiguous().view(torch.uint8)
-                 for d, (first, count) in handle.received.items()}
-        # Partial sums go home: the rows from node n - d back to it.
-        got = self._exchange(COMBINE, sends, lambda d: (self.node - d) % self.nodes)
-        out = part[handle.own_first:handle.own_first + handle.num_tokens].float()
-        for d in sorted(got):  # the other nodes' sums, in a fixed order
-            rows = got[d].view(torch.bfloat16).view(-1, self.cfg.hidden)
-            out.index_add_(0, handle.sent[d], rows.float())
+        # Each held source's partial sums go home, into its slot of this node, in the order
+        # its tokens came.
+        sends = [(source, self.node, part[rows].view(torch.uint8))
+                 for source, rows in zip(self._held(), handle.returns)]
+        got = self._exchange(COMBINE, sends,
+                             [self._holder(m, self.rank) for m in range(self.nodes)])
+        out = torch.zeros(handle.num_tokens, self.cfg.hidden, dtype=torch.float32,
+                          device=self.device)
+        for m, rows in enumerate(got):  # every node's sums, in node order
+            out.index_add_(0, handle.sent[m], rows.view(torch.bfloat16).float())
         return out.to(torch.bfloat16)
+
+    def _capturing(self) -> bool:
+        return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
     def check(self) -> None:
         """The node Buffer's `check` (errors recorded on the device)."""
