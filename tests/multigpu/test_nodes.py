@@ -17,27 +17,30 @@ pytest.importorskip("nvshmem.core", reason="the multinode extra (nvshmem4py-cu13
 SHAPE = dict(hidden=512, topk=4, experts=16, max_tokens_per_rank=64)
 
 
-def _node_buffer(world, fmt, timeout_s=30.0):
+def _node_buffer(world, fmt, timeout_s=30.0, gpus=1):
     from cute_ep.nodes import NodeBuffer
     from layouts import EPConfig
 
     # One host, no network transport (NVSHMEM's default would look for InfiniBand devices).
     os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
-    cfg = EPConfig(**SHAPE, ranks=world, format=fmt, gpus_per_node=1)
+    cfg = EPConfig(**SHAPE, ranks=world, format=fmt, gpus_per_node=gpus)
     return cfg, NodeBuffer(cfg, timeout_s=timeout_s)
 
 
-def _layers(rank, world, fmt, prequantized):
+def _layers(rank, world, fmt, prequantized, gpus=1):
     from cute_ep.reference import ep as reference
     from cute_ep.reference.ep import quantize_fp8_blockwise
     from tests.multigpu.test_ep import (_check_combine, _check_dispatch, _expert_outputs,
                                         _global_scales, _inputs)
 
-    cfg, buf = _node_buffer(world, fmt)
-    # No peer mapping between nodes: a node's Buffer knows its own memory only.
-    assert buf.inner.channel_bases.tolist() == [buf.inner.sym.data_ptr()]
+    cfg, buf = _node_buffer(world, fmt, gpus=gpus)
+    # No peer mapping between nodes: a node's Buffer maps its own node's ranks only.
+    assert len(buf.inner.channel_bases.tolist()) == gpus
+    if gpus == 1:
+        assert buf.inner.channel_bases.tolist() == [buf.inner.sym.data_ptr()]
     checked = 0
-    for seed, tokens in ((3, [37, 64]), (4, [64, 1]), (5, [0, 50])):
+    for seed, tokens in ((3, [37, 64, 5, 60][:world]), (4, [64, 1, 0, 33][:world]),
+                         (5, [0, 50, 64, 2][:world])):
         xs, ids, ws = _inputs(cfg, seed, tokens)  # seed 3 and 5: int64 ids
         gs = _global_scales(cfg, seed)
         x, quant = xs[rank], {}
@@ -53,7 +56,8 @@ def _layers(rank, world, fmt, prequantized):
             x = tuple(quantize_fp8_blockwise(x))
         out = buf.dispatch(x, ids[rank], ws[rank], **quant)
         refs = reference.dispatch(cfg, xs, ids, global_scales=gs)
-        what = f"{fmt}{' pre-quantized' if prequantized else ''} 2 x 1 T={tokens} seed={seed}"
+        what = f"{fmt}{' pre-quantized' if prequantized else ''} {world // gpus} x {gpus} " \
+               f"T={tokens} seed={seed}"
         _check_dispatch(cfg, out, refs[rank], what)
         ys = [_expert_outputs(cfg, d, d.num_rows, gs) for d in refs]
         combined = buf.combine(ys[rank].clone(), out.handle)
@@ -72,6 +76,14 @@ def test_two_nodes_of_one_gpu_match_the_intranode_reference(fmt, prequantized):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     rows = run_ranks(_layers, world=2, limit_s=240, fmt=fmt, prequantized=prequantized)
+    assert all(r > 0 for r in rows)
+
+
+@pytest.mark.parametrize("fmt,prequantized", [("bf16", False), ("fp8", True), ("nvfp4", False)])
+def test_two_nodes_of_two_gpus_match_the_intranode_reference(fmt, prequantized):
+    if torch.cuda.device_count() < 4:
+        pytest.skip("needs 4 GPUs")
+    rows = run_ranks(_layers, world=4, limit_s=240, fmt=fmt, prequantized=prequantized, gpus=2)
     assert all(r > 0 for r in rows)
 
 
