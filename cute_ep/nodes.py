@@ -34,17 +34,18 @@ import os
 import torch
 import torch.distributed as dist
 
-from cute_ep.ep import Buffer
+from cute_ep.ep import DEFAULT_SMS, Buffer
 from cute_ep.runtime import nvshmem
 from cute_ep.runtime.comm import DEFAULT_TIMEOUT_S, PeerTimeout, agree_on_config
 from layouts import EPConfig
+from layouts.nodes import HEADER_BYTES, NodeSlots, node_config
 
-__all__ = ["NodeBuffer", "NodeDispatchOutput", "NodeHandle", "check_node_inputs"]
+__all__ = ["NodeBuffer", "NodeDispatchOutput", "NodeHandle", "check_node_inputs", "node_config"]
 
-# CTAs of each put between nodes (`kernels.net_put`): each moves its share of the bytes, all
-# its threads together, and signals once. The default SM budget of a Buffer.
-NET_CTAS = 24
-HEADER_BYTES = 16  # a slot's header: (rows, round, bytes a row, 0) as int32
+# CTAs of each put between nodes (`kernels.net_put`) where the layer names no SM budget (a
+# Buffer's default): each moves its share of the bytes, all its threads together, and signals
+# once.
+NET_CTAS = DEFAULT_SMS
 DISPATCH, COMBINE = 0, 1
 KINDS = ("dispatch", "combine")
 
@@ -72,15 +73,6 @@ class NodeDispatchOutput:
     counts: torch.Tensor
     scales_offsets: torch.Tensor | None
     handle: NodeHandle
-
-
-def node_config(cfg: EPConfig) -> EPConfig:
-    """The config of one node's intranode Buffer: its G ranks and E / N experts, and room for
-    the tokens of every node's GPU of the same index (N x max_tokens_per_rank inputs)."""
-    nodes = cfg.nodes
-    return dataclasses.replace(cfg, experts=cfg.experts // nodes, ranks=cfg.node_ranks,
-                               max_tokens_per_rank=nodes * cfg.max_tokens_per_rank,
-                               gpus_per_node=None, recv_capacity=None)
 
 
 def check_node_config(cfg: EPConfig) -> None:
@@ -191,7 +183,9 @@ class NodeBuffer:
     """A layer's expert parallelism over several nodes (module docstring)."""
 
     def __init__(self, cfg: EPConfig, group=None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 sms: int | None = None, net_ctas: int = NET_CTAS):
+                 sms: int | None = None, net_ctas: int | None = None):
+        """`sms`: the intranode Buffer's SM budget (its default where None); `net_ctas`: the
+        CTAs of each put between nodes, by default the same budget."""
         check_node_config(cfg)
         self.group = group or dist.group.WORLD
         world = dist.get_world_size(self.group)
@@ -206,7 +200,7 @@ class NodeBuffer:
         self.node, self.local = divmod(self.rank, self.gpus)
         self.node_experts = cfg.experts // self.nodes
         self.timeout_s = float(timeout_s)
-        self.net_ctas = int(net_ctas)
+        self.net_ctas = int(net_ctas if net_ctas is not None else sms or NET_CTAS)
         self.device = torch.device("cuda", torch.cuda.current_device())
         agree_on_config({"kind": "nodes", "config": repr(cfg), "timeout_s": self.timeout_s,
                          "net_ctas": self.net_ctas}, self.group)
@@ -220,26 +214,24 @@ class NodeBuffer:
         from cute_ep.runtime.launch import runtime
 
         self._put = runtime().select("net_put")
-        fmt = cfg.format
-        h, k = cfg.hidden, cfg.topk
-        # The widest token row of any input this layer takes (bf16 x, or pre-quantized codes
-        # and scales), its metadata and padding.
-        payload = max(2 * h, {"bf16": 0, "fp8": h + 4 * (h // 128), "nvfp4": h // 2 + h // 16}[fmt])
-        self.row_bytes = -(-(payload + 4 * (2 * k + 1)) // 16) * 16
-        self.slot_bytes = (HEADER_BYTES + cfg.max_tokens_per_rank * self.row_bytes,
-                           HEADER_BYTES + cfg.max_tokens_per_rank * 2 * h)
-        # Symmetric (every PE allocates the same, in the same order): per kind N send slots
-        # (one a destination: a dispatch sends to a holder on every node, a combine to each
-        # held source) and N receive slots, a signal word, and the credit word and boxes of
-        # the hand-back that frees the slots for the next round.
-        self._send = [nvshmem.symmetric_bytes(self.nodes * b).view(self.nodes, b)
-                      for b in self.slot_bytes]
-        self._recv = [nvshmem.symmetric_bytes(self.nodes * b).view(self.nodes, b)
-                      for b in self.slot_bytes]
-        self._signals = nvshmem.symmetric_bytes(2 * 2 * 8).view(torch.int64).view(
-            2, 2)  # [data / credit, kind]
-        self._boxes = nvshmem.symmetric_bytes(2 * HEADER_BYTES).view(2, HEADER_BYTES)
-        self._signals.zero_()
+        # The parts of `layouts.nodes.NodeSlots`, carved from one symmetric allocation (every
+        # PE allocates the same, in the same order, so each part is at the same offset on all).
+        slots = NodeSlots(cfg)
+        at = slots.symmetric_offsets()
+        self._heap = nvshmem.symmetric_bytes(at["total"])
+        sizes = slots.symmetric_bytes()
+
+        def part(name):
+            return self._heap[at[name]:at[name] + sizes[name]]
+
+        self._send, self._recv = [], []
+        for leg in ("dispatch", "combine"):
+            b = slots.slot_bytes(leg)
+            self._send.append(part(f"{leg}_send")[:self.nodes * b].view(self.nodes, b))
+            self._recv.append(part(f"{leg}_recv")[:self.nodes * b].view(self.nodes, b))
+        self._signals = part("signals")[:4 * 8].view(torch.int64).view(2, 2)  # [data / credit, leg]
+        self._boxes = part("boxes").view(2, HEADER_BYTES)
+        self._heap.zero_()
         self._error = torch.zeros(4, dtype=torch.int32, device=self.device)
         self._rounds = [0, 0]
         torch.cuda.synchronize(self.device)

@@ -13,20 +13,22 @@ def test_layouts_prints_the_byte_map_and_sizes(capsys):
 
 
 def test_layouts_prints_the_parts_between_nodes_when_ranks_span_nodes(capsys, monkeypatch):
-    """`--gpus-per-node` below the ranks adds the parts of the transport between nodes (the
-    symmetric heap's, the node's reduce rings) with their total; on one node there are none."""
+    """`--gpus-per-node` below the ranks adds NodeBuffer's parts in the symmetric heap with
+    their total, and the size of the node's intranode Buffer; on one node there are none."""
     from layouts import EPConfig
-    from layouts.channels import ChannelGeometry
-    from layouts.nodes import NetGeometry
+    from layouts.buffers import total_bytes
+    from layouts.nodes import NodeSlots, node_config
 
     monkeypatch.setenv("COLUMNS", "200")
     assert main(["layouts", "--ranks", "16", "--gpus-per-node", "8", "--sms", "24"]) == 0
     out = capsys.readouterr().out
-    net = NetGeometry(ChannelGeometry(EPConfig(7168, 8, 256, 16, 4096, gpus_per_node=8), 24))
+    cfg = EPConfig(7168, 8, 256, 16, 4096, gpus_per_node=8)
+    slots = NodeSlots(cfg)
     assert "2 nodes of 8 GPUs" in out
-    for name, nbytes in {**net.symmetric_bytes(), **net.node_bytes()}.items():
+    for name, nbytes in slots.symmetric_bytes().items():
         assert f"{name}" in out and f"{nbytes:,}" in out
-    assert f"{net.symmetric_offsets()['total'] / 2**20:.1f} MiB" in out
+    assert f"{slots.symmetric_offsets()['total'] / 2**20:.1f} MiB" in out
+    assert f"{total_bytes(node_config(cfg), 24) / 2**20:.1f} MiB per rank" in out
     assert main(["layouts", "--ranks", "8", "--gpus-per-node", "8"]) == 0
     assert "between nodes" not in capsys.readouterr().out
 

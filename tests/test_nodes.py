@@ -1,11 +1,10 @@
 """The transport between nodes without a GPU: a token's row as it crosses the network, expert
-ids made a node's, the node Buffer's config and what this version refuses."""
+ids made a node's, the inputs' checks and what this version refuses."""
 
 import pytest
 import torch
 
-from cute_ep.nodes import (check_node_config, localize_ids, node_config, pack_rows,
-                           unpack_rows)
+from cute_ep.nodes import check_node_config, localize_ids, pack_rows, unpack_rows
 from layouts import EPConfig
 
 
@@ -45,14 +44,6 @@ def test_ids_of_other_nodes_become_empty_slots():
     assert localize_ids(ids, 1, 8).tolist() == [[-1, -1, 0, 7], [-1, -1, -1, 1]]
     assert localize_ids(ids, 0, 8).tolist() == [[0, 7, -1, -1], [-1, -1, -1, -1]]
     assert localize_ids(ids, 2, 8).tolist() == [[-1, -1, -1, -1], [0, 7, -1, -1]]
-
-
-def test_a_node_buffer_is_the_node_s_ranks_and_experts_with_room_for_every_node_s_tokens():
-    cfg = EPConfig(7168, 8, 256, 4, 4096, "fp8", gpus_per_node=1)
-    inner = node_config(cfg)
-    assert (inner.ranks, inner.experts, inner.max_tokens_per_rank, inner.gpus_per_node) == \
-        (1, 64, 4 * 4096, None)
-    assert inner.local_experts == cfg.local_experts and inner.format == "fp8"
 
 
 def test_what_this_version_does_not_carry_is_refused_by_name():

@@ -115,21 +115,22 @@ def _layouts(argv) -> int:
                   "(dispatch's staging and batch headers, combine's rings, counts and counters), then "
                   "local buffers and dispatch outputs")
     if cfg.nodes > 1:
-        from layouts.channels import ChannelGeometry
-        from layouts.nodes import NetGeometry
+        from layouts.nodes import NodeSlots, node_config
 
-        net = NetGeometry(ChannelGeometry(cfg, args.sms))
-        parts = Table(title=f"between nodes: {cfg.nodes} nodes of {cfg.node_ranks} GPUs, "
-                            f"{net.remotes} remote node(s) a rank")
+        slots = NodeSlots(cfg)
+        inner = node_config(cfg)
+        parts = Table(title=f"between nodes: {cfg.nodes} nodes of {cfg.node_ranks} GPUs "
+                            f"(cute_ep.NodeBuffer)")
         for col in ("where", "buffer", "bytes", "MiB"):
             parts.add_column(col, justify="right" if col in ("bytes", "MiB") else "left")
-        for where, buffers in (("NVSHMEM symmetric heap", net.symmetric_bytes()),
-                               ("peer-visible in the node", net.node_bytes())):
-            for name, nbytes in buffers.items():
-                parts.add_row(where, name, f"{nbytes:,}", f"{nbytes / 2**20:.1f}")
+        for name, nbytes in slots.symmetric_bytes().items():
+            parts.add_row("NVSHMEM symmetric heap", name, f"{nbytes:,}", f"{nbytes / 2**20:.1f}")
         console.print(parts)
         console.print(f"NVSHMEM symmetric heap per rank for this layer: "
-                      f"{net.symmetric_offsets()['total'] / 2**20:.1f} MiB")
+                      f"{slots.symmetric_offsets()['total'] / 2**20:.1f} MiB; the node's "
+                      f"intranode Buffer ({inner.ranks} ranks, {inner.experts} experts, "
+                      f"{inner.max_tokens_per_rank} input rows a rank): "
+                      f"{total_bytes(inner, args.sms) / 2**20:.1f} MiB per rank")
     return 0
 
 
