@@ -29,7 +29,6 @@ send to GPUs of other indices, which a rail-aligned network prefers to avoid. Ne
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 import torch.distributed as dist
@@ -38,6 +37,8 @@ from cute_ep.ep import DEFAULT_SMS, Buffer
 from cute_ep.runtime import nvshmem
 from cute_ep.runtime.comm import DEFAULT_TIMEOUT_S, PeerTimeout, agree_on_config
 from layouts import EPConfig
+from layouts.algebra import align_up
+from layouts.formats import ALIGN
 from layouts.nodes import HEADER_BYTES, NodeSlots, node_config
 
 __all__ = ["NodeBuffer", "NodeDispatchOutput", "NodeHandle", "check_node_inputs", "node_config"]
@@ -96,7 +97,7 @@ def pack_rows(parts: list[torch.Tensor], topk_ids: torch.Tensor,
     cols = [p.reshape(tokens, p.shape[1:].numel()).view(torch.uint8) for p in parts] + \
         [meta.view(torch.uint8)]
     width = sum(c.shape[1] for c in cols)
-    pad = -width % 16
+    pad = align_up(width, ALIGN) - width
     if pad:
         cols.append(torch.zeros(tokens, pad, dtype=torch.uint8, device=topk_ids.device))
     return torch.cat(cols, dim=1)
@@ -108,7 +109,7 @@ def unpack_rows(rows: torch.Tensor, shapes: list[tuple[tuple[int, ...], torch.dt
     past T, dtype)), the ids (int32 [T, K]), weights (float32 [T, K]) and token indices (int64)."""
     tokens, at, parts = rows.shape[0], 0, []
     for shape, dtype in shapes:
-        width = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+        width = torch.Size(shape).numel() * dtype.itemsize
         parts.append(rows[:, at:at + width].contiguous().view(dtype).reshape(tokens, *shape))
         at += width
     meta = rows[:, at:at + 4 * (2 * topk + 1)].contiguous().view(torch.int32)
