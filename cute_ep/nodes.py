@@ -20,8 +20,9 @@ an expert by source rank and token, `src_info` the source token and k slot. No p
 cute-ep's is opened between nodes (a node's Buffer maps its own ranks only); NVSHMEM carries
 everything that crosses.
 
-This first version is eager (each network leg reads its counts on the host), BF16 / FP8 /
-NVFP4 (bf16 or pre-quantized input) and weighted combine. Holding sources in blocks makes a rank
+No call waits on the host (the counts travel in the slots' headers, read by the kernels and by
+fixed-shape torch ops), so CUDA graphs capture dispatch and combine; errors wait for `check`, as
+`Buffer`'s do. BF16 / FP8 / NVFP4 (bf16 or pre-quantized input), weighted combine. Holding sources in blocks makes a rank
 send to GPUs of other indices, which a rail-aligned network prefers to avoid. Needs the
 `multinode` extra.
 """
@@ -41,7 +42,8 @@ from layouts.algebra import align_up
 from layouts.formats import ALIGN
 from layouts.nodes import HEADER_BYTES, NodeSlots, node_config
 
-__all__ = ["NodeBuffer", "NodeDispatchOutput", "NodeHandle", "check_node_inputs", "node_config"]
+__all__ = ["NodeBuffer", "NodeDispatchOutput", "NodeHandle", "check_node_inputs", "flag_bad_ids",
+           "node_config"]
 
 # CTAs of each put between nodes (`kernels.net_put`) where the layer names no SM budget (a
 # Buffer's default): each moves its share of the bytes, all its threads together, and signals
@@ -57,8 +59,10 @@ class NodeHandle:
 
     inner: object  # the node's DispatchHandle
     num_tokens: int  # this rank's own tokens
-    sent: list  # node m -> int64 indices of this rank's tokens sent to node m's holder
-    returns: list  # held source i -> the node input's rows of its tokens, as they came
+    orders: list  # node m -> this rank's tokens, those sent to node m's holder first, in order
+    counts_sent: list  # node m -> how many were sent (a device int)
+    returns: torch.Tensor  # [held sources, T]: the node input's rows of their tokens, as sent
+    received: torch.Tensor  # [held sources]: how many each sent (int32, on the device)
 
 
 @dataclasses.dataclass
@@ -119,8 +123,8 @@ def unpack_rows(rows: torch.Tensor, shapes: list[tuple[tuple[int, ...], torch.dt
 
 def check_node_inputs(cfg: EPConfig, device: torch.device, x, topk_ids, topk_weights) -> int:
     """A NodeBuffer dispatch's inputs checked as `Buffer.dispatch` checks its own (dtype, shape,
-    device, contiguity, the token bound, and every expert id in [-1, E), read on the device:
-    an id past the last node would otherwise go nowhere, silently); returns the token count."""
+    device, contiguity, the token bound; the ids' values: `flag_bad_ids`); returns the token
+    count."""
     h = cfg.hidden
 
     def placed(t, name):
@@ -166,9 +170,16 @@ def check_node_inputs(cfg: EPConfig, device: torch.device, x, topk_ids, topk_wei
     if topk_weights.dtype != torch.float32 or tuple(topk_weights.shape) != (tokens, cfg.topk):
         raise ValueError(f"topk_weights must be float32 [{tokens}, {cfg.topk}], got "
                          f"{topk_weights.dtype} {tuple(topk_weights.shape)}")
-    if tokens and bool(((topk_ids < -1) | (topk_ids >= cfg.experts)).any()):
-        raise ValueError(f"topk_ids holds expert ids outside [0, {cfg.experts}) that are not -1")
     return tokens
+
+
+def flag_bad_ids(topk_ids: torch.Tensor, experts: int, flag: torch.Tensor) -> None:
+    """Set `flag` (an int32 element, on the device) where `topk_ids` holds an id outside
+    [-1, E), without waiting for the device: such a pair reaches no node (it is dropped), and
+    `NodeBuffer.check` reports it, as `Buffer.check` reports the ids its kernels drop."""
+    if topk_ids.numel():
+        bad = ((topk_ids < -1) | (topk_ids >= experts)).any().view(1).int()
+        flag.copy_(torch.maximum(flag, bad))
 
 
 def localize_ids(topk_ids: torch.Tensor, node: int, node_experts: int) -> torch.Tensor:
@@ -234,7 +245,13 @@ class NodeBuffer:
         self._boxes = part("boxes").view(2, HEADER_BYTES)
         self._heap.zero_()
         self._error = torch.zeros(4, dtype=torch.int32, device=self.device)
-        self._rounds = [0, 0]
+        # On the device, so that a CUDA graph replay advances them: each leg's round, the
+        # signal values each leg waits for (data, credit), and what `check` reports (rows of
+        # another kind, expert ids out of range while capturing).
+        self._round = torch.zeros(2, dtype=torch.int32, device=self.device)
+        self._expect = torch.zeros(2, 2, dtype=torch.int64, device=self.device)
+        self._zero = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self._flags = torch.zeros(2, dtype=torch.int32, device=self.device)
         torch.cuda.synchronize(self.device)
         dist.barrier(self.group)
 
@@ -253,73 +270,62 @@ class NodeBuffer:
 
     # The network legs ---------------------------------------------------------------------
 
-    def _net_put(self, dst, src, signal, nbytes, value, peer, ctas):
-        self._put.launch(dst, src, signal, self._error, nbytes, value,
+    def _net_put(self, dst, src, signal, row_bytes, value, peer, ctas):
+        self._put.launch(dst, src, signal, self._error, HEADER_BYTES, row_bytes, value,
                          int(self.timeout_s * 1e9), peer, ctas)
 
-    def _exchange(self, kind: int, sends: list, sources: list[int]) -> list[torch.Tensor]:
-        """One network leg: each (rank, slot, rows [c, B] uint8) of `sends` into that slot of
-        that rank's receive buffer; returns the rows in this rank's slots (slot i from rank
-        `sources[i]`) once all have landed, then hands the slots back (each rank waits until
-        the rows it sent were read). Every put adds its CTAs to one signal word of its
-        destination; only the last launch waits, for every source's."""
-        self._rounds[kind] += 1
-        rnd, ctas = self._rounds[kind], self.net_ctas
+    def _exchange(self, kind: int, sends: list, sources: list[int]):
+        """One network leg: each (rank, slot, rows [n, B] uint8, count) of `sends` (count: a
+        device int, the rows that count) into that slot of that rank's receive buffer. Returns
+        this rank's slots once all have landed, as rows [slots, max_tokens_per_rank, B] (past
+        each slot's count undefined) and the counts [slots] (int32, on the device): slot i
+        from rank `sources[i]`. Nothing waits on the host, so a CUDA graph captures it; call
+        `_hand_back` once the rows are read. Every put adds its CTAs to one signal word of its
+        destination, and only the last launch waits, for every source's."""
+        ctas, width = self.net_ctas, sends[0][2].shape[1]
         send, recv = self._send[kind], self._recv[kind]
-        width = sends[0][2].shape[1]
-        for i, (peer, slot, rows) in enumerate(sends):
-            count = rows.shape[0]
-            send[i, :HEADER_BYTES].view(torch.int32).copy_(
-                torch.tensor([count, rnd, width, 0], dtype=torch.int32))
-            if count:
+        self._round[kind:kind + 1].add_(1)
+        self._expect[0, kind:kind + 1].add_(len(sources) * ctas)
+        for i, (peer, slot, rows, count) in enumerate(sends):
+            header = send[i, :HEADER_BYTES].view(torch.int32)
+            header[0:1].copy_(count.view(1))
+            header[1:2].copy_(self._round[kind:kind + 1])
+            header[2:3].fill_(width)
+            if rows.numel():
                 send[i, HEADER_BYTES:HEADER_BYTES + rows.numel()].copy_(rows.reshape(-1))
             last = i == len(sends) - 1
-            self._net_put(recv[slot], send[i], self._signals[0, kind:kind + 1],
-                          HEADER_BYTES + rows.numel(), rnd * len(sources) * ctas if last else 0,
-                          peer, ctas)
+            self._net_put(recv[slot], send[i], self._signals[0, kind:kind + 1], width,
+                          self._expect[0, kind:kind + 1] if last else self._zero, peer, ctas)
         headers = recv[:len(sources), :HEADER_BYTES].view(torch.int32)
-        self._raise_timeout(KINDS[kind], lambda: [
-            src for src, (_, got_round, _, _) in zip(sources, headers.tolist())
-            if got_round != rnd])
-        got = []
-        for slot, (count, got_round, got_width, _) in enumerate(headers.tolist()):
-            if (got_round, got_width) != (rnd, width):
-                raise RuntimeError(
-                    f"{KINDS[kind]} between nodes: rank {self.rank} received round {got_round} "
-                    f"of {got_width}-byte rows from rank {sources[slot]}, expected round {rnd} "
-                    f"of {width}: every rank must call with inputs of the same kind")
-            got.append(recv[slot, HEADER_BYTES:HEADER_BYTES + count * width]
-                       .view(count, width).clone())
-        # The hand-back: this rank has read its slots; each source's next put waits for it.
+        # A source that sent another round or another width (its inputs of another kind):
+        # recorded for `check`, its rows dropped.
+        wrong = (headers[:, 1] != self._round[kind]) | (headers[:, 2] != width)
+        self._flags[0:1].copy_(torch.maximum(self._flags[0:1], wrong.any().view(1).int()))
+        counts = torch.where(wrong, 0, headers[:, 0])
+        t_max = self.cfg.max_tokens_per_rank
+        rows = recv[:len(sources), HEADER_BYTES:HEADER_BYTES + t_max * width].view(
+            len(sources), t_max, width)
+        return rows, counts
+
+    def _hand_back(self, kind: int, sends: list, sources: list[int]) -> None:
+        """This rank has read its slots: each source's next put into them waits for it."""
+        self._expect[1, kind:kind + 1].add_(len(sends))
         for i, source in enumerate(sources):
             last = i == len(sources) - 1
-            self._net_put(self._boxes[1], self._boxes[0], self._signals[1, kind:kind + 1],
-                          HEADER_BYTES, rnd * len(sends) if last else 0, source, 1)
-        self._raise_timeout(KINDS[kind] + " (slot hand-back)",
-                            lambda: sorted({peer for peer, _, _ in sends}))
-        return got
-
-    def _raise_timeout(self, what: str, missing) -> None:
-        """After a leg's waits: raise PeerTimeout naming the ranks (`missing()`, read only
-        then) whose puts did not arrive in time."""
-        torch.cuda.current_stream(self.device).synchronize()
-        if int(self._error[0].item()):
-            names = ", ".join(f"rank {p} (node {p // self.gpus})" for p in missing())
-            raise PeerTimeout(f"{what} between nodes: rank {self.rank} (node {self.node}) timed "
-                              f"out after {self.timeout_s:g} s waiting for {names}")
+            self._net_put(self._boxes[1], self._boxes[0], self._signals[1, kind:kind + 1], 0,
+                          self._expect[1, kind:kind + 1] if last else self._zero, source, 1)
 
     # Dispatch and combine -----------------------------------------------------------------
 
     def dispatch(self, x, topk_ids: torch.Tensor, topk_weights: torch.Tensor | None,
                  global_scale: torch.Tensor | None = None) -> NodeDispatchOutput:
-        """`Buffer.dispatch` over several nodes (eager): x bf16 [T, H] or pre-quantized
-        (codes, scales); topk_ids [T, K] global expert ids or -1; topk_weights float32 [T, K]
+        """`Buffer.dispatch` over several nodes: x bf16 [T, H] or pre-quantized (codes,
+        scales); topk_ids [T, K] global expert ids or -1; topk_weights float32 [T, K]
         (required: the partial sums of combine are weighted); global_scale as `Buffer`'s
-        (nvfp4 bf16 x only: the tokens are quantized here, before they leave)."""
-        if self._capturing():
-            raise NotImplementedError("a dispatch between nodes reads its counts on the host: "
-                                      "eager only so far (no CUDA graph capture)")
+        (nvfp4 bf16 x only: the tokens are quantized here, before they leave). Nothing waits
+        on the host while a CUDA graph is captured (errors then wait for `check`)."""
         num_tokens = check_node_inputs(self.cfg, self.device, x, topk_ids, topk_weights)
+        flag_bad_ids(topk_ids, self.cfg.experts, self._flags[1:2])
         quantized = type(x) is tuple
         if self.cfg.format == "nvfp4" and not quantized:
             # Each source quantizes its own tokens under its own global scale (as the
@@ -334,69 +340,101 @@ class NodeBuffer:
         node_of = torch.where(topk_ids >= 0, topk_ids.div(self.node_experts,
                                                           rounding_mode="floor"), -1)
         # A token once to the holder of this rank's tokens on every node with one of its
-        # experts (this node's included, which may be this GPU or another of the node).
-        sends, sent = [], []
+        # experts (this node's included, which may be this GPU or another of the node): the
+        # rows of node m's tokens first, in token order, and their count.
+        index = torch.arange(num_tokens, device=self.device)
+        sends, orders, counts_sent = [], [], []
         for m in range(self.nodes):
-            sent.append((node_of == m).any(dim=1).nonzero()[:, 0])
-            sends.append((self._holder(m, self.rank), self.rank % self.nodes, rows[sent[m]]))
-        got = self._exchange(DISPATCH, sends, self._held())
+            chosen = (node_of == m).any(dim=1)
+            order = torch.sort(torch.where(chosen, index, index + num_tokens)).indices
+            count = chosen.sum()
+            sends.append((self._holder(m, self.rank), self.rank % self.nodes, rows[order], count))
+            orders.append(order)
+            counts_sent.append(count)
+        held = self._held()
+        got, counts = self._exchange(DISPATCH, sends, held)
         # The node's input: held source s's token t at row s * T + t (T = max_tokens_per_rank),
-        # the rows of tokens not sent here routed nowhere (ids -1). The node's dispatch orders
-        # an expert's rows by its GPU and then by input row: by source rank and token; and a
-        # row's input index names its token (index % T).
-        t_max, k = self.cfg.max_tokens_per_rank, self.cfg.topk
+        # the rows of tokens not sent here routed nowhere (ids -1; a last, spare row takes the
+        # slots' rows past their counts). The node's dispatch orders an expert's rows by its
+        # GPU and then by input row: by source rank and token; and a row's input index names
+        # its token (index % T).
+        t_max, k, slots = self.cfg.max_tokens_per_rank, self.cfg.topk, len(held)
+        size = slots * t_max
         shapes = [(tuple(p.shape[1:]), p.dtype) for p in parts]
-        counts = [piece.shape[0] for piece in got]
-        arrived = torch.cat(got) if len(got) > 1 else got[0]
-        got_parts, got_ids, got_w, got_t = unpack_rows(arrived, shapes, k)
-        held = torch.repeat_interleave(torch.arange(len(got), device=self.device),
-                                       torch.tensor(counts, device=self.device))
-        at = held * t_max + got_t
-        size = len(got) * t_max
+        got_parts, got_ids, got_w, got_t = unpack_rows(got.reshape(size, -1), shapes, k)
+        arrived = (torch.arange(t_max, device=self.device)[None, :] < counts[:, None]).view(-1)
+        slot_first = torch.arange(slots, device=self.device).repeat_interleave(t_max) * t_max
+        at = torch.where(arrived, slot_first + got_t, size)
         ext_parts = []
         for part, (shape, dtype) in zip(got_parts, shapes):
-            full = torch.zeros(size, *shape, dtype=dtype, device=self.device)
+            full = torch.zeros(size + 1, *shape, dtype=dtype, device=self.device)
             full[at] = part
-            ext_parts.append(full)
-        ids = torch.full((size, k), -1, dtype=torch.int32, device=self.device)
+            ext_parts.append(full[:size])
+        ids = torch.full((size + 1, k), -1, dtype=torch.int32, device=self.device)
         ids[at] = localize_ids(got_ids, self.node, self.node_experts)
-        weights = torch.zeros(size, k, dtype=torch.float32, device=self.device)
+        weights = torch.zeros(size + 1, k, dtype=torch.float32, device=self.device)
         weights[at] = got_w
+        self._hand_back(DISPATCH, sends, held)
         x_ext = tuple(ext_parts) if quantized else ext_parts[0]
-        out = self.inner.dispatch(x_ext, ids, weights)
+        out = self.inner.dispatch(x_ext, ids[:size], weights[:size])
         src = out.src_info
-        total = int(out.row_offsets[-1].item())
-        if total:
-            row = src[:total, 0]
-            src[:total, 0] = torch.where(row < 0, row, row % t_max)
-        returns = list(torch.split(at, counts))
+        row = src[:, 0]
+        written = torch.arange(src.shape[0], device=self.device) < out.row_offsets[-1]
+        src[:, 0] = torch.where(written & (row >= 0), row % t_max, row)
         return NodeDispatchOutput(
             tokens=out.tokens, scales=out.scales, row_offsets=out.row_offsets,
             expert_ids=out.expert_ids, src_info=src, counts=out.counts,
             scales_offsets=out.scales_offsets,
-            handle=NodeHandle(out.handle, num_tokens, sent, returns))
+            handle=NodeHandle(out.handle, num_tokens, orders, counts_sent,
+                              at.view(slots, t_max).clamp(max=size - 1), counts))
 
     def combine(self, y: torch.Tensor, handle: NodeHandle) -> torch.Tensor:
         """`Buffer.combine` over several nodes: y [rows, H] bf16, the expert outputs of the
         dispatch's rows; returns this rank's [T, H] bf16 weighted sums."""
-        if self._capturing():
-            raise NotImplementedError("a combine between nodes is eager only so far")
-        part = self.inner.combine(y, handle.inner)  # [ext tokens, H]: this node's experts
+        part = self.inner.combine(y, handle.inner)  # [node input rows, H]: this node's experts
         # Each held source's partial sums go home, into its slot of this node, in the order
         # its tokens came.
-        sends = [(source, self.node, part[rows].view(torch.uint8))
-                 for source, rows in zip(self._held(), handle.returns)]
-        got = self._exchange(COMBINE, sends,
-                             [self._holder(m, self.rank) for m in range(self.nodes)])
-        out = torch.zeros(handle.num_tokens, self.cfg.hidden, dtype=torch.float32,
-                          device=self.device)
-        for m, rows in enumerate(got):  # every node's sums, in node order
-            out.index_add_(0, handle.sent[m], rows.view(torch.bfloat16).float())
-        return out.to(torch.bfloat16)
-
-    def _capturing(self) -> bool:
-        return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        held = self._held()
+        sends = [(source, self.node, part[handle.returns[s]].view(torch.uint8),
+                  handle.received[s]) for s, source in enumerate(held)]
+        homes = [self._holder(m, self.rank) for m in range(self.nodes)]
+        got, _ = self._exchange(COMBINE, sends, homes)
+        t = handle.num_tokens
+        out = torch.zeros(t + 1, self.cfg.hidden, dtype=torch.float32, device=self.device)
+        index = torch.arange(t, device=self.device)
+        for m in range(self.nodes):  # every node's sums, in node order
+            into = torch.where(index < handle.counts_sent[m], handle.orders[m], t)
+            out.index_add_(0, into, got[m, :t].view(torch.bfloat16).float())
+        self._hand_back(COMBINE, sends, homes)
+        return out[:t].to(torch.bfloat16)
 
     def check(self) -> None:
-        """The node Buffer's `check` (errors recorded on the device)."""
+        """Synchronise and raise what the device recorded, as `Buffer.check` does: the node
+        Buffer's errors; a rank between nodes that did not arrive (PeerTimeout naming it and
+        its node, from the rounds its slot holds; the NodeBuffer must then be recreated); rows
+        of another round or width (ranks that called with inputs of different kinds); expert
+        ids outside [-1, E) (those pairs were dropped; reported once)."""
         self.inner.check()
+        torch.cuda.current_stream(self.device).synchronize()
+        if int(self._error[0].item()):
+            sources = {DISPATCH: self._held(),
+                       COMBINE: [self._holder(m, self.rank) for m in range(self.nodes)]}
+            missing, leg = [], "a hand-back"
+            for kind in (DISPATCH, COMBINE):
+                rounds = self._recv[kind][:self.nodes, 4:8].view(torch.int32)[:, 0].tolist()
+                now = int(self._round[kind].item())
+                late = [p for p, r in zip(sources[kind], rounds) if r != now and p != self.rank]
+                if late and not missing:
+                    missing, leg = late, KINDS[kind]
+            if not missing:  # a hand-back: the ranks this one sent to
+                missing = sorted({*sources[DISPATCH], *sources[COMBINE]} - {self.rank})
+            names = ", ".join(f"rank {p} (node {p // self.gpus})" for p in missing)
+            raise PeerTimeout(f"{leg} between nodes: rank {self.rank} (node {self.node}) timed "
+                              f"out after {self.timeout_s:g} s waiting for {names}")
+        if int(self._flags[0].item()):
+            raise RuntimeError(f"between nodes: rank {self.rank} received rows of another round "
+                               f"or width: every rank must call with inputs of the same kind")
+        if int(self._flags[1].item()):
+            self._flags[1].zero_()
+            raise ValueError(f"topk_ids held expert ids outside [0, {self.cfg.experts}) that "
+                             f"are not -1: those (token, k) pairs were dropped")

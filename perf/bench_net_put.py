@@ -45,9 +45,11 @@ def _rank(rank, world, sizes, ctas_list, rounds):
             times = []
             for i in range(1, rounds + 1):
                 start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+                value = torch.tensor([i * ctas], dtype=torch.int64, device="cuda")
+                torch.cuda.synchronize()
                 dist.barrier()
                 start.record()
-                kernel.launch(dst, src, signal, error, nbytes, i * ctas, 10_000_000_000, peer,
+                kernel.launch(dst, src, signal, error, nbytes, 0, value, 10_000_000_000, peer,
                               ctas)
                 end.record()
                 end.synchronize()

@@ -75,24 +75,32 @@ class _Simulated(NodeBuffer):
         self.node_experts = cfg.experts // self.nodes
         self.device = torch.device("cpu")
         self.inner = _Inner(world.nodes[self.node], self.local)
-        self._rounds = [0, 0]
+        self._flags = torch.zeros(2, dtype=torch.int32)
 
     def _exchange(self, kind, sends, sources):
         mail = self.world.mail[kind]
-        for peer, slot, rows in sends:
+        for peer, slot, rows, count in sends:
             assert (peer, slot) not in mail, f"two sources put into rank {peer}'s slot {slot}"
-            mail[(peer, slot)] = (self.rank, rows.clone())
+            mail[(peer, slot)] = (self.rank, rows[:int(count)].clone())
         self.world.barrier.wait()
-        got = []
+        width = sends[0][2].shape[1]
+        # Past each slot's count: bytes nobody may read.
+        got = torch.randint(0, 256, (len(sources), self.cfg.max_tokens_per_rank, width),
+                            dtype=torch.uint8)
+        counts = []
         for slot, source in enumerate(sources):
             sender, rows = mail[(self.rank, slot)]
             assert sender == source, f"rank {self.rank}'s slot {slot}: from {sender}, not {source}"
-            got.append(rows)
+            got[slot, :rows.shape[0]] = rows
+            counts.append(rows.shape[0])
         assert sum(key[0] == self.rank for key in mail) == len(sources)
         if self.world.barrier.wait() == 0:
             mail.clear()
         self.world.barrier.wait()
-        return got
+        return got, torch.tensor(counts, dtype=torch.int32)
+
+    def _hand_back(self, kind, sends, sources):
+        pass
 
 
 def _expert_outputs(cfg, out):

@@ -256,22 +256,31 @@ def test_200_back_to_back_rounds_stay_exact():
 
 
 def _graph(rank, world, fmt, replays):
-    import torch.distributed as dist
-
     from cute_ep.ep import Buffer
-    from cute_ep.reference import ep as reference
     from layouts import EPConfig
 
     cfg = EPConfig(4096, 8, 128, world, 256, fmt)
     buf = Buffer(cfg)
-    tokens = [256 - 3 * r for r in range(world)]
+    # NVFP4: one global scale on every rank, changed between replays (read on the device).
+    nvfp4 = fmt == "nvfp4"
+    graph_replays(buf, cfg, rank, [256 - 3 * r for r in range(world)], replays,
+                  torch.full((1,), 50.0, device="cuda") if nvfp4 else None,
+                  _e2m1_pairs() if nvfp4 else None,
+                  (lambda k: 30.0 + 20 * k) if nvfp4 else None)
+    buf.check()
+    return True
+
+
+def graph_replays(buf, cfg, rank, tokens, replays, gs=None, decode=None, scales_of=None):
+    """Dispatch, `_stand_in` experts and combine on `buf` captured in one CUDA graph, then
+    replayed on `replays` new inputs, each against the reference (`check_replay`).
+    NVFP4: the global scale `gs`, `scales_of(k)` before replay k."""
+    import torch.distributed as dist
+
     xs, ids, ws = _inputs(cfg, 1, tokens)
     x, i_, w = xs[rank].clone(), ids[rank].clone(), ws[rank].clone()
     y = torch.zeros(cfg.row_capacity, cfg.hidden, dtype=torch.bfloat16, device="cuda")
-    # NVFP4: one global scale on every rank, changed between replays (read on the device).
-    gs = torch.full((1,), 50.0, device="cuda")
-    quant = {"global_scale": gs} if fmt == "nvfp4" else {}
-    decode = _e2m1_pairs() if fmt == "nvfp4" else None
+    quant = {} if gs is None else {"global_scale": gs}
 
     def layer():
         out = buf.dispatch(x, i_, w, **quant)
@@ -289,18 +298,26 @@ def _graph(rank, world, fmt, replays):
         x.copy_(xs[rank])
         i_.copy_(ids[rank])
         w.copy_(ws[rank])
-        gs.fill_(30.0 + 20 * k)
+        if scales_of is not None:
+            gs.fill_(scales_of(k))
         graph.replay()
         torch.cuda.synchronize()
-        refs = reference.dispatch(cfg, xs, ids, global_scales=[30.0 + 20 * k] * world
-                                  if fmt == "nvfp4" else None)
-        _check_dispatch(cfg, out, refs[rank], f"graph replay {k}")
-        ys = [_stand_in(cfg, d, gs, decode) for d in refs]
-        want = reference.combine(cfg, ys, refs, tokens, ws)[rank]
-        scale = reference.combine(cfg, [t.abs() for t in ys], refs, tokens, ws)[rank]
-        _check_combine(combined, want, scale.float() * 2.0 ** -6, f"graph replay {k}")
-    buf.check()
-    return True
+        check_replay(cfg, rank, out, combined, tokens, xs, ids, ws, f"graph replay {k}",
+                     None if scales_of is None else [scales_of(k)] * cfg.ranks, gs, decode)
+
+
+def check_replay(cfg, rank, out, combined, tokens, xs, ids, ws, what, global_scales=None,
+                 gs=None, decode=None):
+    """A replayed layer's dispatch `out` and combine `combined` (expert outputs `_stand_in`)
+    against the reference of every rank's inputs."""
+    from cute_ep.reference import ep as reference
+
+    refs = reference.dispatch(cfg, xs, ids, global_scales=global_scales)
+    _check_dispatch(cfg, out, refs[rank], what)
+    ys = [_stand_in(cfg, d, gs, decode) for d in refs]
+    want = reference.combine(cfg, ys, refs, tokens, ws)[rank]
+    scale = reference.combine(cfg, [t.abs() for t in ys], refs, tokens, ws)[rank]
+    _check_combine(combined, want, scale.float() * 2.0 ** -6, what)
 
 
 def _e2m1_pairs():
