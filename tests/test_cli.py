@@ -437,3 +437,11 @@ def test_a_traced_call_reads_only_the_channels_that_ran(monkeypatch):
     trace = torch.tensor([[1000, 5000, 700], [2000, 9000, 300], [0, 0, 0]], dtype=torch.int64)
     out = bench._traced(lambda on: None, lambda: trace, lambda: None, fields)
     assert out == {"end": 8.0, "wait_us": 0.7}
+
+
+def test_bench_groups_the_gpus_into_nodes_on_request():
+    """`--gpus-per-node` is parsed (the node run itself needs GPUs and NVSHMEM)."""
+    from cute_ep.tools.bench import parser
+
+    assert parser().parse_args([]).gpus_per_node is None
+    assert parser().parse_args(["--gpus-per-node", "2"]).gpus_per_node == 2

@@ -90,6 +90,11 @@ def parser() -> argparse.ArgumentParser:
                    help="with --plot: a perf/record_deepep.py record to draw beside")
     p.add_argument("--no-stages", dest="stages", action="store_false",
                    help="skip the per-kernel breakdown (torch profiler)")
+    p.add_argument("--gpus-per-node", type=int, default=None,
+                   help="group the GPUs into nodes of this many and time cute_ep.NodeBuffer "
+                        "(NVSHMEM between the nodes: on one host its puts ride NVLink, so this "
+                        "is the path's overhead, not a network's speed) beside NCCL and the "
+                        "intranode Buffer, at the first SM budget")
     return p
 
 
@@ -134,7 +139,11 @@ def main(argv=None) -> int:
                    "routing": "uniform random top-k, distinct experts per token"},
         "ranks": ranks,
     }
-    _print(record, formats)
+    if args.gpus_per_node:
+        record["config"]["gpus_per_node"] = args.gpus_per_node
+        _print_nodes(record, formats)
+    else:
+        _print(record, formats)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = record_path(out, record["date"][:10], f"{world}x{card_name(record['device'])}")
@@ -183,6 +192,10 @@ def gpu_clocks(index: int, run=subprocess.run) -> dict[str, int] | None:
 def _worker(rank, world, args, formats, budgets) -> dict:
     out = {"rank": rank, "formats": {}, "clocks": gpu_clocks(torch.cuda.current_device())}
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    if args.gpus_per_node:
+        for fmt in formats:
+            out["formats"][fmt] = {"nodes": _nodes(rank, world, args, fmt, budgets[0], flush)}
+        return out
     for fmt in formats:
         out["formats"][fmt] = {
             "throughput": _throughput(rank, world, args, fmt, budgets, flush),
@@ -348,16 +361,7 @@ def _throughput(rank, world, args, fmt, budgets, flush) -> dict:
         del buf
 
     # Baseline 1: NCCL all_to_all_single of the same token bytes.
-    wire = torch.randint(0, 256, (args.tokens, token_bytes), dtype=torch.uint8, device="cuda")
-    send_counts = torch.tensor(sent, device="cuda")
-    recv_counts = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv_counts, send_counts)
-    a2a_in = torch.cat([wire[m] for m in to_rank]).contiguous()
-    a2a_out = torch.empty(int(recv_counts.sum()), token_bytes, dtype=torch.uint8, device="cuda")
-    splits = dict(output_split_sizes=recv_counts.tolist(), input_split_sizes=sent)
-    nccl = statistics.median(_timed(lambda: dist.all_to_all_single(a2a_out, a2a_in, **splits),
-                                    args.iters, flush))
-    received = int(recv_counts.sum())
+    nccl, received = _nccl_all_to_all(to_rank, token_bytes, args.tokens, args.iters, flush)
 
     # Baseline 2: copy-engine copies of this rank's outgoing message bytes into each peer.
     p2p = _p2p_copy_us(rank, world, [n * msg.size for n in sent], args.tokens * msg.size,
@@ -377,6 +381,59 @@ def _throughput(rank, world, args, fmt, budgets, flush) -> dict:
         "sent_tokens_to_peers": sent_peers,
         "message_bytes": msg.size,
     }
+
+
+def _nccl_all_to_all(to_rank, token_bytes, tokens, iters, flush) -> tuple[float, int]:
+    """NCCL's all_to_all_single of `token_bytes` a token, each token (of `tokens`) once to every
+    rank d where `to_rank[d]` is set: (median us, tokens received)."""
+    import torch.distributed as dist
+
+    sent = [int(m.sum()) for m in to_rank]
+    wire = torch.randint(0, 256, (tokens, token_bytes), dtype=torch.uint8, device="cuda")
+    send_counts = torch.tensor(sent, device="cuda")
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts)
+    a2a_in = torch.cat([wire[m] for m in to_rank]).contiguous()
+    a2a_out = torch.empty(int(recv_counts.sum()), token_bytes, dtype=torch.uint8, device="cuda")
+    splits = dict(output_split_sizes=recv_counts.tolist(), input_split_sizes=sent)
+    nccl = statistics.median(_timed(lambda: dist.all_to_all_single(a2a_out, a2a_in, **splits),
+                                    iters, flush))
+    return nccl, int(recv_counts.sum())
+
+
+def _nodes(rank, world, args, fmt, sms, flush) -> dict:
+    """`--gpus-per-node`: NodeBuffer's dispatch and combine (medians and lockstep, as
+    `_throughput` times the Buffer's), the intranode Buffer over the same GPUs, and NCCL's
+    all_to_all of the same token bytes."""
+    import os
+
+    from cute_ep.ep import Buffer
+    from cute_ep.nodes import NodeBuffer
+    from layouts import EPConfig
+
+    os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")  # the GPUs of this host
+    kwargs = {} if sms is None else {"sms": sms}
+    out = {"gpus_per_node": args.gpus_per_node, "sms": sms or "all"}
+    for name, gpus, make in (("nodes", args.gpus_per_node, NodeBuffer),
+                             ("intranode", None, Buffer)):
+        cfg = EPConfig(args.hidden, args.topk, args.experts, world, args.tokens,
+                       _layer_format(fmt), gpus_per_node=gpus)
+        x, ids, w, _, quant = _inputs(cfg, args.tokens, 1 + rank, fmt)
+        buf = make(cfg, **kwargs)
+        inner = getattr(buf, "inner", buf)
+        y = torch.randn(inner.cfg.row_capacity, cfg.hidden, device="cuda").to(torch.bfloat16)
+        t = _layer_times(buf, x, ids, w, y, quant, args.iters, flush)
+        t.pop("out")
+        t.update(_lockstep_times(buf, x, ids, w, y, quant, args.iters, flush))
+        out[name] = t
+        del buf
+    msg = cfg.message
+    token_bytes = msg.segment("payload").nbytes + \
+        (msg.segment("scales").nbytes if fmt != "bf16" else 0)
+    dest = ids.long() // cfg.local_experts
+    out["nccl_all_to_all_us"], _ = _nccl_all_to_all([(dest == d).any(1) for d in range(world)],
+                                                     token_bytes, args.tokens, args.iters, flush)
+    return out
 
 
 # The formats DeepEP's normal mode dispatches: bf16, and FP8 given pre-quantized.
@@ -711,6 +768,28 @@ def _print_traces(console, record, formats) -> None:
                 t.add_row(fmt, str(per[0]["decode"]["tokens"]), "default",
                           *(f"{max(c[f] for c in cells):.1f}" for f in fields))
         console.print(t)
+
+
+def _print_nodes(record, formats) -> None:
+    """`--gpus-per-node`'s table: the slowest rank's time of each call."""
+    from rich.console import Console
+    from rich.table import Table
+
+    cfg, ranks = record["config"], record["ranks"]
+    g = cfg["gpus_per_node"]
+    t = Table(title=f"{record['gpus']} x {record['device']} as {record['gpus'] // g} nodes of "
+                    f"{g}: {cfg['tokens']} tokens/rank, H={cfg['hidden']} K={cfg['topk']} "
+                    f"E={cfg['experts']}, us (slowest rank); NVSHMEM rides NVLink here")
+    for col in ("format", "layer", "dispatch", "combine", "lockstep dispatch",
+                "lockstep combine", "NCCL a2a"):
+        t.add_column(col, justify="left" if col in ("format", "layer") else "right")
+    for fmt in formats:
+        per = [r["formats"][fmt]["nodes"] for r in ranks]
+        for name, label in (("nodes", "NodeBuffer"), ("intranode", "Buffer, one node")):
+            t.add_row(fmt, label, *(f"{max(p[name][k] for p in per):.1f}" for k in (
+                "dispatch_us", "combine_us", "lockstep_dispatch_us", "lockstep_combine_us")),
+                f"{max(p['nccl_all_to_all_us'] for p in per):.1f}" if name == "nodes" else "")
+    Console(width=160).print(t)
 
 
 def _print(record, formats) -> None:
