@@ -318,13 +318,21 @@ class NodeBuffer:
     # Dispatch and combine -----------------------------------------------------------------
 
     def dispatch(self, x, topk_ids: torch.Tensor, topk_weights: torch.Tensor | None,
-                 global_scale: torch.Tensor | None = None) -> NodeDispatchOutput:
+                 global_scale: torch.Tensor | None = None, *, skip_a2a: bool = False,
+                 num_input_tokens: int | None = None) -> NodeDispatchOutput:
         """`Buffer.dispatch` over several nodes: x bf16 [T, H] or pre-quantized (codes,
         scales); topk_ids [T, K] global expert ids or -1; topk_weights float32 [T, K]
         (required: the partial sums of combine are weighted); global_scale as `Buffer`'s
-        (nvfp4 bf16 x only: the tokens are quantized here, before they leave). Nothing waits
-        on the host while a CUDA graph is captured (errors then wait for `check`)."""
+        (nvfp4 bf16 x only: the tokens are quantized here, before they leave);
+        num_input_tokens: an upper bound on T, checked (Buffer's decode hint). Nothing waits
+        on the host (errors wait for `check`)."""
+        if skip_a2a:
+            raise NotImplementedError("skip_a2a (allreduce mode) is for one node: between nodes "
+                                      "every token travels")
         num_tokens = check_node_inputs(self.cfg, self.device, x, topk_ids, topk_weights)
+        if num_input_tokens is not None and num_tokens > int(num_input_tokens):
+            raise ValueError(f"num_input_tokens={num_input_tokens} is below this rank's "
+                             f"{num_tokens} tokens")
         flag_bad_ids(topk_ids, self.cfg.experts, self._flags[1:2])
         quantized = type(x) is tuple
         if self.cfg.format == "nvfp4" and not quantized:

@@ -129,3 +129,23 @@ def test_cuda_graph_replays_between_nodes_stay_exact(fmt):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     assert all(run_ranks(_graph, world=2, limit_s=240, fmt=fmt, replays=4))
+
+
+def _rounds(rank, world, rounds):
+    """Back-to-back layers between nodes with changing inputs, token counts and routing (all to
+    one rank's experts, or half the experts idle), each against the reference: every round
+    reuses the slots its hand-back freed."""
+    from tests.multigpu.test_ep import _one_layer
+
+    cfg, buf = _node_buffer(world, "bf16")
+    rows = 0
+    for i in range(rounds):
+        tokens = [(i * 53 + 17 * r) % (SHAPE["max_tokens_per_rank"] + 1) for r in range(world)]
+        rows += _one_layer(buf, cfg, rank, 1000 + i, tokens, ("uniform", "hot", "sparse")[i % 3])
+    return rows
+
+
+def test_rounds_back_to_back_between_nodes_stay_exact():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    assert all(r > 0 for r in run_ranks(_rounds, world=2, limit_s=300, rounds=30))
