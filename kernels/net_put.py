@@ -47,7 +47,7 @@ class NetPut:
     # marks it so that the runtime initialises its module for NVSHMEM after loading it.
     nvshmem = True
 
-    def __init__(self, warps: int = 4):
+    def __init__(self, warps: int = 32):
         self.warps = warps
 
     def spec(self) -> KernelSpec:
@@ -93,7 +93,9 @@ class NetPut:
             end = nbytes
         run = end - first
         # Every thread of the CTA takes part (a block put: on one host each copies its share
-        # over NVLink, where a warp's put alone moves about 1.2 GB/s).
+        # over NVLink with its own loads and stores, so the rate follows the threads: 128 MiB
+        # from 24 CTAs in 1286 us at 4 warps a CTA, 496 at 32, perf/results/
+        # net-put-2026-11-27-2xH200-warps.json; between hosts NVSHMEM's proxy sends it).
         # NVSHMEM's declarations take byte pointers of alignment 1 and a uint64 signal.
         nvshmem_device.putmem_signal_nbi_block(
             gmem_ptr(cutlass.Int8, dst.toint() + first, 1),
