@@ -491,11 +491,21 @@ class Buffer:
                                                        num_input_tokens, global_scale))
 
     def _checked_dispatch(self, x, topk_ids, topk_weights, skip_a2a, num_input_tokens,
-                          global_scale, separate=False) -> DispatchOutput:
+                          global_scale, separate=False, shared_rows=None) -> DispatchOutput:
+        """`shared_rows`: with a fused shared expert, the rows of x [begin, end) it takes
+        (default: `_shared_tokens`'); a NodeBuffer's node input holds its own tokens in one
+        block after the held sources'."""
         num_tokens = self._checked_inputs(x, topk_ids, topk_weights, num_input_tokens,
                                           global_scale)
+        if shared_rows is not None:
+            begin, end = shared_rows
+            if not (self.cfg.fused_shared_expert and not skip_a2a and
+                    0 <= begin <= end <= num_tokens):
+                raise ValueError(f"shared_rows={shared_rows}: a range of the {num_tokens} rows "
+                                 f"of x, for a fused shared expert without skip_a2a")
         return self._launch_dispatch(x, topk_ids, topk_weights, num_tokens, skip_a2a,
-                                     num_input_tokens, global_scale, separate)
+                                     num_input_tokens, global_scale, separate,
+                                     shared_rows=shared_rows)
 
     def _checked_inputs(self, x, topk_ids, topk_weights, num_input_tokens,
                         global_scale) -> int:
@@ -571,7 +581,8 @@ class Buffer:
 
     def _launch_dispatch(self, x, topk_ids, topk_weights, num_tokens, skip_a2a,
                          num_input_tokens, global_scale, separate=False,
-                         phases: int = DISPATCH_SEND | DISPATCH_RECEIVE) -> DispatchOutput:
+                         phases: int = DISPATCH_SEND | DISPATCH_RECEIVE,
+                         shared_rows=None) -> DispatchOutput:
         """Allocate the outputs and launch (inputs checked). The outputs' small tensors share
         one allocation unless `separate` (the custom operator's outputs may not alias). With
         `phases` DISPATCH_SEND alone, the arguments of the receive launch are kept for the
@@ -581,7 +592,7 @@ class Buffer:
         if cfg.fused_shared_expert and not weighted:
             raise ValueError("fused_shared_expert needs topk_weights: the unreduced [T, K, H] "
                              "combine output has no slot for the shared expert")
-        shared_begin, shared_end = self._shared_tokens(num_tokens, skip_a2a)
+        shared_begin, shared_end = shared_rows or self._shared_tokens(num_tokens, skip_a2a)
         by_source = cfg.layout == "sources"
         active = self._active_for(num_input_tokens)
 

@@ -22,7 +22,9 @@ everything that crosses.
 
 No call waits on the host (the counts travel in the slots' headers, read by the kernels and by
 fixed-shape torch ops), so CUDA graphs capture dispatch and combine; errors wait for `check`, as
-`Buffer`'s do. BF16 / FP8 / NVFP4 (bf16 or pre-quantized input), weighted combine. Holding sources in blocks makes a rank
+`Buffer`'s do. BF16 / FP8 / NVFP4 (bf16 or pre-quantized input), weighted combine, the
+fused shared expert (this rank's own tokens, a last block of its node input that its node's
+shared expert takes). Holding sources in blocks makes a rank
 send to GPUs of other indices, which a rail-aligned network prefers to avoid. Needs the
 `multinode` extra.
 """
@@ -63,6 +65,7 @@ class NodeHandle:
     counts_sent: list  # node m -> how many were sent (a device int)
     returns: torch.Tensor  # [held sources, T]: the node input's rows of their tokens, as sent
     received: torch.Tensor  # [held sources]: how many each sent (int32, on the device)
+    own_rows: int  # the node input's row of this rank's own token 0 (fused shared expert)
 
 
 @dataclasses.dataclass
@@ -85,9 +88,9 @@ def check_node_config(cfg: EPConfig) -> None:
     if cfg.gpus_per_node is None or cfg.nodes < 2:
         raise ValueError("NodeBuffer is for ranks on several nodes: set gpus_per_node to the GPUs "
                          "of one node (Buffer serves one node)")
-    if cfg.fused_shared_expert or cfg.layout != "packed" or cfg.recv_capacity is not None:
-        raise NotImplementedError("between nodes: the packed layout, without a fused shared "
-                                  "expert or a recv_capacity, so far")
+    if cfg.layout != "packed" or cfg.recv_capacity is not None:
+        raise NotImplementedError("between nodes: the packed layout, without a recv_capacity, "
+                                  "so far")
 
 
 def pack_rows(parts: list[torch.Tensor], topk_ids: torch.Tensor,
@@ -366,25 +369,33 @@ class NodeBuffer:
         # slots' rows past their counts). The node's dispatch orders an expert's rows by its
         # GPU and then by input row: by source rank and token; and a row's input index names
         # its token (index % T).
+        # With a fused shared expert this rank's own tokens follow, routed nowhere, as the
+        # node's shared expert's rows [size, size + T): segment 0, in token order, as the
+        # intranode path's.
         t_max, k, slots = self.cfg.max_tokens_per_rank, self.cfg.topk, len(held)
         size = slots * t_max
+        total = size + num_tokens if self.cfg.fused_shared_expert else size
         shapes = [(tuple(p.shape[1:]), p.dtype) for p in parts]
         got_parts, got_ids, got_w, got_t = unpack_rows(got.reshape(size, -1), shapes, k)
         arrived = (torch.arange(t_max, device=self.device)[None, :] < counts[:, None]).view(-1)
         slot_first = torch.arange(slots, device=self.device).repeat_interleave(t_max) * t_max
-        at = torch.where(arrived, slot_first + got_t, size)
+        at = torch.where(arrived, slot_first + got_t, total)
         ext_parts = []
-        for part, (shape, dtype) in zip(got_parts, shapes):
-            full = torch.zeros(size + 1, *shape, dtype=dtype, device=self.device)
+        for part, own, (shape, dtype) in zip(got_parts, parts, shapes):
+            full = torch.zeros(total + 1, *shape, dtype=dtype, device=self.device)
             full[at] = part
-            ext_parts.append(full[:size])
-        ids = torch.full((size + 1, k), -1, dtype=torch.int32, device=self.device)
+            if total > size:
+                full[size:total] = own
+            ext_parts.append(full[:total])
+        ids = torch.full((total + 1, k), -1, dtype=torch.int32, device=self.device)
         ids[at] = localize_ids(got_ids, self.node, self.node_experts)
-        weights = torch.zeros(size + 1, k, dtype=torch.float32, device=self.device)
+        weights = torch.zeros(total + 1, k, dtype=torch.float32, device=self.device)
         weights[at] = got_w
         self._hand_back(DISPATCH, sends, held)
         x_ext = tuple(ext_parts) if quantized else ext_parts[0]
-        out = self.inner.dispatch(x_ext, ids[:size], weights[:size])
+        shared = (size, total) if self.cfg.fused_shared_expert else None
+        out = self.inner._checked_dispatch(x_ext, ids[:total], weights[:total], False, None,
+                                           None, shared_rows=shared)
         src = out.src_info
         row = src[:, 0]
         written = torch.arange(src.shape[0], device=self.device) < out.row_offsets[-1]
@@ -394,7 +405,7 @@ class NodeBuffer:
             expert_ids=out.expert_ids, src_info=src, counts=out.counts,
             scales_offsets=out.scales_offsets,
             handle=NodeHandle(out.handle, num_tokens, orders, counts_sent,
-                              at.view(slots, t_max).clamp(max=size - 1), counts))
+                              at.view(slots, t_max).clamp(max=size - 1), counts, size))
 
     def combine(self, y: torch.Tensor, handle: NodeHandle) -> torch.Tensor:
         """`Buffer.combine` over several nodes: y [rows, H] bf16, the expert outputs of the
@@ -413,6 +424,8 @@ class NodeBuffer:
         for m in range(self.nodes):  # every node's sums, in node order
             into = torch.where(index < handle.counts_sent[m], handle.orders[m], t)
             out.index_add_(0, into, got[m, :t].view(torch.bfloat16).float())
+        if self.cfg.fused_shared_expert:  # the shared expert's outputs, from this rank's node
+            out[:t] += part[handle.own_rows:handle.own_rows + t].float()
         self._hand_back(COMBINE, sends, homes)
         return out[:t].to(torch.bfloat16)
 

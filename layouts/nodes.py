@@ -17,7 +17,8 @@ round, bytes a row, 0: int32) and then up to `max_tokens_per_rank` rows.
 | `boxes` | (byte, box) | the 16 bytes each hand-back puts |
 
 A holder's node dispatch takes N x max_tokens_per_rank input rows (`node_config`): held source
-s's token t at row s x T + t.
+s's token t at row s x T + t. With a fused shared expert one more block follows, the rank's own
+T tokens, routed nowhere: the node's shared expert takes those rows.
 """
 
 from __future__ import annotations
@@ -35,13 +36,25 @@ LEGS = ("dispatch", "combine")
 SIGNAL_KINDS = ("data", "credit")
 
 
+def node_input_blocks(cfg: EPConfig) -> int:
+    """Blocks of max_tokens_per_rank rows in a holder's node input: one a held source (N), and
+    with a fused shared expert one more, the rank's own tokens (the shared expert's rows)."""
+    return cfg.nodes + int(cfg.fused_shared_expert)
+
+
 def node_config(cfg: EPConfig) -> EPConfig:
     """The config of one node's intranode Buffer: its G ranks and E / N experts, and room for
-    the tokens of the N sources a GPU holds (N x max_tokens_per_rank input rows)."""
+    the node input's blocks (`node_input_blocks` x max_tokens_per_rank rows)."""
     nodes = cfg.nodes
+    # A GPU receives at most what it would on one node (its experts' rows from every source,
+    # and its own tokens once for the shared expert), so its rows are the layer's: without a
+    # shared expert the worst case says so itself, with one the node input's larger token
+    # bound would add (N + 1) x T shared rows where T come.
+    capacity = cfg.max_recv if cfg.fused_shared_expert else None
     return dataclasses.replace(cfg, experts=cfg.experts // nodes, ranks=cfg.node_ranks,
-                               max_tokens_per_rank=nodes * cfg.max_tokens_per_rank,
-                               gpus_per_node=None, recv_capacity=None)
+                               max_tokens_per_rank=node_input_blocks(cfg) *
+                               cfg.max_tokens_per_rank, gpus_per_node=None,
+                               recv_capacity=capacity)
 
 
 def token_row_bytes(cfg: EPConfig) -> int:

@@ -49,9 +49,9 @@ def test_ids_of_other_nodes_become_empty_slots():
 def test_what_this_version_does_not_carry_is_refused_by_name():
     with pytest.raises(ValueError, match="several nodes"):
         check_node_config(EPConfig(512, 4, 16, 2, 64))
-    with pytest.raises(NotImplementedError, match="fused shared expert"):
-        check_node_config(EPConfig(512, 4, 16, 2, 64, fused_shared_expert=True,
-                                   gpus_per_node=1))
+    with pytest.raises(NotImplementedError, match="packed layout"):
+        check_node_config(EPConfig(512, 4, 16, 2, 64, layout="sources", gpus_per_node=1))
+    check_node_config(EPConfig(512, 4, 16, 2, 64, fused_shared_expert=True, gpus_per_node=1))
     check_node_config(EPConfig(512, 4, 16, 2, 64, "nvfp4", gpus_per_node=1))
     check_node_config(EPConfig(512, 4, 16, 4, 64, gpus_per_node=2))
 

@@ -32,13 +32,16 @@ class _Node:
         self.cfg = node_config(cfg)
         self.barrier = threading.Barrier(cfg.node_ranks)
         self.inputs = [None] * cfg.node_ranks
+        self.shared = [None] * cfg.node_ranks
         self.ys = [None] * cfg.node_ranks
 
-    def dispatch(self, j, x, ids, w):
+    def dispatch(self, j, x, ids, w, shared_rows):
         self.inputs[j] = (x, ids, w)
+        self.shared[j] = range(*shared_rows) if shared_rows else range(x.shape[0])
         if self.barrier.wait() == 0:
             xs, idss, _ = zip(*self.inputs)
-            self.refs = reference.dispatch(self.cfg, list(xs), list(idss))
+            self.refs = reference.dispatch(self.cfg, list(xs), list(idss),
+                                           shared_tokens=self.shared)
         self.barrier.wait()
         out = dataclasses.replace(self.refs[j], src_info=self.refs[j].src_info.clone())
         out.handle = j
@@ -58,8 +61,10 @@ class _Inner:
     def __init__(self, node, j):
         self.node, self.j = node, j
 
-    def dispatch(self, x, ids, w):
-        return self.node.dispatch(self.j, x, ids, w)
+    def _checked_dispatch(self, x, ids, w, skip_a2a, num_input_tokens, global_scale,
+                          shared_rows=None):
+        assert not skip_a2a and num_input_tokens is None and global_scale is None
+        return self.node.dispatch(self.j, x, ids, w, shared_rows)
 
     def combine(self, y, handle):
         return self.node.combine(handle, y)
@@ -114,11 +119,13 @@ def _expert_outputs(cfg, out):
     return y
 
 
-@pytest.mark.parametrize("nodes,gpus,fmt", [(2, 1, "bf16"), (3, 1, "fp8"), (2, 2, "bf16"),
-                                            (3, 2, "fp8"), (2, 4, "bf16")])
-def test_several_nodes_of_several_gpus_match_the_intranode_reference(nodes, gpus, fmt):
+@pytest.mark.parametrize("nodes,gpus,fmt,shared", [
+    (2, 1, "bf16", False), (3, 1, "fp8", False), (2, 2, "bf16", False), (3, 2, "fp8", False),
+    (2, 4, "bf16", False), (2, 1, "fp8", True), (2, 2, "bf16", True), (3, 2, "bf16", True)])
+def test_several_nodes_of_several_gpus_match_the_intranode_reference(nodes, gpus, fmt, shared):
     ranks = nodes * gpus
-    cfg = EPConfig(256, 2, 4 * ranks, ranks, 16, fmt, gpus_per_node=gpus)
+    cfg = EPConfig(256, 2, 4 * ranks, ranks, 16, fmt, gpus_per_node=gpus,
+                   fused_shared_expert=shared)
     gen = torch.Generator().manual_seed(nodes * 10 + gpus)
     tokens = [int(t) for t in torch.randint(0, 17, (ranks,), generator=gen)]
     tokens[0] = 0  # a rank without tokens

@@ -173,13 +173,16 @@ def check_inputs(cfg: EPConfig, x: list[torch.Tensor], topk_ids: list[torch.Tens
 
 def dispatch(cfg: EPConfig, x: list[torch.Tensor], topk_ids: list[torch.Tensor],
              skip_a2a: bool = False,
-             global_scales: list[float] | None = None) -> list[DispatchResult]:
+             global_scales: list[float] | None = None,
+             shared_tokens: list[range] | None = None) -> list[DispatchResult]:
     """Every rank's dispatch output.
 
     With `skip_a2a` (allreduce mode) every rank holds all tokens (x[r] equal on all ranks) and
     keeps only the pairs routed to its own experts; a fused shared expert's tokens are split in
     contiguous chunks of ceil(T / R) across ranks, so the caller's allreduce adds it once.
     `global_scales[r]` (nvfp4 only, required there) is rank r's global scale, taken as fp32.
+    `shared_tokens[r]` (fused shared expert, without skip_a2a): the tokens of rank r that its
+    shared expert takes, a range (default: all of them).
     """
     if cfg.format not in ("bf16", "fp8", "nvfp4"):
         raise NotImplementedError(f"the reference dispatches bf16, fp8 and nvfp4, not "
@@ -195,18 +198,26 @@ def dispatch(cfg: EPConfig, x: list[torch.Tensor], topk_ids: list[torch.Tensor],
         quantized = [quantize_nvfp4(xr, torch.full((xr.shape[0],), float(gs),
                                                    dtype=torch.float32, device=xr.device))
                      for xr, gs in zip(x, global_scales)]
+    if skip_a2a and shared_tokens is not None:
+        raise ValueError("shared_tokens is for a dispatch without skip_a2a (which splits the "
+                         "shared tokens itself)")
     e_loc, shared = cfg.local_experts, int(cfg.fused_shared_expert)
     results = []
     for r in range(cfg.ranks):
         tokens = x[r].shape[0]
         if skip_a2a:
             chunk = -(-tokens // cfg.ranks)
-            shared_tokens = range(r * chunk, min(tokens, (r + 1) * chunk))
+            mine = range(r * chunk, min(tokens, (r + 1) * chunk))
+        elif shared_tokens is not None:
+            mine = shared_tokens[r]
+            if not 0 <= mine.start <= mine.stop <= tokens or mine.step != 1:
+                raise ValueError(f"rank {r}: shared tokens {mine} are not a range of its "
+                                 f"{tokens} tokens")
         else:
-            shared_tokens = range(tokens)
+            mine = range(tokens)
         sources = [r] if skip_a2a else range(cfg.ranks)
         results.append(_dispatch_to(cfg, x, topk_ids, r, sources, e_loc, shared,
-                                    shared_tokens if shared else (), quantized))
+                                    mine if shared else (), quantized))
     return results
 
 

@@ -65,3 +65,17 @@ def test_a_node_s_buffer_is_its_ranks_and_experts_with_room_for_its_held_sources
     assert (inner.ranks, inner.experts, inner.max_tokens_per_rank, inner.gpus_per_node) == \
         (8, 128, 2 * 4096, None)
     assert inner.local_experts == cfg.local_experts and inner.format == "nvfp4"
+
+
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("fmt,nodes,gpus", [("bf16", 2, 1), ("fp8", 2, 4), ("nvfp4", 4, 2),
+                                            ("bf16", 3, 2)])
+def test_a_node_s_buffer_holds_the_rows_of_the_layer(fmt, nodes, gpus, shared):
+    """A GPU receives at most what it would on one node, so the node's Buffer has the layer's
+    output rows: `combine` takes expert outputs sized by the layer's config."""
+    cfg = EPConfig(7168, 8, 48 * nodes * gpus, nodes * gpus, 4096, fmt, gpus_per_node=gpus,
+                   fused_shared_expert=shared)
+    inner = node_config(cfg)
+    assert inner.max_tokens_per_rank == (nodes + shared) * 4096
+    assert (inner.row_capacity, inner.segments, inner.max_recv >= cfg.max_recv) == \
+        (cfg.row_capacity, cfg.segments, True)

@@ -17,23 +17,24 @@ pytest.importorskip("nvshmem.core", reason="the multinode extra (nvshmem4py-cu13
 SHAPE = dict(hidden=512, topk=4, experts=16, max_tokens_per_rank=64)
 
 
-def _node_buffer(world, fmt, timeout_s=30.0, gpus=1):
+def _node_buffer(world, fmt, timeout_s=30.0, gpus=1, shared=False):
     from cute_ep.nodes import NodeBuffer
     from layouts import EPConfig
 
     # One host, no network transport (NVSHMEM's default would look for InfiniBand devices).
     os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
-    cfg = EPConfig(**SHAPE, ranks=world, format=fmt, gpus_per_node=gpus)
+    cfg = EPConfig(**SHAPE, ranks=world, format=fmt, gpus_per_node=gpus,
+                   fused_shared_expert=shared)
     return cfg, NodeBuffer(cfg, timeout_s=timeout_s)
 
 
-def _layers(rank, world, fmt, prequantized, gpus=1):
+def _layers(rank, world, fmt, prequantized, gpus=1, shared=False):
     from cute_ep.reference import ep as reference
     from cute_ep.reference.ep import quantize_fp8_blockwise
     from tests.multigpu.test_ep import (_check_combine, _check_dispatch, _expert_outputs,
                                         _global_scales, _inputs)
 
-    cfg, buf = _node_buffer(world, fmt, gpus=gpus)
+    cfg, buf = _node_buffer(world, fmt, gpus=gpus, shared=shared)
     # No peer mapping between nodes: a node's Buffer maps its own node's ranks only.
     assert len(buf.inner.channel_bases.tolist()) == gpus
     if gpus == 1:
@@ -56,8 +57,9 @@ def _layers(rank, world, fmt, prequantized, gpus=1):
             x = tuple(quantize_fp8_blockwise(x))
         out = buf.dispatch(x, ids[rank], ws[rank], **quant)
         refs = reference.dispatch(cfg, xs, ids, global_scales=gs)
-        what = f"{fmt}{' pre-quantized' if prequantized else ''} {world // gpus} x {gpus} " \
-               f"T={tokens} seed={seed}"
+        what = f"{fmt}{' pre-quantized' if prequantized else ''}" \
+               f"{' shared expert' if shared else ''} {world // gpus} x {gpus} T={tokens} " \
+               f"seed={seed}"
         _check_dispatch(cfg, out, refs[rank], what)
         ys = [_expert_outputs(cfg, d, d.num_rows, gs) for d in refs]
         combined = buf.combine(ys[rank].clone(), out.handle)
@@ -79,11 +81,23 @@ def test_two_nodes_of_one_gpu_match_the_intranode_reference(fmt, prequantized):
     assert all(r > 0 for r in rows)
 
 
-@pytest.mark.parametrize("fmt,prequantized", [("bf16", False), ("fp8", True), ("nvfp4", False)])
-def test_two_nodes_of_two_gpus_match_the_intranode_reference(fmt, prequantized):
+@pytest.mark.parametrize("fmt,prequantized", [("bf16", False), ("fp8", False), ("nvfp4", True)])
+def test_a_fused_shared_expert_between_nodes_matches_the_intranode_reference(fmt, prequantized):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    rows = run_ranks(_layers, world=2, limit_s=240, fmt=fmt, prequantized=prequantized,
+                     shared=True)
+    assert all(r > 0 for r in rows)
+
+
+@pytest.mark.parametrize("fmt,prequantized,shared", [("bf16", False, False), ("fp8", True, False),
+                                                     ("nvfp4", False, False),
+                                                     ("bf16", False, True)])
+def test_two_nodes_of_two_gpus_match_the_intranode_reference(fmt, prequantized, shared):
     if torch.cuda.device_count() < 4:
         pytest.skip("needs 4 GPUs")
-    rows = run_ranks(_layers, world=4, limit_s=240, fmt=fmt, prequantized=prequantized, gpus=2)
+    rows = run_ranks(_layers, world=4, limit_s=240, fmt=fmt, prequantized=prequantized, gpus=2,
+                     shared=shared)
     assert all(r > 0 for r in rows)
 
 
@@ -112,23 +126,23 @@ def test_a_node_that_never_sends_is_named_by_rank_and_node():
                               "waiting for rank 1 (node 1)"), message
 
 
-def _graph(rank, world, fmt, replays):
+def _graph(rank, world, fmt, replays, shared=False):
     """Dispatch, a stand-in for the experts and combine captured in one CUDA graph, replayed on
     new tokens and routing: each replay against the reference."""
     from tests.multigpu.test_ep import graph_replays
 
-    cfg, buf = _node_buffer(world, fmt)
+    cfg, buf = _node_buffer(world, fmt, shared=shared)
     graph_replays(buf, cfg, rank, [SHAPE["max_tokens_per_rank"] - 7 * r for r in range(world)],
                   replays)
     buf.check()
     return True
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
-def test_cuda_graph_replays_between_nodes_stay_exact(fmt):
+@pytest.mark.parametrize("fmt,shared", [("bf16", False), ("fp8", False), ("bf16", True)])
+def test_cuda_graph_replays_between_nodes_stay_exact(fmt, shared):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    assert all(run_ranks(_graph, world=2, limit_s=240, fmt=fmt, replays=4))
+    assert all(run_ranks(_graph, world=2, limit_s=240, fmt=fmt, replays=4, shared=shared))
 
 
 def _rounds(rank, world, rounds):
