@@ -22,11 +22,10 @@ everything that crosses.
 
 No call waits on the host (the counts travel in the slots' headers, read by the kernels and by
 fixed-shape torch ops), so CUDA graphs capture dispatch and combine; errors wait for `check`, as
-`Buffer`'s do. BF16 / FP8 / NVFP4 (bf16 or pre-quantized input), weighted combine, the
-fused shared expert (this rank's own tokens, a last block of its node input that its node's
-shared expert takes). Holding sources in blocks makes a rank
-send to GPUs of other indices, which a rail-aligned network prefers to avoid. Needs the
-`multinode` extra.
+`Buffer`'s do. BF16 / FP8 / NVFP4 (bf16 or pre-quantized input), weighted combine, the fused
+shared expert (this rank's own tokens, a last block of its node input that its node's shared
+expert takes). Holding sources in blocks makes a rank send to GPUs of other indices, which a
+rail-aligned network prefers to avoid. Needs the `multinode` extra.
 """
 
 from __future__ import annotations
