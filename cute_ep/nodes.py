@@ -35,13 +35,13 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from cute_ep.ep import DEFAULT_SMS, Buffer
+from cute_ep.ep import DEFAULT_SMS, Buffer, _quantized_rows
 from cute_ep.runtime import nvshmem
 from cute_ep.runtime.comm import DEFAULT_TIMEOUT_S, PeerTimeout, agree_on_config
 from layouts import EPConfig
 from layouts.algebra import align_up
 from layouts.formats import ALIGN
-from layouts.nodes import HEADER_BYTES, NodeSlots, node_config
+from layouts.nodes import HEADER_BYTES, LEGS, NodeSlots, node_config
 
 __all__ = ["NodeBuffer", "NodeDispatchOutput", "NodeHandle", "check_node_inputs", "flag_bad_ids",
            "node_config"]
@@ -51,7 +51,7 @@ __all__ = ["NodeBuffer", "NodeDispatchOutput", "NodeHandle", "check_node_inputs"
 # once.
 NET_CTAS = DEFAULT_SMS
 DISPATCH, COMBINE = 0, 1
-KINDS = ("dispatch", "combine")
+KINDS = LEGS  # a leg's index: DISPATCH, COMBINE
 
 
 @dataclasses.dataclass
@@ -138,14 +138,13 @@ def check_node_inputs(cfg: EPConfig, device: torch.device, x, topk_ids, topk_wei
             raise ValueError(f"{name} must be contiguous")
 
     if type(x) is tuple:
-        wanted = {"fp8": (("x codes", torch.float8_e4m3fn, h),
-                          ("x scales", torch.float32, h // 128)),
-                  "nvfp4": (("x codes", torch.uint8, h // 2), ("x scales", torch.uint8, h // 16))}
-        if cfg.format not in wanted or len(x) != 2:
+        rows = _quantized_rows(cfg)  # the (codes, scales) rows Buffer.dispatch takes
+        if rows is None or len(x) != 2:
             raise TypeError(f"x may be a (codes, scales) tuple only for an fp8 or nvfp4 layer "
                             f"(this one is {cfg.format})")
         tokens = None
-        for t, (name, dtype, cols) in zip(x, wanted[cfg.format]):
+        for t, name, (dtype, cols, _) in zip(x, ("x codes", "x scales"), rows):
+            dtype = getattr(torch, dtype)
             placed(t, name)
             if t.dtype != dtype or t.dim() != 2 or t.shape[1] != cols or \
                     tokens not in (None, t.shape[0]):
@@ -239,7 +238,7 @@ class NodeBuffer:
             return self._heap[at[name]:at[name] + sizes[name]]
 
         self._send, self._recv = [], []
-        for leg in ("dispatch", "combine"):
+        for leg in LEGS:
             b = slots.slot_bytes(leg)
             self._send.append(part(f"{leg}_send")[:self.nodes * b].view(self.nodes, b))
             self._recv.append(part(f"{leg}_recv")[:self.nodes * b].view(self.nodes, b))
