@@ -325,10 +325,7 @@ def _throughput(rank, world, args, fmt, budgets, flush) -> dict:
     cfg = EPConfig(args.hidden, args.topk, args.experts, world, args.tokens, _layer_format(fmt))
     x, ids, w, y, quant = _inputs(cfg, args.tokens, 1 + rank, fmt)
     msg = cfg.message
-    token_bytes = msg.segment("payload").nbytes + \
-        (msg.segment("scales").nbytes if fmt != "bf16" else 0)
-    dest = ids.long() // cfg.local_experts
-    to_rank = [(dest == d).any(1) for d in range(world)]
+    token_bytes, to_rank = _wire(cfg, fmt, ids)
     sent = [int(m.sum()) for m in to_rank]
     sent_peers = sum(n for d, n in enumerate(sent) if d != rank)
     sweep = []
@@ -383,6 +380,16 @@ def _throughput(rank, world, args, fmt, budgets, flush) -> dict:
     }
 
 
+def _wire(cfg, fmt, ids) -> tuple[int, list]:
+    """What the baselines move: a token's bytes (payload, and scales but for bf16) and, per
+    rank d, which of this rank's tokens go there (an expert of d among their ids)."""
+    msg = cfg.message
+    token_bytes = msg.segment("payload").nbytes + \
+        (msg.segment("scales").nbytes if fmt != "bf16" else 0)
+    dest = ids.long() // cfg.local_experts
+    return token_bytes, [(dest == d).any(1) for d in range(cfg.ranks)]
+
+
 def _nccl_all_to_all(to_rank, token_bytes, tokens, iters, flush) -> tuple[float, int]:
     """NCCL's all_to_all_single of `token_bytes` a token, each token (of `tokens`) once to every
     rank d where `to_rank[d]` is set: (median us, tokens received)."""
@@ -427,12 +434,9 @@ def _nodes(rank, world, args, fmt, sms, flush) -> dict:
         t.update(_lockstep_times(buf, x, ids, w, y, quant, args.iters, flush))
         out[name] = t
         del buf
-    msg = cfg.message
-    token_bytes = msg.segment("payload").nbytes + \
-        (msg.segment("scales").nbytes if fmt != "bf16" else 0)
-    dest = ids.long() // cfg.local_experts
-    out["nccl_all_to_all_us"], _ = _nccl_all_to_all([(dest == d).any(1) for d in range(world)],
-                                                     token_bytes, args.tokens, args.iters, flush)
+    token_bytes, to_rank = _wire(cfg, fmt, ids)
+    out["nccl_all_to_all_us"], _ = _nccl_all_to_all(to_rank, token_bytes, args.tokens,
+                                                     args.iters, flush)
     return out
 
 
