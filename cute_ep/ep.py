@@ -90,7 +90,7 @@ DISPATCH_VARYING = ("source", "source_stride", "load_bytes", "scale_source", "sc
                     "recv_weights", "num_tokens",
                     "skip_a2a", "shared_begin", "shared_end", "has_weights", "active", "launched",
                     "trace",
-                    "tracing", "phases", "x", "global_scale", "encode", "prefixed")
+                    "tracing", "phases", "x", "global_scale", "encode", "prefixed", "direct")
 COMBINE_VARYING = ("y", "comb_rows", "comb_weights", "chan_msgs", "topk_ids", "id_words",
                    "out", "home_weights", "num_tokens", "weighted", "skip_a2a", "shared_begin",
                    "shared_end", "active", "trace", "tracing")
@@ -259,19 +259,21 @@ class Buffer:
     """Peer-mapped buffers and kernels for one EP group (every rank of `group`)."""
 
     def __init__(self, cfg: EPConfig, group=None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 sms: int | None = DEFAULT_SMS):
+                 sms: int | None = DEFAULT_SMS, direct_input: bool = False):
         """`sms`: the SMs the layer's communication occupies (dispatch runs one persistent CTA,
         a channel, on each; combine launches at most that many CTAs); None: every SM of the
-        GPU. The same on every rank, fixed for the Buffer's life (it shapes the rings)."""
+        GPU. The same on every rank, fixed for the Buffer's life (it shapes the rings).
+        `direct_input` (BF16): `input_buffer()` gives max_tokens_per_rank rows of peer-visible
+        memory; a dispatch of x there is pulled by its receivers in place, with no staging."""
         import torch.distributed._symmetric_memory as symm_mem
 
         self.group = group or dist.group.WORLD
         rank = dist.get_rank(self.group)
         _check_config(cfg, dist.get_world_size(self.group))
         self._setup(cfg, rank, torch.device("cuda", torch.cuda.current_device()), timeout_s,
-                    sms)
+                    sms, {"input_rows": cfg.max_tokens_per_rank} if direct_input else None)
         agree_on_config({"kind": "ep", "config": repr(cfg), "timeout_s": self.timeout_s,
-                         "sms": self._sms}, self.group)
+                         "sms": self._sms, "input_rows": self.geo.input_rows}, self.group)
         sym = symm_mem.empty(self.peer_visible_bytes, dtype=torch.uint8, device=self.device)
         sym.zero_()
         torch.cuda.synchronize(self.device)
@@ -437,7 +439,12 @@ class Buffer:
             scale_rows=self.scale_rows if self.scale_rows is not None else self._no_i32,
             headers_offset=off["batch_headers"],
             staging_offset=off["staging"], counts_offset=off["counts"],
-            flags_offset=off["count_flags"])
+            flags_offset=off["count_flags"], input_offset=off.get("input", 0))
+        self._input = None
+        if "input" in off:
+            at, rows = off["input"], self.geo.input_rows
+            self._input = sym[at:at + rows * 2 * cfg.hidden].view(torch.bfloat16).view(
+                rows, cfg.hidden)
         self._combine_launch = self.k_combine.bind(
             COMBINE_VARYING, **common, hidden=cfg.hidden, row_capacity=cfg.row_capacity,
             ring_slots=geo.ring_slots,
@@ -449,6 +456,17 @@ class Buffer:
         # The encoder keeps the SM budget: a CTA a budgeted SM, each `groups` tokens at once.
         self._encode_groups = self.k_encode.spec.config["groups"] \
             if self.k_encode is not None else 1
+
+    def input_buffer(self) -> torch.Tensor:
+        """The direct input (a Buffer made with `direct_input=True`): bf16 [max_tokens_per_rank,
+        H] of this rank's peer-visible memory. A dispatch of its first T rows (`x =
+        buf.input_buffer()[:T]`, written by the layer before) stages no payload: the receivers
+        pull each token from there. Write it again only after the dispatch that read it has
+        completed on this rank's stream (the dispatch returns once every rank has pulled)."""
+        if self._input is None:
+            raise RuntimeError("this Buffer has no direct input: make it with direct_input=True "
+                               "(bf16 layers)")
+        return self._input
 
     # Sizes -------------------------------------------------------------------------------
 
@@ -566,7 +584,7 @@ class Buffer:
             self._receive_pending = None
             # The receive part quantizes nothing (the send part did).
             self._dispatch_launch(*pending[0], DISPATCH_RECEIVE, self._no_bf16_at,
-                                  self._no_f32_at, 0, pending[2])
+                                  self._no_f32_at, 0, pending[2], pending[3])
         return out, hook
 
     def _no_receive_pending(self) -> None:
@@ -645,10 +663,12 @@ class Buffer:
             active + self.spare_ctas if num_tokens > FUSED_ENCODE_TOKENS * active else active,
             self._no_i64_at if trace is None else trace.data_ptr(), int(trace is not None))
         prefixed = self._prefixed_for(num_input_tokens)
-        self._dispatch_launch(*args, phases, x_at, gs_at, encode, prefixed)
+        direct = int(self._input is not None and cfg.format == "bf16" and
+                     source == self._input.data_ptr())
+        self._dispatch_launch(*args, phases, x_at, gs_at, encode, prefixed, direct)
         if phases == DISPATCH_SEND:
             # The receive launch reads what these arguments point at: keep the tensors alive.
-            self._receive_pending = (args, (x, topk_ids, topk_weights, out), prefixed)
+            self._receive_pending = (args, (x, topk_ids, topk_weights, out), prefixed, direct)
         return out
 
     def _plan_outputs(self) -> None:

@@ -90,6 +90,9 @@ def parser() -> argparse.ArgumentParser:
                    help="with --plot: a perf/record_deepep.py record to draw beside")
     p.add_argument("--no-stages", dest="stages", action="store_false",
                    help="skip the per-kernel breakdown (torch profiler)")
+    p.add_argument("--direct-input", action="store_true",
+                   help="BF16: pass x from the Buffer's direct input (Buffer(direct_input=True)"
+                        ", x = buf.input_buffer()[:T]), which its receivers pull in place")
     p.add_argument("--gpus-per-node", type=int, default=None,
                    help="group the GPUs into nodes of this many and time cute_ep.NodeBuffer "
                         "(NVSHMEM between the nodes: on one host its puts ride NVLink, so this "
@@ -136,7 +139,8 @@ def main(argv=None) -> int:
                    "hidden": args.hidden, "topk": args.topk, "experts": args.experts,
                    "iters": args.iters, "sms": [s or "all" for s in budgets],
                    "sms_per_gpu": torch.cuda.get_device_properties(0).multi_processor_count,
-                   "routing": "uniform random top-k, distinct experts per token"},
+                   "routing": "uniform random top-k, distinct experts per token",
+                   **({"direct_input": True} if args.direct_input else {})},
         "ranks": ranks,
     }
     if args.gpus_per_node:
@@ -334,10 +338,15 @@ def _throughput(rank, world, args, fmt, budgets, flush) -> dict:
     sweep = []
     first_out = None
     for sms in budgets:
-        buf = Buffer(cfg, sms=sms)
-        t = _layer_times(buf, x, ids, w, y, quant, args.iters, flush)
+        direct = bool(getattr(args, "direct_input", False)) and cfg.format == "bf16"
+        buf = Buffer(cfg, sms=sms, direct_input=direct)
+        x_in = x
+        if direct:  # the layer before wrote x there
+            x_in = buf.input_buffer()[:x.shape[0]]
+            x_in.copy_(x)
+        t = _layer_times(buf, x_in, ids, w, y, quant, args.iters, flush)
         out = t.pop("out")
-        t.update(_lockstep_times(buf, x, ids, w, y, quant, args.iters, flush))
+        t.update(_lockstep_times(buf, x_in, ids, w, y, quant, args.iters, flush))
         if first_out is None:
             first_out = out
         received = int(out.handle.messages.sum())
