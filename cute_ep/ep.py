@@ -663,8 +663,12 @@ class Buffer:
             active + self.spare_ctas if num_tokens > FUSED_ENCODE_TOKENS * active else active,
             self._no_i64_at if trace is None else trace.data_ptr(), int(trace is not None))
         prefixed = self._prefixed_for(num_input_tokens)
+        # The direct input: the senders stage no payload and wait, before the launch ends, for
+        # every rank to have pulled theirs (so not for a send part alone, whose receivers run
+        # later: `dispatch_send` stages x).
         direct = int(self._input is not None and cfg.format == "bf16" and
-                     source == self._input.data_ptr())
+                     source == self._input.data_ptr() and
+                     phases == DISPATCH_SEND | DISPATCH_RECEIVE)
         self._dispatch_launch(*args, phases, x_at, gs_at, encode, prefixed, direct)
         if phases == DISPATCH_SEND:
             # The receive launch reads what these arguments point at: keep the tensors alive.
