@@ -91,8 +91,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-stages", dest="stages", action="store_false",
                    help="skip the per-kernel breakdown (torch profiler)")
     p.add_argument("--direct-input", action="store_true",
-                   help="BF16: pass x from the Buffer's direct input (Buffer(direct_input=True)"
-                        ", x = buf.input_buffer()[:T]), which its receivers pull in place")
+                   help="pass x (bf16, or the -input formats' codes and scales) from the "
+                        "Buffer's direct input (Buffer(direct_input=True).input_buffer()), "
+                        "which its receivers pull in place")
     p.add_argument("--gpus-per-node", type=int, default=None,
                    help="group the GPUs into nodes of this many and time cute_ep.NodeBuffer "
                         "(NVSHMEM between the nodes: on one host its puts ride NVLink, so this "
@@ -338,12 +339,19 @@ def _throughput(rank, world, args, fmt, budgets, flush) -> dict:
     sweep = []
     first_out = None
     for sms in budgets:
-        direct = bool(getattr(args, "direct_input", False)) and cfg.format == "bf16"
+        # The direct input: bf16 x, or pre-quantized (codes, scales) (FP8 / NVFP4 "-input").
+        direct = bool(getattr(args, "direct_input", False)) and (
+            cfg.format == "bf16" or type(x) is tuple)
         buf = Buffer(cfg, sms=sms, direct_input=direct)
         x_in = x
         if direct:  # the layer before wrote x there
-            x_in = buf.input_buffer()[:x.shape[0]]
-            x_in.copy_(x)
+            if type(x) is tuple:
+                x_in = tuple(v[:x[0].shape[0]] for v in buf.input_buffer())
+                for view, part in zip(x_in, x):
+                    view.copy_(part)
+            else:
+                x_in = buf.input_buffer()[:x.shape[0]]
+                x_in.copy_(x)
         t = _layer_times(buf, x_in, ids, w, y, quant, args.iters, flush)
         out = t.pop("out")
         t.update(_lockstep_times(buf, x_in, ids, w, y, quant, args.iters, flush))

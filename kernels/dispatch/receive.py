@@ -614,7 +614,7 @@ class ReceivePhase:
             # Every piece of this warp's messages of the batch through the warp's ring.
             for m in cutlass.range(sub, cnt, per_source):
                 msg = self._message_at(staging, inputs, stage, channel,
-                                       s_scratch[scratch + STAGE_AT + m], payload_bytes)
+                                       s_scratch[scratch + STAGE_AT + m], msg_bytes)
                 for p in cutlass.range(pieces):
                     issued, drained = self._pull_piece(
                         lane, msg, half * BATCH + m, p, issued, drained, msg_bytes,
@@ -624,7 +624,7 @@ class ReceivePhase:
         else:
             for m in cutlass.range(sub, cnt, per_source):
                 msg = self._message_at(staging, inputs, stage, channel,
-                                       s_scratch[scratch + STAGE_AT + m], payload_bytes)
+                                       s_scratch[scratch + STAGE_AT + m], msg_bytes)
                 rows_at = rows0 + m * ROWS
                 scale_words = blocks if self.fmt == "fp8" else rk
                 sregs = self._load_scales(lane, msg, scales_offset, scale_words, scale_cols)
@@ -653,10 +653,10 @@ class ReceivePhase:
         return issued, drained
 
     @cute.jit
-    def _message_at(self, staging, inputs, stage, channel, staged, payload_bytes):
+    def _message_at(self, staging, inputs, stage, channel, staged, msg_bytes):
         """Where a message's bytes are: its staging slot (`staged` >= 0), or row -1 - staged of
-        its source's direct input."""
-        msg = inputs + Int64(-1 - staged) * Int64(payload_bytes)
+        its source's direct input (rows of `msg_bytes`, laid out as staged messages)."""
+        msg = inputs + Int64(-1 - staged) * Int64(msg_bytes)
         if staged >= 0:
             msg = staging + Int64(stage((0, staged, channel)))
         return msg
