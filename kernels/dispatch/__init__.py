@@ -257,9 +257,10 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                 # Prefixed counts (`layouts.channels.counts_layout`), the same on every rank:
                 # a dispatch of at most PREFIXED_TOKENS tokens a rank (register receivers: never).
                 Param("prefixed", "i32"),
-                # BF16 from the Buffer's direct input (`direct` 1): `source` is this rank's
-                # input part (at `input_offset` of every rank's peer-visible memory), whose rows
-                # the receivers pull in place; the senders stage batch headers only.
+                # The Buffer's direct input (`direct` 1): the tokens are rows of this rank's
+                # input part (at `input_offset` of every rank's peer-visible memory, laid out
+                # as staged messages), which the receivers pull in place; the senders stage
+                # batch headers only.
                 Param("direct", "i32"),
                 Param("input_offset", "i64"),
             ),
