@@ -90,7 +90,7 @@ DISPATCH_VARYING = ("source", "source_stride", "load_bytes", "scale_source", "sc
                     "recv_weights", "num_tokens",
                     "skip_a2a", "shared_begin", "shared_end", "has_weights", "active", "launched",
                     "trace",
-                    "tracing", "phases", "x", "global_scale", "encode", "prefixed")
+                    "tracing", "phases", "x", "global_scale", "encode", "prefixed", "direct")
 COMBINE_VARYING = ("y", "comb_rows", "comb_weights", "chan_msgs", "topk_ids", "id_words",
                    "out", "home_weights", "num_tokens", "weighted", "skip_a2a", "shared_begin",
                    "shared_end", "active", "trace", "tracing")
@@ -259,19 +259,22 @@ class Buffer:
     """Peer-mapped buffers and kernels for one EP group (every rank of `group`)."""
 
     def __init__(self, cfg: EPConfig, group=None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 sms: int | None = DEFAULT_SMS):
+                 sms: int | None = DEFAULT_SMS, direct_input: bool = False):
         """`sms`: the SMs the layer's communication occupies (dispatch runs one persistent CTA,
         a channel, on each; combine launches at most that many CTAs); None: every SM of the
-        GPU. The same on every rank, fixed for the Buffer's life (it shapes the rings)."""
+        GPU. The same on every rank, fixed for the Buffer's life (it shapes the rings).
+        `direct_input`: `input_buffer()` gives max_tokens_per_rank rows of peer-visible memory
+        (bf16 x, or pre-quantized codes and scales); a dispatch of x there is pulled by its
+        receivers in place, with no staging."""
         import torch.distributed._symmetric_memory as symm_mem
 
         self.group = group or dist.group.WORLD
         rank = dist.get_rank(self.group)
         _check_config(cfg, dist.get_world_size(self.group))
         self._setup(cfg, rank, torch.device("cuda", torch.cuda.current_device()), timeout_s,
-                    sms)
+                    sms, {"input_rows": cfg.max_tokens_per_rank} if direct_input else None)
         agree_on_config({"kind": "ep", "config": repr(cfg), "timeout_s": self.timeout_s,
-                         "sms": self._sms}, self.group)
+                         "sms": self._sms, "input_rows": self.geo.input_rows}, self.group)
         sym = symm_mem.empty(self.peer_visible_bytes, dtype=torch.uint8, device=self.device)
         sym.zero_()
         torch.cuda.synchronize(self.device)
@@ -437,7 +440,10 @@ class Buffer:
             scale_rows=self.scale_rows if self.scale_rows is not None else self._no_i32,
             headers_offset=off["batch_headers"],
             staging_offset=off["staging"], counts_offset=off["counts"],
-            flags_offset=off["count_flags"])
+            flags_offset=off["count_flags"], input_offset=off.get("input", 0))
+        self._input = None
+        if "input" in off:
+            self._input = self._input_views(sym, off["input"], self.geo.input_rows)
         self._combine_launch = self.k_combine.bind(
             COMBINE_VARYING, **common, hidden=cfg.hidden, row_capacity=cfg.row_capacity,
             ring_slots=geo.ring_slots,
@@ -449,6 +455,34 @@ class Buffer:
         # The encoder keeps the SM budget: a CTA a budgeted SM, each `groups` tokens at once.
         self._encode_groups = self.k_encode.spec.config["groups"] \
             if self.k_encode is not None else 1
+
+    def input_buffer(self):
+        """The direct input (a Buffer made with `direct_input=True`): max_tokens_per_rank rows
+        of this rank's peer-visible memory, laid out as the transport's staged messages. BF16:
+        x, bf16 [rows, H]; FP8 and NVFP4: a pre-quantized input's (codes, scales), the same
+        dtypes and shapes as `dispatch` takes, each row of both inside one message (so both
+        have a row stride of the message's bytes). A dispatch of the first T rows (`x[:T]`, or
+        `(codes[:T], scales[:T])`, written by the layer before) stages no payload: the receivers
+        pull each token from there. Write it again only once the dispatch that read it has
+        completed on this rank's stream (its launch ends after every rank has pulled).
+        `dispatch_send` stages it as any other input."""
+        if self._input is None:
+            raise RuntimeError("this Buffer has no direct input: make it with direct_input=True")
+        return self._input
+
+    def _input_views(self, sym: torch.Tensor, at: int, rows: int):
+        """The direct input's views of `sym` at byte `at`: x, or (codes, scales)."""
+        cfg, msg = self.cfg, self.msg.staged_bytes
+        part = sym[at:at + rows * msg].view(rows, msg)
+        if cfg.format == "bf16":
+            return part.view(torch.bfloat16)
+        (code_dtype, code_cols, _), (scale_dtype, scale_cols, _) = self._quantized_rows
+        code_dtype, scale_dtype = getattr(torch, code_dtype), getattr(torch, scale_dtype)
+        code_bytes = code_cols * code_dtype.itemsize
+        codes = part[:, :code_bytes].view(code_dtype)
+        scales = part[:, self.scales_at:self.scales_at + scale_cols * scale_dtype.itemsize].view(
+            scale_dtype)
+        return codes, scales
 
     # Sizes -------------------------------------------------------------------------------
 
@@ -566,7 +600,7 @@ class Buffer:
             self._receive_pending = None
             # The receive part quantizes nothing (the send part did).
             self._dispatch_launch(*pending[0], DISPATCH_RECEIVE, self._no_bf16_at,
-                                  self._no_f32_at, 0, pending[2])
+                                  self._no_f32_at, 0, pending[2], pending[3])
         return out, hook
 
     def _no_receive_pending(self) -> None:
@@ -606,8 +640,11 @@ class Buffer:
         elif type(x) is tuple:  # pre-quantized: (codes, scales), a row of each per token
             codes, scales = x
             source, scale_source = codes.data_ptr(), scales.data_ptr()
-            source_stride, scale_stride = self._quantized_strides
-            load_bytes = source_stride
+            load_bytes, scale_stride = self._quantized_strides
+            source_stride = load_bytes
+            if self._input is not None:  # the direct input's rows are messages apart
+                source_stride = codes.stride(0) * codes.element_size()
+                scale_stride = scales.stride(0) * scales.element_size()
         else:  # bf16 tokens, quantized into the send buffer before the senders stream them
             gs_at = global_scale.data_ptr() if global_scale is not None else self._no_f32_at
             if num_tokens <= FUSED_ENCODE_TOKENS * active:
@@ -645,10 +682,20 @@ class Buffer:
             active + self.spare_ctas if num_tokens > FUSED_ENCODE_TOKENS * active else active,
             self._no_i64_at if trace is None else trace.data_ptr(), int(trace is not None))
         prefixed = self._prefixed_for(num_input_tokens)
-        self._dispatch_launch(*args, phases, x_at, gs_at, encode, prefixed)
+        # The direct input: the senders stage no payload and wait, before the launch ends, for
+        # every rank to have pulled theirs (so not for a send part alone, whose receivers run
+        # later: `dispatch_send` stages x).
+        direct = 0
+        if self._input is not None and phases == DISPATCH_SEND | DISPATCH_RECEIVE:
+            if cfg.format == "bf16":
+                direct = int(source == self._input.data_ptr())
+            elif type(x) is tuple:
+                direct = int(source == self._input[0].data_ptr() and
+                             scale_source == self._input[1].data_ptr())
+        self._dispatch_launch(*args, phases, x_at, gs_at, encode, prefixed, direct)
         if phases == DISPATCH_SEND:
             # The receive launch reads what these arguments point at: keep the tensors alive.
-            self._receive_pending = (args, (x, topk_ids, topk_weights, out), prefixed)
+            self._receive_pending = (args, (x, topk_ids, topk_weights, out), prefixed, direct)
         return out
 
     def _plan_outputs(self) -> None:
@@ -1022,6 +1069,10 @@ class Buffer:
         # else, good or bad, takes the detailed checks below, which say what is wrong.
         tensor = torch.Tensor
         if type(x) is tuple:
+            if self._input is not None and self._is_direct_input(x):
+                t = x[0].shape[0]
+                self._check_routing(topk_ids, topk_weights, t)
+                return t
             fast = self._quantized_fast
             if fast is not None and len(x) == 2:
                 codes, scales = x
@@ -1081,6 +1132,19 @@ class Buffer:
             if tuple(topk_weights.shape) != (num_tokens, cfg.topk):
                 raise ValueError(f"topk_weights must be float32 [{num_tokens}, {cfg.topk}], got "
                                  f"{tuple(topk_weights.shape)}")
+
+    def _is_direct_input(self, x: tuple) -> bool:
+        """x is the first T rows of this Buffer's direct input (codes, scales), as its views
+        give them."""
+        codes, scales = x
+        c0, s0 = self._input
+        return (type(codes) is torch.Tensor and type(scales) is torch.Tensor
+                and codes.data_ptr() == c0.data_ptr() and scales.data_ptr() == s0.data_ptr()
+                and codes.dtype is c0.dtype and scales.dtype is s0.dtype
+                and codes.dim() == 2 and scales.dim() == 2
+                and codes.stride() == c0.stride() and scales.stride() == s0.stride()
+                and codes.shape[1] == c0.shape[1] and scales.shape[1] == s0.shape[1]
+                and codes.shape[0] == scales.shape[0] <= c0.shape[0])
 
     def _check_quantized_input(self, x: tuple) -> int:
         """An FP8 or NVFP4 layer's pre-quantized input (codes, scales), checked; returns T."""

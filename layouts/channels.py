@@ -111,8 +111,14 @@ def batch_header_layout(topk) -> Layout:
 
 
 def header_token_word(topk, b):
-    """Word of a batch header holding the source index of the batch's token b."""
+    """Word of a batch header holding the source index of the batch's token b (with DIRECT_BIT
+    where its payload was not staged)."""
     return len(METADATA_FIELDS) * STAGE_BATCH_TOKENS * topk + b
+
+
+# A token word's top bit (int32): the token's payload stays in its source's direct input (the
+# Buffer's `input` part, row = the index), not in the staging.
+DIRECT_BIT = -(1 << 31)
 
 
 def header_bytes(topk: int) -> int:
@@ -228,11 +234,20 @@ class ChannelGeometry:
     chunk_tokens: int = 8
     ring_chunks: int = 4
     stage_batches: int = 8
+    # Rows of the direct input: tokens (bf16 x, or FP8 / NVFP4 codes and scales laid out as a
+    # staged message) that a rank's receivers pull in place from its peer-visible memory, with
+    # no staging; 0: none.
+    input_rows: int = 0
 
     def __post_init__(self):
         for name in ("channels", "chunk_tokens", "ring_chunks", "stage_batches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.input_rows and (self.input_rows < 0 or self.cfg.layout == "sources" or
+                                self.input_rows > self.cfg.max_tokens_per_rank):
+            raise ValueError(f"a direct input holds up to max_tokens_per_rank rows, for the "
+                             f"packed or slabs layout; got {self.input_rows} rows, "
+                             f"{self.cfg.layout}")
         if self.channels > MAX_CHANNELS:
             raise ValueError(f"at most {MAX_CHANNELS} channels (SMs) a Buffer, got "
                              f"{self.channels}: a count flag carries the channels its source "
@@ -289,6 +304,8 @@ class ChannelGeometry:
             "counts": align_up(self.counts().cosize() * 4, ALIGN),
             "count_flags": align_up(self.count_flags().cosize() * 8, ALIGN),
             "counters": align_up(self.counters().cosize() * COUNTER_BYTES, ALIGN),
+            **({"input": align_up(self.input_rows * self.cfg.message.staged_bytes, ALIGN)}
+               if self.input_rows else {}),
         }
 
     def peer_offsets(self) -> dict[str, int]:

@@ -90,6 +90,10 @@ def parser() -> argparse.ArgumentParser:
                    help="with --plot: a perf/record_deepep.py record to draw beside")
     p.add_argument("--no-stages", dest="stages", action="store_false",
                    help="skip the per-kernel breakdown (torch profiler)")
+    p.add_argument("--direct-input", action="store_true",
+                   help="pass x (bf16, or the -input formats' codes and scales) from the "
+                        "Buffer's direct input (Buffer(direct_input=True).input_buffer()), "
+                        "which its receivers pull in place")
     p.add_argument("--gpus-per-node", type=int, default=None,
                    help="group the GPUs into nodes of this many and time cute_ep.NodeBuffer "
                         "(NVSHMEM between the nodes: on one host its puts ride NVLink, so this "
@@ -136,7 +140,8 @@ def main(argv=None) -> int:
                    "hidden": args.hidden, "topk": args.topk, "experts": args.experts,
                    "iters": args.iters, "sms": [s or "all" for s in budgets],
                    "sms_per_gpu": torch.cuda.get_device_properties(0).multi_processor_count,
-                   "routing": "uniform random top-k, distinct experts per token"},
+                   "routing": "uniform random top-k, distinct experts per token",
+                   **({"direct_input": True} if args.direct_input else {})},
         "ranks": ranks,
     }
     if args.gpus_per_node:
@@ -331,10 +336,22 @@ def _throughput(rank, world, args, fmt, budgets, flush) -> dict:
     sweep = []
     first_out = None
     for sms in budgets:
-        buf = Buffer(cfg, sms=sms)
-        t = _layer_times(buf, x, ids, w, y, quant, args.iters, flush)
+        # The direct input: bf16 x, or pre-quantized (codes, scales) (FP8 / NVFP4 "-input").
+        direct = bool(getattr(args, "direct_input", False)) and (
+            cfg.format == "bf16" or type(x) is tuple)
+        buf = Buffer(cfg, sms=sms, direct_input=direct)
+        x_in = x
+        if direct:  # the layer before wrote x there
+            if type(x) is tuple:
+                x_in = tuple(v[:x[0].shape[0]] for v in buf.input_buffer())
+                for view, part in zip(x_in, x):
+                    view.copy_(part)
+            else:
+                x_in = buf.input_buffer()[:x.shape[0]]
+                x_in.copy_(x)
+        t = _layer_times(buf, x_in, ids, w, y, quant, args.iters, flush)
         out = t.pop("out")
-        t.update(_lockstep_times(buf, x, ids, w, y, quant, args.iters, flush))
+        t.update(_lockstep_times(buf, x_in, ids, w, y, quant, args.iters, flush))
         if first_out is None:
             first_out = out
         received = int(out.handle.messages.sum())

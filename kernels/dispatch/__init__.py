@@ -257,6 +257,12 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                 # Prefixed counts (`layouts.channels.counts_layout`), the same on every rank:
                 # a dispatch of at most PREFIXED_TOKENS tokens a rank (register receivers: never).
                 Param("prefixed", "i32"),
+                # The Buffer's direct input (`direct` 1): the tokens are rows of this rank's
+                # input part (at `input_offset` of every rank's peer-visible memory, laid out
+                # as staged messages), which the receivers pull in place; the senders stage
+                # batch headers only.
+                Param("direct", "i32"),
+                Param("input_offset", "i64"),
             ),
             block=(self.threads, 1, 1),
             grid=(GridRule(ceil_div=("launched", 1)), GridRule(constant=1),
@@ -290,7 +296,7 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                  flags_offset: Int64,
                  counters_offset: Int64, timeout_ns: Int64, trace: cute.Pointer,
                  tracing: Int32, phases: Int32, x: cute.Pointer, global_scale: cute.Pointer,
-                 encode: Int32, prefixed: Int32, stream):
+                 encode: Int32, prefixed: Int32, direct: Int32, input_offset: Int64, stream):
         self.kernel(peer_bases, source, scale_source, scale_stride, topk_ids, id_words,
                     topk_weights,
                     streams, rounds, done, error,
@@ -304,7 +310,7 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                     row_capacity, segment_rows, channels, active, launched,
                     headers_offset, staging_offset, counts_offset, flags_offset,
                     counters_offset, timeout_ns, trace, tracing, phases, x, global_scale, encode,
-                    prefixed, row_tiled_copy(WARP, Uint8, self.vector_bytes),
+                    prefixed, direct, input_offset, row_tiled_copy(WARP, Uint8, self.vector_bytes),
                     row_tiled_copy(WARP, Uint8, 16)).launch(
             grid=(launched, 1, 1), block=(self.threads, 1, 1), smem=self.smem_bytes,
             stream=stream)
@@ -333,7 +339,8 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                flags_offset: Int64,
                counters_offset: Int64, timeout_ns: Int64, trace: cute.Pointer, tracing: Int32,
                phases: Int32, x: cute.Pointer, global_scale: cute.Pointer, encode: Int32,
-               prefixed: Int32, warp_copy: cute.TiledCopy, send_copy: cute.TiledCopy):
+               prefixed: Int32, direct: Int32, input_offset: Int64, warp_copy: cute.TiledCopy,
+               send_copy: cute.TiledCopy):
         tidx, _, _ = cute.arch.thread_idx()
         channel, _, _ = cute.arch.block_idx()
         warp = tidx // WARP
@@ -472,7 +479,7 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                                stage_bytes, stage_batches, channels, headers_offset,
                                staging_offset, counters_offset, counters, timeout_ns,
                                payload_vectors, scales_offset, send_copy, s_arrive, s_head,
-                               s_time, trace, tracing)
+                               s_time, trace, tracing, direct)
                     if cutlass.const_expr(self.row_align > 1):
                         if phases & DISPATCH_RECEIVE != 0:
                             self._pad_after_send(warp, lane, channel, active, tokens, scales,
@@ -495,7 +502,8 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                                   flags_offset, counters_offset, counters, counts_at, flags_at,
                                   parity, epoch, timeout_ns, s_next, s_totals, s_off, s_tot, s_raw,
                                   s_first, s_src, s_rows, s_wts, s_ring, s_full, s_piece, s_time,
-                                  warp_copy, trace, tracing, phases & DISPATCH_SEND, prefixed)
+                                  warp_copy, trace, tracing, phases & DISPATCH_SEND, prefixed,
+                                  input_offset)
 
                 # The last CTA to finish advances the round.
                 cute.arch.sync_threads()

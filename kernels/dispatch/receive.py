@@ -50,7 +50,7 @@ class ReceivePhase:
                  s_src: cute.Tensor, s_rows: cute.Tensor, s_wts: cute.Tensor,
                  s_ring: cute.Tensor, s_full: cute.Pointer, s_piece: cute.Tensor,
                  s_time: cute.Tensor, warp_copy: cute.TiledCopy, trace: cute.Pointer, tracing,
-                 pad_by_senders, prefixed):
+                 pad_by_senders, prefixed, input_offset):
         """The receiver warps (thread rt of recv_warps * 32). `pad_by_senders`: this launch's
         sender warps zero the FP8 alignment rows (`_pad_after_send`), not the receivers.
         `prefixed`: the sources sent prefixed counts (`layouts.channels.counts_layout`)."""
@@ -231,7 +231,7 @@ class ReceivePhase:
                          counters_offset, counters, timeout_ns, s_next, s_off, s_first, s_src,
                          s_rows, s_wts, s_ring, s_full, s_piece, s_time, rwarp, warp_copy,
                          payload_bytes, blocks, scale_cols, rk, recv_ids, recv_weights, trace,
-                         tracing)
+                         tracing, input_offset)
 
     @cute.jit
     def _expand(self, lane, sub, per_source, s, channel, peers: cute.Tensor, here,
@@ -247,7 +247,7 @@ class ReceivePhase:
                 s_wts: cute.Tensor, s_ring: cute.Tensor, s_full: cute.Pointer,
                 s_piece: cute.Tensor, s_time: cute.Tensor, rwarp, warp_copy: cute.TiledCopy,
                 payload_bytes, blocks, scale_cols, rk, recv_ids: cute.Pointer,
-                recv_weights: cute.Pointer, trace: cute.Pointer, tracing):
+                recv_weights: cute.Pointer, trace: cute.Pointer, tracing, input_offset):
         """One warp of source s: s's batches of this channel in order, once each is published,
         until the last message from s has landed. Every warp of s reads the batch's header and
         places the rows of its messages (so each keeps the same next-row counters), the whole
@@ -269,6 +269,7 @@ class ReceivePhase:
         head_word = peers[s] + counters_offset + Int64(
             counters((channel, my_rank, HEADS, DISPATCH))) * 8
         staging = peers[s] + staging_offset
+        inputs = peers[s] + input_offset  # s's direct input (tokens whose word has DIRECT_BIT)
         scratch = rwarp * SCRATCH
         wts = rwarp * BATCH * MAX_TOPK
         next_at = rwarp * MAX_SEGMENTS
@@ -353,6 +354,10 @@ class ReceivePhase:
                         s_scratch[scratch + IDS_AT + w] = n_ids[j]
                         s_wts[wts + w] = n_wts[j]
                 tok = n_tok
+                direct = Int32(0)
+                if tok < 0:  # DIRECT_BIT: the payload is row tok of s's direct input
+                    direct = Int32(1)
+                    tok = tok & Int32(0x7FFFFFFF)
                 cute.arch.sync_warp()
                 # The next batch's, once its source has published it (lane 0 saw its tail:
                 # acquired with this one's).
@@ -407,13 +412,15 @@ class ReceivePhase:
                     s_scratch[scratch + MAP_AT + m_of] = lane
                     s_scratch[scratch + TOKS_AT + m_of] = tok
                     s_scratch[scratch + STAGE_AT + m_of] = slot * BATCH + lane
+                    if direct != 0:
+                        s_scratch[scratch + STAGE_AT + m_of] = -1 - tok
                 cute.arch.sync_warp()
                 if lane == 0 and i == 0:
                     _stamp_max(trace, tracing, channel, "chunk_read", cute.arch.globaltimer())
                 _lap(s_time, times, "header_ns", tracing, lane)
                 issued, drained = self._place(
                     lane, sub, per_source, s, cnt, first_msg + placed, topk, max_tokens,
-                    my_rank, shared, shared_begin, shared_end, staging, stage, channel,
+                    my_rank, shared, shared_begin, shared_end, staging, inputs, stage, channel,
                     tokens, scales, scale_rows, segment_rows, src_info, comb_rows,
                     comb_weights, comb_tokens, scales_offset, row_capacity, s_next, s_off,
                     s_first, s_scratch, s_wts, scratch, i % 2, wts, next_at,
@@ -521,7 +528,7 @@ class ReceivePhase:
 
     @cute.jit
     def _place(self, lane, sub, per_source, s, cnt, first, topk, max_tokens, my_rank, shared,
-               shared_begin, shared_end, staging, stage, channel, tokens: cute.Pointer,
+               shared_begin, shared_end, staging, inputs, stage, channel, tokens: cute.Pointer,
                scales: cute.Pointer, scale_rows: cute.Pointer, segment_rows,
                src_info: cute.Pointer, comb_rows: cute.Pointer, comb_weights: cute.Pointer,
                comb_tokens: cute.Pointer, scales_offset, row_capacity, s_next: cute.Tensor,
@@ -606,7 +613,8 @@ class ReceivePhase:
         if cutlass.const_expr(self.bulk):
             # Every piece of this warp's messages of the batch through the warp's ring.
             for m in cutlass.range(sub, cnt, per_source):
-                msg = staging + Int64(stage((0, s_scratch[scratch + STAGE_AT + m], channel)))
+                msg = self._message_at(staging, inputs, stage, channel,
+                                       s_scratch[scratch + STAGE_AT + m], msg_bytes)
                 for p in cutlass.range(pieces):
                     issued, drained = self._pull_piece(
                         lane, msg, half * BATCH + m, p, issued, drained, msg_bytes,
@@ -615,7 +623,8 @@ class ReceivePhase:
                         scale_cols, row_capacity, s_time, times, tracing)
         else:
             for m in cutlass.range(sub, cnt, per_source):
-                msg = staging + Int64(stage((0, s_scratch[scratch + STAGE_AT + m], channel)))
+                msg = self._message_at(staging, inputs, stage, channel,
+                                       s_scratch[scratch + STAGE_AT + m], msg_bytes)
                 rows_at = rows0 + m * ROWS
                 scale_words = blocks if self.fmt == "fp8" else rk
                 sregs = self._load_scales(lane, msg, scales_offset, scale_words, scale_cols)
@@ -642,6 +651,15 @@ class ReceivePhase:
                                    scales_offset, row_capacity, topk, scale_words, scale_cols,
                                    rk, s_scratch, rows_at, scratch + SROWS_AT + m * ROWS)
         return issued, drained
+
+    @cute.jit
+    def _message_at(self, staging, inputs, stage, channel, staged, msg_bytes):
+        """Where a message's bytes are: its staging slot (`staged` >= 0), or row -1 - staged of
+        its source's direct input (rows of `msg_bytes`, laid out as staged messages)."""
+        msg = inputs + Int64(-1 - staged) * Int64(msg_bytes)
+        if staged >= 0:
+            msg = staging + Int64(stage((0, staged, channel)))
+        return msg
 
     @cute.jit
     def _pull_piece(self, lane, msg, m, p, issued, drained, msg_bytes, payload_bytes,

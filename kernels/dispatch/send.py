@@ -12,7 +12,8 @@ from kernels.dispatch.common import (BATCH, FP8_BLOCK, IDS, MAX_RANKS, NVFP4_BLO
                                      SEND_WARPS, WARP, WEIGHTS, _await_credit, _stamp_max)
 from kernels.memory import gmem_ptr, load_f32, load_i32, store_i32
 from kernels.routing import load_id
-from layouts.channels import (DISPATCH, SEND_TIMES, TAILS, batch_header_layout, header_token_word,
+from layouts.channels import (DIRECT_BIT, DISPATCH, SEND_TIMES, TAILS, batch_header_layout,
+                              header_token_word,
                               headers_layout, staging_layout)
 
 
@@ -27,10 +28,12 @@ class SendPhase:
               stage_batches, channels, headers_offset, staging_offset, counters_offset,
               counters, timeout_ns, payload_vectors, scales_offset, send_copy: cute.TiledCopy,
               s_arrive: cute.Tensor, s_head: cute.Tensor, s_time: cute.Tensor,
-              trace: cute.Pointer, tracing):
+              trace: cute.Pointer, tracing, direct):
         """Sender warp `sw`: every batch of the channel's tokens into the next batch slot of this
         rank's staging, this warp's share of its header words and its tokens b = sw,
-        sw + SEND_WARPS, ...; the last warp done with a batch publishes it."""
+        sw + SEND_WARPS, ...; the last warp done with a batch publishes it. `direct`: the
+        tokens stay in the Buffer's input part, where the receivers pull them: the header's
+        token words carry DIRECT_BIT and no payload is staged."""
         stage = staging_layout(stage_bytes, stage_batches * BATCH, channels)
         headers = headers_layout(header_bytes, stage_batches, channels)
         hdr = batch_header_layout(topk)
@@ -63,7 +66,7 @@ class SendPhase:
             # This warp's tokens of the batch (lane j: token sw + j * SEND_WARPS) are brought
             # into L2 while it waits for credit: each token's loads below then cost an L2 hit,
             # not a trip to HBM that the warp would wait for one token after another.
-            if alive != 0:
+            if alive != 0 and direct == 0:
                 self._prefetch_token(sw + lane * SEND_WARPS, n, batch, source, source_stride,
                                      load_bytes, scale_source, scale_stride, payload_vectors)
             start = Int64(0)
@@ -98,11 +101,17 @@ class SendPhase:
                         weight = load_f32(topk_weights.toint() + from_at * 4)
                     head_f[hdr((k, WEIGHTS, b))] = weight
                 if sw == SEND_WARPS - 1 and lane < n:
-                    head[header_token_word(topk, lane)] = batch + lane
+                    word = batch + lane
+                    if direct != 0:
+                        word = word | DIRECT_BIT
+                    head[header_token_word(topk, lane)] = word
                 if tracing != 0 and lane == 0:
                     s_time[times + 1] += cute.arch.globaltimer() - start
                     start = cute.arch.globaltimer()
-                for b in cutlass.range(sw, n, SEND_WARPS):
+                staged = n
+                if direct != 0:
+                    staged = Int32(0)
+                for b in cutlass.range(sw, staged, SEND_WARPS):
                     tok = batch + b
                     staged_at = here + staging_offset + Int64(stage((0, slot * BATCH + b,
                                                                      channel)))
@@ -156,6 +165,14 @@ class SendPhase:
                                         scope="sys")
                 if tracing != 0:
                     s_time[times + 3] += cute.arch.globaltimer() - start
+            cute.arch.sync_warp()
+        # Direct: the receivers pull the tokens from this rank's input part until they hand
+        # back its last batch; this launch ends after that, so stream order keeps the input
+        # unchanged while any rank reads it.
+        if direct != 0 and alive != 0 and sw == 0:
+            if lane < ranks:
+                _await_credit(credit_at, counters, channel, lane, position + Int64(batches),
+                              s_head, mine + lane, timeout_ns, error)
             cute.arch.sync_warp()
         if sw == 0 and lane == 0:
             cute.arch.store(gmem_ptr(Int64, streams.toint()

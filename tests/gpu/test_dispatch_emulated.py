@@ -32,13 +32,14 @@ def _streams(bufs):
 
 
 def _layer(bufs, seed, tokens, routing="uniform", weighted=True, skip_a2a=False,
-           num_input_tokens=None, prequantized=False, at_home=False, empty_slots=0.0):
+           num_input_tokens=None, prequantized=False, at_home=False, empty_slots=0.0,
+           direct=()):
     """One layer on every emulated rank against the reference; `prequantized` (fp8, nvfp4):
     each rank passes its tokens already quantized, (codes, scales), as the reference quantizes
     them (`"kernel"`: nvfp4 by `cute_ep.quantize_nvfp4`, linear scales);
     `at_home`: dispatch carries no weights and combine weighs at home with them (DeepEP's
     low-latency combine); `empty_slots`: that share of the (token, k) ids is -1 (nothing is
-    reported for them)."""
+    reported for them); `direct`: the ranks whose x is their Buffer's direct input."""
     from cute_ep.reference import ep as reference
     from cute_ep.reference.ep import dispatch_mismatch
 
@@ -62,6 +63,17 @@ def _layer(bufs, seed, tokens, routing="uniform", weighted=True, skip_a2a=False,
 
         sources = [quantize_nvfp4(x, torch.full((x.shape[0],), gs[r], device="cuda"))
                    for r, x in enumerate(xs)]
+    sources = list(sources)
+    for r in direct:  # the layer before wrote x (or its codes and scales) there
+        t = tokens[r]
+        if cfg.format == "bf16":
+            sources[r] = bufs[r].input_buffer()[:t]
+            sources[r].copy_(xs[r])
+        else:
+            views = tuple(v[:t] for v in bufs[r].input_buffer())
+            for view, part in zip(views, sources[r]):
+                view.copy_(part)
+            sources[r] = views
     torch.cuda.synchronize()  # the ranks' streams read what the default stream just wrote
     outs = []
     for r, (buf, stream) in enumerate(zip(bufs, streams)):
@@ -365,6 +377,46 @@ def test_prequantized_nvfp4_input_is_checked():
         odd.dispatch((torch.zeros(4, 520, dtype=torch.uint8, device="cuda"),
                       torch.zeros(4, 65, dtype=torch.uint8, device="cuda")), ids)
     buf.check()  # nothing reached the device
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
+@pytest.mark.parametrize("ranks,sms,hidden,stage_batches", [(2, 8, 2048, 8), (4, 24, 2048, 8),
+                                                            (3, 5, 7168, 8), (2, 24, 7168, 8),
+                                                            (4, 6, 1024, 1)])
+def test_a_direct_input_is_pulled_in_place(fmt, ranks, sms, hidden, stage_batches):
+    """Tokens in the Buffer's direct input (bf16 x, or pre-quantized codes and scales) stage no
+    payload: the receivers pull them from each source's input part, round after round, beside
+    ranks that pass x from elsewhere (each batch says which), with tiny staging too (a credit a
+    batch)."""
+    from cute_ep.ep import Buffer
+    from layouts import EPConfig
+
+    cfg = EPConfig(hidden, 8, 16 * ranks, ranks, 512, fmt)
+    quantized = fmt != "bf16"
+    bufs = Buffer.emulated(cfg, timeout_s=20.0, sms=sms, stage_batches=stage_batches,
+                           input_rows=512)
+    seed = 900 + ranks
+    everyone = tuple(range(ranks))
+    for tokens, direct in (([512] * ranks, everyone), ([0] * ranks, everyone),
+                           ([(1, 300, 17, 512)[r % 4] for r in range(ranks)], everyone),
+                           ([400] * ranks, everyone[::2]), ([512] * ranks, everyone)):
+        seed += 1
+        _layer(bufs, seed, tokens, direct=direct, prequantized=quantized)
+    _layer(bufs, seed + 1, [300] * ranks, "hot", direct=everyone, prequantized=quantized)
+    _layer(bufs, seed + 2, [257] * ranks, weighted=False, direct=everyone[1:],
+           prequantized=quantized)
+
+
+def test_a_direct_input_is_asked_for():
+    from cute_ep.ep import Buffer
+    from layouts import EPConfig
+
+    bufs = Buffer.emulated(EPConfig(1024, 8, 16, 2, 64, "bf16"), sms=4)
+    with pytest.raises(RuntimeError, match="direct_input=True"):
+        bufs[0].input_buffer()
+    with pytest.raises(ValueError, match="packed or slabs layout"):
+        Buffer.emulated(EPConfig(1024, 8, 16, 2, 64, "bf16", layout="sources"), sms=4,
+                        input_rows=64)
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])

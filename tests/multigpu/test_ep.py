@@ -113,14 +113,19 @@ def _check_combine(got, want, bound, what):
 
 
 def _one_layer(buf, cfg, rank, seed, tokens, routing="uniform", weighted=True, skip_a2a=False,
-               num_input_tokens=None):
+               num_input_tokens=None, direct=False):
+    """`direct`: x from the Buffer's direct input."""
     from cute_ep.reference import ep as reference
 
     xs, ids, ws = _inputs(cfg, seed, tokens, routing, same_everywhere=skip_a2a)
     gs = _global_scales(cfg, seed)
     quant = {} if gs is None else {
         "global_scale": torch.tensor([gs[rank]], dtype=torch.float32, device="cuda")}
-    out = buf.dispatch(xs[rank], ids[rank], ws[rank] if weighted else None, skip_a2a=skip_a2a,
+    x = xs[rank]
+    if direct:
+        x = buf.input_buffer()[:tokens[rank]]
+        x.copy_(xs[rank])
+    out = buf.dispatch(x, ids[rank], ws[rank] if weighted else None, skip_a2a=skip_a2a,
                        num_input_tokens=num_input_tokens, **quant)
     refs = reference.dispatch(cfg, xs, ids, skip_a2a=skip_a2a, global_scales=gs)
     what = f"{cfg.format} R={cfg.ranks} H={cfg.hidden} K={cfg.topk} E={cfg.experts} T={tokens} " \
@@ -449,3 +454,25 @@ def _mismatch(rank, world):
 def test_mismatched_config_fails_on_every_rank():
     for msg in run_ranks(_mismatch, limit_s=120):
         assert "disagree" in msg
+
+
+def _direct(rank, world, rounds):
+    """Layers whose x is the Buffer's direct input (each rank's receivers pull it over NVLink
+    from the source's input part), some ranks passing x from elsewhere, back to back."""
+    from cute_ep.ep import Buffer
+    from layouts import EPConfig
+
+    cfg = EPConfig(7168, 8, 32 * world, world, MAX_TOKENS, "bf16")
+    buf = Buffer(cfg, direct_input=True)
+    rows = 0
+    for i in range(rounds):
+        tokens = [(MAX_TOKENS, 1, 300, 0)[(i + r) % 4] for r in range(world)]
+        rows += _one_layer(buf, cfg, rank, 3000 + i, tokens, ("uniform", "hot")[i % 2],
+                           direct=(i + rank) % 3 != 0)
+    return rows
+
+
+def test_a_direct_input_between_gpus_stays_exact():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    assert all(r > 0 for r in run_ranks(_direct, rounds=12))
