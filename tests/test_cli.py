@@ -103,9 +103,12 @@ def test_bench_runs_its_worker_on_every_rank_and_records_what_they_return(tmp_pa
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda i=0: types.SimpleNamespace(multi_processor_count=132))
 
-    def fake_run_ranks(fn, world, limit_s, **kwargs):
+    bound = []
+
+    def fake_run_ranks(fn, world, limit_s, bind_cpus, **kwargs):
         assert fn is bench._worker and world == 4
         inspect.signature(fn).bind(0, world, **kwargs)  # the call each rank makes
+        bound.append(bind_cpus)
         return committed["ranks"]
 
     monkeypatch.setattr(bench, "run_ranks", fake_run_ranks)
@@ -115,6 +118,13 @@ def test_bench_runs_its_worker_on_every_rank_and_records_what_they_return(tmp_pa
     (path,) = tmp_path.glob("bench-*-4xH200.json")
     written = json.loads(path.read_text())
     assert written["ranks"] == committed["ranks"] and written["gpus"] == 4
+    assert bound == [False] and "bind_cpus" not in written["config"]
+    path.unlink()
+    # --bind-cpus pins the ranks (`run_ranks(bind_cpus=True)`), and the record says so.
+    assert bench.main(["--sms", "all,24,48,96", "--formats", "bf16,fp8,nvfp4", "--bind-cpus",
+                       "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("bench-*-4xH200.json")
+    assert bound == [False, True] and json.loads(path.read_text())["config"]["bind_cpus"]
 
     def failing(fn, world, limit_s, **kwargs):
         raise RanksFailed("rank 2: RuntimeError: boom")

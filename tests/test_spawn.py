@@ -88,3 +88,33 @@ def test_stall_report_reads_count_flags_in_words_and_runs():
     flags = [count_flag(2, 24, False)] * 3 + [count_flag(1, 24, False)]
     assert _channel_runs([read_count_flag(w) for w in flags]) == \
         "round 2, 24 channels (ch 0-2) round 1, 24 channels (ch 3)"
+
+
+def test_a_cpulist_reads_as_its_cpus():
+    from cute_ep.tools.spawn import cpu_list
+
+    assert cpu_list("0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11}
+    assert cpu_list("5") == {5}
+    assert cpu_list("\n") == set()
+
+
+class _Props:
+    pci_domain_id, pci_bus_id, pci_device_id = 0, 0x1B, 0
+
+
+def test_a_gpus_cpus_are_its_numa_nodes_allowed_ones(tmp_path, monkeypatch):
+    import torch
+
+    from cute_ep.tools import spawn
+
+    monkeypatch.setattr(spawn, "PCI_DEVICES", str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: _Props())
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {1, 2, 9, 64})
+    assert spawn.gpu_cpus(0) is None  # no such device listed
+    (tmp_path / "0000:1b:00.0").mkdir()
+    (tmp_path / "0000:1b:00.0" / "local_cpulist").write_text("0-3,64-67\n")
+    assert spawn.gpu_cpus(0) == {1, 2, 64}
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {20, 21})
+    assert spawn.gpu_cpus(0) is None  # none of the node's CPUs allowed: left unbound
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: object())
+    assert spawn.gpu_cpus(0) is None  # a torch without the PCI ids

@@ -94,6 +94,10 @@ def parser() -> argparse.ArgumentParser:
                    help="pass x (bf16, or the -input formats' codes and scales) from the "
                         "Buffer's direct input (Buffer(direct_input=True).input_buffer()), "
                         "which its receivers pull in place")
+    p.add_argument("--bind-cpus", action="store_true",
+                   help="run each rank on its GPU's NUMA node's CPUs (as a serving engine pins "
+                        "its ranks): host times then do not depend on where the scheduler "
+                        "moved a rank")
     p.add_argument("--gpus-per-node", type=int, default=None,
                    help="group the GPUs into nodes of this many and time cute_ep.NodeBuffer "
                         "(NVSHMEM between the nodes: on one host its puts ride NVLink, so this "
@@ -123,8 +127,8 @@ def main(argv=None) -> int:
                          f"{torch.cuda.device_count()} visible")
     world = torch.cuda.device_count()
     try:
-        ranks = run_ranks(_worker, world, limit_s=900, args=args, formats=formats,
-                          budgets=budgets)
+        ranks = run_ranks(_worker, world, limit_s=900, bind_cpus=args.bind_cpus, args=args,
+                          formats=formats, budgets=budgets)
     except RanksFailed as exc:
         raise SystemExit(f"benchmark failed:\n{exc}") from None
     record = {
@@ -141,7 +145,8 @@ def main(argv=None) -> int:
                    "iters": args.iters, "sms": [s or "all" for s in budgets],
                    "sms_per_gpu": torch.cuda.get_device_properties(0).multi_processor_count,
                    "routing": "uniform random top-k, distinct experts per token",
-                   **({"direct_input": True} if args.direct_input else {})},
+                   **({"direct_input": True} if args.direct_input else {}),
+                   **({"bind_cpus": True} if args.bind_cpus else {})},
         "ranks": ranks,
     }
     if args.gpus_per_node:

@@ -23,6 +23,8 @@ import torch.multiprocessing as mp
 # NVLink multicast stays off: it can take a shared host's GPUs out of service.
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
             "NVSHMEM_DISABLE_NVLS": "1"}
+# Where Linux lists each PCI device's NUMA-local CPUs (`gpu_cpus`).
+PCI_DEVICES = "/sys/bus/pci/devices"
 # After one rank has failed, how long the others get to finish before they are reported as
 # stalled (they may be waiting, on the device, for the rank that failed).
 AFTER_FAILURE_S = 20.0
@@ -35,10 +37,36 @@ class RanksFailed(AssertionError):
     and, for a rank that did not finish, its stall report."""
 
 
-def init_rank(rank: int, world: int, store_path: str, gpus: bool = True) -> None:
+def cpu_list(text: str) -> set[int]:
+    """The CPUs of a Linux cpulist ("0-15,64-79")."""
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        if part:
+            first, _, last = part.partition("-")
+            cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+def gpu_cpus(index: int) -> set[int] | None:
+    """The CPUs this process may run on that sit on GPU `index`'s NUMA node (its PCI device's
+    `local_cpulist`), or None where that is unknown or none of them are allowed."""
+    props = torch.cuda.get_device_properties(index)
+    try:
+        bdf = f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+        with open(os.path.join(PCI_DEVICES, bdf, "local_cpulist")) as f:
+            local = cpu_list(f.read())
+    except (AttributeError, OSError, ValueError):
+        return None
+    return (local & os.sched_getaffinity(0)) or None
+
+
+def init_rank(rank: int, world: int, store_path: str, gpus: bool = True,
+              bind_cpus: bool = False) -> None:
     """In a rank's process: multicast off, its GPU current, the NCCL group joined through a file
     store (no TCP port to race for between back-to-back runs). `gpus` False: a gloo group of
-    CPU processes (the helper's own tests)."""
+    CPU processes (the helper's own tests). `bind_cpus`: the process runs only on its GPU's
+    NUMA node's CPUs (`gpu_cpus`), as a serving engine pins its ranks, so host times do not
+    depend on where the scheduler moved it."""
     import torch.distributed as dist
 
     os.environ.update(SAFE_ENV)
@@ -47,6 +75,8 @@ def init_rank(rank: int, world: int, store_path: str, gpus: bool = True) -> None
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
         return
     torch.cuda.set_device(rank)
+    if bind_cpus and (cpus := gpu_cpus(rank)):
+        os.sched_setaffinity(0, cpus)
     dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world,
                             device_id=torch.device("cuda", rank))
 
@@ -81,7 +111,8 @@ def _watch(rank: int, ask_path: str, results) -> None:
     results.put((rank, "stalled", text))
 
 
-def _entry(fn, rank, world, store_path, gpus, results, ask_path, stacks_path, kwargs):
+def _entry(fn, rank, world, store_path, gpus, bind_cpus, results, ask_path, stacks_path,
+           kwargs):
     import torch.distributed as dist
 
     # Stacks without the GIL, for a main thread stuck in a call that holds it.
@@ -89,7 +120,7 @@ def _entry(fn, rank, world, store_path, gpus, results, ask_path, stacks_path, kw
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     threading.Thread(target=_watch, args=(rank, ask_path, results), daemon=True,
                      name="stall-reporter").start()
-    init_rank(rank, world, store_path, gpus)
+    init_rank(rank, world, store_path, gpus, bind_cpus)
     try:
         results.put((rank, "ok", fn(rank, world, **kwargs)))
     except BaseException as exc:  # report everything, the parent decides
@@ -99,11 +130,12 @@ def _entry(fn, rank, world, store_path, gpus, results, ask_path, stacks_path, kw
 
 
 def run_ranks(fn, world: int | None = None, limit_s: float = 180.0, gpus: bool = True,
-              **kwargs) -> list:
+              bind_cpus: bool = False, **kwargs) -> list:
     """`fn(rank, world, **kwargs)` on each rank (a GPU each; `gpus` False: CPU processes in a
-    gloo group); returns the per-rank results, or raises with every failing rank's error. Ranks
-    still running after `limit_s` (or AFTER_FAILURE_S after another rank failed) report their
-    stacks and device state, then are killed: a hang fails, and says where it hung."""
+    gloo group; `bind_cpus`: each on its GPU's NUMA node's CPUs, `init_rank`); returns the
+    per-rank results, or raises with every failing rank's error. Ranks still running after
+    `limit_s` (or AFTER_FAILURE_S after another rank failed) report their stacks and device
+    state, then are killed: a hang fails, and says where it hung."""
     os.environ.update(SAFE_ENV)
     world = world or torch.cuda.device_count()
     ctx = mp.get_context("spawn")
@@ -112,8 +144,8 @@ def run_ranks(fn, world: int | None = None, limit_s: float = 180.0, gpus: bool =
     store_path = os.path.join(store_dir, "store")
     ask_path = os.path.join(store_dir, "report")
     stacks = [os.path.join(store_dir, f"stacks-{r}") for r in range(world)]
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, store_path, gpus, results,
-                                              ask_path, stacks[r], kwargs), daemon=True)
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, store_path, gpus, bind_cpus,
+                                              results, ask_path, stacks[r], kwargs), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
