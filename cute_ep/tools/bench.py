@@ -340,10 +340,9 @@ def _throughput(rank, world, args, fmt, budgets, flush) -> dict:
     sent_peers = sum(n for d, n in enumerate(sent) if d != rank)
     sweep = []
     first_out = None
+    # The direct input: bf16 x, or pre-quantized (codes, scales) (FP8 / NVFP4 "-input").
+    direct = args.direct_input and (cfg.format == "bf16" or type(x) is tuple)
     for sms in budgets:
-        # The direct input: bf16 x, or pre-quantized (codes, scales) (FP8 / NVFP4 "-input").
-        direct = bool(getattr(args, "direct_input", False)) and (
-            cfg.format == "bf16" or type(x) is tuple)
         buf = Buffer(cfg, sms=sms, direct_input=direct)
         x_in = x
         if direct:  # the layer before wrote x there
