@@ -243,8 +243,8 @@ class ChannelGeometry:
         for name in ("channels", "chunk_tokens", "ring_chunks", "stage_batches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.input_rows and (self.input_rows < 0 or self.cfg.layout == "sources" or
-                                self.input_rows > self.cfg.max_tokens_per_rank):
+        if self.input_rows != 0 and (self.input_rows < 0 or self.cfg.layout == "sources" or
+                                     self.input_rows > self.cfg.max_tokens_per_rank):
             raise ValueError(f"a direct input holds up to max_tokens_per_rank rows, for the "
                              f"packed or slabs layout; got {self.input_rows} rows, "
                              f"{self.cfg.layout}")

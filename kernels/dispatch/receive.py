@@ -21,10 +21,10 @@ from kernels.memory import error_field, gmem_ptr, store_f32, store_i32
 from kernels.scan import warp_exclusive_scan
 from layouts.buffers import (DIRECT_SCALE_ROWS, ERROR_CAPACITY, ERROR_CHANNELS, ERROR_COUNTS,
                              scale_rows_layout)
-from layouts.channels import (COUNT_MESSAGES, COUNT_SEGMENTS, COUNT_TOKENS, DISPATCH,
-                              FLAG_PREFIXED, FLAG_ROUND, HEADS, RECV_TIMES, SEND_TIMES, TAILS, batch_header_layout,
-                              channel_messages_layout, header_token_word, headers_layout,
-                              staging_layout)
+from layouts.channels import (COUNT_MESSAGES, COUNT_SEGMENTS, COUNT_TOKENS, DIRECT_BIT, DISPATCH,
+                              FLAG_PREFIXED, FLAG_ROUND, HEADS, RECV_TIMES, SEND_TIMES, TAILS,
+                              batch_header_layout, channel_messages_layout, header_token_word,
+                              headers_layout, staging_layout)
 from layouts.config import SOURCE_ROWS
 from layouts.scales import ATOM_ROWS
 
@@ -357,7 +357,7 @@ class ReceivePhase:
                 direct = Int32(0)
                 if tok < 0:  # DIRECT_BIT: the payload is row tok of s's direct input
                     direct = Int32(1)
-                    tok = tok & Int32(0x7FFFFFFF)
+                    tok = tok & Int32(~DIRECT_BIT)
                 cute.arch.sync_warp()
                 # The next batch's, once its source has published it (lane 0 saw its tail:
                 # acquired with this one's).
