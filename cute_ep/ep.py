@@ -1071,7 +1071,8 @@ class Buffer:
         if type(x) is tuple:
             if self._input is not None and self._is_direct_input(x):
                 t = x[0].shape[0]
-                self._check_routing(topk_ids, topk_weights, t)
+                if not self._routing_ok(topk_ids, topk_weights, t):
+                    self._check_routing(topk_ids, topk_weights, t)
                 return t
             fast = self._quantized_fast
             if fast is not None and len(x) == 2:

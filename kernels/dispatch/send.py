@@ -13,8 +13,7 @@ from kernels.dispatch.common import (BATCH, FP8_BLOCK, IDS, MAX_RANKS, NVFP4_BLO
 from kernels.memory import gmem_ptr, load_f32, load_i32, store_i32
 from kernels.routing import load_id
 from layouts.channels import (DIRECT_BIT, DISPATCH, SEND_TIMES, TAILS, batch_header_layout,
-                              header_token_word,
-                              headers_layout, staging_layout)
+                              header_token_word, headers_layout, staging_layout)
 
 
 class SendPhase:
