@@ -529,8 +529,8 @@ class Buffer:
         """`shared_rows`: with a fused shared expert, the rows of x [begin, end) it takes
         (default: `_shared_tokens`'); a NodeBuffer's node input holds its own tokens in one
         block after the held sources'."""
-        num_tokens = self._checked_inputs(x, topk_ids, topk_weights, num_input_tokens,
-                                          global_scale)
+        num_tokens, direct = self._checked_inputs(x, topk_ids, topk_weights, num_input_tokens,
+                                                  global_scale)
         if shared_rows is not None:
             begin, end = shared_rows
             if not (self.cfg.fused_shared_expert and not skip_a2a and
@@ -539,13 +539,13 @@ class Buffer:
                                  f"of x, for a fused shared expert without skip_a2a")
         return self._launch_dispatch(x, topk_ids, topk_weights, num_tokens, skip_a2a,
                                      num_input_tokens, global_scale, separate,
-                                     shared_rows=shared_rows)
+                                     shared_rows=shared_rows, direct_tuple=direct)
 
     def _checked_inputs(self, x, topk_ids, topk_weights, num_input_tokens,
-                        global_scale) -> int:
+                        global_scale) -> tuple[int, bool]:
         """A dispatch's checks (inputs, global scale, no receive hook pending, the token bound);
-        returns the token count."""
-        num_tokens = self._check_dispatch_inputs(x, topk_ids, topk_weights)
+        returns the token count and whether x is this Buffer's direct (codes, scales) input."""
+        num_tokens, direct = self._check_dispatch_inputs(x, topk_ids, topk_weights)
         quantized = type(x) is tuple
         # Else nothing to check: no scale given, and none needed (bf16 x of an nvfp4 layer).
         if global_scale is not None or (self._takes_global_scale and not quantized):
@@ -555,7 +555,7 @@ class Buffer:
         if num_input_tokens is not None and not 0 <= num_tokens <= int(num_input_tokens):
             raise ValueError(f"num_input_tokens={num_input_tokens} is below this rank's "
                              f"{num_tokens} tokens")
-        return num_tokens
+        return num_tokens, direct
 
     def _active_for(self, num_input_tokens) -> int:
         """`active_channels(num_input_tokens)`, computed once per bound."""
@@ -580,8 +580,8 @@ class Buffer:
         must run (on every rank) before this Buffer's next dispatch or combine. The tokens must
         fit the staging (at most channels x stage_batches x 16 a rank): the send then waits for
         no receiver."""
-        num_tokens = self._checked_inputs(x, topk_ids, topk_weights, num_input_tokens,
-                                          global_scale)
+        num_tokens, _ = self._checked_inputs(x, topk_ids, topk_weights, num_input_tokens,
+                                             global_scale)
         active = self._active_for(num_input_tokens)
         per_channel = -(-num_tokens // active)
         if -(-per_channel // STAGE_BATCH_TOKENS) > self.geo.stage_batches:
@@ -616,11 +616,12 @@ class Buffer:
     def _launch_dispatch(self, x, topk_ids, topk_weights, num_tokens, skip_a2a,
                          num_input_tokens, global_scale, separate=False,
                          phases: int = DISPATCH_SEND | DISPATCH_RECEIVE,
-                         shared_rows=None) -> DispatchOutput:
+                         shared_rows=None, direct_tuple=False) -> DispatchOutput:
         """Allocate the outputs and launch (inputs checked). The outputs' small tensors share
         one allocation unless `separate` (the custom operator's outputs may not alias). With
         `phases` DISPATCH_SEND alone, the arguments of the receive launch are kept for the
-        hook (`dispatch_send`)."""
+        hook (`dispatch_send`). `direct_tuple`: the checks found x to be this Buffer's direct
+        (codes, scales) input (`_is_direct_input`)."""
         cfg = self.cfg
         weighted = topk_weights is not None
         if cfg.fused_shared_expert and not weighted:
@@ -689,9 +690,10 @@ class Buffer:
         if self._input is not None and phases == DISPATCH_SEND | DISPATCH_RECEIVE:
             if cfg.format == "bf16":
                 direct = int(source == self._input.data_ptr())
-            elif type(x) is tuple:
-                direct = int(source == self._input[0].data_ptr() and
-                             scale_source == self._input[1].data_ptr())
+            elif direct_tuple:
+                # As the checks found it: a contiguous (codes, scales) pair over the same memory
+                # is not the direct input (its rows are not messages apart) and is staged.
+                direct = 1
         self._dispatch_launch(*args, phases, x_at, gs_at, encode, prefixed, direct)
         if phases == DISPATCH_SEND:
             # The receive launch reads what these arguments point at: keep the tensors alive.
@@ -1063,7 +1065,8 @@ class Buffer:
         """The SMs this layer's communication occupies (fixed at construction)."""
         return self._sms
 
-    def _check_dispatch_inputs(self, x, topk_ids, topk_weights) -> int:
+    def _check_dispatch_inputs(self, x, topk_ids, topk_weights) -> tuple[int, bool]:
+        """The token count, and whether x is this Buffer's direct (codes, scales) input."""
         cfg, dev = self.cfg, self._device_index
         # The common cases in one expression of cheap reads (a microsecond or two); anything
         # else, good or bad, takes the detailed checks below, which say what is wrong.
@@ -1073,7 +1076,7 @@ class Buffer:
                 t = x[0].shape[0]
                 if not self._routing_ok(topk_ids, topk_weights, t):
                     self._check_routing(topk_ids, topk_weights, t)
-                return t
+                return t, True
             fast = self._quantized_fast
             if fast is not None and len(x) == 2:
                 codes, scales = x
@@ -1086,22 +1089,22 @@ class Buffer:
                             and codes.is_contiguous() and scales.is_contiguous()
                             and not codes.data_ptr() % 16 and not scales.data_ptr() % 4
                             and self._routing_ok(topk_ids, topk_weights, t)):
-                        return t
+                        return t, False
             num_tokens = self._check_quantized_input(x)
             self._check_routing(topk_ids, topk_weights, num_tokens)
-            return num_tokens
+            return num_tokens, False
         if type(x) is tensor and len(shape := x.shape) == 2:
             t = shape[0]
             if (x.dtype is torch.bfloat16 and shape[1] == cfg.hidden
                     and x.get_device() == dev and x.is_contiguous() and not x.data_ptr() % 16
                     and self._routing_ok(topk_ids, topk_weights, t)):
-                return t
+                return t, False
         check_tensor(x, name="x", dtype="bfloat16", align=16, device_index=dev)
         if x.dim() != 2 or x.shape[1] != cfg.hidden:
             raise ValueError(f"x must be bf16 [T, {cfg.hidden}], got {tuple(x.shape)}")
         num_tokens = x.shape[0]
         self._check_routing(topk_ids, topk_weights, num_tokens)
-        return num_tokens
+        return num_tokens, False
 
     def _routing_ok(self, topk_ids, topk_weights, t: int) -> bool:
         """Whether `t` tokens fit and their ids and weights are what the kernels take as they

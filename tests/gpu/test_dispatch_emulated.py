@@ -407,6 +407,65 @@ def test_a_direct_input_is_pulled_in_place(fmt, ranks, sms, hidden, stage_batche
            prequantized=quantized)
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_contiguous_rows_over_the_direct_input_are_staged_not_pulled(fmt):
+    """A (codes, scales) pair of contiguous tensors that only starts where the Buffer's direct
+    input does (over its memory, but not laid out as its messages) is an ordinary input: the
+    dispatch moves the bytes those tensors hold, exactly as it moves copies of them."""
+    from cute_ep.ep import Buffer
+    from layouts import EPConfig
+
+    hidden, experts, t = 1024, 32, 48
+    cfg = EPConfig(hidden, 8, experts, 2, 64, fmt)
+    bufs = Buffer.emulated(cfg, timeout_s=20.0, sms=4, input_rows=64)
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    ids = [torch.stack([torch.randperm(experts, generator=gen, device="cuda")[:8]
+                        for _ in range(t)]).int() for _ in bufs]
+    ws = [torch.rand(t, 8, generator=gen, device="cuda") for _ in bufs]
+    aliased = []
+    for buf in bufs:
+        views = buf.input_buffer()
+        assert views[0].stride(0) != views[0].shape[1]  # message-strided: the cases differ
+        pair = tuple(torch.as_strided(v, (t, v.shape[1]), (v.shape[1], 1)) for v in views)
+        for part in pair:  # the scales' bytes overwrite some of the codes': both as they land
+            raw = part.view(torch.uint8)
+            raw.copy_(torch.randint(0, 256, raw.shape, generator=gen, device="cuda",
+                                    dtype=torch.uint8))
+        aliased.append(pair)
+    copies = [tuple(part.clone() for part in pair) for pair in aliased]
+    assert bufs[0]._is_direct_input(tuple(v[:t] for v in bufs[0].input_buffer()))
+    assert not bufs[0]._is_direct_input(aliased[0])
+    streams = _streams(bufs)
+    outs = {}
+    for name, inputs in (("aliased", aliased), ("copies", copies)):
+        torch.cuda.synchronize()
+        outs[name] = []
+        for r, (buf, stream) in enumerate(zip(bufs, streams)):
+            with torch.cuda.stream(stream):
+                outs[name].append(buf.dispatch(inputs[r], ids[r], ws[r]))
+        torch.cuda.synchronize()
+        for buf in bufs:
+            buf.check()
+    for r in range(len(bufs)):
+        a, b = outs["aliased"][r], outs["copies"][r]
+        assert torch.equal(a.row_offsets, b.row_offsets) and torch.equal(a.counts, b.counts)
+        rows = int(a.row_offsets[-1])
+        assert rows > 0
+        assert torch.equal(a.tokens[:rows].view(torch.uint8), b.tokens[:rows].view(torch.uint8))
+        assert torch.equal(a.src_info[:rows], b.src_info[:rows])
+        if fmt == "fp8":  # [H / 128, row_capacity]
+            assert torch.equal(a.scales[:, :rows].view(torch.int32),
+                               b.scales[:, :rows].view(torch.int32))
+        else:  # the 128-row blocks each segment uses, 128 x (H / 16) bytes apiece
+            assert torch.equal(a.scales_offsets, b.scales_offsets)
+            block = 128 * (hidden // 16)
+            for g in range(a.counts.numel()):
+                first = int(a.row_offsets[g]) // 128 + int(a.scales_offsets[g])
+                used = -(-int(a.counts[g]) // 128)
+                span = slice(first * block, (first + used) * block)
+                assert torch.equal(a.scales.view(-1)[span], b.scales.view(-1)[span]), (r, g)
+
+
 def test_a_direct_input_is_asked_for():
     from cute_ep.ep import Buffer
     from layouts import EPConfig
