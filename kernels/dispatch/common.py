@@ -94,7 +94,19 @@ ROWS_AT = STAGE_AT + BATCH
 # The rows of two batches (halves, by batch parity): pieces of a batch still in flight read
 # their rows while the next batch is placed.
 SROWS_AT = ROWS_AT + 2 * BATCH * ROWS
-SCRATCH = SROWS_AT + BATCH * ROWS
+# Trial (placer): where a source's receivers split into a placer warp and mover warps
+# (`_expand_split`, at least SPLIT_MIN_WARPS warps a source), the placer's scratch holds
+# PLAN_SLOTS batches' plans: their rows at ROWS_AT (over the rows' halves and the scale rows,
+# which that path does not use), and after the rest: each message's staging slot, each plan's
+# message count (-1: the stream is over) and its batch.
+PLAN_SLOTS = 3
+assert PLAN_SLOTS * BATCH * ROWS <= 3 * BATCH * ROWS
+PLAN_STAGE_AT = SROWS_AT + BATCH * ROWS
+PLAN_CNT_AT = PLAN_STAGE_AT + PLAN_SLOTS * BATCH
+PLAN_BATCH_AT = PLAN_CNT_AT + PLAN_SLOTS
+SCRATCH = (PLAN_BATCH_AT + PLAN_SLOTS + 3) // 4 * 4
+SPLIT_MIN_WARPS = 3  # a placer and at least two movers
+PLAN_SOURCES = 2  # sources with plans: per_source >= 3 of 8 receiver warps means ranks <= 2
 # s_src words per source: messages, messages of the channels before, messages in all, whether a
 # warp of it gave up (timed out), tokens of its channel, its first row (rows by source); then,
 # per staging slot, how many of the source's warps have finished the batches it held
