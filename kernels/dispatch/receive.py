@@ -695,6 +695,12 @@ class ReceivePhase:
                     if lane == 0:
                         s_scratch[pbase + PLAN_CNT_AT + slot3] = cnt
                         s_scratch[pbase + PLAN_BATCH_AT + slot3] = i
+                        # The placer is done with the batch's header: one of s's warps for the
+                        # slot's count, before the plan is announced, so that the last of them
+                        # is always a mover (which hands the batch before back).
+                        cute.arch.atomic_add(
+                            (s_src.iterator + (DONE_AT + i % stage_batches) * MAX_RANKS + s),
+                            Int32(1), sem="relaxed", scope="cta")
                     cute.arch.sync_warp()  # the plan written before it is announced
                     if lane == 0:
                         cute.arch.mbarrier_arrive(ready + slot3)
@@ -703,12 +709,6 @@ class ReceivePhase:
                                        cute.arch.globaltimer())
                     r = r + 1
                     placed = placed + cnt
-                    if lane == 0:
-                        # The placer is done with the batch's header: one of s's warps for the
-                        # slot's count (a mover finishes each batch after it).
-                        cute.arch.atomic_add(
-                            (s_src.iterator + (DONE_AT + i % stage_batches) * MAX_RANKS + s),
-                            Int32(1), sem="relaxed", scope="cta")
                 if alive == 0 and lane == 0:
                     s_src[3 * MAX_RANKS + s] = Int32(1)
                 if s_src[3 * MAX_RANKS + s] != 0:
