@@ -78,7 +78,7 @@ from kernels.nvfp4 import SCALE_TABLE_BYTES, fill_scale_table, scale_table_layou
 from kernels.dispatch.common import (BATCH, BULK_FORMATS, COUNT_WORDS, FORMATS, FP8_BLOCK,
                                      LIMITS, MAX_RANKS, MAX_SEGMENTS, MAX_STAGE_BATCHES, MAX_TOPK,
                                      PAD_BARRIER, PHASE_DISPATCH, PIECE, PIECES, PLAN_SLOTS,
-                                     PLAN_SOURCES, RECV_TIME_WORDS,
+                                     PLAN_SOURCES, PLAN_WORDS, RECV_TIME_WORDS,
                                      RECV_WARPS_BULK, RECV_WARPS_REGISTERS, SCRATCH, SEND_VECTORS,
                                      SEND_WARPS, SRC_WORDS, TILE_ROWS, TILE_STRIDE, TILE_VECTORS,
                                      WARP, _stamp, _wait_at_least)
@@ -137,7 +137,8 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                  + 4 * (MAX_SEGMENTS + 4)  # s_off, s_tot, s_raw, s_first
                  + SRC_WORDS * MAX_RANKS  # s_src
                  + self.recv_warps * (SCRATCH + BATCH * MAX_TOPK)  # s_scratch, s_wts
-                 + MAX_STAGE_BATCHES)  # s_arrive
+                 + MAX_STAGE_BATCHES  # s_arrive
+                 + (PLAN_SOURCES * PLAN_WORDS if self.bulk else 4))  # s_planw
         # s_head, s_time, s_plan
         dwords = SEND_WARPS * MAX_RANKS + self.time_words + PLAN_SOURCES * 2 * PLAN_SLOTS
         tiles = 0 if self.tiles_in_ring else 4 * self.tile_words
@@ -390,6 +391,9 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
         # Trial (placer): per source with plans, PLAN_SLOTS "plan ready" then PLAN_SLOTS "plan
         # free" mbarriers.
         s_plan = smem.allocate_array(Int64, PLAN_SOURCES * 2 * PLAN_SLOTS, byte_alignment=8)
+        s_planw = smem.allocate_tensor(
+            Int32, cute.make_layout(PLAN_SOURCES * PLAN_WORDS if self.bulk else 4),
+            byte_alignment=16)
         s_piece = smem.allocate_tensor(Int32, cute.make_layout(pieces), byte_alignment=16)
         s_table = s_piece  # the NVFP4 encoder's e4m3 scale table (other formats: unused)
         if cutlass.const_expr(self.fmt == "nvfp4"):
@@ -516,7 +520,7 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                                   parity, epoch, timeout_ns, s_next, s_totals, s_off, s_tot, s_raw,
                                   s_first, s_src, s_rows, s_wts, s_ring, s_full, s_piece, s_time,
                                   warp_copy, trace, tracing, phases & DISPATCH_SEND, prefixed,
-                                  input_offset, s_plan)
+                                  input_offset, s_plan, s_planw)
 
                 # The last CTA to finish advances the round.
                 cute.arch.sync_threads()

@@ -14,7 +14,7 @@ from kernels.dispatch.common import (BATCH, DONE_AT, FP8_BLOCK, HEADER_REGS, IDS
                                      MAP_AT, MAX_RANKS, MAX_SEGMENTS, MAX_STAGE_BATCHES, MAX_TOPK,
                                      NVFP4_BLOCK, PAD_BARRIER, PHASE_DISPATCH, PIECE, PIECES,
                                      PLAN_BATCH_AT, PLAN_CNT_AT, PLAN_SLOTS, PLAN_STAGE_AT,
-                                     SPLIT_MIN_WARPS,
+                                     PLAN_WORDS, SPLIT_MIN_WARPS,
                                      RECV_TIME_WORDS, ROWS, ROWS_AT, SCALES_BULK, SCALES_LANES,
                                      SCALES_SLABS, SCALE_REGS, SCRATCH, SEGS_AT, SEND_WARPS,
                                      SROWS_AT, STAGE_AT, TOKS_AT, WARP, WEIGHTS, _lap, _stamp,
@@ -52,7 +52,8 @@ class ReceivePhase:
                  s_src: cute.Tensor, s_rows: cute.Tensor, s_wts: cute.Tensor,
                  s_ring: cute.Tensor, s_full: cute.Pointer, s_piece: cute.Tensor,
                  s_time: cute.Tensor, warp_copy: cute.TiledCopy, trace: cute.Pointer, tracing,
-                 pad_by_senders, prefixed, input_offset, s_plan: cute.Pointer):
+                 pad_by_senders, prefixed, input_offset, s_plan: cute.Pointer,
+                 s_planw: cute.Tensor):
         """The receiver warps (thread rt of recv_warps * 32). `pad_by_senders`: this launch's
         sender warps zero the FP8 alignment rows (`_pad_after_send`), not the receivers.
         `prefixed`: the sources sent prefixed counts (`layouts.channels.counts_layout`)."""
@@ -223,21 +224,21 @@ class ReceivePhase:
         cute.arch.barrier(barrier_id=1, number_of_threads=threads)
         if rt == 0:
             _stamp(trace, tracing, channel, "layout_ready", cute.arch.globaltimer())
-        split = False
+        split = Int32(0)
         if cutlass.const_expr(self.bulk):
-            split = per_source >= SPLIT_MIN_WARPS
-        if sub < per_source and split:
-            self._expand_split(
-                lane, sub, per_source, s, channel, peers, here, streams, error, tokens, scales,
-                scale_rows, segment_rows, src_info, comb_rows, comb_weights, comb_tokens,
-                max_tokens, topk, local_experts, ranks, my_rank, shared, skip_a2a, shared_begin,
-                shared_end, header_bytes, stage_bytes, stage_batches, payload_vectors,
-                scales_offset, row_capacity, channels, headers_offset, staging_offset,
-                counters_offset, counters, timeout_ns, s_next, s_off, s_first, s_src, s_rows,
-                s_wts, s_ring, s_full, s_piece, s_time, rwarp, payload_bytes, blocks,
-                scale_cols, rk, recv_ids, recv_weights, trace, tracing, input_offset,
-                s_plan + s * 2 * PLAN_SLOTS)
-        elif sub < per_source:
+            split = Int32(per_source >= SPLIT_MIN_WARPS)
+            if split != 0 and sub < per_source:
+                self._expand_split(
+                    lane, sub, per_source, s, channel, peers, here, streams, error, tokens, scales,
+                    scale_rows, segment_rows, src_info, comb_rows, comb_weights, comb_tokens,
+                    max_tokens, topk, local_experts, ranks, my_rank, shared, skip_a2a, shared_begin,
+                    shared_end, header_bytes, stage_bytes, stage_batches, payload_vectors,
+                    scales_offset, row_capacity, channels, headers_offset, staging_offset,
+                    counters_offset, counters, timeout_ns, s_next, s_off, s_first, s_src, s_rows,
+                    s_wts, s_ring, s_full, s_piece, s_time, rwarp, payload_bytes, blocks,
+                    scale_cols, rk, recv_ids, recv_weights, trace, tracing, input_offset,
+                    s_plan + s * 2 * PLAN_SLOTS, s_planw, s * PLAN_WORDS)
+        if split == 0 and sub < per_source:
             self._expand(lane, sub, per_source, s, channel, peers, here, streams, error, tokens,
                          scales, scale_rows, segment_rows, src_info, comb_rows, comb_weights,
                          comb_tokens, max_tokens, topk, local_experts, ranks, my_rank, shared,
@@ -535,14 +536,16 @@ class ReceivePhase:
                       s_wts: cute.Tensor, s_ring: cute.Tensor, s_full: cute.Pointer,
                       s_piece: cute.Tensor, s_time: cute.Tensor, rwarp, payload_bytes, blocks,
                       scale_cols, rk, recv_ids: cute.Pointer, recv_weights: cute.Pointer,
-                      trace: cute.Pointer, tracing, input_offset, plans: cute.Pointer):
+                      trace: cute.Pointer, tracing, input_offset, plans: cute.Pointer,
+                      s_planw: cute.Tensor, pw):
         """Trial (placer): source s's warps split into a placer (sub 0: reads each batch's
         header, places its messages' rows into a plan, records what combine needs) and
         per_source - 1 movers (each pulls its share of a plan's messages into their rows), so
         the movers never wait on a header and the rows are placed once, not per warp. Plans
-        go round PLAN_SLOTS slots of the placer's scratch, each ready (`plans[slot]`, the
-        placer's arrival) and free again (`plans[PLAN_SLOTS + slot]`, every mover's, once that
-        plan's pieces are stored); the staging slots go back to s as `_expand` gives them."""
+        go round PLAN_SLOTS slots (rows in the placer's scratch, the rest at s_planw[pw ..]),
+        each ready (`plans[slot]`, the placer's arrival) and free again (`plans[PLAN_SLOTS +
+        slot]`, every mover's, once that plan's pieces are stored); the staging slots go back
+        to s as `_expand` gives them."""
         stage = staging_layout(stage_bytes, stage_batches * BATCH, channels)
         headers = headers_layout(header_bytes, stage_batches, channels)
         hdr = batch_header_layout(topk)
@@ -684,7 +687,7 @@ class ReceivePhase:
                         at_stage = slot * BATCH + lane
                         if direct != 0:
                             at_stage = -1 - tok
-                        s_scratch[pbase + PLAN_STAGE_AT + slot3 * BATCH + m_of] = at_stage
+                        s_planw[pw + PLAN_STAGE_AT + slot3 * BATCH + m_of] = at_stage
                     self._place_plan(lane, s, cnt, first_msg + placed, topk, max_tokens,
                                      my_rank, shared, shared_begin, shared_end, segment_rows,
                                      src_info, comb_rows, comb_weights, comb_tokens,
@@ -693,8 +696,8 @@ class ReceivePhase:
                                      s_src[5 * MAX_RANKS + s], recv_ids, recv_weights, shared,
                                      s_time, times, tracing)
                     if lane == 0:
-                        s_scratch[pbase + PLAN_CNT_AT + slot3] = cnt
-                        s_scratch[pbase + PLAN_BATCH_AT + slot3] = i
+                        s_planw[pw + PLAN_CNT_AT + slot3] = cnt
+                        s_planw[pw + PLAN_BATCH_AT + slot3] = i
                         # The placer is done with the batch's header: one of s's warps for the
                         # slot's count, before the plan is announced, so that the last of them
                         # is always a mover (which hands the batch before back).
@@ -719,8 +722,8 @@ class ReceivePhase:
             if r >= PLAN_SLOTS:
                 cute.arch.mbarrier_wait(free + slot3, (r // PLAN_SLOTS - 1) % 2)
             if lane == 0:
-                s_scratch[pbase + PLAN_CNT_AT + slot3] = Int32(-1)
-                s_scratch[pbase + PLAN_BATCH_AT + slot3] = i
+                s_planw[pw + PLAN_CNT_AT + slot3] = Int32(-1)
+                s_planw[pw + PLAN_BATCH_AT + slot3] = i
             cute.arch.sync_warp()
             if lane == 0:
                 cute.arch.mbarrier_arrive(ready + slot3)
@@ -741,19 +744,19 @@ class ReceivePhase:
                 _lap(s_time, times, None, tracing, lane)
                 cute.arch.mbarrier_wait(ready + slot3, (r // PLAN_SLOTS) % 2)
                 _lap(s_time, times, "recv_wait_ns", tracing, lane)
-                cnt = s_scratch[pbase + PLAN_CNT_AT + slot3]
+                cnt = s_planw[pw + PLAN_CNT_AT + slot3]
                 if cnt < 0:
                     going = Int32(0)
                 else:
-                    i = s_scratch[pbase + PLAN_BATCH_AT + slot3]
+                    i = s_planw[pw + PLAN_BATCH_AT + slot3]
                     at = consumed + Int64(i)
                     if cutlass.const_expr(self.bulk):
                         if lane == 0:
                             cute.arch.fence_proxy("async.global")  # the tail's acquire, then bulk
                     for m in cutlass.range(mv, cnt, movers):
                         msg = self._message_at(staging, inputs, stage, channel,
-                                               s_scratch[pbase + PLAN_STAGE_AT + slot3 * BATCH
-                                                         + m], msg_bytes)
+                                               s_planw[pw + PLAN_STAGE_AT + slot3 * BATCH + m],
+                                               msg_bytes)
                         for p in cutlass.range(pieces):
                             issued, drained = self._pull_piece(
                                 lane, msg, slot3 * BATCH + m, p, issued, drained, msg_bytes,
@@ -779,7 +782,8 @@ class ReceivePhase:
                     _lap(s_time, times, "drain_ns", tracing, lane)
                     batch_mark = issued
                     # The plan whose pieces are all stored now: the one before (a ring of one
-                    # batch: this one).
+                    # batch: this one), once every lane is done reading it.
+                    cute.arch.sync_warp()
                     if lane == 0:
                         if stage_batches == 1:
                             cute.arch.mbarrier_arrive(free + slot3)
@@ -803,6 +807,7 @@ class ReceivePhase:
                 tokens, topk, s_scratch, pbase, scale_rows, scales, scale_mode, scales_offset,
                 scale_bytes, scale_cols, row_capacity, s_time, times, tracing)
             _lap(s_time, times, "drain_ns", tracing, lane)
+            cute.arch.sync_warp()
             if lane == 0 and stage_batches > 1 and r >= 1:
                 cute.arch.mbarrier_arrive(free + (r - 1) % PLAN_SLOTS)
         cute.arch.barrier(barrier_id=2 + s, number_of_threads=WARP * per_source)
