@@ -447,6 +447,9 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                             cute.arch.mbarrier_init(s_plan + i * 2 * PLAN_SLOTS + PLAN_SLOTS + j,
                                                     cutlass.max(movers, 1))
                     cute.arch.mbarrier_init_fence()
+                # Every warp sees them initialised (a receive-only launch's receivers meet no
+                # other CTA-wide barrier before using them).
+                cute.arch.sync_threads()
             if cutlass.const_expr(self.fmt == "nvfp4"):
                 if encode != 0:  # read after the counts phase's barriers
                     fill_scale_table(s_table, tidx, self.threads)
