@@ -388,8 +388,8 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
             s_tile = smem.allocate_tensor(Int32, cute.make_layout(self.tile_words),
                                           byte_alignment=16)
         s_full = smem.allocate_array(Int64, pieces, byte_alignment=8)
-        # Trial (placer): per source with plans, PLAN_SLOTS "plan ready" then PLAN_SLOTS "plan
-        # free" mbarriers.
+        # Per source with plans (`_expand_split`), PLAN_SLOTS "plan ready" then PLAN_SLOTS
+        # "plan free" mbarriers.
         s_plan = smem.allocate_array(Int64, PLAN_SOURCES * 2 * PLAN_SLOTS, byte_alignment=8)
         s_planw = smem.allocate_tensor(
             Int32, cute.make_layout(PLAN_SOURCES * PLAN_WORDS if self.bulk else 4),

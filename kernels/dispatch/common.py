@@ -94,7 +94,7 @@ ROWS_AT = STAGE_AT + BATCH
 # The rows of two batches (halves, by batch parity): pieces of a batch still in flight read
 # their rows while the next batch is placed.
 SROWS_AT = ROWS_AT + 2 * BATCH * ROWS
-# Trial (placer): where a source's receivers split into a placer warp and mover warps
+# Where a source's receivers split into a placer warp and mover warps
 # (`_expand_split`, at least SPLIT_MIN_WARPS warps a source), the placer's scratch holds the
 # rows of PLAN_SLOTS batches' plans at ROWS_AT (over the rows' halves and the scale rows, which
 # that path does not use); per source, PLAN_WORDS words of their own (bulk kernels only) hold

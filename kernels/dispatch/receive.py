@@ -538,7 +538,7 @@ class ReceivePhase:
                       scale_cols, rk, recv_ids: cute.Pointer, recv_weights: cute.Pointer,
                       trace: cute.Pointer, tracing, input_offset, plans: cute.Pointer,
                       s_planw: cute.Tensor, pw):
-        """Trial (placer): source s's warps split into a placer (sub 0: reads each batch's
+        """Source s's warps split into a placer (sub 0: reads each batch's
         header, places its messages' rows into a plan, records what combine needs) and
         per_source - 1 movers (each pulls its share of a plan's messages into their rows), so
         the movers never wait on a header and the rows are placed once, not per warp. Plans
