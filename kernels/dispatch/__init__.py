@@ -77,7 +77,8 @@ from kernels.placement import claim_channel
 from kernels.nvfp4 import SCALE_TABLE_BYTES, fill_scale_table, scale_table_layout
 from kernels.dispatch.common import (BATCH, BULK_FORMATS, COUNT_WORDS, FORMATS, FP8_BLOCK,
                                      LIMITS, MAX_RANKS, MAX_SEGMENTS, MAX_STAGE_BATCHES, MAX_TOPK,
-                                     PAD_BARRIER, PHASE_DISPATCH, PIECE, PIECES, RECV_TIME_WORDS,
+                                     PAD_BARRIER, PHASE_DISPATCH, PIECE, PIECES, PLAN_SLOTS,
+                                     PLAN_SOURCES, PLAN_WORDS, RECV_TIME_WORDS,
                                      RECV_WARPS_BULK, RECV_WARPS_REGISTERS, SCRATCH, SEND_VECTORS,
                                      SEND_WARPS, SRC_WORDS, TILE_ROWS, TILE_STRIDE, TILE_VECTORS,
                                      WARP, _stamp, _wait_at_least)
@@ -136,8 +137,10 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                  + 4 * (MAX_SEGMENTS + 4)  # s_off, s_tot, s_raw, s_first
                  + SRC_WORDS * MAX_RANKS  # s_src
                  + self.recv_warps * (SCRATCH + BATCH * MAX_TOPK)  # s_scratch, s_wts
-                 + MAX_STAGE_BATCHES)  # s_arrive
-        dwords = SEND_WARPS * MAX_RANKS + self.time_words  # s_head, s_time
+                 + MAX_STAGE_BATCHES  # s_arrive
+                 + (PLAN_SOURCES * PLAN_WORDS if self.bulk else 4))  # s_planw
+        # s_head, s_time, s_plan
+        dwords = SEND_WARPS * MAX_RANKS + self.time_words + PLAN_SOURCES * 2 * PLAN_SLOTS
         tiles = 0 if self.tiles_in_ring else 4 * self.tile_words
         table = SCALE_TABLE_BYTES + 16 if self.fmt == "nvfp4" else 0  # the NVFP4 encoder's
         return 4 * words + 8 * dwords + 14 * 16 + 128 + self.ring_bytes + tiles + table
@@ -385,6 +388,12 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
             s_tile = smem.allocate_tensor(Int32, cute.make_layout(self.tile_words),
                                           byte_alignment=16)
         s_full = smem.allocate_array(Int64, pieces, byte_alignment=8)
+        # Per source with plans (`_expand_split`), PLAN_SLOTS "plan ready" then PLAN_SLOTS
+        # "plan free" mbarriers.
+        s_plan = smem.allocate_array(Int64, PLAN_SOURCES * 2 * PLAN_SLOTS, byte_alignment=8)
+        s_planw = smem.allocate_tensor(
+            Int32, cute.make_layout(PLAN_SOURCES * PLAN_WORDS if self.bulk else 4),
+            byte_alignment=16)
         s_piece = smem.allocate_tensor(Int32, cute.make_layout(pieces), byte_alignment=16)
         s_table = s_piece  # the NVFP4 encoder's e4m3 scale table (other formats: unused)
         if cutlass.const_expr(self.fmt == "nvfp4"):
@@ -429,7 +438,18 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                 if tidx == 0:
                     for i in cutlass.range(self.recv_warps * PIECES):
                         cute.arch.mbarrier_init(s_full + i, 1)
+                    # A plan is ready once its placer says so, free once every mover is done
+                    # with it.
+                    movers = cutlass.min(self.recv_warps // ranks, BATCH) - 1
+                    for i in cutlass.range(PLAN_SOURCES):
+                        for j in cutlass.range(PLAN_SLOTS):
+                            cute.arch.mbarrier_init(s_plan + i * 2 * PLAN_SLOTS + j, 1)
+                            cute.arch.mbarrier_init(s_plan + i * 2 * PLAN_SLOTS + PLAN_SLOTS + j,
+                                                    cutlass.max(movers, 1))
                     cute.arch.mbarrier_init_fence()
+                # Every warp sees them initialised (a receive-only launch's receivers meet no
+                # other CTA-wide barrier before using them).
+                cute.arch.sync_threads()
             if cutlass.const_expr(self.fmt == "nvfp4"):
                 if encode != 0:  # read after the counts phase's barriers
                     fill_scale_table(s_table, tidx, self.threads)
@@ -503,7 +523,7 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                                   parity, epoch, timeout_ns, s_next, s_totals, s_off, s_tot, s_raw,
                                   s_first, s_src, s_rows, s_wts, s_ring, s_full, s_piece, s_time,
                                   warp_copy, trace, tracing, phases & DISPATCH_SEND, prefixed,
-                                  input_offset)
+                                  input_offset, s_plan, s_planw)
 
                 # The last CTA to finish advances the round.
                 cute.arch.sync_threads()

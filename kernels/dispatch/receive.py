@@ -13,6 +13,8 @@ from kernels.copy import row_predicate
 from kernels.dispatch.common import (BATCH, DONE_AT, FP8_BLOCK, HEADER_REGS, IDS, IDS_AT, LAG,
                                      MAP_AT, MAX_RANKS, MAX_SEGMENTS, MAX_STAGE_BATCHES, MAX_TOPK,
                                      NVFP4_BLOCK, PAD_BARRIER, PHASE_DISPATCH, PIECE, PIECES,
+                                     PLAN_BATCH_AT, PLAN_CNT_AT, PLAN_SLOTS, PLAN_STAGE_AT,
+                                     PLAN_WORDS, SPLIT_MIN_WARPS,
                                      RECV_TIME_WORDS, ROWS, ROWS_AT, SCALES_BULK, SCALES_LANES,
                                      SCALES_SLABS, SCALE_REGS, SCRATCH, SEGS_AT, SEND_WARPS,
                                      SROWS_AT, STAGE_AT, TOKS_AT, WARP, WEIGHTS, _lap, _stamp,
@@ -50,7 +52,8 @@ class ReceivePhase:
                  s_src: cute.Tensor, s_rows: cute.Tensor, s_wts: cute.Tensor,
                  s_ring: cute.Tensor, s_full: cute.Pointer, s_piece: cute.Tensor,
                  s_time: cute.Tensor, warp_copy: cute.TiledCopy, trace: cute.Pointer, tracing,
-                 pad_by_senders, prefixed, input_offset):
+                 pad_by_senders, prefixed, input_offset, s_plan: cute.Pointer,
+                 s_planw: cute.Tensor):
         """The receiver warps (thread rt of recv_warps * 32). `pad_by_senders`: this launch's
         sender warps zero the FP8 alignment rows (`_pad_after_send`), not the receivers.
         `prefixed`: the sources sent prefixed counts (`layouts.channels.counts_layout`)."""
@@ -221,7 +224,21 @@ class ReceivePhase:
         cute.arch.barrier(barrier_id=1, number_of_threads=threads)
         if rt == 0:
             _stamp(trace, tracing, channel, "layout_ready", cute.arch.globaltimer())
-        if sub < per_source:
+        split = Int32(0)
+        if cutlass.const_expr(self.bulk):
+            split = Int32(per_source >= SPLIT_MIN_WARPS)
+            if split != 0 and sub < per_source:
+                self._expand_split(
+                    lane, sub, per_source, s, channel, peers, here, streams, error, tokens, scales,
+                    scale_rows, segment_rows, src_info, comb_rows, comb_weights, comb_tokens,
+                    max_tokens, topk, local_experts, ranks, my_rank, shared, skip_a2a, shared_begin,
+                    shared_end, header_bytes, stage_bytes, stage_batches, payload_vectors,
+                    scales_offset, row_capacity, channels, headers_offset, staging_offset,
+                    counters_offset, counters, timeout_ns, s_next, s_off, s_first, s_src, s_rows,
+                    s_wts, s_ring, s_full, s_piece, s_time, rwarp, payload_bytes, blocks,
+                    scale_cols, rk, recv_ids, recv_weights, trace, tracing, input_offset,
+                    s_plan + s * 2 * PLAN_SLOTS, s_planw, s * PLAN_WORDS)
+        if split == 0 and sub < per_source:
             self._expand(lane, sub, per_source, s, channel, peers, here, streams, error, tokens,
                          scales, scale_rows, segment_rows, src_info, comb_rows, comb_weights,
                          comb_tokens, max_tokens, topk, local_experts, ranks, my_rank, shared,
@@ -504,6 +521,370 @@ class ReceivePhase:
         if tracing != 0 and lane == 0:
             for f in cutlass.range_constexpr(len(RECV_TIMES)):
                 _stamp_max(trace, tracing, channel, RECV_TIMES[f], s_time[times + f])
+
+    @cute.jit
+    def _expand_split(self, lane, sub, per_source, s, channel, peers: cute.Tensor, here,
+                      streams: cute.Pointer, error: cute.Pointer, tokens: cute.Pointer,
+                      scales: cute.Pointer, scale_rows: cute.Pointer, segment_rows,
+                      src_info: cute.Pointer, comb_rows: cute.Pointer,
+                      comb_weights: cute.Pointer, comb_tokens: cute.Pointer, max_tokens, topk,
+                      local_experts, ranks, my_rank, shared, skip_a2a, shared_begin, shared_end,
+                      header_bytes, stage_bytes, stage_batches, payload_vectors, scales_offset,
+                      row_capacity, channels, headers_offset, staging_offset, counters_offset,
+                      counters, timeout_ns, s_next: cute.Tensor, s_off: cute.Tensor,
+                      s_first: cute.Tensor, s_src: cute.Tensor, s_scratch: cute.Tensor,
+                      s_wts: cute.Tensor, s_ring: cute.Tensor, s_full: cute.Pointer,
+                      s_piece: cute.Tensor, s_time: cute.Tensor, rwarp, payload_bytes, blocks,
+                      scale_cols, rk, recv_ids: cute.Pointer, recv_weights: cute.Pointer,
+                      trace: cute.Pointer, tracing, input_offset, plans: cute.Pointer,
+                      s_planw: cute.Tensor, pw):
+        """Source s's warps split into a placer (sub 0: reads each batch's
+        header, places its messages' rows into a plan, records what combine needs) and
+        per_source - 1 movers (each pulls its share of a plan's messages into their rows), so
+        the movers never wait on a header and the rows are placed once, not per warp. Plans
+        go round PLAN_SLOTS slots (rows in the placer's scratch, the rest at s_planw[pw ..]),
+        each ready (`plans[slot]`, the placer's arrival) and free again (`plans[PLAN_SLOTS +
+        slot]`, every mover's, once that plan's pieces are stored); the staging slots go back
+        to s as `_expand` gives them."""
+        stage = staging_layout(stage_bytes, stage_batches * BATCH, channels)
+        headers = headers_layout(header_bytes, stage_batches, channels)
+        hdr = batch_header_layout(topk)
+        n = s_src[s]
+        first_msg = s_src[MAX_RANKS + s]
+        ntok = s_src[4 * MAX_RANKS + s]
+        batches = (ntok + BATCH - 1) // BATCH
+        consumed = cute.arch.load(gmem_ptr(Int64, streams.toint() + Int64(
+            counters((channel, s, HEADS, DISPATCH))) * 8, 8), Int64)
+        tail_word = here + counters_offset + Int64(counters((channel, s, TAILS, DISPATCH))) * 8
+        head_word = peers[s] + counters_offset + Int64(
+            counters((channel, my_rank, HEADS, DISPATCH))) * 8
+        staging = peers[s] + staging_offset
+        inputs = peers[s] + input_offset
+        pbase = s * SCRATCH  # the placer's scratch (warp s), where the plans are
+        movers = per_source - 1
+        ready = plans
+        free = plans + PLAN_SLOTS
+        msg_bytes = Int64(payload_bytes)
+        scale_bytes = Int32(0)
+        scale_mode = Int32(SCALES_BULK)
+        if cutlass.const_expr(self.fmt != "bf16"):
+            msg_bytes = Int64(stage_bytes)
+            scale_bytes = (blocks if self.fmt == "fp8" else rk) * 4
+            if segment_rows > 0:
+                scale_mode = Int32(SCALES_SLABS)
+            elif self._direct_scales(s_off, local_experts + shared):
+                scale_mode = Int32(SCALES_SLABS)
+            elif scale_bytes % 16 != 0 or (self.fmt == "nvfp4" and scale_cols % 4 != 0):
+                scale_mode = Int32(SCALES_LANES)
+        pieces = Int32((msg_bytes + PIECE - 1) // PIECE)
+        pieces_at = s_ring.iterator + rwarp * PIECES * PIECE
+        full = s_full + rwarp * PIECES
+        held = rwarp * PIECES
+        times = SEND_WARPS * len(SEND_TIMES) + rwarp * RECV_TIME_WORDS
+        if tracing != 0 and lane == 0:
+            for f in cutlass.range_constexpr(len(RECV_TIMES)):
+                s_time[times + f] = Int64(0)
+        alive = Int32(1)
+        placed = Int32(0)
+        if sub == 0:
+            # The placer: every batch of s in order, as `_expand`'s warps take them.
+            scratch = pbase
+            wts = rwarp * BATCH * MAX_TOPK
+            next_at = rwarp * MAX_SEGMENTS
+            lo = my_rank * local_experts
+            n_ids = cute.make_rmem_tensor(cute.make_layout(HEADER_REGS), Int32)
+            n_wts = cute.make_rmem_tensor(cute.make_layout(HEADER_REGS), Float32)
+            have = Int32(0)
+            n_tok = Int32(-1)
+            tail = consumed
+            r = Int32(0)  # plans written
+            i = Int32(0)
+            while i < batches and placed < n and alive != 0:
+                at = consumed + Int64(i)
+                if lane == 0:
+                    if tail <= at:
+                        _lap(s_time, times, None, tracing, lane)
+                        tail, alive = _wait_at_least(tail_word, at + 1, timeout_ns, error, s,
+                                                     Int32(PHASE_DISPATCH))
+                        _lap(s_time, times, "recv_wait_ns", tracing, lane)
+                alive = cute.arch.shuffle_sync(alive, 0)
+                if lane == 0 and i == 0:
+                    _stamp_max(trace, tracing, channel, "first_batch", cute.arch.globaltimer())
+                if alive != 0:
+                    slot = Int32(at % Int64(stage_batches))
+                    head = peers[s] + headers_offset + Int64(headers((0, slot, channel)))
+                    in_batch = cutlass.min(Int32(BATCH), ntok - i * BATCH)
+                    _lap(s_time, times, None, tracing, lane)
+                    if have == 0:
+                        n_tok = self._load_header(lane, head, hdr, in_batch, topk, n_ids, n_wts)
+                    for j in cutlass.range_constexpr(HEADER_REGS):
+                        w = lane + j * WARP
+                        if w < in_batch * topk:
+                            s_scratch[scratch + IDS_AT + w] = n_ids[j]
+                            s_wts[wts + w] = n_wts[j]
+                    tok = n_tok
+                    direct = Int32(0)
+                    if tok < 0:
+                        direct = Int32(1)
+                        tok = tok & Int32(~DIRECT_BIT)
+                    cute.arch.sync_warp()
+                    have = Int32(0)
+                    ahead = cute.arch.shuffle_sync(Int32(tail > at + 1), 0)
+                    if ahead != 0 and i + 1 < batches:
+                        nslot = Int32((at + 1) % Int64(stage_batches))
+                        n_tok = self._load_header(
+                            lane, peers[s] + headers_offset + Int64(headers((0, nslot, channel))),
+                            hdr, cutlass.min(Int32(BATCH), ntok - (i + 1) * BATCH), topk, n_ids,
+                            n_wts)
+                        have = Int32(1)
+                    for w in cutlass.range(lane, in_batch * topk, WARP):
+                        c = w // topk
+                        k = w - c * topk
+                        e = s_scratch[scratch + IDS_AT + w]
+                        g = Int32(-1)
+                        if e >= lo and e < lo + local_experts:
+                            g = e - lo + shared
+                            for k2 in cutlass.range(k):
+                                if s_scratch[scratch + IDS_AT + c * topk + k2] == e:
+                                    g = Int32(-1)
+                        if skip_a2a != 0 and s != my_rank:
+                            g = Int32(-1)
+                        s_scratch[scratch + SEGS_AT + w] = g
+                    cute.arch.sync_warp()
+                    comes = Int32(0)
+                    if lane < in_batch:
+                        for k in cutlass.range(topk):
+                            if s_scratch[scratch + SEGS_AT + lane * topk + k] >= 0:
+                                comes = Int32(1)
+                        if shared != 0 and s == my_rank and tok >= shared_begin and \
+                                tok < shared_end:
+                            comes = Int32(1)
+                    ballot = cute.arch.vote_ballot_sync(comes != 0)
+                    cnt = cute.arch.popc(ballot)
+                    if placed + cnt > n:
+                        cute.arch.atomic_or(error_field(error, "bad_counts"),
+                                            Int32(ERROR_COUNTS), sem="relaxed", scope="gpu")
+                        cnt = n - placed
+                    m_of = cute.arch.popc(ballot & ((Int32(1) << lane) - 1))
+                    slot3 = r % PLAN_SLOTS
+                    if comes != 0 and m_of < cnt:
+                        if tok < 0 or tok >= max_tokens:
+                            cute.arch.atomic_or(error_field(error, "bad_counts"),
+                                                Int32(ERROR_COUNTS), sem="relaxed", scope="gpu")
+                            tok = Int32(0)
+                        s_scratch[scratch + MAP_AT + m_of] = lane
+                        s_scratch[scratch + TOKS_AT + m_of] = tok
+                    cute.arch.sync_warp()
+                    if lane == 0 and i == 0:
+                        _stamp_max(trace, tracing, channel, "chunk_read", cute.arch.globaltimer())
+                    _lap(s_time, times, "header_ns", tracing, lane)
+                    # The plan slot is free once every mover has stored the pieces of the plan
+                    # PLAN_SLOTS before this one.
+                    if r >= PLAN_SLOTS:
+                        cute.arch.mbarrier_wait(free + slot3, (r // PLAN_SLOTS - 1) % 2)
+                    _lap(s_time, times, "free_ns", tracing, lane)
+                    if comes != 0 and m_of < cnt:
+                        at_stage = slot * BATCH + lane
+                        if direct != 0:
+                            at_stage = -1 - tok
+                        s_planw[pw + PLAN_STAGE_AT + slot3 * BATCH + m_of] = at_stage
+                    self._place_plan(lane, s, cnt, first_msg + placed, topk, max_tokens,
+                                     my_rank, shared, shared_begin, shared_end, segment_rows,
+                                     src_info, comb_rows, comb_weights, comb_tokens,
+                                     row_capacity, s_next, s_scratch, s_wts, scratch,
+                                     pbase + ROWS_AT + slot3 * BATCH * ROWS, wts, next_at,
+                                     s_src[5 * MAX_RANKS + s], recv_ids, recv_weights, shared,
+                                     s_time, times, tracing)
+                    if lane == 0:
+                        s_planw[pw + PLAN_CNT_AT + slot3] = cnt
+                        s_planw[pw + PLAN_BATCH_AT + slot3] = i
+                        # The placer is done with the batch's header: one of s's warps for the
+                        # slot's count, before the plan is announced, so that the last of them
+                        # is always a mover (which hands the batch before back).
+                        cute.arch.atomic_add(
+                            (s_src.iterator + (DONE_AT + i % stage_batches) * MAX_RANKS + s),
+                            Int32(1), sem="relaxed", scope="cta")
+                    cute.arch.sync_warp()  # the plan written before it is announced
+                    if lane == 0:
+                        cute.arch.mbarrier_arrive(ready + slot3)
+                        if i == 0:
+                            _stamp_max(trace, tracing, channel, "chunk_placed",
+                                       cute.arch.globaltimer())
+                    r = r + 1
+                    placed = placed + cnt
+                if alive == 0 and lane == 0:
+                    s_src[3 * MAX_RANKS + s] = Int32(1)
+                if s_src[3 * MAX_RANKS + s] != 0:
+                    alive = Int32(0)
+                i = i + 1
+            # The end of the stream: a plan of -1 messages.
+            slot3 = r % PLAN_SLOTS
+            if r >= PLAN_SLOTS:
+                cute.arch.mbarrier_wait(free + slot3, (r // PLAN_SLOTS - 1) % 2)
+            if lane == 0:
+                s_planw[pw + PLAN_CNT_AT + slot3] = Int32(-1)
+                s_planw[pw + PLAN_BATCH_AT + slot3] = i
+            cute.arch.sync_warp()
+            if lane == 0:
+                cute.arch.mbarrier_arrive(ready + slot3)
+            if placed < n and alive != 0:
+                if lane == 0:
+                    cute.arch.atomic_or(error_field(error, "bad_counts"), Int32(ERROR_COUNTS),
+                                        sem="relaxed", scope="gpu")
+        else:
+            # A mover: its share (messages mv, mv + movers, ...) of every plan, in order.
+            mv = sub - 1
+            issued = Int32(0)
+            drained = Int32(0)
+            batch_mark = Int32(0)
+            r = Int32(0)
+            going = Int32(1)
+            while going != 0:
+                slot3 = r % PLAN_SLOTS
+                _lap(s_time, times, None, tracing, lane)
+                cute.arch.mbarrier_wait(ready + slot3, (r // PLAN_SLOTS) % 2)
+                _lap(s_time, times, "recv_wait_ns", tracing, lane)
+                cnt = s_planw[pw + PLAN_CNT_AT + slot3]
+                if cnt < 0:
+                    going = Int32(0)
+                else:
+                    i = s_planw[pw + PLAN_BATCH_AT + slot3]
+                    at = consumed + Int64(i)
+                    if cutlass.const_expr(self.bulk):
+                        if lane == 0:
+                            cute.arch.fence_proxy("async.global")  # the tail's acquire, then bulk
+                    for m in cutlass.range(mv, cnt, movers):
+                        msg = self._message_at(staging, inputs, stage, channel,
+                                               s_planw[pw + PLAN_STAGE_AT + slot3 * BATCH + m],
+                                               msg_bytes)
+                        for p in cutlass.range(pieces):
+                            issued, drained = self._pull_piece(
+                                lane, msg, slot3 * BATCH + m, p, issued, drained, msg_bytes,
+                                payload_bytes, pieces_at, full, s_piece, held, tokens, topk,
+                                s_scratch, pbase, scale_rows, scales, scale_mode, scales_offset,
+                                scale_bytes, scale_cols, row_capacity, s_time, times, tracing)
+                    if lane == 0 and i == 0:
+                        _stamp_max(trace, tracing, channel, "chunk_stored",
+                                   cute.arch.globaltimer())
+                    # As `_expand`: the previous batch's pieces have landed and been stored; that
+                    # batch goes back to s now (with a ring of one batch, this one at once).
+                    target = batch_mark
+                    done_through = at
+                    if stage_batches == 1:
+                        target = issued
+                        done_through = at + 1
+                    _lap(s_time, times, None, tracing, lane)
+                    drained = self._drain_pieces(
+                        target, lane, drained, msg_bytes, payload_bytes, pieces_at, full,
+                        s_piece, held, tokens, topk, s_scratch, pbase, scale_rows, scales,
+                        scale_mode, scales_offset, scale_bytes, scale_cols, row_capacity,
+                        s_time, times, tracing)
+                    _lap(s_time, times, "drain_ns", tracing, lane)
+                    batch_mark = issued
+                    # The plan whose pieces are all stored now: the one before (a ring of one
+                    # batch: this one), once every lane is done reading it.
+                    cute.arch.sync_warp()
+                    if lane == 0:
+                        if stage_batches == 1:
+                            cute.arch.mbarrier_arrive(free + slot3)
+                        elif r >= 1:
+                            cute.arch.mbarrier_arrive(free + (r - 1) % PLAN_SLOTS)
+                    if s_src[3 * MAX_RANKS + s] != 0:
+                        alive = Int32(0)
+                    if alive != 0 and lane == 0:
+                        slot_done = cute.arch.atomic_add(
+                            (s_src.iterator + (DONE_AT + i % stage_batches) * MAX_RANKS + s),
+                            Int32(1), sem="relaxed", scope="cta")
+                        if slot_done + 1 == per_source * (i // stage_batches + 1):
+                            cute.arch.red(gmem_ptr(Int64, head_word, 8), done_through, op="max",
+                                          dtype=Int64, sem="relaxed", scope="sys")
+                    r = r + 1
+            # Every piece has landed and been stored: the last plan goes free (the placer may be
+            # waiting for it to end the stream) and the stream's slots go back to s.
+            _lap(s_time, times, None, tracing, lane)
+            drained = self._drain_pieces(
+                issued, lane, drained, msg_bytes, payload_bytes, pieces_at, full, s_piece, held,
+                tokens, topk, s_scratch, pbase, scale_rows, scales, scale_mode, scales_offset,
+                scale_bytes, scale_cols, row_capacity, s_time, times, tracing)
+            _lap(s_time, times, "drain_ns", tracing, lane)
+            cute.arch.sync_warp()
+            if lane == 0 and stage_batches > 1 and r >= 1:
+                cute.arch.mbarrier_arrive(free + (r - 1) % PLAN_SLOTS)
+        cute.arch.barrier(barrier_id=2 + s, number_of_threads=WARP * per_source)
+        _lap(s_time, times, "sync_ns", tracing, lane)
+        if s_src[3 * MAX_RANKS + s] != 0:
+            alive = Int32(0)
+        if sub == 0 and lane == 0 and alive != 0:
+            cute.arch.red(gmem_ptr(Int64, head_word, 8), consumed + Int64(batches), op="max",
+                          dtype=Int64, sem="relaxed", scope="sys")
+            cute.arch.store(gmem_ptr(Int64, streams.toint() + Int64(
+                counters((channel, s, HEADS, DISPATCH))) * 8, 8), consumed + Int64(batches))
+        if lane == 0:
+            _stamp_max(trace, tracing, channel, "recv_done", cute.arch.globaltimer())
+        cute.arch.cp_async_bulk_wait_group(0)  # every lane's rows written before the CTA ends
+        if lane == 0:
+            _stamp_max(trace, tracing, channel, "rows_written", cute.arch.globaltimer())
+        if tracing != 0 and lane == 0:
+            for f in cutlass.range_constexpr(len(RECV_TIMES)):
+                _stamp_max(trace, tracing, channel, RECV_TIMES[f], s_time[times + f])
+
+    @cute.jit
+    def _place_plan(self, lane, s, cnt, first, topk, max_tokens, my_rank, shared, shared_begin,
+                    shared_end, segment_rows, src_info: cute.Pointer, comb_rows: cute.Pointer,
+                    comb_weights: cute.Pointer, comb_tokens: cute.Pointer, row_capacity,
+                    s_next: cute.Tensor, s_scratch: cute.Tensor, s_wts: cute.Tensor, scratch,
+                    rows0, wts, next_at, src_base, recv_ids: cute.Pointer,
+                    recv_weights: cute.Pointer, local_base, s_time: cute.Tensor, times, tracing):
+        """The placer's `_place` without the pulls: the rows of a batch's `cnt` messages
+        (messages first .. of source s) into the plan at word `rows0` (message m's at rows0 +
+        m * ROWS), and what combine needs of them."""
+        pairs = cnt * topk
+        for w0 in cutlass.range(0, pairs, WARP):
+            w = w0 + lane
+            m = w // topk
+            k = w - m * topk
+            g = Int32(-1)
+            c = Int32(0)
+            if w < pairs:
+                c = s_scratch[scratch + MAP_AT + m]
+                g = s_scratch[scratch + SEGS_AT + c * topk + k]
+            row = Int32(-1)
+            if segment_rows == SOURCE_ROWS:
+                if g >= 0:
+                    row = src_base + first + m
+                    for k2 in cutlass.range(k):
+                        if s_scratch[scratch + SEGS_AT + c * topk + k2] >= 0:
+                            row = Int32(-1)
+            else:
+                key = -2 - lane
+                if g >= 0:
+                    key = g
+                same = cute.arch.match_sync(0xFFFFFFFF, key)
+                rank = cute.arch.popc(Int32(same) & ((Int32(1) << lane) - 1))
+                if g >= 0:
+                    row = s_next[next_at + g] + rank
+                cute.arch.sync_warp()
+                if g >= 0 and rank == cute.arch.popc(Int32(same)) - 1:
+                    s_next[next_at + g] = row + 1
+            if w < pairs:
+                if row >= row_capacity:
+                    row = -2 - row
+                s_scratch[rows0 + m * ROWS + k] = row
+            cute.arch.sync_warp()
+        if lane < cnt:
+            tok = s_scratch[scratch + TOKS_AT + lane]
+            row = Int32(-1)
+            if shared != 0 and s == my_rank and tok >= shared_begin and tok < shared_end:
+                row = tok - shared_begin
+            if row >= row_capacity:
+                row = -2 - row
+            s_scratch[rows0 + lane * ROWS + topk] = row
+        cute.arch.sync_warp()
+        _lap(s_time, times, "place_ns", tracing, lane)
+        self._record(lane, s, first, cnt, topk, max_tokens, src_info, comb_rows, comb_weights,
+                     comb_tokens, s_scratch, s_wts, scratch, rows0, wts, segment_rows, recv_ids,
+                     recv_weights, local_base)
+        _lap(s_time, times, "drain_ns", tracing, lane)
 
     @cute.jit
     def _load_header(self, lane, at, hdr, hn, topk, n_ids: cute.Tensor, n_wts: cute.Tensor):
