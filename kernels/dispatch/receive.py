@@ -276,16 +276,9 @@ class ReceivePhase:
         stage = staging_layout(stage_bytes, stage_batches * BATCH, channels)
         headers = headers_layout(header_bytes, stage_batches, channels)
         hdr = batch_header_layout(topk)
-        n = s_src[s]
-        first_msg = s_src[MAX_RANKS + s]
-        ntok = s_src[4 * MAX_RANKS + s]
-        batches = (ntok + BATCH - 1) // BATCH
-        consumed = cute.arch.load(gmem_ptr(Int64, streams.toint() + Int64(
-            counters((channel, s, HEADS, DISPATCH))) * 8, 8), Int64)
-        tail_word = here + counters_offset + Int64(counters((channel, s, TAILS, DISPATCH))) * 8
-        head_word = peers[s] + counters_offset + Int64(
-            counters((channel, my_rank, HEADS, DISPATCH))) * 8
-        staging = peers[s] + staging_offset
+        n, first_msg, ntok, batches, consumed, tail_word, head_word, staging = self._stream(
+            s, channel, my_rank, peers, here, streams, counters, counters_offset, staging_offset,
+            s_src)
         inputs = peers[s] + input_offset  # s's direct input (tokens whose word has DIRECT_BIT)
         scratch = rwarp * SCRATCH
         wts = rwarp * BATCH * MAX_TOPK
@@ -297,23 +290,9 @@ class ReceivePhase:
         g_crd = cute.zipped_divide(cute.make_identity_tensor(layout.shape), tiler)
         thr = warp_copy.get_slice(lane)
         tiles = cute.ceil_div(payload_vectors, WARP * self.tile_vectors)
-        # BF16 rows (16-byte multiples: H is a multiple of 8) move by bulk copies through the
-        # warp's pieces.
-        # FP8 and NVFP4 messages move whole (payload, then scales at scales_offset): the pieces
-        # holding scale bytes also store those to each row's scales (`_store_piece`).
-        msg_bytes = Int64(payload_bytes)
-        scale_bytes = Int32(0)
-        scale_mode = Int32(SCALES_BULK)
-        if cutlass.const_expr(self.fmt != "bf16"):
-            msg_bytes = Int64(stage_bytes)
-            scale_bytes = (blocks if self.fmt == "fp8" else rk) * 4
-            if segment_rows > 0:
-                scale_mode = Int32(SCALES_SLABS)
-            elif self._direct_scales(s_off, local_experts + shared):
-                scale_mode = Int32(SCALES_SLABS)  # a decode step's rows: straight to the output
-            elif scale_bytes % 16 != 0 or (self.fmt == "nvfp4" and scale_cols % 4 != 0):
-                scale_mode = Int32(SCALES_LANES)
-        pieces = Int32((msg_bytes + PIECE - 1) // PIECE)
+        msg_bytes, scale_bytes, scale_mode, pieces = self._message_moves(
+            payload_bytes, stage_bytes, blocks, rk, scale_cols, segment_rows, s_off,
+            local_experts + shared)
         pieces_at = s_ring.iterator + rwarp * PIECES * PIECE
         full = s_full + rwarp * PIECES
         held = rwarp * PIECES  # s_piece words: what each piece of the ring holds
@@ -361,77 +340,13 @@ class ReceivePhase:
                         cute.arch.fence_proxy("async.global")  # the tail's acquire, then bulk
                 in_batch = cutlass.min(Int32(BATCH), ntok - i * BATCH)
                 _lap(s_time, times, None, tracing, lane)
-                # The batch's ids and weights (into shared memory) and source tokens: loaded
-                # while the previous batch was placed, or now (all in flight together).
-                if have == 0:
-                    n_tok = self._load_header(lane, head, hdr, in_batch, topk, n_ids, n_wts)
-                for j in cutlass.range_constexpr(HEADER_REGS):
-                    w = lane + j * WARP
-                    if w < in_batch * topk:
-                        s_scratch[scratch + IDS_AT + w] = n_ids[j]
-                        s_wts[wts + w] = n_wts[j]
-                tok = n_tok
-                direct = Int32(0)
-                if tok < 0:  # DIRECT_BIT: the payload is row tok of s's direct input
-                    direct = Int32(1)
-                    tok = tok & Int32(~DIRECT_BIT)
-                cute.arch.sync_warp()
-                # The next batch's, once its source has published it (lane 0 saw its tail:
-                # acquired with this one's).
-                have = Int32(0)
-                ahead = cute.arch.shuffle_sync(Int32(tail > at + 1), 0)
-                if ahead != 0 and i + 1 < batches:
-                    nslot = Int32((at + 1) % Int64(stage_batches))
-                    n_tok = self._load_header(
-                        lane, peers[s] + headers_offset + Int64(headers((0, nslot, channel))),
-                        hdr, cutlass.min(Int32(BATCH), ntok - (i + 1) * BATCH), topk, n_ids,
-                        n_wts)
-                    have = Int32(1)
-                # Each (token, k)'s local segment: -1 for another rank's expert, an id outside
-                # the experts, or a later k naming an expert an earlier k named (the sender
-                # counted the same pairs).
-                for w in cutlass.range(lane, in_batch * topk, WARP):
-                    c = w // topk
-                    k = w - c * topk
-                    e = s_scratch[scratch + IDS_AT + w]
-                    g = Int32(-1)
-                    if e >= lo and e < lo + local_experts:
-                        g = e - lo + shared
-                        for k2 in cutlass.range(k):
-                            if s_scratch[scratch + IDS_AT + c * topk + k2] == e:
-                                g = Int32(-1)
-                    if skip_a2a != 0 and s != my_rank:
-                        g = Int32(-1)
-                    s_scratch[scratch + SEGS_AT + w] = g
-                cute.arch.sync_warp()
-                # The batch's messages: its tokens with a segment here, or this rank's own
-                # shared-expert tokens, in order.
-                comes = Int32(0)
-                if lane < in_batch:
-                    for k in cutlass.range(topk):
-                        if s_scratch[scratch + SEGS_AT + lane * topk + k] >= 0:
-                            comes = Int32(1)
-                    if shared != 0 and s == my_rank and tok >= shared_begin and \
-                            tok < shared_end:
-                        comes = Int32(1)
-                ballot = cute.arch.vote_ballot_sync(comes != 0)
-                cnt = cute.arch.popc(ballot)
-                if placed + cnt > n:  # more than the counts said: never past them
-                    cute.arch.atomic_or(error_field(error, "bad_counts"),
-                                        Int32(ERROR_COUNTS), sem="relaxed", scope="gpu")
-                    cnt = n - placed
-                m_of = cute.arch.popc(ballot & ((Int32(1) << lane) - 1))
-                if comes != 0 and m_of < cnt:
-                    if tok < 0 or tok >= max_tokens:
-                        cute.arch.atomic_or(error_field(error, "bad_counts"),
-                                            Int32(ERROR_COUNTS), sem="relaxed", scope="gpu")
-                        tok = Int32(0)
-                    s_scratch[scratch + MAP_AT + m_of] = lane
-                    s_scratch[scratch + TOKS_AT + m_of] = tok
-                    s_scratch[scratch + STAGE_AT + m_of] = slot * BATCH + lane
-                    if direct != 0:
-                        s_scratch[scratch + STAGE_AT + m_of] = -1 - tok
-                cute.arch.sync_warp()
+                cnt, tok, direct, comes, m_of, have, n_tok = self._take_batch(
+                    lane, s, head, in_batch, i, at, tail, have, n_tok, n_ids, n_wts, hdr, topk,
+                    batches, ntok, stage_batches, peers, headers_offset, headers, channel, lo,
+                    local_experts, shared, skip_a2a, my_rank, shared_begin, shared_end, placed,
+                    n, error, s_scratch, s_wts, scratch, wts)
+                tok = self._map_messages(lane, tok, direct, comes, m_of, cnt, max_tokens, error,
+                                         s_scratch, scratch, slot, True)
                 if lane == 0 and i == 0:
                     _stamp_max(trace, tracing, channel, "chunk_read", cute.arch.globaltimer())
                 _lap(s_time, times, "header_ns", tracing, lane)
@@ -507,20 +422,8 @@ class ReceivePhase:
             if lane == 0:
                 cute.arch.atomic_or(error_field(error, "bad_counts"), Int32(ERROR_COUNTS),
                                     sem="relaxed", scope="gpu")
-        if sub == 0 and lane == 0 and alive != 0:
-            cute.arch.red(gmem_ptr(Int64, head_word, 8), consumed + Int64(batches), op="max",
-                          dtype=Int64, sem="relaxed", scope="sys")
-            cute.arch.store(gmem_ptr(Int64, streams.toint() + Int64(
-                counters((channel, s, HEADS, DISPATCH))) * 8, 8), consumed + Int64(batches))
-        if lane == 0:
-            _stamp_max(trace, tracing, channel, "recv_done", cute.arch.globaltimer())
-        if cutlass.const_expr(self.bulk):
-            cute.arch.cp_async_bulk_wait_group(0)  # every lane's rows written before the CTA ends
-        if lane == 0:
-            _stamp_max(trace, tracing, channel, "rows_written", cute.arch.globaltimer())
-        if tracing != 0 and lane == 0:
-            for f in cutlass.range_constexpr(len(RECV_TIMES)):
-                _stamp_max(trace, tracing, channel, RECV_TIMES[f], s_time[times + f])
+        self._end_stream(lane, sub, alive, s, channel, streams, counters, head_word, consumed,
+                         batches, trace, tracing, s_time, times)
 
     @cute.jit
     def _expand_split(self, lane, sub, per_source, s, channel, peers: cute.Tensor, here,
@@ -549,34 +452,17 @@ class ReceivePhase:
         stage = staging_layout(stage_bytes, stage_batches * BATCH, channels)
         headers = headers_layout(header_bytes, stage_batches, channels)
         hdr = batch_header_layout(topk)
-        n = s_src[s]
-        first_msg = s_src[MAX_RANKS + s]
-        ntok = s_src[4 * MAX_RANKS + s]
-        batches = (ntok + BATCH - 1) // BATCH
-        consumed = cute.arch.load(gmem_ptr(Int64, streams.toint() + Int64(
-            counters((channel, s, HEADS, DISPATCH))) * 8, 8), Int64)
-        tail_word = here + counters_offset + Int64(counters((channel, s, TAILS, DISPATCH))) * 8
-        head_word = peers[s] + counters_offset + Int64(
-            counters((channel, my_rank, HEADS, DISPATCH))) * 8
-        staging = peers[s] + staging_offset
+        n, first_msg, ntok, batches, consumed, tail_word, head_word, staging = self._stream(
+            s, channel, my_rank, peers, here, streams, counters, counters_offset, staging_offset,
+            s_src)
         inputs = peers[s] + input_offset
         pbase = s * SCRATCH  # the placer's scratch (warp s), where the plans are
         movers = per_source - 1
         ready = plans
         free = plans + PLAN_SLOTS
-        msg_bytes = Int64(payload_bytes)
-        scale_bytes = Int32(0)
-        scale_mode = Int32(SCALES_BULK)
-        if cutlass.const_expr(self.fmt != "bf16"):
-            msg_bytes = Int64(stage_bytes)
-            scale_bytes = (blocks if self.fmt == "fp8" else rk) * 4
-            if segment_rows > 0:
-                scale_mode = Int32(SCALES_SLABS)
-            elif self._direct_scales(s_off, local_experts + shared):
-                scale_mode = Int32(SCALES_SLABS)
-            elif scale_bytes % 16 != 0 or (self.fmt == "nvfp4" and scale_cols % 4 != 0):
-                scale_mode = Int32(SCALES_LANES)
-        pieces = Int32((msg_bytes + PIECE - 1) // PIECE)
+        msg_bytes, scale_bytes, scale_mode, pieces = self._message_moves(
+            payload_bytes, stage_bytes, blocks, rk, scale_cols, segment_rows, s_off,
+            local_experts + shared)
         pieces_at = s_ring.iterator + rwarp * PIECES * PIECE
         full = s_full + rwarp * PIECES
         held = rwarp * PIECES
@@ -615,66 +501,14 @@ class ReceivePhase:
                     head = peers[s] + headers_offset + Int64(headers((0, slot, channel)))
                     in_batch = cutlass.min(Int32(BATCH), ntok - i * BATCH)
                     _lap(s_time, times, None, tracing, lane)
-                    if have == 0:
-                        n_tok = self._load_header(lane, head, hdr, in_batch, topk, n_ids, n_wts)
-                    for j in cutlass.range_constexpr(HEADER_REGS):
-                        w = lane + j * WARP
-                        if w < in_batch * topk:
-                            s_scratch[scratch + IDS_AT + w] = n_ids[j]
-                            s_wts[wts + w] = n_wts[j]
-                    tok = n_tok
-                    direct = Int32(0)
-                    if tok < 0:
-                        direct = Int32(1)
-                        tok = tok & Int32(~DIRECT_BIT)
-                    cute.arch.sync_warp()
-                    have = Int32(0)
-                    ahead = cute.arch.shuffle_sync(Int32(tail > at + 1), 0)
-                    if ahead != 0 and i + 1 < batches:
-                        nslot = Int32((at + 1) % Int64(stage_batches))
-                        n_tok = self._load_header(
-                            lane, peers[s] + headers_offset + Int64(headers((0, nslot, channel))),
-                            hdr, cutlass.min(Int32(BATCH), ntok - (i + 1) * BATCH), topk, n_ids,
-                            n_wts)
-                        have = Int32(1)
-                    for w in cutlass.range(lane, in_batch * topk, WARP):
-                        c = w // topk
-                        k = w - c * topk
-                        e = s_scratch[scratch + IDS_AT + w]
-                        g = Int32(-1)
-                        if e >= lo and e < lo + local_experts:
-                            g = e - lo + shared
-                            for k2 in cutlass.range(k):
-                                if s_scratch[scratch + IDS_AT + c * topk + k2] == e:
-                                    g = Int32(-1)
-                        if skip_a2a != 0 and s != my_rank:
-                            g = Int32(-1)
-                        s_scratch[scratch + SEGS_AT + w] = g
-                    cute.arch.sync_warp()
-                    comes = Int32(0)
-                    if lane < in_batch:
-                        for k in cutlass.range(topk):
-                            if s_scratch[scratch + SEGS_AT + lane * topk + k] >= 0:
-                                comes = Int32(1)
-                        if shared != 0 and s == my_rank and tok >= shared_begin and \
-                                tok < shared_end:
-                            comes = Int32(1)
-                    ballot = cute.arch.vote_ballot_sync(comes != 0)
-                    cnt = cute.arch.popc(ballot)
-                    if placed + cnt > n:
-                        cute.arch.atomic_or(error_field(error, "bad_counts"),
-                                            Int32(ERROR_COUNTS), sem="relaxed", scope="gpu")
-                        cnt = n - placed
-                    m_of = cute.arch.popc(ballot & ((Int32(1) << lane) - 1))
+                    cnt, tok, direct, comes, m_of, have, n_tok = self._take_batch(
+                        lane, s, head, in_batch, i, at, tail, have, n_tok, n_ids, n_wts, hdr,
+                        topk, batches, ntok, stage_batches, peers, headers_offset, headers,
+                        channel, lo, local_experts, shared, skip_a2a, my_rank, shared_begin,
+                        shared_end, placed, n, error, s_scratch, s_wts, scratch, wts)
                     slot3 = r % PLAN_SLOTS
-                    if comes != 0 and m_of < cnt:
-                        if tok < 0 or tok >= max_tokens:
-                            cute.arch.atomic_or(error_field(error, "bad_counts"),
-                                                Int32(ERROR_COUNTS), sem="relaxed", scope="gpu")
-                            tok = Int32(0)
-                        s_scratch[scratch + MAP_AT + m_of] = lane
-                        s_scratch[scratch + TOKS_AT + m_of] = tok
-                    cute.arch.sync_warp()
+                    tok = self._map_messages(lane, tok, direct, comes, m_of, cnt, max_tokens,
+                                             error, s_scratch, scratch, slot, False)
                     if lane == 0 and i == 0:
                         _stamp_max(trace, tracing, channel, "chunk_read", cute.arch.globaltimer())
                     _lap(s_time, times, "header_ns", tracing, lane)
@@ -691,8 +525,8 @@ class ReceivePhase:
                     self._place_plan(lane, s, cnt, first_msg + placed, topk, max_tokens,
                                      my_rank, shared, shared_begin, shared_end, segment_rows,
                                      src_info, comb_rows, comb_weights, comb_tokens,
-                                     row_capacity, s_next, s_scratch, s_wts, scratch,
-                                     pbase + ROWS_AT + slot3 * BATCH * ROWS, wts, next_at,
+                                     row_capacity, s_next, s_off, s_first, s_scratch, s_wts,
+                                     scratch, pbase + ROWS_AT + slot3 * BATCH * ROWS, wts, next_at,
                                      s_src[5 * MAX_RANKS + s], recv_ids, recv_weights, shared,
                                      s_time, times, tracing)
                     if lane == 0:
@@ -814,6 +648,16 @@ class ReceivePhase:
         _lap(s_time, times, "sync_ns", tracing, lane)
         if s_src[3 * MAX_RANKS + s] != 0:
             alive = Int32(0)
+        self._end_stream(lane, sub, alive, s, channel, streams, counters, head_word, consumed,
+                         batches, trace, tracing, s_time, times)
+
+    @cute.jit
+    def _end_stream(self, lane, sub, alive, s, channel, streams: cute.Pointer, counters,
+                    head_word, consumed, batches, trace: cute.Pointer, tracing,
+                    s_time: cute.Tensor, times):
+        """The end of source s's stream, every warp of s past it: the first hands every batch
+        of the round back to s and remembers them consumed (unless a wait failed); each warp's
+        rows are written before the CTA ends; the traced stamps and this warp's times."""
         if sub == 0 and lane == 0 and alive != 0:
             cute.arch.red(gmem_ptr(Int64, head_word, 8), consumed + Int64(batches), op="max",
                           dtype=Int64, sem="relaxed", scope="sys")
@@ -821,7 +665,8 @@ class ReceivePhase:
                 counters((channel, s, HEADS, DISPATCH))) * 8, 8), consumed + Int64(batches))
         if lane == 0:
             _stamp_max(trace, tracing, channel, "recv_done", cute.arch.globaltimer())
-        cute.arch.cp_async_bulk_wait_group(0)  # every lane's rows written before the CTA ends
+        if cutlass.const_expr(self.bulk):
+            cute.arch.cp_async_bulk_wait_group(0)  # every lane's rows written before the CTA ends
         if lane == 0:
             _stamp_max(trace, tracing, channel, "rows_written", cute.arch.globaltimer())
         if tracing != 0 and lane == 0:
@@ -829,15 +674,155 @@ class ReceivePhase:
                 _stamp_max(trace, tracing, channel, RECV_TIMES[f], s_time[times + f])
 
     @cute.jit
-    def _place_plan(self, lane, s, cnt, first, topk, max_tokens, my_rank, shared, shared_begin,
-                    shared_end, segment_rows, src_info: cute.Pointer, comb_rows: cute.Pointer,
-                    comb_weights: cute.Pointer, comb_tokens: cute.Pointer, row_capacity,
-                    s_next: cute.Tensor, s_scratch: cute.Tensor, s_wts: cute.Tensor, scratch,
-                    rows0, wts, next_at, src_base, recv_ids: cute.Pointer,
-                    recv_weights: cute.Pointer, local_base, s_time: cute.Tensor, times, tracing):
-        """The placer's `_place` without the pulls: the rows of a batch's `cnt` messages
-        (messages first .. of source s) into the plan at word `rows0` (message m's at rows0 +
-        m * ROWS), and what combine needs of them."""
+    def _stream(self, s, channel, my_rank, peers: cute.Tensor, here, streams: cute.Pointer,
+                counters, counters_offset, staging_offset, s_src: cute.Tensor):
+        """Source s's stream on this channel: (its messages, the messages of the channels
+        before, its tokens, batches, the batches consumed before this round, the address of
+        its tail word here, of this rank's head word there, its staging there)."""
+        n = s_src[s]
+        first_msg = s_src[MAX_RANKS + s]
+        ntok = s_src[4 * MAX_RANKS + s]
+        batches = (ntok + BATCH - 1) // BATCH
+        consumed = cute.arch.load(gmem_ptr(Int64, streams.toint() + Int64(
+            counters((channel, s, HEADS, DISPATCH))) * 8, 8), Int64)
+        tail_word = here + counters_offset + Int64(counters((channel, s, TAILS, DISPATCH))) * 8
+        head_word = peers[s] + counters_offset + Int64(
+            counters((channel, my_rank, HEADS, DISPATCH))) * 8
+        return (n, first_msg, ntok, batches, consumed, tail_word, head_word,
+                peers[s] + staging_offset)
+
+    @cute.jit
+    def _message_moves(self, payload_bytes, stage_bytes, blocks, rk, scale_cols, segment_rows,
+                       s_off: cute.Tensor, segments):
+        """How the bulk path moves a source's messages: (bytes a message, scale bytes a row,
+        scale mode, pieces a message). BF16 rows (16-byte multiples: H is a multiple of 8) move
+        by bulk copies through the warp's pieces. FP8 and NVFP4 messages move whole (payload,
+        then scales at scales_offset): the pieces holding scale bytes also store those to each
+        row's scales (`_store_piece`, by the scale mode)."""
+        msg_bytes = Int64(payload_bytes)
+        scale_bytes = Int32(0)
+        scale_mode = Int32(SCALES_BULK)
+        if cutlass.const_expr(self.fmt != "bf16"):
+            msg_bytes = Int64(stage_bytes)
+            scale_bytes = (blocks if self.fmt == "fp8" else rk) * 4
+            if segment_rows > 0:
+                scale_mode = Int32(SCALES_SLABS)
+            elif self._direct_scales(s_off, segments):
+                scale_mode = Int32(SCALES_SLABS)  # a decode step's rows: straight to the output
+            elif scale_bytes % 16 != 0 or (self.fmt == "nvfp4" and scale_cols % 4 != 0):
+                scale_mode = Int32(SCALES_LANES)
+        return msg_bytes, scale_bytes, scale_mode, Int32((msg_bytes + PIECE - 1) // PIECE)
+
+    @cute.jit
+    def _take_batch(self, lane, s, head, in_batch, i, at, tail, have, n_tok, n_ids: cute.Tensor,
+                    n_wts: cute.Tensor, hdr, topk, batches, ntok, stage_batches,
+                    peers: cute.Tensor, headers_offset, headers, channel, lo, local_experts,
+                    shared, skip_a2a, my_rank, shared_begin, shared_end, placed, n,
+                    error: cute.Pointer, s_scratch: cute.Tensor, s_wts: cute.Tensor, scratch,
+                    wts):
+        """Batch i of source s (its header at `head`) into the warp's scratch, as `_expand` and
+        the split's placer read it: its ids, weights and segments; the next batch's header
+        loaded ahead into n_ids / n_wts when its source has published it. Returns (messages,
+        this lane's token, whether it is a direct row, whether this lane's token comes, its
+        message index, have, n_tok), have / n_tok those of the header ahead; `_map_messages`
+        then records the messages."""
+        # The batch's ids and weights (into shared memory) and source tokens: loaded
+        # while the previous batch was placed, or now (all in flight together).
+        if have == 0:
+            n_tok = self._load_header(lane, head, hdr, in_batch, topk, n_ids, n_wts)
+        for j in cutlass.range_constexpr(HEADER_REGS):
+            w = lane + j * WARP
+            if w < in_batch * topk:
+                s_scratch[scratch + IDS_AT + w] = n_ids[j]
+                s_wts[wts + w] = n_wts[j]
+        tok = n_tok
+        direct = Int32(0)
+        if tok < 0:  # DIRECT_BIT: the payload is row tok of s's direct input
+            direct = Int32(1)
+            tok = tok & Int32(~DIRECT_BIT)
+        cute.arch.sync_warp()
+        # The next batch's, once its source has published it (lane 0 saw its tail:
+        # acquired with this one's).
+        have = Int32(0)
+        ahead = cute.arch.shuffle_sync(Int32(tail > at + 1), 0)
+        if ahead != 0 and i + 1 < batches:
+            nslot = Int32((at + 1) % Int64(stage_batches))
+            n_tok = self._load_header(
+                lane, peers[s] + headers_offset + Int64(headers((0, nslot, channel))),
+                hdr, cutlass.min(Int32(BATCH), ntok - (i + 1) * BATCH), topk, n_ids,
+                n_wts)
+            have = Int32(1)
+        # Each (token, k)'s local segment: -1 for another rank's expert, an id outside
+        # the experts, or a later k naming an expert an earlier k named (the sender
+        # counted the same pairs).
+        for w in cutlass.range(lane, in_batch * topk, WARP):
+            c = w // topk
+            k = w - c * topk
+            e = s_scratch[scratch + IDS_AT + w]
+            g = Int32(-1)
+            if e >= lo and e < lo + local_experts:
+                g = e - lo + shared
+                for k2 in cutlass.range(k):
+                    if s_scratch[scratch + IDS_AT + c * topk + k2] == e:
+                        g = Int32(-1)
+            if skip_a2a != 0 and s != my_rank:
+                g = Int32(-1)
+            s_scratch[scratch + SEGS_AT + w] = g
+        cute.arch.sync_warp()
+        # The batch's messages: its tokens with a segment here, or this rank's own
+        # shared-expert tokens, in order.
+        comes = Int32(0)
+        if lane < in_batch:
+            for k in cutlass.range(topk):
+                if s_scratch[scratch + SEGS_AT + lane * topk + k] >= 0:
+                    comes = Int32(1)
+            if shared != 0 and s == my_rank and tok >= shared_begin and \
+                    tok < shared_end:
+                comes = Int32(1)
+        ballot = cute.arch.vote_ballot_sync(comes != 0)
+        cnt = cute.arch.popc(ballot)
+        if placed + cnt > n:  # more than the counts said: never past them
+            cute.arch.atomic_or(error_field(error, "bad_counts"),
+                                Int32(ERROR_COUNTS), sem="relaxed", scope="gpu")
+            cnt = n - placed
+        m_of = cute.arch.popc(ballot & ((Int32(1) << lane) - 1))
+        return cnt, tok, direct, comes, m_of, have, n_tok
+
+    @cute.jit
+    def _map_messages(self, lane, tok, direct, comes, m_of, cnt, max_tokens,
+                      error: cute.Pointer, s_scratch: cute.Tensor, scratch, slot,
+                      stage_too: cutlass.Constexpr):
+        """After `_take_batch`: each message's token of the batch and source token into the
+        warp's scratch (`stage_too`: and its staging slot, or its direct input row). Returns the
+        lane's token, 0 where it was out of range."""
+        if comes != 0 and m_of < cnt:
+            if tok < 0 or tok >= max_tokens:
+                cute.arch.atomic_or(error_field(error, "bad_counts"),
+                                    Int32(ERROR_COUNTS), sem="relaxed", scope="gpu")
+                tok = Int32(0)
+            s_scratch[scratch + MAP_AT + m_of] = lane
+            s_scratch[scratch + TOKS_AT + m_of] = tok
+            if cutlass.const_expr(stage_too):
+                s_scratch[scratch + STAGE_AT + m_of] = slot * BATCH + lane
+                if direct != 0:
+                    s_scratch[scratch + STAGE_AT + m_of] = -1 - tok
+        cute.arch.sync_warp()
+        return tok
+
+
+    @cute.jit
+    def _place_rows(self, lane, s, cnt, first, topk, my_rank, shared, shared_begin, shared_end,
+                    segment_rows, row_capacity, s_next: cute.Tensor, s_off: cute.Tensor,
+                    s_first: cute.Tensor, s_scratch: cute.Tensor, scratch, rows0, next_at,
+                    src_base, scale_rows_too: cutlass.Constexpr):
+        """The rows of a batch's `cnt` messages (messages first .. of source s; map and segments
+        in the warp's scratch) at word `rows0` of s_scratch, message m's at rows0 + m * ROWS,
+        k = topk its shared-expert row (`scale_rows_too`: NVFP4's scale-row positions too, at
+        SROWS_AT). The lanes' last writes are not yet synchronised."""
+        # The (message, k) pairs of the batch, message-major, 32 at a time: lanes holding the
+        # same segment take consecutive rows in lane order (so in message order), the group's
+        # last lane moving the segment's next row past them; a message's k name distinct
+        # segments.
         pairs = cnt * topk
         for w0 in cutlass.range(0, pairs, WARP):
             w = w0 + lane
@@ -850,12 +835,15 @@ class ReceivePhase:
                 g = s_scratch[scratch + SEGS_AT + c * topk + k]
             row = Int32(-1)
             if segment_rows == SOURCE_ROWS:
+                # One row per message, sources in order, each in its token order: held by the
+                # message's first local k.
                 if g >= 0:
                     row = src_base + first + m
                     for k2 in cutlass.range(k):
                         if s_scratch[scratch + SEGS_AT + c * topk + k2] >= 0:
                             row = Int32(-1)
             else:
+                # Pairs with no segment here match only themselves (a key no segment has).
                 key = -2 - lane
                 if g >= 0:
                     key = g
@@ -863,22 +851,45 @@ class ReceivePhase:
                 rank = cute.arch.popc(Int32(same) & ((Int32(1) << lane) - 1))
                 if g >= 0:
                     row = s_next[next_at + g] + rank
-                cute.arch.sync_warp()
+                cute.arch.sync_warp()  # every lane has read the counters before they move
                 if g >= 0 and rank == cute.arch.popc(Int32(same)) - 1:
                     s_next[next_at + g] = row + 1
+                if cutlass.const_expr(self.fmt == "nvfp4" and scale_rows_too):
+                    if g >= 0:
+                        s_scratch[scratch + SROWS_AT + m * ROWS + k] = \
+                            row - s_off[g] + s_first[g] * ATOM_ROWS
             if w < pairs:
                 if row >= row_capacity:
-                    row = -2 - row
+                    row = -2 - row  # past the output's capacity: recorded, not written
                 s_scratch[rows0 + m * ROWS + k] = row
+            # The next pairs' lanes read the counters these lanes just moved.
             cute.arch.sync_warp()
+        # Each message's shared-expert row (k = topk): this rank's own tokens in order.
         if lane < cnt:
             tok = s_scratch[scratch + TOKS_AT + lane]
             row = Int32(-1)
             if shared != 0 and s == my_rank and tok >= shared_begin and tok < shared_end:
-                row = tok - shared_begin
+                row = tok - shared_begin  # segment 0
+            if cutlass.const_expr(self.fmt == "nvfp4" and scale_rows_too):
+                s_scratch[scratch + SROWS_AT + lane * ROWS + topk] = row
             if row >= row_capacity:
                 row = -2 - row
             s_scratch[rows0 + lane * ROWS + topk] = row
+
+    @cute.jit
+    def _place_plan(self, lane, s, cnt, first, topk, max_tokens, my_rank, shared, shared_begin,
+                    shared_end, segment_rows, src_info: cute.Pointer, comb_rows: cute.Pointer,
+                    comb_weights: cute.Pointer, comb_tokens: cute.Pointer, row_capacity,
+                    s_next: cute.Tensor, s_off: cute.Tensor, s_first: cute.Tensor,
+                    s_scratch: cute.Tensor, s_wts: cute.Tensor, scratch, rows0, wts, next_at,
+                    src_base, recv_ids: cute.Pointer, recv_weights: cute.Pointer, local_base,
+                    s_time: cute.Tensor, times, tracing):
+        """The placer's `_place` without the pulls: the rows of a batch's `cnt` messages
+        (messages first .. of source s) into the plan at word `rows0` (message m's at rows0 +
+        m * ROWS), and what combine needs of them."""
+        self._place_rows(lane, s, cnt, first, topk, my_rank, shared, shared_begin, shared_end,
+                         segment_rows, row_capacity, s_next, s_off, s_first, s_scratch, scratch,
+                         rows0, next_at, src_base, False)
         cute.arch.sync_warp()
         _lap(s_time, times, "place_ns", tracing, lane)
         self._record(lane, s, first, cnt, topk, max_tokens, src_info, comb_rows, comb_weights,
@@ -928,62 +939,9 @@ class ReceivePhase:
         Returns the warp's (issued, drained) pieces of the bulk path."""
         vec = self.vector_bytes
         rows0 = scratch + ROWS_AT + half * BATCH * ROWS  # message m's at rows0 + m * ROWS
-        # The (message, k) pairs of the batch, message-major, 32 at a time: lanes holding the
-        # same segment take consecutive rows in lane order (so in message order), the group's
-        # last lane moving the segment's next row past them; a message's k name distinct
-        # segments.
-        pairs = cnt * topk
-        for w0 in cutlass.range(0, pairs, WARP):
-            w = w0 + lane
-            m = w // topk
-            k = w - m * topk
-            g = Int32(-1)
-            c = Int32(0)
-            if w < pairs:
-                c = s_scratch[scratch + MAP_AT + m]
-                g = s_scratch[scratch + SEGS_AT + c * topk + k]
-            row = Int32(-1)
-            if segment_rows == SOURCE_ROWS:
-                # One row per message, sources in order, each in its token order: held by the
-                # message's first local k.
-                if g >= 0:
-                    row = src_base + first + m
-                    for k2 in cutlass.range(k):
-                        if s_scratch[scratch + SEGS_AT + c * topk + k2] >= 0:
-                            row = Int32(-1)
-            else:
-                # Pairs with no segment here match only themselves (a key no segment has).
-                key = -2 - lane
-                if g >= 0:
-                    key = g
-                same = cute.arch.match_sync(0xFFFFFFFF, key)
-                rank = cute.arch.popc(Int32(same) & ((Int32(1) << lane) - 1))
-                if g >= 0:
-                    row = s_next[next_at + g] + rank
-                cute.arch.sync_warp()  # every lane has read the counters before they move
-                if g >= 0 and rank == cute.arch.popc(Int32(same)) - 1:
-                    s_next[next_at + g] = row + 1
-                if cutlass.const_expr(self.fmt == "nvfp4"):
-                    if g >= 0:
-                        s_scratch[scratch + SROWS_AT + m * ROWS + k] = \
-                            row - s_off[g] + s_first[g] * ATOM_ROWS
-            if w < pairs:
-                if row >= row_capacity:
-                    row = -2 - row  # past the output's capacity: recorded, not written
-                s_scratch[rows0 + m * ROWS + k] = row
-            # The next pairs' lanes read the counters these lanes just moved.
-            cute.arch.sync_warp()
-        # Each message's shared-expert row (k = topk): this rank's own tokens in order.
-        if lane < cnt:
-            tok = s_scratch[scratch + TOKS_AT + lane]
-            row = Int32(-1)
-            if shared != 0 and s == my_rank and tok >= shared_begin and tok < shared_end:
-                row = tok - shared_begin  # segment 0
-            if cutlass.const_expr(self.fmt == "nvfp4"):
-                s_scratch[scratch + SROWS_AT + lane * ROWS + topk] = row
-            if row >= row_capacity:
-                row = -2 - row
-            s_scratch[rows0 + lane * ROWS + topk] = row
+        self._place_rows(lane, s, cnt, first, topk, my_rank, shared, shared_begin, shared_end,
+                         segment_rows, row_capacity, s_next, s_off, s_first, s_scratch, scratch,
+                         rows0, next_at, src_base, True)
         cute.arch.sync_warp()
         if sub == 0:
             self._record(lane, s, first, cnt, topk, max_tokens, src_info, comb_rows,
