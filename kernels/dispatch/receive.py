@@ -323,15 +323,8 @@ class ReceivePhase:
         while i < batches and placed < n:
             at = consumed + Int64(i)
             # Every warp of s waits for the batch itself (one lane polls).
-            if lane == 0:
-                if tail <= at and alive != 0:
-                    _lap(s_time, times, None, tracing, lane)
-                    tail, alive = _wait_at_least(tail_word, at + 1, timeout_ns, error, s,
-                                                 Int32(PHASE_DISPATCH))
-                    _lap(s_time, times, "recv_wait_ns", tracing, lane)
-            alive = cute.arch.shuffle_sync(alive, 0)
-            if lane == 0 and i == 0:
-                _stamp_max(trace, tracing, channel, "first_batch", cute.arch.globaltimer())
+            tail, alive = self._wait_batch(lane, i, at, tail, alive, tail_word, timeout_ns,
+                                           error, s, channel, trace, tracing, s_time, times)
             if alive != 0:
                 slot = Int32(at % Int64(stage_batches))
                 head = peers[s] + headers_offset + Int64(headers((0, slot, channel)))
@@ -487,15 +480,8 @@ class ReceivePhase:
             i = Int32(0)
             while i < batches and placed < n and alive != 0:
                 at = consumed + Int64(i)
-                if lane == 0:
-                    if tail <= at:
-                        _lap(s_time, times, None, tracing, lane)
-                        tail, alive = _wait_at_least(tail_word, at + 1, timeout_ns, error, s,
-                                                     Int32(PHASE_DISPATCH))
-                        _lap(s_time, times, "recv_wait_ns", tracing, lane)
-                alive = cute.arch.shuffle_sync(alive, 0)
-                if lane == 0 and i == 0:
-                    _stamp_max(trace, tracing, channel, "first_batch", cute.arch.globaltimer())
+                tail, alive = self._wait_batch(lane, i, at, tail, alive, tail_word, timeout_ns,
+                                               error, s, channel, trace, tracing, s_time, times)
                 if alive != 0:
                     slot = Int32(at % Int64(stage_batches))
                     head = peers[s] + headers_offset + Int64(headers((0, slot, channel)))
@@ -650,6 +636,23 @@ class ReceivePhase:
             alive = Int32(0)
         self._end_stream(lane, sub, alive, s, channel, streams, counters, head_word, consumed,
                          batches, trace, tracing, s_time, times)
+
+    @cute.jit
+    def _wait_batch(self, lane, i, at, tail, alive, tail_word, timeout_ns, error: cute.Pointer,
+                    s, channel, trace: cute.Pointer, tracing, s_time: cute.Tensor, times):
+        """Batch `at` (the i-th of this round) of source s published: lane 0 polls its tail
+        unless it has seen it (or the stream is dead), and the warp learns whether it came.
+        Returns (tail, alive), tail as lane 0 saw it."""
+        if lane == 0:
+            if tail <= at and alive != 0:
+                _lap(s_time, times, None, tracing, lane)
+                tail, alive = _wait_at_least(tail_word, at + 1, timeout_ns, error, s,
+                                             Int32(PHASE_DISPATCH))
+                _lap(s_time, times, "recv_wait_ns", tracing, lane)
+        alive = cute.arch.shuffle_sync(alive, 0)
+        if lane == 0 and i == 0:
+            _stamp_max(trace, tracing, channel, "first_batch", cute.arch.globaltimer())
+        return tail, alive
 
     @cute.jit
     def _end_stream(self, lane, sub, alive, s, channel, streams: cute.Pointer, counters,
@@ -808,7 +811,6 @@ class ReceivePhase:
                     s_scratch[scratch + STAGE_AT + m_of] = -1 - tok
         cute.arch.sync_warp()
         return tok
-
 
     @cute.jit
     def _place_rows(self, lane, s, cnt, first, topk, my_rank, shared, shared_begin, shared_end,
