@@ -95,18 +95,21 @@ ROWS_AT = STAGE_AT + BATCH
 # their rows while the next batch is placed.
 SROWS_AT = ROWS_AT + 2 * BATCH * ROWS
 # Where a source's receivers split into a placer warp and mover warps
-# (`_expand_split`, at least SPLIT_MIN_WARPS warps a source), the placer's scratch holds the
-# rows of PLAN_SLOTS batches' plans at ROWS_AT (over the rows' halves and the scale rows, which
-# that path does not use); per source, PLAN_WORDS words of their own (bulk kernels only) hold
-# each plan's messages' staging slots, its message count (-1: the stream is over) and its batch.
-PLAN_SLOTS = 3
-assert PLAN_SLOTS * BATCH * ROWS <= SROWS_AT + BATCH * ROWS - ROWS_AT
+# (`_expand_split`, at least SPLIT_MIN_WARPS warps a source), the plans of PLAN_SLOTS batches
+# hold their messages' rows in the scratch of the source's first warps, PLAN_SLOTS_A_WARP plans
+# a warp at ROWS_AT (over the rows' halves and the scale rows, which that path does not use);
+# per source, PLAN_WORDS words of their own (bulk kernels only) hold each plan's messages'
+# staging slots, its message count (-1: the stream is over) and its batch.
+PLAN_SLOTS = 6
+PLAN_SLOTS_A_WARP = 3
+assert PLAN_SLOTS_A_WARP * BATCH * ROWS <= SROWS_AT + BATCH * ROWS - ROWS_AT
 PLAN_STAGE_AT = 0
 PLAN_CNT_AT = PLAN_STAGE_AT + PLAN_SLOTS * BATCH
 PLAN_BATCH_AT = PLAN_CNT_AT + PLAN_SLOTS
 PLAN_WORDS = (PLAN_BATCH_AT + PLAN_SLOTS + 3) // 4 * 4
 SCRATCH = SROWS_AT + BATCH * ROWS
 SPLIT_MIN_WARPS = 3  # a placer and at least two movers
+assert -(-PLAN_SLOTS // PLAN_SLOTS_A_WARP) <= SPLIT_MIN_WARPS  # the plans' rows in s's warps
 PLAN_SOURCES = 2  # sources with plans: per_source >= 3 of 8 receiver warps means ranks <= 2
 assert RECV_WARPS_BULK // SPLIT_MIN_WARPS <= PLAN_SOURCES
 # s_src words per source: messages, messages of the channels before, messages in all, whether a

@@ -13,7 +13,7 @@ from kernels.copy import row_predicate
 from kernels.dispatch.common import (BATCH, DONE_AT, FP8_BLOCK, HEADER_REGS, IDS, IDS_AT, LAG,
                                      MAP_AT, MAX_RANKS, MAX_SEGMENTS, MAX_STAGE_BATCHES, MAX_TOPK,
                                      NVFP4_BLOCK, PAD_BARRIER, PHASE_DISPATCH, PIECE, PIECES,
-                                     PLAN_BATCH_AT, PLAN_CNT_AT, PLAN_SLOTS, PLAN_STAGE_AT,
+                                     PLAN_BATCH_AT, PLAN_CNT_AT, PLAN_SLOTS, PLAN_SLOTS_A_WARP, PLAN_STAGE_AT,
                                      PLAN_WORDS, SPLIT_MIN_WARPS,
                                      RECV_TIME_WORDS, ROWS, ROWS_AT, SCALES_BULK, SCALES_LANES,
                                      SCALES_SLABS, SCALE_REGS, SCRATCH, SEGS_AT, SEND_WARPS,
@@ -369,7 +369,7 @@ class ReceivePhase:
                 _lap(s_time, times, None, tracing, lane)
                 drained = self._drain_pieces(
                     target, lane, drained, msg_bytes, payload_bytes, pieces_at, full, s_piece,
-                    held, tokens, topk, s_scratch, scratch, scale_rows, scales, scale_mode,
+                    held, tokens, topk, s_scratch, scale_rows, scales, scale_mode,
                     scales_offset, scale_bytes, scale_cols, row_capacity, s_time, times, tracing)
                 _lap(s_time, times, "drain_ns", tracing, lane)
                 batch_mark = issued
@@ -404,7 +404,7 @@ class ReceivePhase:
             _lap(s_time, times, None, tracing, lane)
             drained = self._drain_pieces(
                 issued, lane, drained, msg_bytes, payload_bytes, pieces_at, full, s_piece,
-                held, tokens, topk, s_scratch, scratch, scale_rows, scales, scale_mode,
+                held, tokens, topk, s_scratch, scale_rows, scales, scale_mode,
                 scales_offset, scale_bytes, scale_cols, row_capacity, s_time, times, tracing)
             _lap(s_time, times, "drain_ns", tracing, lane)
             if per_source > 1:
@@ -438,10 +438,12 @@ class ReceivePhase:
         header, places its messages' rows into a plan, records what combine needs) and
         per_source - 1 movers (each pulls its share of a plan's messages into their rows), so
         the movers never wait on a header and the rows are placed once, not per warp. Plans
-        go round PLAN_SLOTS slots (rows in the placer's scratch, the rest at s_planw[pw ..]),
-        each ready (`plans[slot]`, the placer's arrival) and free again (`plans[PLAN_SLOTS +
-        slot]`, every mover's, once that plan's pieces are stored); the staging slots go back
-        to s as `_expand` gives them."""
+        go round PLAN_SLOTS slots (rows in the scratch of s's first warps, `_plan_rows`; the
+        rest at s_planw[pw ..]), each ready (`plans[slot]`, the placer's arrival) and free
+        again (`plans[PLAN_SLOTS + slot]`, every mover's, as soon as the pieces of that plan's
+        messages are stored); the staging slots go back to s as `_expand` gives them. The
+        movers take turns at a plan's odd messages: plan r's message m is mover (m + r) %
+        movers's."""
         stage = staging_layout(stage_bytes, stage_batches * BATCH, channels)
         headers = headers_layout(header_bytes, stage_batches, channels)
         hdr = batch_header_layout(topk)
@@ -449,7 +451,7 @@ class ReceivePhase:
             s, channel, my_rank, peers, here, streams, counters, counters_offset, staging_offset,
             s_src)
         inputs = peers[s] + input_offset
-        pbase = s * SCRATCH  # the placer's scratch (warp s), where the plans are
+        pbase = s * SCRATCH  # the placer's scratch (warp s)
         movers = per_source - 1
         ready = plans
         free = plans + PLAN_SLOTS
@@ -512,7 +514,7 @@ class ReceivePhase:
                                      my_rank, shared, shared_begin, shared_end, segment_rows,
                                      src_info, comb_rows, comb_weights, comb_tokens,
                                      row_capacity, s_next, s_off, s_first, s_scratch, s_wts,
-                                     scratch, pbase + ROWS_AT + slot3 * BATCH * ROWS, wts, next_at,
+                                     scratch, self._plan_rows(s, ranks, slot3), wts, next_at,
                                      s_src[5 * MAX_RANKS + s], recv_ids, recv_weights, shared,
                                      s_time, times, tracing)
                     if lane == 0:
@@ -552,7 +554,7 @@ class ReceivePhase:
                     cute.arch.atomic_or(error_field(error, "bad_counts"), Int32(ERROR_COUNTS),
                                         sem="relaxed", scope="gpu")
         else:
-            # A mover: its share (messages mv, mv + movers, ...) of every plan, in order.
+            # A mover: its share of every plan, in order.
             mv = sub - 1
             issued = Int32(0)
             drained = Int32(0)
@@ -573,16 +575,27 @@ class ReceivePhase:
                     if cutlass.const_expr(self.bulk):
                         if lane == 0:
                             cute.arch.fence_proxy("async.global")  # the tail's acquire, then bulk
-                    for m in cutlass.range(mv, cnt, movers):
+                    rows0 = self._plan_rows(s, ranks, slot3)
+                    # The plan before goes free as soon as its pieces are stored (a ring of one
+                    # batch: this one, below, once the batch is done).
+                    owed = Int32(0)
+                    if r >= 1 and stage_batches > 1:
+                        owed = Int32(1)
+                    for m in cutlass.range((mv + movers - r % movers) % movers, cnt, movers):
                         msg = self._message_at(staging, inputs, stage, channel,
                                                s_planw[pw + PLAN_STAGE_AT + slot3 * BATCH + m],
                                                msg_bytes)
                         for p in cutlass.range(pieces):
                             issued, drained = self._pull_piece(
-                                lane, msg, slot3 * BATCH + m, p, issued, drained, msg_bytes,
+                                lane, msg, rows0 + m * ROWS, p, issued, drained, msg_bytes,
                                 payload_bytes, pieces_at, full, s_piece, held, tokens, topk,
-                                s_scratch, pbase, scale_rows, scales, scale_mode, scales_offset,
+                                s_scratch, scale_rows, scales, scale_mode, scales_offset,
                                 scale_bytes, scale_cols, row_capacity, s_time, times, tracing)
+                        if owed != 0 and drained >= batch_mark:
+                            cute.arch.sync_warp()  # every lane is done reading its rows
+                            if lane == 0:
+                                cute.arch.mbarrier_arrive(free + (r - 1) % PLAN_SLOTS)
+                            owed = Int32(0)
                     if lane == 0 and i == 0:
                         _stamp_max(trace, tracing, channel, "chunk_stored",
                                    cute.arch.globaltimer())
@@ -596,18 +609,18 @@ class ReceivePhase:
                     _lap(s_time, times, None, tracing, lane)
                     drained = self._drain_pieces(
                         target, lane, drained, msg_bytes, payload_bytes, pieces_at, full,
-                        s_piece, held, tokens, topk, s_scratch, pbase, scale_rows, scales,
+                        s_piece, held, tokens, topk, s_scratch, scale_rows, scales,
                         scale_mode, scales_offset, scale_bytes, scale_cols, row_capacity,
                         s_time, times, tracing)
                     _lap(s_time, times, "drain_ns", tracing, lane)
                     batch_mark = issued
-                    # The plan whose pieces are all stored now: the one before (a ring of one
-                    # batch: this one), once every lane is done reading it.
+                    # The plan whose pieces are all stored now, if not freed above: the one
+                    # before (a ring of one batch: this one), once every lane is done reading it.
                     cute.arch.sync_warp()
                     if lane == 0:
                         if stage_batches == 1:
                             cute.arch.mbarrier_arrive(free + slot3)
-                        elif r >= 1:
+                        elif owed != 0:
                             cute.arch.mbarrier_arrive(free + (r - 1) % PLAN_SLOTS)
                     if s_src[3 * MAX_RANKS + s] != 0:
                         alive = Int32(0)
@@ -624,7 +637,7 @@ class ReceivePhase:
             _lap(s_time, times, None, tracing, lane)
             drained = self._drain_pieces(
                 issued, lane, drained, msg_bytes, payload_bytes, pieces_at, full, s_piece, held,
-                tokens, topk, s_scratch, pbase, scale_rows, scales, scale_mode, scales_offset,
+                tokens, topk, s_scratch, scale_rows, scales, scale_mode, scales_offset,
                 scale_bytes, scale_cols, row_capacity, s_time, times, tracing)
             _lap(s_time, times, "drain_ns", tracing, lane)
             cute.arch.sync_warp()
@@ -879,6 +892,14 @@ class ReceivePhase:
             s_scratch[rows0 + lane * ROWS + topk] = row
 
     @cute.jit
+    def _plan_rows(self, s, ranks, slot):
+        """The word of s_scratch where plan `slot`'s rows of source s begin (message m's at +
+        m * ROWS): PLAN_SLOTS_A_WARP plans in the scratch of each of s's first warps (warps s,
+        s + ranks, ...)."""
+        warp = s + (slot // PLAN_SLOTS_A_WARP) * ranks
+        return warp * SCRATCH + ROWS_AT + (slot % PLAN_SLOTS_A_WARP) * BATCH * ROWS
+
+    @cute.jit
     def _place_plan(self, lane, s, cnt, first, topk, max_tokens, my_rank, shared, shared_begin,
                     shared_end, segment_rows, src_info: cute.Pointer, comb_rows: cute.Pointer,
                     comb_weights: cute.Pointer, comb_tokens: cute.Pointer, row_capacity,
@@ -958,9 +979,9 @@ class ReceivePhase:
                                        s_scratch[scratch + STAGE_AT + m], msg_bytes)
                 for p in cutlass.range(pieces):
                     issued, drained = self._pull_piece(
-                        lane, msg, half * BATCH + m, p, issued, drained, msg_bytes,
+                        lane, msg, rows0 + m * ROWS, p, issued, drained, msg_bytes,
                         payload_bytes, pieces_at, full, s_piece, held, tokens, topk, s_scratch,
-                        scratch, scale_rows, scales, scale_mode, scales_offset, scale_bytes,
+                        scale_rows, scales, scale_mode, scales_offset, scale_bytes,
                         scale_cols, row_capacity, s_time, times, tracing)
         else:
             for m in cutlass.range(sub, cnt, per_source):
@@ -1003,14 +1024,15 @@ class ReceivePhase:
         return msg
 
     @cute.jit
-    def _pull_piece(self, lane, msg, m, p, issued, drained, msg_bytes, payload_bytes,
+    def _pull_piece(self, lane, msg, rows_at, p, issued, drained, msg_bytes, payload_bytes,
                     ring: cute.Pointer, full: cute.Pointer, s_piece: cute.Tensor, held,
-                    tokens: cute.Pointer, topk, s_scratch: cute.Tensor, scratch,
+                    tokens: cute.Pointer, topk, s_scratch: cute.Tensor,
                     scale_rows: cute.Pointer, scales: cute.Pointer, scale_mode, scales_offset,
                     scale_bytes, scale_cols, row_capacity, s_time: cute.Tensor, times, tracing):
-        """Bulk-load piece p of message m of the batch (staged at `msg`) into the warp's next
-        piece of shared memory once the stores that read it last are done reading it; then
-        store the oldest piece if LAG pieces are in flight. Returns (issued, drained)."""
+        """Bulk-load piece p of a message (staged at `msg`, its rows at word `rows_at` of
+        s_scratch) into the warp's next piece of shared memory once the stores that read it
+        last are done reading it; then store the oldest piece if LAG pieces are in flight.
+        Returns (issued, drained)."""
         at = issued % PIECES
         offset = Int64(p) * PIECE
         nbytes = cutlass.min(Int32(PIECE), Int32(Int64(msg_bytes) - offset))
@@ -1029,12 +1051,12 @@ class ReceivePhase:
                     cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.mbarrier_arrive_and_expect_tx(full + at, nbytes)
             bulk_load(ring + at * PIECE, msg + offset, nbytes, full + at)
-        s_piece[held + at] = m * 64 + p  # (message of the batch, piece): every lane writes it
+        s_piece[held + at] = rows_at * 64 + p  # (its rows, the piece): every lane writes it
         cute.arch.sync_warp()  # ... before any lane reads it back in `_store_piece`
         issued = issued + 1
         if issued - drained > LAG:
             drained = self._store_piece(lane, drained, msg_bytes, payload_bytes, ring, full,
-                                        s_piece, held, tokens, topk, s_scratch, scratch,
+                                        s_piece, held, tokens, topk, s_scratch,
                                         scale_rows, scales, scale_mode, scales_offset,
                                         scale_bytes, scale_cols, row_capacity, s_time, times,
                                         tracing, "place_ns")
@@ -1043,13 +1065,13 @@ class ReceivePhase:
     @cute.jit
     def _drain_pieces(self, until, lane, drained, msg_bytes, payload_bytes, ring: cute.Pointer,
                       full: cute.Pointer, s_piece: cute.Tensor, held, tokens: cute.Pointer,
-                      topk, s_scratch: cute.Tensor, scratch, scale_rows: cute.Pointer,
+                      topk, s_scratch: cute.Tensor, scale_rows: cute.Pointer,
                       scales: cute.Pointer, scale_mode, scales_offset, scale_bytes, scale_cols,
                       row_capacity, s_time: cute.Tensor, times, tracing):
         """`_store_piece` until the warp has stored `until` pieces; returns drained."""
         while drained < until:
             drained = self._store_piece(lane, drained, msg_bytes, payload_bytes, ring, full,
-                                        s_piece, held, tokens, topk, s_scratch, scratch,
+                                        s_piece, held, tokens, topk, s_scratch,
                                         scale_rows, scales, scale_mode, scales_offset,
                                         scale_bytes, scale_cols, row_capacity, s_time, times,
                                         tracing, "drain_ns")
@@ -1058,7 +1080,7 @@ class ReceivePhase:
     @cute.jit
     def _store_piece(self, lane, drained, msg_bytes, payload_bytes, ring: cute.Pointer,
                      full: cute.Pointer, s_piece: cute.Tensor, held, tokens: cute.Pointer, topk,
-                     s_scratch: cute.Tensor, scratch, scale_rows: cute.Pointer,
+                     s_scratch: cute.Tensor, scale_rows: cute.Pointer,
                      scales: cute.Pointer, scale_mode, scales_offset, scale_bytes, scale_cols,
                      row_capacity, s_time: cute.Tensor, times, tracing,
                      part: cutlass.Constexpr):
@@ -1074,9 +1096,8 @@ class ReceivePhase:
         cute.arch.mbarrier_wait(full + at, (drained // PIECES) % 2)
         _lap(s_time, times, "land_ns", tracing, lane)
         what = s_piece[held + at]
-        m = what // 64
-        rows_at = scratch + ROWS_AT + m * ROWS
-        offset = Int64(what - m * 64) * PIECE
+        rows_at = what // 64
+        offset = Int64(what - rows_at * 64) * PIECE
         end = offset + Int64(cutlass.min(Int32(PIECE), Int32(Int64(msg_bytes) - offset)))
         pay = Int32(cutlass.min(end, Int64(payload_bytes)) - offset)  # <= 0: scales only
         sc_lo = cutlass.max(offset, Int64(scales_offset))  # the scale bytes the piece holds
