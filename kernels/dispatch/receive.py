@@ -510,13 +510,11 @@ class ReceivePhase:
                         if direct != 0:
                             at_stage = -1 - tok
                         s_planw[pw + PLAN_STAGE_AT + slot3 * BATCH + m_of] = at_stage
-                    self._place_plan(lane, s, cnt, first_msg + placed, topk, max_tokens,
-                                     my_rank, shared, shared_begin, shared_end, segment_rows,
-                                     src_info, comb_rows, comb_weights, comb_tokens,
-                                     row_capacity, s_next, s_off, s_first, s_scratch, s_wts,
-                                     scratch, self._plan_rows(s, ranks, slot3), wts, next_at,
-                                     s_src[5 * MAX_RANKS + s], recv_ids, recv_weights, shared,
-                                     s_time, times, tracing)
+                    self._place_plan(lane, s, cnt, first_msg + placed, topk, my_rank, shared,
+                                     shared_begin, shared_end, segment_rows, row_capacity,
+                                     s_next, s_off, s_first, s_scratch, scratch,
+                                     self._plan_rows(s, ranks, slot3), next_at,
+                                     s_src[5 * MAX_RANKS + s], s_time, times, tracing)
                     if lane == 0:
                         s_planw[pw + PLAN_CNT_AT + slot3] = cnt
                         s_planw[pw + PLAN_BATCH_AT + slot3] = i
@@ -532,6 +530,15 @@ class ReceivePhase:
                         if i == 0:
                             _stamp_max(trace, tracing, channel, "chunk_placed",
                                        cute.arch.globaltimer())
+                    # What combine needs of the plan's messages, while the movers pull them (the
+                    # plan's rows are only read from here on, and its slot is this warp's to
+                    # reuse).
+                    self._record(lane, s, first_msg + placed, cnt, topk, max_tokens, src_info,
+                                 comb_rows, comb_weights, comb_tokens, s_scratch, s_wts, scratch,
+                                 self._plan_rows(s, ranks, slot3), wts, segment_rows, recv_ids,
+                                 recv_weights, shared)
+                    cute.arch.sync_warp()  # every lane's reads of the batch done
+                    _lap(s_time, times, "drain_ns", tracing, lane)
                     r = r + 1
                     placed = placed + cnt
                 if alive == 0 and lane == 0:
@@ -900,25 +907,18 @@ class ReceivePhase:
         return warp * SCRATCH + ROWS_AT + (slot % PLAN_SLOTS_A_WARP) * BATCH * ROWS
 
     @cute.jit
-    def _place_plan(self, lane, s, cnt, first, topk, max_tokens, my_rank, shared, shared_begin,
-                    shared_end, segment_rows, src_info: cute.Pointer, comb_rows: cute.Pointer,
-                    comb_weights: cute.Pointer, comb_tokens: cute.Pointer, row_capacity,
-                    s_next: cute.Tensor, s_off: cute.Tensor, s_first: cute.Tensor,
-                    s_scratch: cute.Tensor, s_wts: cute.Tensor, scratch, rows0, wts, next_at,
-                    src_base, recv_ids: cute.Pointer, recv_weights: cute.Pointer, local_base,
-                    s_time: cute.Tensor, times, tracing):
-        """The placer's `_place` without the pulls: the rows of a batch's `cnt` messages
-        (messages first .. of source s) into the plan at word `rows0` (message m's at rows0 +
-        m * ROWS), and what combine needs of them."""
+    def _place_plan(self, lane, s, cnt, first, topk, my_rank, shared, shared_begin, shared_end,
+                    segment_rows, row_capacity, s_next: cute.Tensor, s_off: cute.Tensor,
+                    s_first: cute.Tensor, s_scratch: cute.Tensor, scratch, rows0, next_at,
+                    src_base, s_time: cute.Tensor, times, tracing):
+        """The placer's `_place` without the pulls and the record: the rows of a batch's `cnt`
+        messages (messages first .. of source s) into the plan at word `rows0` (message m's at
+        rows0 + m * ROWS)."""
         self._place_rows(lane, s, cnt, first, topk, my_rank, shared, shared_begin, shared_end,
                          segment_rows, row_capacity, s_next, s_off, s_first, s_scratch, scratch,
                          rows0, next_at, src_base, False)
         cute.arch.sync_warp()
         _lap(s_time, times, "place_ns", tracing, lane)
-        self._record(lane, s, first, cnt, topk, max_tokens, src_info, comb_rows, comb_weights,
-                     comb_tokens, s_scratch, s_wts, scratch, rows0, wts, segment_rows, recv_ids,
-                     recv_weights, local_base)
-        _lap(s_time, times, "drain_ns", tracing, lane)
 
     @cute.jit
     def _load_header(self, lane, at, hdr, hn, topk, n_ids: cute.Tensor, n_wts: cute.Tensor):
