@@ -66,8 +66,9 @@ LAG = PIECES - 1  # one piece loading while the other is stored
 assert WIDE_TILE_ROWS * WIDE_TILE_WORDS * 4 <= PIECES * PIECE  # a warp's wide tile: in its pieces
 # How a bulk-moved FP8 / NVFP4 message's scale bytes reach each row (`_store_piece`): bulk
 # stores into `scale_rows` (rows of 16-byte multiples), the lanes' word stores there (NVFP4's
-# padding bytes cleared), or the lanes' stores into FP8's transposed slabs output.
-SCALES_BULK, SCALES_LANES, SCALES_SLABS = 0, 1, 2
+# padding bytes cleared), the lanes' stores into FP8's transposed slabs output, or the lanes'
+# 16-byte stores into `scale_rows` (rows of 16-byte multiples; the placer/mover split).
+SCALES_BULK, SCALES_LANES, SCALES_SLABS, SCALES_VECTORS = 0, 1, 2, 3
 ROWS = MAX_TOPK + 1  # rows a message can land in: its K experts and the shared expert
 FP8_BLOCK = 128
 NVFP4_BLOCK = 16

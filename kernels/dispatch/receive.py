@@ -16,7 +16,8 @@ from kernels.dispatch.common import (BATCH, DONE_AT, FP8_BLOCK, HEADER_REGS, IDS
                                      PLAN_BATCH_AT, PLAN_CNT_AT, PLAN_SLOTS, PLAN_SLOTS_A_WARP, PLAN_STAGE_AT,
                                      PLAN_WORDS, SPLIT_MIN_WARPS,
                                      RECV_TIME_WORDS, ROWS, ROWS_AT, SCALES_BULK, SCALES_LANES,
-                                     SCALES_SLABS, SCALE_REGS, SCRATCH, SEGS_AT, SEND_WARPS,
+                                     SCALES_SLABS, SCALES_VECTORS, SCALE_REGS, SCRATCH, SEGS_AT,
+                                     SEND_WARPS,
                                      SROWS_AT, STAGE_AT, TOKS_AT, WARP, WEIGHTS, _lap, _stamp,
                                      _stamp_max, _wait_at_least)
 from kernels.memory import error_field, gmem_ptr, store_f32, store_i32
@@ -292,7 +293,7 @@ class ReceivePhase:
         tiles = cute.ceil_div(payload_vectors, WARP * self.tile_vectors)
         msg_bytes, scale_bytes, scale_mode, pieces = self._message_moves(
             payload_bytes, stage_bytes, blocks, rk, scale_cols, segment_rows, s_off,
-            local_experts + shared)
+            local_experts + shared, False)
         pieces_at = s_ring.iterator + rwarp * PIECES * PIECE
         full = s_full + rwarp * PIECES
         held = rwarp * PIECES  # s_piece words: what each piece of the ring holds
@@ -457,7 +458,7 @@ class ReceivePhase:
         free = plans + PLAN_SLOTS
         msg_bytes, scale_bytes, scale_mode, pieces = self._message_moves(
             payload_bytes, stage_bytes, blocks, rk, scale_cols, segment_rows, s_off,
-            local_experts + shared)
+            local_experts + shared, True)
         pieces_at = s_ring.iterator + rwarp * PIECES * PIECE
         full = s_full + rwarp * PIECES
         held = rwarp * PIECES
@@ -716,12 +717,13 @@ class ReceivePhase:
 
     @cute.jit
     def _message_moves(self, payload_bytes, stage_bytes, blocks, rk, scale_cols, segment_rows,
-                       s_off: cute.Tensor, segments):
+                       s_off: cute.Tensor, segments, vectors: cutlass.Constexpr):
         """How the bulk path moves a source's messages: (bytes a message, scale bytes a row,
         scale mode, pieces a message). BF16 rows (16-byte multiples: H is a multiple of 8) move
         by bulk copies through the warp's pieces. FP8 and NVFP4 messages move whole (payload,
         then scales at scales_offset): the pieces holding scale bytes also store those to each
-        row's scales (`_store_piece`, by the scale mode)."""
+        row's scales (`_store_piece`, by the scale mode; `vectors`, the placer/mover split's
+        movers: SCALES_VECTORS where the rows' scales would be bulk-stored)."""
         msg_bytes = Int64(payload_bytes)
         scale_bytes = Int32(0)
         scale_mode = Int32(SCALES_BULK)
@@ -734,6 +736,10 @@ class ReceivePhase:
                 scale_mode = Int32(SCALES_SLABS)  # a decode step's rows: straight to the output
             elif scale_bytes % 16 != 0 or (self.fmt == "nvfp4" and scale_cols % 4 != 0):
                 scale_mode = Int32(SCALES_LANES)
+            elif cutlass.const_expr(vectors):
+                # The movers store a row's scale bytes themselves, 16 bytes a lane: a bulk
+                # copy of a few hundred bytes costs its issuing thread as much as a row's.
+                scale_mode = Int32(SCALES_VECTORS)
         return msg_bytes, scale_bytes, scale_mode, Int32((msg_bytes + PIECE - 1) // PIECE)
 
     @cute.jit
@@ -1118,7 +1124,22 @@ class ReceivePhase:
                                    Int32(sc_hi - sc_lo))
         cute.arch.cp_async_bulk_commit_group()
         if cutlass.const_expr(self.fmt != "bf16"):
-            if scale_mode != SCALES_BULK and sc_hi > sc_lo:
+            if scale_mode == SCALES_VECTORS and sc_hi > sc_lo:
+                # A 16-byte vector of the piece's scale bytes a lane, loaded once and stored to
+                # every row of the message.
+                vec = cute.make_rmem_tensor(cute.make_layout(4), Int32)
+                for v in cutlass.range(lane, Int32(sc_hi - sc_lo) // 16, WARP):
+                    cute.autovec_copy(cute.make_tensor(cute.recast_ptr(
+                        (ring + at * PIECE + Int32(sc_lo - offset) + v * 16).align(16),
+                        dtype=Int32), cute.make_layout(4)), vec)
+                    for k in cutlass.range(topk + 1):
+                        r = s_scratch[rows_at + k]
+                        if r >= 0:
+                            cute.autovec_copy(vec, cute.make_tensor(gmem_ptr(
+                                Int32, scale_rows.toint() + Int64(r) * Int64(scale_bytes)
+                                + sc_lo - Int64(scales_offset) + Int64(v) * 16, 16),
+                                cute.make_layout(4)))
+            if scale_mode != SCALES_BULK and scale_mode != SCALES_VECTORS and sc_hi > sc_lo:
                 words = cute.make_tensor(cute.recast_ptr((ring + at * PIECE).align(16),
                                                          dtype=Int32),
                                          cute.make_layout(PIECE // 4))
