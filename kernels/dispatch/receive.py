@@ -13,11 +13,10 @@ from kernels.copy import row_predicate
 from kernels.dispatch.common import (BATCH, DONE_AT, FP8_BLOCK, HEADER_REGS, IDS, IDS_AT, LAG,
                                      MAP_AT, MAX_RANKS, MAX_SEGMENTS, MAX_STAGE_BATCHES, MAX_TOPK,
                                      NVFP4_BLOCK, PAD_BARRIER, PHASE_DISPATCH, PIECE, PIECES,
-                                     PLAN_BATCH_AT, PLAN_CNT_AT, PLAN_SLOTS, PLAN_SLOTS_A_WARP, PLAN_STAGE_AT,
-                                     PLAN_WORDS, SPLIT_MIN_WARPS,
-                                     RECV_TIME_WORDS, ROWS, ROWS_AT, SCALES_BULK, SCALES_LANES,
-                                     SCALES_SLABS, SCALES_VECTORS, SCALE_REGS, SCRATCH, SEGS_AT,
-                                     SEND_WARPS,
+                                     PLAN_BATCH_AT, PLAN_CNT_AT, PLAN_SLOTS, PLAN_SLOTS_A_WARP,
+                                     PLAN_STAGE_AT, PLAN_WORDS, RECV_TIME_WORDS, ROWS, ROWS_AT,
+                                     SCALES_BULK, SCALES_LANES, SCALES_SLABS, SCALES_VECTORS,
+                                     SCALE_REGS, SCRATCH, SEGS_AT, SEND_WARPS, SPLIT_MIN_WARPS,
                                      SROWS_AT, STAGE_AT, TOKS_AT, WARP, WEIGHTS, _lap, _stamp,
                                      _stamp_max, _wait_at_least)
 from kernels.memory import error_field, gmem_ptr, store_f32, store_i32
