@@ -1,5 +1,7 @@
 """The command line, in-process."""
 
+import pytest
+
 from cute_ep.tools.cli import main
 
 
@@ -344,12 +346,12 @@ def test_the_lockstep_kernel_time_is_each_familys_profiled_time_per_layer(monkey
 
 def test_steady_host_time_is_calls_queued_back_to_back_after_one_barrier(monkeypatch, capsys):
     """`_host_us`, steady: one synchronisation and barrier, then the layers' dispatch and combine
-    calls with nothing between them (no synchronisation, no barrier), each call's own host time,
-    the median of each; cold: the same with a synchronisation and a barrier before every layer;
-    the decode table prints both host columns."""
+    calls with nothing between them (no synchronisation, no barrier), each call's own host time
+    and thread CPU time, the median of each; a layer's outputs are released after both calls,
+    outside their timers; cold: the same with a synchronisation and a barrier before every
+    layer; the decode table prints both host columns."""
     import json
     from pathlib import Path
-    from types import SimpleNamespace
 
     import torch
     import torch.distributed as dist
@@ -357,31 +359,48 @@ def test_steady_host_time_is_calls_queued_back_to_back_after_one_barrier(monkeyp
     from cute_ep.tools import bench
 
     events = []
-    clock = iter([0.0, 10e-6, 15e-6, 100e-6, 130e-6, 134e-6, 200e-6, 220e-6, 229e-6])
+
+    class Out:
+        handle = "h"
+
+        def __del__(self):
+            events.append("released")
 
     class Buf:
         def dispatch(self, x, ids, w, **quant):
             events.append(("dispatch", quant))
-            return SimpleNamespace(handle="h")
+            return Out()
 
         def combine(self, y, handle):
             assert handle == "h"
             events.append("combine")
+            return Out()
 
-    monkeypatch.setattr(bench.time, "perf_counter", lambda: next(clock))
+    def clocks():
+        # Wall: per layer t0, t1 (dispatch), t2, t3 (combine): dispatch 10, 30, 20 us; combine
+        # 5, 4, 9 us. CPU: c0, c1, c2 a layer: dispatch 8, 20, 12 us; combine 4, 3, 6 us.
+        wall = iter([0.0, 10e-6, 11e-6, 16e-6, 100e-6, 130e-6, 131e-6, 135e-6,
+                     200e-6, 220e-6, 221e-6, 230e-6])
+        cpu = iter([0.0, 8e-6, 12e-6, 50e-6, 70e-6, 73e-6, 90e-6, 102e-6, 108e-6])
+        monkeypatch.setattr(bench.time, "perf_counter", lambda: next(wall))
+        monkeypatch.setattr(bench.time, "thread_time", lambda: next(cpu))
+
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: events.append("sync"))
     monkeypatch.setattr(dist, "barrier", lambda group=None: events.append("barrier"))
     quant = {"num_input_tokens": 8}
+    clocks()
     got = bench._host_us(Buf(), None, None, None, None, quant, 3, barrier_each=False)
-    # dispatch: 10, 30, 20 us; combine: 5, 4, 9 us
-    assert got == {"dispatch": 20.0, "combine": 5.0}
-    layer = [("dispatch", {"num_input_tokens": 8}), "combine"]
+    assert got == pytest.approx({"dispatch": 20.0, "combine": 5.0, "dispatch_cpu": 12.0,
+                                 "combine_cpu": 4.0})
+    # Both outputs are released after the combine's timer and before the next dispatch.
+    layer = [("dispatch", {"num_input_tokens": 8}), "combine", "released", "released"]
     assert events == ["sync", "barrier"] + layer * 3 + ["sync"]
     # Cold: a synchronisation and a barrier before every layer.
     events.clear()
-    clock = iter([0.0, 10e-6, 15e-6, 100e-6, 130e-6, 134e-6, 200e-6, 220e-6, 229e-6])
+    clocks()
     got = bench._host_us(Buf(), None, None, None, None, quant, 3, barrier_each=True)
-    assert got == {"dispatch": 20.0, "combine": 5.0}
+    assert got == pytest.approx({"dispatch": 20.0, "combine": 5.0, "dispatch_cpu": 12.0,
+                                 "combine_cpu": 4.0})
     assert events == (["sync", "barrier"] + layer) * 3 + ["sync"]
 
     record = json.loads(Path("perf/results/bench-2026-11-26-2xH100-publisher.json").read_text())

@@ -327,8 +327,6 @@ def _layer_times(buf, x, ids, w, y, quant, iters, flush) -> dict:
 
 
 def _throughput(rank, world, args, fmt, budgets, flush) -> dict:
-    import torch.distributed as dist
-
     from cute_ep.ep import Buffer
     from layouts import EPConfig
 
@@ -714,7 +712,9 @@ def _decode(rank, world, args, fmt, flush) -> dict:
             "graph_combine_us": graph_l - graph_d,
             "host_dispatch_us": host["dispatch"], "host_combine_us": host["combine"],
             "steady_host_dispatch_us": steady["dispatch"],
-            "steady_host_combine_us": steady["combine"]}
+            "steady_host_combine_us": steady["combine"],
+            "steady_host_dispatch_cpu_us": steady["dispatch_cpu"],
+            "steady_host_combine_cpu_us": steady["combine_cpu"]}
 
 
 def _sm_budget(value: str) -> int | None:
@@ -726,20 +726,32 @@ def _host_us(buf, x, ids, w, y, quant, layers: int, barrier_each: bool) -> dict[
     """Median host microseconds of a dispatch and of a combine call over `layers` layers: each
     after a synchronisation and a barrier (`barrier_each`), or queued back to back after one,
     no synchronisation between them (the launch queue holds two calls a layer, far below its
-    depth, so no call waits for the GPU)."""
+    depth, so no call waits for the GPU). Each timer holds its call alone: a layer's outputs
+    are released after both calls, untimed (dropping the previous layer's outputs is the
+    caller's work, not the next call's). `*_cpu`: this thread's CPU time in the same calls
+    (wall time well above it is time the host thread waited: descheduled or blocked)."""
     import torch.distributed as dist
 
-    times = {"dispatch": [], "combine": []}
+    wall, cpu = time.perf_counter, time.thread_time
+    times = {"dispatch": [], "combine": [], "dispatch_cpu": [], "combine_cpu": []}
     for layer in range(layers):
         if barrier_each or layer == 0:
             torch.cuda.synchronize()
             dist.barrier()
-        t0 = time.perf_counter()
+        c0 = cpu()
+        t0 = wall()
         out = buf.dispatch(x, ids, w, **quant)
-        t1 = time.perf_counter()
-        buf.combine(y, out.handle)
+        t1 = wall()
+        c1 = cpu()
+        t2 = wall()
+        res = buf.combine(y, out.handle)
+        t3 = wall()
+        c2 = cpu()
         times["dispatch"].append((t1 - t0) * 1e6)
-        times["combine"].append((time.perf_counter() - t1) * 1e6)
+        times["combine"].append((t3 - t2) * 1e6)
+        times["dispatch_cpu"].append((c1 - c0) * 1e6)
+        times["combine_cpu"].append((c2 - c1) * 1e6)
+        del out, res
     torch.cuda.synchronize()
     return {k: statistics.median(v) for k, v in times.items()}
 
