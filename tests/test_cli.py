@@ -416,6 +416,19 @@ def test_steady_host_time_is_calls_queued_back_to_back_after_one_barrier(monkeyp
     assert "rank 0: 1755 / 1980 / 1755, rank 1: unknown" in out
 
 
+def test_the_cpu_probe_is_the_median_time_of_its_fixed_loop(monkeypatch):
+    """`cpu_probe_us`: each rep times the same PROBE_ADDS-addition loop; the median of the reps,
+    in microseconds (a slow rep does not move it)."""
+    from cute_ep.tools import bench
+
+    starts_ends = iter([0.0, 700e-6, 1.0, 1.0 + 650e-6, 2.0, 2.0 + 1200e-6])
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: next(starts_ends))
+    assert bench.cpu_probe_us(reps=3) == pytest.approx(700.0)
+    monkeypatch.undo()
+    real = bench.cpu_probe_us(reps=3)
+    assert 0 < real < 1e6
+
+
 def test_a_rank_records_its_gpus_sm_clocks_or_none(monkeypatch):
     """`gpu_clocks` asks nvidia-smi for the GPU this process numbers `index` (through
     CUDA_VISIBLE_DEVICES) and names the three clocks; any failure gives None, never an error."""

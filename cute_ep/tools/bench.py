@@ -683,7 +683,9 @@ def _decode(rank, world, args, fmt, flush) -> dict:
     # clocks as they come back); steady: the layers back to back, the host never waiting for
     # the GPU, as in a model's eager forward.
     host = _host_us(buf, x, ids, w, y, quant, args.iters, barrier_each=True)
+    probe = cpu_probe_us()
     steady = _host_us(buf, x, ids, w, y, quant, args.iters, barrier_each=False)
+    probe = (probe + cpu_probe_us()) / 2
 
     # CUDA graphs: dispatch alone, and the whole layer (combine = the difference).
     dist.barrier()
@@ -714,12 +716,31 @@ def _decode(rank, world, args, fmt, flush) -> dict:
             "steady_host_dispatch_us": steady["dispatch"],
             "steady_host_combine_us": steady["combine"],
             "steady_host_dispatch_cpu_us": steady["dispatch_cpu"],
-            "steady_host_combine_cpu_us": steady["combine_cpu"]}
+            "steady_host_combine_cpu_us": steady["combine_cpu"],
+            "steady_host_probe_us": probe}
 
 
 def _sm_budget(value: str) -> int | None:
     """An SM budget of `--sms` or `--decode-sms` as `Buffer(sms=)` takes it: None for "all"."""
     return None if value == "all" else int(value)
+
+
+PROBE_ADDS = 20000  # the CPU probe's loop
+
+
+def cpu_probe_us(reps: int = 20) -> float:
+    """Median microseconds of a fixed pure-Python loop (PROBE_ADDS additions): how fast this
+    host thread runs interpreter work right now. Taken around the steady host times, it tells a
+    slow host from a slow call: on a virtual machine the same call's time follows the probe's
+    (2 x H200 host: 620-700 us at full speed, 1100-1200 when its vCPU ran at about 55%)."""
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        total = 0
+        for i in range(PROBE_ADDS):
+            total += i
+        times.append((time.perf_counter() - start) * 1e6)
+    return statistics.median(times)
 
 
 def _host_us(buf, x, ids, w, y, quant, layers: int, barrier_each: bool) -> dict[str, float]:
