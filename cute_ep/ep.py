@@ -255,26 +255,47 @@ class _PendingCombine:
     out: torch.Tensor
 
 
+def ring_geometry(cfg: EPConfig, direct_input: bool = False, stage_batches: int | None = None,
+                  ring_chunks: int | None = None) -> dict | None:
+    """`ChannelGeometry` fields a Buffer asks for beside the channels (None: all defaults):
+    the direct input's rows and the rings' depths given, each a positive int."""
+    geometry = {"input_rows": cfg.max_tokens_per_rank} if direct_input else {}
+    for name, value in (("stage_batches", stage_batches), ("ring_chunks", ring_chunks)):
+        if value is not None:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be None or a positive int, got {value!r}")
+            geometry[name] = value
+    return geometry or None
+
+
 class Buffer:
     """Peer-mapped buffers and kernels for one EP group (every rank of `group`)."""
 
     def __init__(self, cfg: EPConfig, group=None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 sms: int | None = DEFAULT_SMS, direct_input: bool = False):
+                 sms: int | None = DEFAULT_SMS, direct_input: bool = False, *,
+                 stage_batches: int | None = None, ring_chunks: int | None = None):
         """`sms`: the SMs the layer's communication occupies (dispatch runs one persistent CTA,
         a channel, on each; combine launches at most that many CTAs); None: every SM of the
         GPU. The same on every rank, fixed for the Buffer's life (it shapes the rings).
         `direct_input`: `input_buffer()` gives max_tokens_per_rank rows of peer-visible memory
         (bf16 x, or pre-quantized codes and scales); a dispatch of x there is pulled by its
-        receivers in place, with no staging."""
+        receivers in place, with no staging.
+        The rings' depths, for tuning (None: the defaults of `layouts.channels.ChannelGeometry`;
+        deeper rings let a sender run further ahead of its receivers and take more
+        peer-visible memory, `peer_visible_bytes`): `stage_batches`, the batches of 16 tokens a
+        dispatch channel's staging holds (1 to 16); `ring_chunks`, the chunks of rows a combine
+        ring holds per channel and source. Both the same on every rank."""
         import torch.distributed._symmetric_memory as symm_mem
 
         self.group = group or dist.group.WORLD
         rank = dist.get_rank(self.group)
         _check_config(cfg, dist.get_world_size(self.group))
         self._setup(cfg, rank, torch.device("cuda", torch.cuda.current_device()), timeout_s,
-                    sms, {"input_rows": cfg.max_tokens_per_rank} if direct_input else None)
+                    sms, ring_geometry(cfg, direct_input, stage_batches, ring_chunks))
         agree_on_config({"kind": "ep", "config": repr(cfg), "timeout_s": self.timeout_s,
-                         "sms": self._sms, "input_rows": self.geo.input_rows}, self.group)
+                         "sms": self._sms, "input_rows": self.geo.input_rows,
+                         "stage_batches": self.geo.stage_batches,
+                         "ring_chunks": self.geo.ring_chunks}, self.group)
         sym = symm_mem.empty(self.peer_visible_bytes, dtype=torch.uint8, device=self.device)
         sym.zero_()
         torch.cuda.synchronize(self.device)

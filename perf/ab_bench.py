@@ -2,12 +2,14 @@
 same GPUs (the sides see the same cards, clocks and NVLinks):
 
     python perf/ab_bench.py --side main=TREE:LIBRARY --side new=.:build/lib-new [--runs 2]
-        [--json FILE] [--run-timeout S] [-- BENCH ARGUMENTS]
+        [--side-args 'new=--ring-chunks 8'] [--json FILE] [--run-timeout S] [-- BENCH ARGUMENTS]
         (bench arguments e.g. -- --formats bf16,fp8 --sms 24 --no-stages)
 
 A side is a name, a source tree (its `cute_ep`, whose Python drives its kernels) and a kernel
 library folder; each run calls every side's `cute-ep bench` once, in the order given, in its own
-processes (`CUTE_EP_LIBRARY` and `PYTHONPATH` set to the side's). The table gives, per operation,
+processes (`CUTE_EP_LIBRARY` and `PYTHONPATH` set to the side's), with the bench arguments
+after `--` and then the side's own (`--side-args NAME=ARGS`: two sides of one tree and library
+that differ in a Buffer setting such as `--ring-chunks`). The table gives, per operation,
 format and SM budget (and decode's CUDA-graph times), each side's slowest-rank time as the range
 over runs, and each later side's median change from the first; a second table the traced
 calls' stamps and waits (TRACE_FIELDS) per side, when the bench recorded them; `--json` keeps every run's
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import signal
 import sys
 import tempfile
@@ -116,6 +119,14 @@ def _stop(signum, frame):
     raise _Stopped()
 
 
+def parse_side_args(text: str) -> tuple[str, list[str]]:
+    """'NAME=ARGS' -> (NAME, the arguments split as a shell would)."""
+    name, sep, rest = text.partition("=")
+    if not (name and sep and rest.strip()):
+        raise argparse.ArgumentTypeError(f"--side-args is NAME=ARGS, got {text!r}")
+    return name, shlex.split(rest)
+
+
 def main() -> None:
     argv = sys.argv[1:]
     bench_args = argv[argv.index("--") + 1:] if "--" in argv else []
@@ -123,6 +134,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--side", type=parse_side, action="append", required=True,
                    help="NAME=TREE:LIBRARY (two or more; the first is the baseline)")
+    p.add_argument("--side-args", type=parse_side_args, action="append", default=[],
+                   help="NAME=ARGS: bench arguments for side NAME alone, after the shared ones")
     p.add_argument("--runs", type=int, default=2)
     p.add_argument("--json")
     p.add_argument("--run-timeout", type=float, default=900.0,
@@ -131,6 +144,9 @@ def main() -> None:
     args = p.parse_args(argv)
     if len(args.side) < 2 or len({s[0] for s in args.side}) != len(args.side):
         p.error("give two or more sides with distinct names")
+    own = dict(args.side_args)
+    if len(own) != len(args.side_args) or not own.keys() <= {s[0] for s in args.side}:
+        p.error("--side-args names a side once, and only a side given by --side")
     from rich.console import Console
     from rich.table import Table
 
@@ -145,7 +161,8 @@ def main() -> None:
                     continue
                 out = Path(tmp) / f"{name}-{r}"
                 done = run_side(tree, library, [sys.executable, "-m", "cute_ep.tools.cli",
-                                                "bench", "--out", str(out), *bench_args],
+                                                "bench", "--out", str(out), *bench_args,
+                                                *own.get(name, [])],
                                 timeout=args.run_timeout)
                 records = sorted(out.glob("bench-*.json"))
                 if done.returncode or not records:
@@ -167,6 +184,7 @@ def main() -> None:
             first = runs[sides[0]][0]
             json.dump({"device": first["device"], "gpus": first["gpus"], "argv": recorded_argv(sys.argv[1:]),
                        "sides": {n: [str(t), str(lib)] for n, t, lib in args.side},
+                       **({"side_args": {n: a for n, a in own.items()}} if own else {}),
                        "failed": failed, "stopped": stopped, "runs": runs}, f, indent=1)
     first = runs[sides[0]][0]
     view = Table(title=f"{first['gpus']} x {first['device']}: us per call (slowest rank), "

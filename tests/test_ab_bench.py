@@ -190,3 +190,54 @@ rank = {{"formats": {{"bf16": {{"throughput": {{"nccl_all_to_all_us": 1.0, "swee
     assert "100.0-100.0" in out  # side a's dispatch, its one run
     stat = Path(f"/proc/{int(pid.read_text())}/stat")
     assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def test_side_args_reach_only_their_side_after_the_shared_arguments(tmp_path):
+    """Two sides of one tree and library that differ in a bench argument (`--side-args`): each
+    run of a side gets the shared arguments, then its own; the record keeps them; a --side-args
+    for no --side, or twice for one, is refused before anything runs."""
+    import json
+    import subprocess
+    from pathlib import Path
+
+    log = tmp_path / "args.log"
+    fake = f'''
+import json, sys
+from pathlib import Path
+argv = sys.argv[1:]
+out = Path(argv[argv.index("--out") + 1])
+out.mkdir(parents=True, exist_ok=True)
+own = argv[argv.index("--out") + 2:]
+with open({str(log)!r}, "a") as f:
+    f.write(" ".join(own) + "\\n")
+us = 90.0 if "--ring-chunks" in own else 100.0
+rank = {{"formats": {{"bf16": {{"throughput": {{"nccl_all_to_all_us": 1.0, "sweep": [
+    {{"sms": 24, "dispatch_us": us, "combine_us": us / 2}}]}}}}}}}}
+(out / "bench-x.json").write_text(json.dumps({{"gpus": 2, "device": "GPU", "config": {{}},
+                                              "ranks": [rank, rank]}}))
+'''
+    _stand_in_sides(tmp_path, fake, "a")
+    tree, lib = tmp_path / "tree-a", tmp_path / "lib-a"
+    sides = ["--side", f"base={tree}:{lib}", "--side", f"deep={tree}:{lib}"]
+    record = tmp_path / "ab.json"
+    repo = Path(__file__).resolve().parent.parent
+
+    def run(*extra):
+        return subprocess.run([sys.executable, "perf/ab_bench.py", *sides, *extra, "--runs", "1",
+                               "--json", str(record), "--", "--sms", "24"],
+                              capture_output=True, text=True, cwd=repo)
+
+    done = run("--side-args", "deep=--ring-chunks 8 --stage-batches 16")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert log.read_text().splitlines() == ["--sms 24",
+                                            "--sms 24 --ring-chunks 8 --stage-batches 16"]
+    kept = json.loads(record.read_text())
+    assert kept["side_args"] == {"deep": ["--ring-chunks", "8", "--stage-batches", "16"]}
+    assert "-10.0" in done.stdout  # deep's median change from base
+    log.unlink()
+    for bad in (["--side-args", "other=--ring-chunks 8"],
+                ["--side-args", "deep=--ring-chunks 8", "--side-args", "deep=--ring-chunks 4"],
+                ["--side-args", "deep="]):
+        done = run(*bad)
+        assert done.returncode == 2 and "--side-args" in done.stderr, bad
+        assert not log.exists()

@@ -498,3 +498,27 @@ def test_a_buffer_over_several_nodes_points_to_the_node_buffer():
         _check_config(EPConfig(4096, 2, 8, 2, 64, gpus_per_node=1), 2)
     for g in (None, 2):
         _check_config(EPConfig(4096, 2, 8, 2, 64, gpus_per_node=g), 2)
+
+
+def test_the_rings_depths_a_buffer_asks_for_reach_its_kernels_and_bad_ones_are_refused(
+        cpu_buffer):
+    """`Buffer(stage_batches=, ring_chunks=)` (`ep.ring_geometry`): given depths shape the
+    peer-visible rings and are bound into the dispatch and combine kernels; None keeps the
+    defaults; anything but a positive int is refused, naming the setting."""
+    cfg = EPConfig(H, K, E, R, T, "bf16")
+    assert ep.ring_geometry(cfg) is None
+    assert ep.ring_geometry(cfg, True) == {"input_rows": T}
+    assert ep.ring_geometry(cfg, False, 16, 8) == {"stage_batches": 16, "ring_chunks": 8}
+    for bad in (0, -1, True, 2.0, "8"):
+        with pytest.raises(ValueError, match="stage_batches must be None or a positive int"):
+            ep.ring_geometry(cfg, stage_batches=bad)
+        with pytest.raises(ValueError, match="ring_chunks must be None or a positive int"):
+            ep.ring_geometry(cfg, ring_chunks=bad)
+    default = cpu_buffer()
+    deep = cpu_buffer(geometry=ep.ring_geometry(cfg, False, 16, 8))
+    assert (deep.geo.stage_batches, deep.geo.ring_chunks) == (16, 8)
+    assert deep._dispatch_launch.constants["stage_batches"] == 16
+    assert deep._combine_launch.constants["ring_slots"] == 8 * deep.geo.chunk_tokens
+    assert default._dispatch_launch.constants["stage_batches"] == default.geo.stage_batches < 16
+    assert default._combine_launch.constants["ring_slots"] < 8 * default.geo.chunk_tokens
+    assert deep.peer_visible_bytes > default.peer_visible_bytes

@@ -94,6 +94,12 @@ def parser() -> argparse.ArgumentParser:
                    help="pass x (bf16, or the -input formats' codes and scales) from the "
                         "Buffer's direct input (Buffer(direct_input=True).input_buffer()), "
                         "which its receivers pull in place")
+    p.add_argument("--stage-batches", type=int, default=None,
+                   help="the throughput Buffers' dispatch staging depth in batches of 16 tokens "
+                        "(Buffer(stage_batches=); default: the Buffer's)")
+    p.add_argument("--ring-chunks", type=int, default=None,
+                   help="the throughput Buffers' combine ring depth in chunks "
+                        "(Buffer(ring_chunks=); default: the Buffer's)")
     p.add_argument("--bind-cpus", action="store_true",
                    help="run each rank on its GPU's NUMA node's CPUs (as a serving engine pins "
                         "its ranks): host times then do not depend on where the scheduler "
@@ -122,6 +128,10 @@ def main(argv=None) -> int:
     except ValueError:
         raise SystemExit(f"--decode-sms takes 'all' or a positive number, not "
                          f"{args.decode_sms!r}") from None
+    for name in ("stage_batches", "ring_chunks"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} takes a positive number, not "
+                             f"{getattr(args, name)}")
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         raise SystemExit(f"cute-ep bench needs 2+ GPUs of one host; "
                          f"{torch.cuda.device_count()} visible")
@@ -146,7 +156,9 @@ def main(argv=None) -> int:
                    "sms_per_gpu": torch.cuda.get_device_properties(0).multi_processor_count,
                    "routing": "uniform random top-k, distinct experts per token",
                    **({"direct_input": True} if args.direct_input else {}),
-                   **({"bind_cpus": True} if args.bind_cpus else {})},
+                   **({"bind_cpus": True} if args.bind_cpus else {}),
+                   **({"stage_batches": args.stage_batches} if args.stage_batches else {}),
+                   **({"ring_chunks": args.ring_chunks} if args.ring_chunks else {})},
         "ranks": ranks,
     }
     if args.gpus_per_node:
@@ -341,7 +353,8 @@ def _throughput(rank, world, args, fmt, budgets, flush) -> dict:
     # The direct input: bf16 x, or pre-quantized (codes, scales) (FP8 / NVFP4 "-input").
     direct = args.direct_input and (cfg.format == "bf16" or type(x) is tuple)
     for sms in budgets:
-        buf = Buffer(cfg, sms=sms, direct_input=direct)
+        buf = Buffer(cfg, sms=sms, direct_input=direct, stage_batches=args.stage_batches,
+                     ring_chunks=args.ring_chunks)
         x_in = x
         if direct:  # the layer before wrote x there
             if type(x) is tuple:

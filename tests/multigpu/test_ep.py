@@ -439,20 +439,24 @@ def test_a_rank_slow_between_dispatch_and_combine_is_waited_for():
         assert results[rank][0] >= pause_s, (rank, results)  # really waited, exactly
 
 
-def _mismatch(rank, world):
+def _mismatch(rank, world, what):
     from cute_ep.ep import Buffer
     from cute_ep.runtime.comm import ConfigMismatch
     from layouts import EPConfig
 
     try:
-        Buffer(EPConfig(1024 if rank else 2048, 2, 4 * world, world, 64))
+        if what == "hidden":
+            Buffer(EPConfig(1024 if rank else 2048, 2, 4 * world, world, 64))
+        else:  # a ring's depth
+            Buffer(EPConfig(1024, 2, 4 * world, world, 64), **{what: 4 if rank else 8})
     except ConfigMismatch as e:
         return str(e)
     return "no error"
 
 
-def test_mismatched_config_fails_on_every_rank():
-    for msg in run_ranks(_mismatch, limit_s=120):
+@pytest.mark.parametrize("what", ["hidden", "stage_batches", "ring_chunks"])
+def test_mismatched_config_fails_on_every_rank(what):
+    for msg in run_ranks(_mismatch, limit_s=120, what=what):
         assert "disagree" in msg
 
 
