@@ -255,10 +255,11 @@ class _PendingCombine:
     out: torch.Tensor
 
 
-def ring_geometry(cfg: EPConfig, direct_input: bool = False, stage_batches: int | None = None,
-                  ring_chunks: int | None = None) -> dict | None:
+def ring_geometry(cfg: EPConfig | None, direct_input: bool = False,
+                  stage_batches: int | None = None, ring_chunks: int | None = None) -> dict | None:
     """`ChannelGeometry` fields a Buffer asks for beside the channels (None: all defaults):
-    the direct input's rows and the rings' depths given, each a positive int."""
+    the direct input's rows (from `cfg`, needed only with `direct_input`) and the rings' depths
+    given, each a positive int."""
     geometry = {"input_rows": cfg.max_tokens_per_rank} if direct_input else {}
     for name, value in (("stage_batches", stage_batches), ("ring_chunks", ring_chunks)):
         if value is not None:

@@ -128,10 +128,12 @@ def main(argv=None) -> int:
     except ValueError:
         raise SystemExit(f"--decode-sms takes 'all' or a positive number, not "
                          f"{args.decode_sms!r}") from None
-    for name in ("stage_batches", "ring_chunks"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')} takes a positive number, not "
-                             f"{getattr(args, name)}")
+    try:  # the Buffer's own check of the rings' depths, before any rank starts
+        from cute_ep.ep import ring_geometry
+
+        ring_geometry(None, False, args.stage_batches, args.ring_chunks)
+    except ValueError as e:
+        raise SystemExit(f"--stage-batches / --ring-chunks: {e}") from None
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         raise SystemExit(f"cute-ep bench needs 2+ GPUs of one host; "
                          f"{torch.cuda.device_count()} visible")
