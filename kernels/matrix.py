@@ -17,6 +17,7 @@ from kernels.nvfp4 import QuantizeNvfp4
 from kernels.peer_exchange import PeerExchange
 from kernels.quantize_quads import QuantizeNvfp4Quads
 from kernels.row_expand import row_expand_kernels
+from kernels.scale_write_out import scale_write_out_kernels
 from kernels.silu import silu_kernels
 from kernels.store_rate import store_place_kernels, store_rate_kernels
 
@@ -44,6 +45,7 @@ def full_matrix() -> list:
         *silu_kernels(),
         *store_rate_kernels(),
         *store_place_kernels(),
+        *scale_write_out_kernels(),
     ]
 
 

@@ -177,3 +177,33 @@ def test_mxfp4_segments_use_the_32_element_128x4_layout():
             placed[_at(layout, scale_row, 32 * kb, 32)] = True
     assert (scales[~placed] == 0).all()
 
+
+
+def test_the_scale_layout_of_staged_rows_puts_each_segment_on_fresh_blocks():
+    """`reference.ep.scale_layout_of_rows` (what a dispatch's scale write-out must leave),
+    against the 128x4 layout's nested coordinates byte by byte: segment g's rows from its first
+    fresh block, every byte it does not place zero; FP8 the rows transposed, columns past them
+    zero, and too few staged rows refused."""
+    from cute_ep.reference.ep import scale_layout_of_rows
+
+    h, counts = 256, [3, 0, 130, 1]
+    rows = sum(counts)
+    staged = torch.randint(-2 ** 31, 2 ** 31 - 1, (rows + 4, h // 64), dtype=torch.int32,
+                           generator=torch.Generator().manual_seed(5))
+    out = scale_layout_of_rows("nvfp4", staged[:rows], h, counts, rows + 4)
+    by_byte = staged.view(torch.uint8)
+    layout = scale_layout(5 * 128, h, 16)
+    placed = set()
+    for g, (first_block, first_row) in enumerate([(0, 0), (1, 3), (1, 3), (3, 133)]):
+        for j in range(counts[g]):
+            for s in range(h // 16):
+                at = _at(layout, first_block * 128 + j, 16 * s)
+                placed.add(at)
+                assert out[at] == by_byte[first_row + j, s]
+    assert out.numel() == 4 * 128 * (h // 16)
+    assert all(out[i] == 0 for i in range(out.numel()) if i not in placed)
+    fp8 = torch.rand(12, 2)
+    t = scale_layout_of_rows("fp8", fp8.view(torch.int32), 256, [3, 5], 16)
+    assert torch.equal(t[:, :12], fp8.t()) and not t[:, 12:].any()
+    with pytest.raises(ValueError, match="12 staged rows"):
+        scale_layout_of_rows("fp8", fp8[:10].view(torch.int32), 256, [3, 5], 16)

@@ -141,6 +141,40 @@ def nvfp4_row_scales(out, hidden: int, rows: int) -> torch.Tensor:
     return out.scales[_scale_offsets(scale_row, kb, hidden)]
 
 
+def scale_layout_of_rows(fmt: str, scale_rows: torch.Tensor, hidden: int, counts: list[int],
+                         row_capacity: int) -> torch.Tensor:
+    """What a dispatch's scale output holds once its staged scale rows (`scale_rows` [rows,
+    words] int32, a row's scales as they came: FP8 one fp32 a 128-element block, NVFP4 its
+    H / 16 e4m3 bytes four to a word) are written out, for segments of `counts` rows: FP8
+    transposed [H / 128, row_capacity] fp32 (segments padded to FP8_ROW_ALIGN rows, whose
+    staged rows are copied as they are; columns past the rows zero); NVFP4 the 128x4 layout,
+    segment g from its fresh 128-row block (`layouts.scales.expert_scale_blocks`), every other
+    byte of the used blocks zero."""
+    from layouts.config import FP8_ROW_ALIGN
+
+    if fmt == "fp8":
+        rows = sum(-(-c // FP8_ROW_ALIGN) * FP8_ROW_ALIGN for c in counts)
+        if scale_rows.shape[0] < rows:
+            raise ValueError(f"{rows} staged rows (segments padded to {FP8_ROW_ALIGN}), "
+                             f"got {scale_rows.shape[0]}")
+        out = torch.zeros(hidden // 128, row_capacity, dtype=torch.float32,
+                          device=scale_rows.device)
+        out[:, :rows] = scale_rows[:rows, :hidden // 128].view(torch.float32).t()
+        return out
+    first, _ = expert_scale_blocks(counts)
+    blocks = (first[-1] + -(-counts[-1] // ATOM_ROWS)) if counts else 0
+    out = torch.zeros(blocks * scale_block_bytes(hidden, NVFP4_BLOCK), dtype=torch.uint8,
+                      device=scale_rows.device)
+    staged = scale_rows.contiguous().view(torch.uint8)[:, :hidden // NVFP4_BLOCK]
+    kb = torch.arange(hidden // NVFP4_BLOCK, device=scale_rows.device)
+    row = 0
+    for g, count in enumerate(counts):
+        j = torch.arange(count, device=scale_rows.device)
+        out[_scale_offsets(first[g] * ATOM_ROWS + j, kb, hidden)] = staged[row:row + count]
+        row += count
+    return out
+
+
 def check_inputs(cfg: EPConfig, x: list[torch.Tensor], topk_ids: list[torch.Tensor],
                  topk_weights: list[torch.Tensor] | None = None) -> None:
     """The checks every dispatch makes, with errors that say what was expected."""

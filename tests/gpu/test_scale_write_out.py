@@ -1,0 +1,66 @@
+"""`scale_write_out` (the dispatch's phase 4 alone) against the reference layout of staged rows:
+NVFP4's 128x4 blocks (segments on fresh blocks, padding zero) and FP8's transposed columns, by
+the wide tiles (from the kernel's `wide_min_rows` rows on) and by the narrow ones, at several
+CTA counts."""
+
+import pytest
+import torch
+
+from cute_ep.reference.ep import scale_layout_of_rows
+from layouts.config import FP8_ROW_ALIGN
+
+pytestmark = pytest.mark.gpu
+
+H = 7168
+
+
+def _launch(fmt, counts, ctas, seed):
+    from cute_ep.runtime.launch import runtime
+
+    kernel = runtime().select("scale_write_out", "cuda", format=fmt)
+    c = torch.tensor(counts, dtype=torch.int64)
+    align = FP8_ROW_ALIGN if fmt == "fp8" else 1
+    padded = (c + align - 1) // align * align
+    off = torch.cat([torch.zeros(1, dtype=torch.int64), padded.cumsum(0)])
+    first = torch.cat([torch.zeros(1, dtype=torch.int64), ((c + 127) // 128).cumsum(0)])
+    rows = int(off[-1])
+    words = H // 128 if fmt == "fp8" else H // 64
+    capacity = rows + 8
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    staged = torch.rand(capacity, words, device="cuda", generator=gen).view(torch.int32)
+    if fmt == "nvfp4":
+        staged = torch.randint(-2 ** 31, 2 ** 31 - 1, (capacity, words), dtype=torch.int32,
+                               device="cuda", generator=gen)
+    want = scale_layout_of_rows(fmt, staged[:rows], H, counts, capacity)
+    out = torch.full_like(want, 7) if fmt == "nvfp4" else torch.full_like(want, float("nan"))
+    vector_bytes = kernel.spec.sizes["vector_bytes"]
+    payload_vectors = (H // 2 if fmt == "nvfp4" else H) // vector_bytes
+    kernel.launch(staged, out, off.int().cuda(), c.int().cuda(), first.int().cuda(), len(counts),
+                  payload_vectors, capacity, ctas)
+    torch.cuda.synchronize()
+    if fmt == "fp8":
+        return out[:, :rows], want[:, :rows]
+    return out, want
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+@pytest.mark.parametrize("ctas", [24, 7])
+@pytest.mark.parametrize("size", ["wide", "narrow"])
+def test_the_write_out_gives_the_reference_layout(fmt, ctas, size):
+    from cute_ep.runtime.launch import runtime
+
+    wide_min_rows = runtime().select("scale_write_out", "cuda",
+                                     format=fmt).spec.sizes["wide_min_rows"]
+    gen = torch.Generator().manual_seed(ctas)
+    n = 128 if size == "wide" else 16
+    counts = torch.randint(0, 2 * wide_min_rows // n if size == "wide" else 40, (n,),
+                           generator=gen).tolist()
+    counts[1] = 0  # an empty segment
+    counts[2] = 128  # one whole block
+    counts[3] = 129  # a block and one row
+    if size == "wide":
+        assert sum(counts) >= wide_min_rows
+    else:
+        assert sum(counts) < wide_min_rows
+    got, want = _launch(fmt, counts, ctas, seed=ctas)
+    assert torch.equal(got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8))
