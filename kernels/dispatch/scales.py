@@ -6,8 +6,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 
-from kernels.dispatch.common import (FP8_BLOCK, NVFP4_BLOCK, PIECE, PIECES, SEND_WARPS,
-                                     TILE_COLS, TILE_ROWS, TILE_STRIDE, WARP, WIDE_MIN_ROWS)
+from kernels.dispatch.common import (FP8_BLOCK, MAX_SEGMENTS, NVFP4_BLOCK, PIECE, PIECES,
+                                     SEND_WARPS, TILE_COLS, TILE_ROWS, TILE_STRIDE, WARP,
+                                     WIDE_MIN_ROWS)
 from kernels.bulk_copy import bulk_prefetch_l2, cp_async_16_fill
 from kernels.memory import gmem_ptr, load_i32, scale_offset, store_i32
 from kernels.nvfp4 import segment_of
@@ -16,6 +17,24 @@ from layouts.buffers import (WIDE_TILE_CHUNKS, WIDE_TILE_ROWS, WIDE_TILE_WORDS, 
 from layouts.scales import ATOM_BYTES, ATOM_ROWS
 
 PAIR = 2  # FP8 tiles a warp loads before storing the first
+# Registers a lane holds of the segments' first blocks (`_block_segment`): MAX_SEGMENTS over
+# a warp's lanes.
+SEGMENT_REGS = (MAX_SEGMENTS + WARP - 1) // WARP
+LOAD_STEP = WARP // WIDE_TILE_CHUNKS  # rows one warp-wide 16-byte load covers in a wide tile
+
+
+def wide_chunk_at(first, cc, k, shift):
+    """`wide_tile_word(first + LOAD_STEP * k, cc, shift)` for 0 <= first < LOAD_STEP (4), the
+    chunk lane `first * 8 + cc` loads k-th: the swizzle term is then first + 4 (k & 1) for shift
+    0 and k & 7 for shift 2, so the row's part is a multiple of k alone, a constant the address
+    takes as an offset. Also takes DSL integers for `first` and `cc`."""
+    if shift == 0:
+        swizzle = cc ^ (first + 4 * (k & 1))
+    elif shift == 2:
+        swizzle = cc ^ (k & 7)
+    else:
+        raise ValueError(f"wide tiles swizzle with shift 0 or 2, not {shift}")
+    return first * WIDE_TILE_WORDS + swizzle * 4 + k * LOAD_STEP * WIDE_TILE_WORDS
 
 
 class ScalesPhase:
@@ -98,13 +117,21 @@ class ScalesPhase:
             mine = cute.make_layout((4, 4), stride=(WIDE_TILE_WORDS, 1))
         w = cute.make_rmem_tensor(cute.make_layout((4, 4), stride=(4, 1)), Int32)
         four = cute.make_rmem_tensor(cute.make_layout(4), Int32)
+        starts = cute.make_rmem_tensor(cute.make_layout(SEGMENT_REGS), Int32)
+        if cutlass.const_expr(self.fmt == "nvfp4"):
+            self._load_segment_starts(starts, s_first, segments, lane)
+        # Unit u is column tile u % tiles_c of 128-row block u // tiles_c: both advanced by
+        # the warps' stride instead of divided out each unit.
+        q = gw // tiles_c
+        cq = gw % tiles_c
+        dq = nw // tiles_c
+        dc = nw % tiles_c
         for u in cutlass.range(gw, n_units, nw):
-            q = u // tiles_c
-            c0 = u % tiles_c * WIDE_TILE_WORDS
+            c0 = cq * WIDE_TILE_WORDS
             r0 = q * WIDE_TILE_ROWS
             valid = rows - r0
             if cutlass.const_expr(self.fmt == "nvfp4"):
-                g = segment_of(s_first, segments, q)
+                g = self._block_segment(starts, q)
                 first = (q - s_first[g]) * WIDE_TILE_ROWS
                 r0 = s_off[g] + first
                 valid = s_raw[g] - first
@@ -133,24 +160,55 @@ class ScalesPhase:
                                         Int32, out_at + Int64(c0 + c * 4 + j)
                                         * Int64(row_capacity) * 4, 16), cute.make_layout(4)))
             cute.arch.sync_warp()  # read back before the next tile's loads overwrite it
+            cq += dc
+            q += dq
+            if cq >= tiles_c:
+                cq -= tiles_c
+                q += 1
+
+    @cute.jit
+    def _load_segment_starts(self, starts: cute.Tensor, s_first: cute.Tensor, segments, lane):
+        """Lane l's registers `starts[i]`: the first 128-row block of segment l + 32 i (past the
+        last segment, a block no unit reaches), for `_block_segment`."""
+        for i in cutlass.range_constexpr(SEGMENT_REGS):
+            starts[i] = Int32(0x7FFFFFFF)
+            if lane + i * WARP < segments:
+                starts[i] = s_first[lane + i * WARP]
+
+    @cute.jit
+    def _block_segment(self, starts: cute.Tensor, q) -> Int32:
+        """The segment of 128-row block `q` (the last one whose first block is at or before
+        it; an empty segment shares its first block with the next): the segments starting at
+        or before q, counted by every lane over its registers and summed over the warp. No
+        shared-memory round trips, unlike a binary search of `s_first`."""
+        n = Int32(0)
+        for i in cutlass.range_constexpr(SEGMENT_REGS):
+            if starts[i] <= q:
+                n += 1
+        return cute.arch.warp_redux_sync(n, "add") - 1
 
     @cute.jit
     def _load_wide(self, tile, lane, base, r0, row_bytes, valid, cols, c0):
         """Staged rows r0 .. r0 + WIDE_TILE_ROWS of words c0 .. c0 + WIDE_TILE_WORDS into the
-        wide tile at `tile`, swizzled (`_write_wide`): rows from `valid` on and columns from
-        `cols` on as zeros, not read. Waits for the copies and the warp."""
+        wide tile at `tile`, swizzled (`_write_wide`): rows from `valid` on as zeros, not read;
+        columns from `cols` on not loaded (the write-out reads only the tile's first `cols`).
+        Lane l loads 16-byte chunk l % 8 of rows l // 8 + 4 k, k < 32, walking one address
+        down the rows and placing each chunk at `wide_chunk_at`. Waits for the copies and the
+        warp."""
         cc = lane % WIDE_TILE_CHUNKS
-        step = WARP // WIDE_TILE_CHUNKS  # rows a warp's load covers
-        # Eight loads a lane unrolled at a time: their addresses, not all 32, live at once.
-        for kk in cutlass.range(WIDE_TILE_ROWS * WIDE_TILE_CHUNKS // WARP // 8):
-            for k8 in cutlass.range_constexpr(8):
-                r = lane // WIDE_TILE_CHUNKS + (kk * 8 + k8) * step
-                src = Int64(base)
-                n = Int32(0)
-                if r < valid and cc * 4 < cols:
-                    src = base + (Int64(r0 + r) * row_bytes + Int64((c0 + cc * 4) * 4))
-                    n = Int32(16)
-                cp_async_16_fill(tile + wide_tile_word(r, cc, self._wide_shift), src, n)
+        first = lane // WIDE_TILE_CHUNKS
+        if cc * 4 < cols:
+            src = Int64(base) + Int64(r0 + first) * row_bytes + Int64((c0 + cc * 4) * 4)
+            stride = row_bytes * LOAD_STEP
+            mine = valid - first  # rows first + LOAD_STEP k of the tile, k * LOAD_STEP < mine
+            for k in cutlass.range_constexpr(WIDE_TILE_ROWS // LOAD_STEP):
+                at = src
+                n = Int32(16)
+                if k * LOAD_STEP >= mine:
+                    at = Int64(base)
+                    n = Int32(0)
+                cp_async_16_fill(tile + wide_chunk_at(first, cc, k, self._wide_shift), at, n)
+                src = src + stride
         cute.arch.cp_async_commit_group()
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_warp()
