@@ -192,12 +192,24 @@ class ScalesPhase:
         """Staged rows r0 .. r0 + WIDE_TILE_ROWS of words c0 .. c0 + WIDE_TILE_WORDS into the
         wide tile at `tile`, swizzled (`_write_wide`): rows from `valid` on as zeros, not read;
         columns from `cols` on not loaded (the write-out reads only the tile's first `cols`).
-        Lane l loads 16-byte chunk l % 8 of rows l // 8 + 4 k, k < 32, walking one address
-        down the rows and placing each chunk at `wide_chunk_at`. Waits for the copies and the
-        warp."""
+        Lane l loads 16-byte chunk l % 8 of rows l // 8 + 4 k, k < 32: NVFP4 walking one
+        address down the rows and placing each chunk at `wide_chunk_at`. Waits for the copies
+        and the warp."""
         cc = lane % WIDE_TILE_CHUNKS
         first = lane // WIDE_TILE_CHUNKS
-        if cc * 4 < cols:
+        if cutlass.const_expr(self._wide_shift != 0):
+            # FP8 (eight swizzles down the rows): each load's address computed on its own,
+            # eight loads a lane unrolled at a time, measured faster here than the walk.
+            for kk in cutlass.range(WIDE_TILE_ROWS // LOAD_STEP // 8):
+                for k8 in cutlass.range_constexpr(8):
+                    r = first + (kk * 8 + k8) * LOAD_STEP
+                    src = Int64(base)
+                    n = Int32(0)
+                    if r < valid and cc * 4 < cols:
+                        src = base + (Int64(r0 + r) * row_bytes + Int64((c0 + cc * 4) * 4))
+                        n = Int32(16)
+                    cp_async_16_fill(tile + wide_tile_word(r, cc, self._wide_shift), src, n)
+        elif cc * 4 < cols:
             src = Int64(base) + Int64(r0 + first) * row_bytes + Int64((c0 + cc * 4) * 4)
             stride = row_bytes * LOAD_STEP
             mine = valid - first  # rows first + LOAD_STEP k of the tile, k * LOAD_STEP < mine
