@@ -120,13 +120,16 @@ class ScalesPhase:
         starts = cute.make_rmem_tensor(cute.make_layout(SEGMENT_REGS), Int32)
         if cutlass.const_expr(self.fmt == "nvfp4"):
             self._load_segment_starts(starts, s_first, segments, lane)
-        # Unit u is column tile u % tiles_c of 128-row block u // tiles_c: both advanced by
-        # the warps' stride instead of divided out each unit.
+        # Unit u is column tile u % tiles_c of 128-row block u // tiles_c: NVFP4 advances both
+        # by the warps' stride instead of dividing them out each unit.
         q = gw // tiles_c
         cq = gw % tiles_c
         dq = nw // tiles_c
         dc = nw % tiles_c
         for u in cutlass.range(gw, n_units, nw):
+            if cutlass.const_expr(self.fmt == "fp8"):
+                q = u // tiles_c
+                cq = u % tiles_c
             c0 = cq * WIDE_TILE_WORDS
             r0 = q * WIDE_TILE_ROWS
             valid = rows - r0
@@ -160,11 +163,12 @@ class ScalesPhase:
                                         Int32, out_at + Int64(c0 + c * 4 + j)
                                         * Int64(row_capacity) * 4, 16), cute.make_layout(4)))
             cute.arch.sync_warp()  # read back before the next tile's loads overwrite it
-            cq += dc
-            q += dq
-            if cq >= tiles_c:
-                cq -= tiles_c
-                q += 1
+            if cutlass.const_expr(self.fmt == "nvfp4"):
+                cq += dc
+                q += dq
+                if cq >= tiles_c:
+                    cq -= tiles_c
+                    q += 1
 
     @cute.jit
     def _load_segment_starts(self, starts: cute.Tensor, s_first: cute.Tensor, segments, lane):
