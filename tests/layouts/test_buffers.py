@@ -234,21 +234,17 @@ def test_wide_tile_loads_fill_whole_rows(shift):
     assert len(seen) == WIDE_TILE_ROWS * WIDE_TILE_CHUNKS
 
 
-@pytest.mark.parametrize("shift", [0, 2])
-def test_a_lane_walks_its_tile_chunks_by_constant_row_offsets(shift):
-    """`_load_wide`'s addressing (`kernels.dispatch.scales.wide_chunk_at`): lane first * 8 + cc
-    puts its k-th chunk where `wide_tile_word` places chunk cc of row first + 4 k, and past its
-    first two (shift 0) or eight (shift 2) loads each lies a whole number of rows from one of
-    them, so the shared address is a register plus a constant."""
+def test_a_lane_walks_its_tile_chunks_by_constant_row_offsets():
+    """NVFP4's `_load_wide` addressing (`kernels.dispatch.scales.wide_chunk_at`): lane first * 8
+    + cc puts its k-th chunk where `wide_tile_word` places chunk cc of row first + 4 k, and each
+    chunk past the first two lies a whole number of rows from one of them, so the shared
+    address is a register plus a constant."""
     from kernels.dispatch.scales import LOAD_STEP, wide_chunk_at
 
-    period = 2 if shift == 0 else 8
     for first in range(LOAD_STEP):
         for cc in range(WIDE_TILE_CHUNKS):
-            at = [wide_chunk_at(first, cc, k, shift) for k in range(WIDE_TILE_ROWS // LOAD_STEP)]
-            assert at == [wide_tile_word(first + LOAD_STEP * k, cc, shift)
+            at = [wide_chunk_at(first, cc, k) for k in range(WIDE_TILE_ROWS // LOAD_STEP)]
+            assert at == [wide_tile_word(first + LOAD_STEP * k, cc, 0)
                           for k in range(WIDE_TILE_ROWS // LOAD_STEP)]
-            for k in range(period, len(at)):
-                assert at[k] - at[k % period] == (k - k % period) * LOAD_STEP * WIDE_TILE_WORDS
-    with pytest.raises(ValueError, match="shift 0 or 2"):
-        wide_chunk_at(0, 0, 0, 1)
+            for k in range(2, len(at)):
+                assert at[k] - at[k % 2] == (k - k % 2) * LOAD_STEP * WIDE_TILE_WORDS
