@@ -234,6 +234,7 @@ def test_wide_tile_loads_fill_whole_rows(shift):
     assert len(seen) == WIDE_TILE_ROWS * WIDE_TILE_CHUNKS
 
 
+@pytest.mark.build  # imports kernels/ (the DSL)
 def test_a_lane_walks_its_tile_chunks_by_constant_row_offsets():
     """NVFP4's `_load_wide` addressing (`kernels.dispatch.scales.wide_chunk_at`): lane first * 8
     + cc puts its k-th chunk where `wide_tile_word` places chunk cc of row first + 4 k, and each
