@@ -420,6 +420,7 @@ class Buffer:
         self._routes = [*combine_routes(cfg), channel_messages(cfg, self._sms)]
         self._plan_outputs()
         self._active: dict[int | None, int] = {}  # active_channels by num_input_tokens
+        self._prefixed: dict[int | None, int] = {}  # _prefixed_for by num_input_tokens
         # Placeholders for the pointer arguments a call leaves unused, and their addresses.
         self._no_f32 = torch.zeros(4, dtype=torch.float32, device=dev)
         self._no_i32 = torch.zeros(4, dtype=torch.int32, device=dev)
@@ -682,23 +683,29 @@ class Buffer:
         out = self._dispatch_outputs(Routing(active, num_tokens, weighted, skip_a2a,
                                              shared_begin, shared_end, topk_ids), separate)
         flat = out.__dict__["_flat"]
+        scales_at, offsets_at = self._no_f32_at, self._no_i32_at
         if flat is not None:  # the carved outputs, at fixed offsets in one allocation
             base = flat.data_ptr()
             carved = [base + at for at in self._carved_at]
+            if self._scales_at is not None:
+                scales_at = base + self._scales_at
+            if self._scales_offsets_at is not None:
+                offsets_at = base + self._scales_offsets_at
         else:
             h = out.handle
             carved = [out._address(name) for name in self._carved_names[:4]] + \
                 [h._address(name) for name in self._carved_names[4:]]
+            if cfg.format != "bf16":
+                scales_at = out._address("scales")
+            if cfg.format == "nvfp4":
+                offsets_at = out._address("scales_offsets")
         trace = self.trace
         self.calls[0] += 1
         args = (
             source, source_stride, load_bytes, scale_source, scale_stride,
             topk_ids.data_ptr(), _id_words(topk_ids),
             topk_weights.data_ptr() if weighted else self._no_f32_at,
-            out.tokens.data_ptr(),
-            out._address("scales") if cfg.format != "bf16" else self._no_f32_at,
-            out._address("scales_offsets") if cfg.format == "nvfp4" else self._no_i32_at,
-            *carved,
+            out.tokens.data_ptr(), scales_at, offsets_at, *carved,
             out._address("recv_topk_ids") if by_source else self._no_i32_at,
             out._address("recv_topk_weights") if by_source else self._no_f32_at,
             num_tokens, int(skip_a2a), shared_begin, shared_end, int(weighted), active,
@@ -762,6 +769,11 @@ class Buffer:
                               "weights", "tokens", "messages", "channels")
         self._carved_at = [self._output_carve.parts[n][0] for n in self._carved_names[:4]] + \
             [self._handle_carve.parts[n][0] for n in self._carved_names[4:]]
+        self._combine_reads_at = [self._handle_carve.parts[n][0] for n in _COMBINE_READS]
+        # The scales' offsets in the same allocation, where the format has them.
+        parts = self._output_carve.parts
+        self._scales_at = parts["scales"][0] if "scales" in parts else None
+        self._scales_offsets_at = parts["scales_offsets"][0] if "scales_offsets" in parts else None
 
     def _dispatch_outputs(self, route: Routing, separate: bool = False) -> DispatchOutput:
         dev = self.device
@@ -880,7 +892,12 @@ class Buffer:
         t = r.num_tokens
         out = self._bf16_like.new_empty(t, k, hidden) if mode == UNREDUCED else \
             self._bf16_like.new_empty(t, hidden)
-        rows, weights, channels = handle._addresses(_COMBINE_READS)
+        fields = handle.__dict__
+        if fields.get("_carve") is self._handle_carve:  # this Buffer's carved handle
+            base = fields["_flat"].data_ptr()
+            rows, weights, channels = (base + at for at in self._combine_reads_at)
+        else:
+            rows, weights, channels = handle._addresses(_COMBINE_READS)
         trace = self.combine_trace
         self.calls[1] += 1
         self._combine_launch(
@@ -1034,8 +1051,12 @@ class Buffer:
     def _prefixed_for(self, num_input_tokens) -> int:
         """1 where a dispatch bounded by `num_input_tokens` (else max_tokens_per_rank) sends
         prefixed counts (`layouts.channels.prefixed_counts`), else 0: the same on every rank,
-        like `active_channels`."""
-        return int(prefixed_counts(self.cfg.max_tokens_per_rank, num_input_tokens))
+        like `active_channels`; computed once per bound."""
+        prefixed = self._prefixed.get(num_input_tokens)
+        if prefixed is None:
+            prefixed = self._prefixed[num_input_tokens] = int(
+                prefixed_counts(self.cfg.max_tokens_per_rank, num_input_tokens))
+        return prefixed
 
     def active_channels(self, num_input_tokens: int | None) -> int:
         """The channels a dispatch splits each rank's tokens over: every channel of the budget,
