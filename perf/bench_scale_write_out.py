@@ -22,10 +22,8 @@ import json
 import torch
 from timing import median_ms
 
-from cute_ep.reference.ep import scale_layout_of_rows
+from cute_ep.reference.ep import scale_layout_of_rows, staged_segments
 from cute_ep.runtime.launch import runtime
-from layouts.config import FP8_ROW_ALIGN
-from layouts.scales import ATOM_ROWS
 
 
 def segment_counts(tokens: int, topk: int, experts: int, ranks: int, seed: int = 0) -> list:
@@ -41,17 +39,6 @@ def segment_counts(tokens: int, topk: int, experts: int, ranks: int, seed: int =
     return counts.tolist()
 
 
-def layout_args(fmt: str, counts: list) -> tuple[list, list, list, int]:
-    """(row offsets [S + 1], rows [S], first 128-row blocks [S + 1], staged rows in all): the
-    segment layout a dispatch's receivers derive, FP8 segments padded to FP8_ROW_ALIGN rows."""
-    align = FP8_ROW_ALIGN if fmt == "fp8" else 1
-    off, first = [0], [0]
-    for c in counts:
-        off.append(off[-1] + -(-c // align) * align)
-        first.append(first[-1] + -(-c // ATOM_ROWS))
-    return off, list(counts), first, off[-1]
-
-
 def run(fmt: str, hidden: int, counts: list, ctas_list: list, reps: int, l2: list) -> list:
     kernel = runtime().select("scale_write_out", "cuda", format=fmt)
     if len(counts) > kernel.spec.sizes["max_segments"]:
@@ -60,7 +47,8 @@ def run(fmt: str, hidden: int, counts: list, ctas_list: list, reps: int, l2: lis
     vector_bytes = kernel.spec.sizes["vector_bytes"]
     payload_vectors = (hidden // 2 if fmt == "nvfp4" else hidden) // vector_bytes
     words = hidden // 128 if fmt == "fp8" else -(-hidden // 64)
-    off, raw, first, rows = layout_args(fmt, counts)
+    off, first = staged_segments(fmt, counts)
+    rows = off[-1]
     row_capacity = -(-rows // 4) * 4 + 4
     dev = "cuda"
     gen = torch.Generator(device=dev).manual_seed(1)
@@ -71,7 +59,7 @@ def run(fmt: str, hidden: int, counts: list, ctas_list: list, reps: int, l2: lis
     staged = source.clone()
     want = scale_layout_of_rows(fmt, staged[:rows], hidden, counts, row_capacity)
     out = torch.empty_like(want)
-    seg = [torch.tensor(v, dtype=torch.int32, device=dev) for v in (off, raw, first)]
+    seg = [torch.tensor(v, dtype=torch.int32, device=dev) for v in (off, counts, first)]
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
     moved = rows * words * 4 + want.numel() * want.element_size()
     results = []

@@ -141,6 +141,22 @@ def nvfp4_row_scales(out, hidden: int, rows: int) -> torch.Tensor:
     return out.scales[_scale_offsets(scale_row, kb, hidden)]
 
 
+def staged_segments(fmt: str, counts: list[int]) -> tuple[list[int], list[int]]:
+    """The segment layout a dispatch's receivers derive from the rows each segment received
+    (what its scale write-out is given): row offsets [S + 1] (FP8 segments padded to
+    FP8_ROW_ALIGN rows) and first 128-row scale blocks [S + 1] (`expert_scale_blocks`, then
+    the blocks in all)."""
+    from layouts.config import FP8_ROW_ALIGN
+
+    align = FP8_ROW_ALIGN if fmt == "fp8" else 1
+    offsets = [0]
+    for c in counts:
+        offsets.append(offsets[-1] + -(-c // align) * align)
+    first, _ = expert_scale_blocks(counts)
+    blocks = first[-1] + -(-counts[-1] // ATOM_ROWS) if counts else 0
+    return offsets, first + [blocks]
+
+
 def scale_layout_of_rows(fmt: str, scale_rows: torch.Tensor, hidden: int, counts: list[int],
                          row_capacity: int) -> torch.Tensor:
     """What a dispatch's scale output holds once its staged scale rows (`scale_rows` [rows,
@@ -152,8 +168,9 @@ def scale_layout_of_rows(fmt: str, scale_rows: torch.Tensor, hidden: int, counts
     byte of the used blocks zero."""
     from layouts.config import FP8_ROW_ALIGN
 
+    offsets, first = staged_segments(fmt, counts)
     if fmt == "fp8":
-        rows = sum(-(-c // FP8_ROW_ALIGN) * FP8_ROW_ALIGN for c in counts)
+        rows = offsets[-1]
         if scale_rows.shape[0] < rows:
             raise ValueError(f"{rows} staged rows (segments padded to {FP8_ROW_ALIGN}), "
                              f"got {scale_rows.shape[0]}")
@@ -161,9 +178,7 @@ def scale_layout_of_rows(fmt: str, scale_rows: torch.Tensor, hidden: int, counts
                           device=scale_rows.device)
         out[:, :rows] = scale_rows[:rows, :hidden // 128].view(torch.float32).t()
         return out
-    first, _ = expert_scale_blocks(counts)
-    blocks = (first[-1] + -(-counts[-1] // ATOM_ROWS)) if counts else 0
-    out = torch.zeros(blocks * scale_block_bytes(hidden, NVFP4_BLOCK), dtype=torch.uint8,
+    out = torch.zeros(first[-1] * scale_block_bytes(hidden, NVFP4_BLOCK), dtype=torch.uint8,
                       device=scale_rows.device)
     staged = scale_rows.contiguous().view(torch.uint8)[:, :hidden // NVFP4_BLOCK]
     kb = torch.arange(hidden // NVFP4_BLOCK, device=scale_rows.device)

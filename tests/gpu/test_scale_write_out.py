@@ -6,8 +6,7 @@ CTA counts."""
 import pytest
 import torch
 
-from cute_ep.reference.ep import scale_layout_of_rows
-from layouts.config import FP8_ROW_ALIGN
+from cute_ep.reference.ep import scale_layout_of_rows, staged_segments
 
 pytestmark = pytest.mark.gpu
 
@@ -18,12 +17,10 @@ def _launch(fmt, counts, ctas, seed):
     from cute_ep.runtime.launch import runtime
 
     kernel = runtime().select("scale_write_out", "cuda", format=fmt)
-    c = torch.tensor(counts, dtype=torch.int64)
-    align = FP8_ROW_ALIGN if fmt == "fp8" else 1
-    padded = (c + align - 1) // align * align
-    off = torch.cat([torch.zeros(1, dtype=torch.int64), padded.cumsum(0)])
-    first = torch.cat([torch.zeros(1, dtype=torch.int64), ((c + 127) // 128).cumsum(0)])
-    rows = int(off[-1])
+    offsets, firsts = staged_segments(fmt, counts)
+    off, raw, first = (torch.tensor(v, dtype=torch.int32, device="cuda")
+                       for v in (offsets, counts, firsts))
+    rows = offsets[-1]
     words = H // 128 if fmt == "fp8" else H // 64
     capacity = rows + 8
     gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -35,7 +32,7 @@ def _launch(fmt, counts, ctas, seed):
     out = torch.full_like(want, 7) if fmt == "nvfp4" else torch.full_like(want, float("nan"))
     vector_bytes = kernel.spec.sizes["vector_bytes"]
     payload_vectors = (H // 2 if fmt == "nvfp4" else H) // vector_bytes
-    kernel.launch(staged, out, off.int().cuda(), c.int().cuda(), first.int().cuda(), len(counts),
+    kernel.launch(staged, out, off, raw, first, len(counts),
                   payload_vectors, capacity, ctas)
     torch.cuda.synchronize()
     if fmt == "fp8":
