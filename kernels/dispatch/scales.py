@@ -21,6 +21,19 @@ PAIR = 2  # FP8 tiles a warp loads before storing the first
 # a warp's lanes.
 SEGMENT_REGS = (MAX_SEGMENTS + WARP - 1) // WARP
 LOAD_STEP = WARP // WIDE_TILE_CHUNKS  # rows one warp-wide 16-byte load covers in a wide tile
+# NVFP4's write-out tiles: 64 bytes of 128 rows, two a warp (`_write_narrow`).
+NARROW_TILE_WORDS = 16
+NARROW_TILE_CHUNKS = NARROW_TILE_WORDS // 4
+NARROW_LOAD_STEP = WARP // NARROW_TILE_CHUNKS  # rows one warp-wide 16-byte load covers
+
+
+def narrow_tile_word(row, chunk):
+    """Word offset of 16-byte chunk `chunk` of row `row` of a narrow tile: rows of
+    NARROW_TILE_WORDS words, the chunk at chunk ^ ((row >> 1) & 3), so that the eight lanes of
+    a quarter-warp reading one chunk of rows l .. l + 7 (and the loads' eight lanes writing
+    two rows' four chunks) hit eight different 16-byte bank groups. Rows 8 apart share the
+    swizzle. Also takes DSL integers."""
+    return row * NARROW_TILE_WORDS + ((chunk ^ ((row >> 1) & 3)) * 4)
 
 
 def wide_chunk_at(first, cc, k):
@@ -62,9 +75,14 @@ class ScalesPhase:
                 aligned = aligned and row_capacity % 4 == 0 and s_off[segments] % 4 == 0
             if aligned:
                 if warp >= SEND_WARPS:
-                    self._write_wide(warp - SEND_WARPS, lane, channel, active, scales,
-                                     scale_rows, s_off, s_raw, s_first, s_tile, segments,
-                                     row_capacity, words)
+                    if cutlass.const_expr(self.fmt == "nvfp4"):
+                        self._write_narrow(warp - SEND_WARPS, lane, channel, active, scales,
+                                           scale_rows, s_off, s_raw, s_first, s_tile,
+                                           segments, words)
+                    else:
+                        self._write_wide(warp - SEND_WARPS, lane, channel, active, scales,
+                                         scale_rows, s_off, s_raw, s_first, s_tile, segments,
+                                         row_capacity, words)
             else:
                 self._write_tiles(warp, lane, channel, active, scales, scale_rows, s_off, s_raw,
                                   s_first, s_tile, segments, row_capacity, payload_vectors)
@@ -164,6 +182,100 @@ class ScalesPhase:
                 if cq >= tiles_c:
                     cq -= tiles_c
                     q += 1
+
+    @cute.jit
+    def _write_narrow(self, rw, lane, channel, active, scales: cute.Pointer,
+                      scale_rows: cute.Pointer, s_off: cute.Tensor, s_raw: cute.Tensor,
+                      s_first: cute.Tensor, s_tile: cute.Tensor, segments, words):
+        """NVFP4's write-out by the receiver warps through two narrow tiles a warp (the halves
+        of its pieces): NARROW_TILE_WORDS columns of a 128-row block each, the next unit's
+        loads in flight while this one's atoms are stored. A unit is column tile u % tiles_c
+        of block u // tiles_c, and H 7168's 112 columns are seven whole tiles (no half tile)."""
+        gw = channel * self.recv_warps + rw
+        nw = active * self.recv_warps
+        half = PIECES * PIECE // 8  # words of one narrow tile
+        tile = s_tile.iterator + rw * (PIECES * PIECE // 4)
+        tiles_c = (words + NARROW_TILE_WORDS - 1) // NARROW_TILE_WORDS
+        row_bytes = Int64(words) * 4
+        n_units = s_first[segments] * tiles_c
+        base = scale_rows.toint()
+        mine = cute.make_layout((4, 4), stride=(WARP * NARROW_TILE_WORDS, 1))
+        w = cute.make_rmem_tensor(cute.make_layout((4, 4), stride=(4, 1)), Int32)
+        four = cute.make_rmem_tensor(cute.make_layout(4), Int32)
+        starts = cute.make_rmem_tensor(cute.make_layout(SEGMENT_REGS), Int32)
+        self._load_segment_starts(starts, s_first, segments, lane)
+        dq = nw // tiles_c
+        dc = nw % tiles_c
+        # The unit being loaded (ql, cl) runs one ahead of the unit being stored (q, cq).
+        q = gw // tiles_c
+        cq = gw % tiles_c
+        if gw < n_units:
+            self._load_narrow(tile, lane, base, starts, s_off, s_raw, s_first, q, cq, row_bytes,
+                              words)
+        cute.arch.cp_async_commit_group()
+        ql = q + dq
+        cl = cq + dc
+        if cl >= tiles_c:
+            cl -= tiles_c
+            ql += 1
+        i = Int32(0)
+        for u in cutlass.range(gw, n_units, nw):
+            if u + nw < n_units:
+                self._load_narrow(tile + ((i + 1) & 1) * half, lane, base, starts, s_off, s_raw,
+                                  s_first, ql, cl, row_bytes, words)
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(1)
+            cute.arch.sync_warp()
+            now = tile + (i & 1) * half
+            c0 = cq * NARROW_TILE_WORDS
+            out_at = scales.toint() + scale_offset(q * ATOM_ROWS + lane, 0, words)
+            for c in cutlass.range_constexpr(NARROW_TILE_CHUNKS):
+                if c0 + c * 4 < words:
+                    cute.autovec_copy(cute.make_tensor(
+                        (now + narrow_tile_word(lane, c)).align(16), mine), w)
+                    for j in cutlass.range_constexpr(4):
+                        if c0 + c * 4 + j < words:
+                            for p in cutlass.range_constexpr(4):
+                                four[p] = w[p, j]
+                            self._store_atom_rows(out_at, c0 + c * 4 + j, four)
+            cute.arch.sync_warp()  # read back before the loads two units on overwrite it
+            i += 1
+            q = ql
+            cq = cl
+            cl += dc
+            ql += dq
+            if cl >= tiles_c:
+                cl -= tiles_c
+                ql += 1
+        cute.arch.cp_async_wait_group(0)
+
+    @cute.jit
+    def _load_narrow(self, tile, lane, base, starts: cute.Tensor, s_off: cute.Tensor,
+                     s_raw: cute.Tensor, s_first: cute.Tensor, q, cq, row_bytes, words):
+        """Issue (not wait for) the loads of narrow tile (block q, column tile cq): lane l
+        copies 16-byte chunk l % 4 of rows l // 4 + 8 k, k < 16, one address walked down the
+        rows, each chunk at `narrow_tile_word` (whose swizzle is the same for all of a lane's
+        rows); rows past the segment's count as zeros, not read."""
+        g = self._block_segment(starts, q)
+        first_row = (q - s_first[g]) * WIDE_TILE_ROWS
+        r0 = s_off[g] + first_row
+        valid = s_raw[g] - first_row
+        cc = lane % NARROW_TILE_CHUNKS
+        first = lane // NARROW_TILE_CHUNKS
+        col = cq * NARROW_TILE_WORDS + cc * 4
+        if col < words:
+            src = Int64(base) + Int64(r0 + first) * row_bytes + Int64(col * 4)
+            stride = row_bytes * NARROW_LOAD_STEP
+            left = valid - first
+            dst = tile + narrow_tile_word(first, cc)
+            for k in cutlass.range_constexpr(WIDE_TILE_ROWS // NARROW_LOAD_STEP):
+                at = src
+                n = Int32(16)
+                if k * NARROW_LOAD_STEP >= left:
+                    at = Int64(base)
+                    n = Int32(0)
+                cp_async_16_fill(dst + k * NARROW_LOAD_STEP * NARROW_TILE_WORDS, at, n)
+                src = src + stride
 
     @cute.jit
     def _load_segment_starts(self, starts: cute.Tensor, s_first: cute.Tensor, segments, lane):
