@@ -87,18 +87,31 @@ def scale_words(cfg: EPConfig) -> int:
 
 
 # The dispatch's scale write-out moves staged rows (`scale_rows_layout`) to the output's layout
-# through shared-memory tiles of WIDE_TILE_ROWS rows x WIDE_TILE_WORDS words (`wide_tile_word`).
+# through shared-memory tiles of WIDE_TILE_ROWS rows: FP8's of WIDE_TILE_WORDS words
+# (`wide_tile_word`), NVFP4's of NARROW_TILE_WORDS, two a warp (`narrow_tile_word`).
 WIDE_TILE_ROWS, WIDE_TILE_WORDS = 128, 32
 WIDE_TILE_CHUNKS = WIDE_TILE_WORDS // 4  # 16-byte chunks of a tile row
+NARROW_TILE_WORDS = 16
+NARROW_TILE_CHUNKS = NARROW_TILE_WORDS // 4
 
 
 def wide_tile_word(row, chunk, shift):
-    """Word offset of 16-byte chunk `chunk` of row `row` of a write-out tile: rows of
+    """Word offset of 16-byte chunk `chunk` of row `row` of an FP8 write-out tile: rows of
     WIDE_TILE_WORDS words, the chunk at position chunk ^ ((row >> shift) & 7), so that the eight
     lanes of a quarter-warp reading one chunk of eight rows whose (row >> shift) & 7 differ hit
-    eight different 16-byte bank groups. Shift 0 for lanes that read rows l + 32 p (NVFP4), 2
-    for rows 4 l + p (FP8). Also takes DSL integers (the kernel evaluates the same function)."""
+    eight different 16-byte bank groups: shift 2 for lanes that read rows 4 l + p. Also takes
+    DSL integers (the kernel evaluates the same function)."""
     return row * WIDE_TILE_WORDS + ((chunk ^ ((row >> shift) & 7)) * 4)
+
+
+def narrow_tile_word(row, chunk):
+    """Word offset of 16-byte chunk `chunk` of row `row` of an NVFP4 write-out tile: rows of
+    NARROW_TILE_WORDS words, the chunk at chunk ^ ((row >> 1) & 3). The eight lanes of a
+    quarter-warp reading one chunk of rows l .. l + 7 (lane l reads rows l + 32 p), and the
+    eight writing rows 2 i, 2 i + 1 whole, hit eight different 16-byte bank groups; rows 8
+    apart share the swizzle, so a lane's loads down rows l // 4 + 8 k land a constant apart.
+    Also takes DSL integers."""
+    return row * NARROW_TILE_WORDS + ((chunk ^ ((row >> 1) & 3)) * 4)
 
 
 # FP8 packed rows, at most this many in all (a decode step's): the dispatch's receivers store

@@ -12,8 +12,9 @@ from kernels.dispatch.common import (FP8_BLOCK, MAX_SEGMENTS, NVFP4_BLOCK, PIECE
 from kernels.bulk_copy import bulk_prefetch_l2, cp_async_16_fill
 from kernels.memory import gmem_ptr, load_i32, scale_offset, store_i32
 from kernels.nvfp4 import segment_of
-from layouts.buffers import (WIDE_TILE_CHUNKS, WIDE_TILE_ROWS, WIDE_TILE_WORDS, scale_rows_layout,
-                             wide_tile_word)
+from layouts.buffers import (NARROW_TILE_CHUNKS, NARROW_TILE_WORDS, WIDE_TILE_CHUNKS,
+                             WIDE_TILE_ROWS, WIDE_TILE_WORDS, narrow_tile_word,
+                             scale_rows_layout, wide_tile_word)
 from layouts.scales import ATOM_BYTES, ATOM_ROWS
 
 PAIR = 2  # FP8 tiles a warp loads before storing the first
@@ -21,28 +22,8 @@ PAIR = 2  # FP8 tiles a warp loads before storing the first
 # a warp's lanes.
 SEGMENT_REGS = (MAX_SEGMENTS + WARP - 1) // WARP
 LOAD_STEP = WARP // WIDE_TILE_CHUNKS  # rows one warp-wide 16-byte load covers in a wide tile
-# NVFP4's write-out tiles: 64 bytes of 128 rows, two a warp (`_write_narrow`).
-NARROW_TILE_WORDS = 16
-NARROW_TILE_CHUNKS = NARROW_TILE_WORDS // 4
+WIDE_SHIFT = 2  # `wide_tile_word`'s swizzle shift for FP8's lanes, which read rows 4 l + p
 NARROW_LOAD_STEP = WARP // NARROW_TILE_CHUNKS  # rows one warp-wide 16-byte load covers
-
-
-def narrow_tile_word(row, chunk):
-    """Word offset of 16-byte chunk `chunk` of row `row` of a narrow tile: rows of
-    NARROW_TILE_WORDS words, the chunk at chunk ^ ((row >> 1) & 3), so that the eight lanes of
-    a quarter-warp reading one chunk of rows l .. l + 7 (and the loads' eight lanes writing
-    two rows' four chunks) hit eight different 16-byte bank groups. Rows 8 apart share the
-    swizzle. Also takes DSL integers."""
-    return row * NARROW_TILE_WORDS + ((chunk ^ ((row >> 1) & 3)) * 4)
-
-
-def wide_chunk_at(first, cc, k):
-    """`wide_tile_word(first + LOAD_STEP * k, cc, 0)` (NVFP4's tiles) for 0 <= first < LOAD_STEP
-    (4), the chunk lane `first * 8 + cc` loads k-th: the swizzle term is then first + 4 (k & 1),
-    so past the first two loads the row's part is a multiple of k alone, a constant the address
-    takes as an offset. Also takes DSL integers for `first` and `cc`."""
-    return first * WIDE_TILE_WORDS + (cc ^ (first + 4 * (k & 1))) * 4 \
-        + k * LOAD_STEP * WIDE_TILE_WORDS
 
 
 class ScalesPhase:
@@ -81,19 +62,14 @@ class ScalesPhase:
                                            segments, words)
                     else:
                         self._write_wide(warp - SEND_WARPS, lane, channel, active, scales,
-                                         scale_rows, s_off, s_raw, s_first, s_tile, segments,
-                                         row_capacity, words)
+                                         scale_rows, s_off, segments, s_tile, row_capacity,
+                                         words)
             else:
                 self._write_tiles(warp, lane, channel, active, scales, scale_rows, s_off, s_raw,
                                   s_first, s_tile, segments, row_capacity, payload_vectors)
         else:
             self._write_tiles(warp, lane, channel, active, scales, scale_rows, s_off, s_raw,
                               s_first, s_tile, segments, row_capacity, payload_vectors)
-
-    @property
-    def _wide_shift(self) -> int:
-        """`wide_tile_word`'s swizzle shift for the rows a lane reads back (`_write_wide`)."""
-        return 2 if self.fmt == "fp8" else 0
 
     def _staged_words(self, payload_vectors):
         """Words of a staged scale row: FP8's blocks, NVFP4's 4-scale columns."""
@@ -103,85 +79,48 @@ class ScalesPhase:
 
     @cute.jit
     def _write_wide(self, rw, lane, channel, active, scales: cute.Pointer,
-                    scale_rows: cute.Pointer, s_off: cute.Tensor, s_raw: cute.Tensor,
-                    s_first: cute.Tensor, s_tile: cute.Tensor, segments, row_capacity, words):
-        """The write-out by the receiver warps, a wide tile at a time in the first
-        WIDE_TILE_ROWS x WIDE_TILE_WORDS words of the warp's own pieces: WIDE_TILE_ROWS staged
-        rows (FP8: rows q * 128 ..; NVFP4: 128-row block q of a segment, rows past its count
-        zero) by WIDE_TILE_WORDS columns from c0. Each load is a 16-byte cp.async, 8 lanes a
-        row, so a warp's load covers four whole 128-byte lines; the tiles shared out over every
-        receiver warp of every CTA.
-        Stores: NVFP4 a 16-byte line of an atom a lane (rows l, l + 32, l + 64, l + 96); FP8 a
-        16-byte run of the transposed output a lane (rows 4l .. 4l + 3 of one block)."""
+                    scale_rows: cute.Pointer, s_off: cute.Tensor, segments, s_tile: cute.Tensor,
+                    row_capacity, words):
+        """FP8's write-out by the receiver warps, a wide tile at a time in the first
+        WIDE_TILE_ROWS x WIDE_TILE_WORDS words of the warp's own pieces: staged rows q * 128 ..
+        by WIDE_TILE_WORDS columns from c0. Each load is a 16-byte cp.async, 8 lanes a row, so
+        a warp's load covers four whole 128-byte lines; the tiles shared out over every
+        receiver warp of every CTA. A lane stores a 16-byte run of the transposed output (rows
+        4l .. 4l + 3 of one block)."""
         gw = channel * self.recv_warps + rw
         nw = active * self.recv_warps
         tile = s_tile.iterator + rw * (PIECES * PIECE // 4)
         tiles_c = (words + WIDE_TILE_WORDS - 1) // WIDE_TILE_WORDS
         row_bytes = Int64(words) * 4
         rows = s_off[segments]
-        n_units = s_first[segments] * tiles_c
-        if cutlass.const_expr(self.fmt == "fp8"):
-            n_units = (rows + WIDE_TILE_ROWS - 1) // WIDE_TILE_ROWS * tiles_c
-        # Lane l reads back rows l + 32 p (NVFP4) or 4 l + p (FP8), 16 bytes of each: in the
-        # tile's swizzle (`wide_tile_word`) those rows' chunk c lies at a fixed stride from
-        # row l's (or 4 l's), and a quarter-warp's lanes read different bank groups.
-        mine = cute.make_layout((4, 4), stride=(WARP * WIDE_TILE_WORDS, 1))
-        if cutlass.const_expr(self.fmt == "fp8"):
-            mine = cute.make_layout((4, 4), stride=(WIDE_TILE_WORDS, 1))
+        n_units = (rows + WIDE_TILE_ROWS - 1) // WIDE_TILE_ROWS * tiles_c
+        # Lane l reads back rows 4 l + p, 16 bytes of each: in the tile's swizzle
+        # (`wide_tile_word`) those rows' chunk c lies at a fixed stride from row 4 l's, and a
+        # quarter-warp's lanes read different bank groups.
+        mine = cute.make_layout((4, 4), stride=(WIDE_TILE_WORDS, 1))
         w = cute.make_rmem_tensor(cute.make_layout((4, 4), stride=(4, 1)), Int32)
         four = cute.make_rmem_tensor(cute.make_layout(4), Int32)
-        starts = cute.make_rmem_tensor(cute.make_layout(SEGMENT_REGS), Int32)
-        if cutlass.const_expr(self.fmt == "nvfp4"):
-            self._load_segment_starts(starts, s_first, segments, lane)
-        # Unit u is column tile u % tiles_c of 128-row block u // tiles_c: NVFP4 advances both
-        # by the warps' stride instead of dividing them out each unit.
-        q = gw // tiles_c
-        cq = gw % tiles_c
-        dq = nw // tiles_c
-        dc = nw % tiles_c
         for u in cutlass.range(gw, n_units, nw):
-            if cutlass.const_expr(self.fmt == "fp8"):
-                q = u // tiles_c
-                cq = u % tiles_c
-            c0 = cq * WIDE_TILE_WORDS
+            q = u // tiles_c
+            c0 = u % tiles_c * WIDE_TILE_WORDS
             r0 = q * WIDE_TILE_ROWS
             valid = rows - r0
-            if cutlass.const_expr(self.fmt == "nvfp4"):
-                g = self._block_segment(starts, q)
-                first = (q - s_first[g]) * WIDE_TILE_ROWS
-                r0 = s_off[g] + first
-                valid = s_raw[g] - first
             self._load_wide(tile, lane, scale_rows.toint(), r0, row_bytes, valid, words - c0,
                             c0)
-            out_at = scales.toint() + (Int64(r0) + Int64(lane * 4)) * 4  # FP8: + column * rows
-            if cutlass.const_expr(self.fmt == "nvfp4"):
-                out_at = scales.toint() + scale_offset(q * ATOM_ROWS + lane, 0, words)
+            out_at = scales.toint() + (Int64(r0) + Int64(lane * 4)) * 4  # + column * rows
             for c in cutlass.range_constexpr(WIDE_TILE_CHUNKS):
                 if c0 + c * 4 < words:
-                    first_row = lane
-                    if cutlass.const_expr(self.fmt == "fp8"):
-                        first_row = lane * 4
                     cute.autovec_copy(cute.make_tensor(
-                        (tile + wide_tile_word(first_row, c, self._wide_shift)).align(16),
-                        mine), w)
+                        (tile + wide_tile_word(lane * 4, c, WIDE_SHIFT)).align(16), mine), w)
                     for j in cutlass.range_constexpr(4):
                         if c0 + c * 4 + j < words:
                             for p in cutlass.range_constexpr(4):
                                 four[p] = w[p, j]
-                            if cutlass.const_expr(self.fmt == "nvfp4"):
-                                self._store_atom_rows(out_at, c0 + c * 4 + j, four)
-                            else:
-                                if lane * 4 < valid:
-                                    cute.autovec_copy(four, cute.make_tensor(gmem_ptr(
-                                        Int32, out_at + Int64(c0 + c * 4 + j)
-                                        * Int64(row_capacity) * 4, 16), cute.make_layout(4)))
+                            if lane * 4 < valid:
+                                cute.autovec_copy(four, cute.make_tensor(gmem_ptr(
+                                    Int32, out_at + Int64(c0 + c * 4 + j)
+                                    * Int64(row_capacity) * 4, 16), cute.make_layout(4)))
             cute.arch.sync_warp()  # read back before the next tile's loads overwrite it
-            if cutlass.const_expr(self.fmt == "nvfp4"):
-                cq += dc
-                q += dq
-                if cq >= tiles_c:
-                    cq -= tiles_c
-                    q += 1
 
     @cute.jit
     def _write_narrow(self, rw, lane, channel, active, scales: cute.Pointer,
@@ -300,38 +239,23 @@ class ScalesPhase:
 
     @cute.jit
     def _load_wide(self, tile, lane, base, r0, row_bytes, valid, cols, c0):
-        """Staged rows r0 .. r0 + WIDE_TILE_ROWS of words c0 .. c0 + WIDE_TILE_WORDS into the
-        wide tile at `tile`, swizzled (`_write_wide`): rows from `valid` on as zeros, not read;
-        columns from `cols` on not loaded (the write-out reads only the tile's first `cols`).
-        Lane l loads 16-byte chunk l % 8 of rows l // 8 + 4 k, k < 32: NVFP4 walking one
-        address down the rows and placing each chunk at `wide_chunk_at`. Waits for the copies
-        and the warp."""
+        """FP8's staged rows r0 .. r0 + WIDE_TILE_ROWS of words c0 .. c0 + WIDE_TILE_WORDS into
+        the wide tile at `tile`, swizzled (`_write_wide`): rows from `valid` on as zeros, not
+        read; columns from `cols` on not loaded (the write-out reads only the tile's first
+        `cols`). Lane l loads 16-byte chunk l % 8 of rows l // 8 + 4 k, k < 32, each load's
+        address on its own (eight swizzles down the rows), eight loads a lane unrolled at a
+        time. Waits for the copies and the warp."""
         cc = lane % WIDE_TILE_CHUNKS
         first = lane // WIDE_TILE_CHUNKS
-        if cutlass.const_expr(self._wide_shift != 0):
-            # FP8 (eight swizzles down its rows): each load's address on its own, eight loads a
-            # lane unrolled at a time; the NVFP4 walk below measured 0.4-0.6 us slower here.
-            for kk in cutlass.range(WIDE_TILE_ROWS // LOAD_STEP // 8):
-                for k8 in cutlass.range_constexpr(8):
-                    r = first + (kk * 8 + k8) * LOAD_STEP
-                    src = Int64(base)
-                    n = Int32(0)
-                    if r < valid and cc * 4 < cols:
-                        src = base + (Int64(r0 + r) * row_bytes + Int64((c0 + cc * 4) * 4))
-                        n = Int32(16)
-                    cp_async_16_fill(tile + wide_tile_word(r, cc, self._wide_shift), src, n)
-        elif cc * 4 < cols:
-            src = Int64(base) + Int64(r0 + first) * row_bytes + Int64((c0 + cc * 4) * 4)
-            stride = row_bytes * LOAD_STEP
-            mine = valid - first  # rows first + LOAD_STEP k of the tile, k * LOAD_STEP < mine
-            for k in cutlass.range_constexpr(WIDE_TILE_ROWS // LOAD_STEP):
-                at = src
-                n = Int32(16)
-                if k * LOAD_STEP >= mine:
-                    at = Int64(base)
-                    n = Int32(0)
-                cp_async_16_fill(tile + wide_chunk_at(first, cc, k), at, n)
-                src = src + stride
+        for kk in cutlass.range(WIDE_TILE_ROWS // LOAD_STEP // 8):
+            for k8 in cutlass.range_constexpr(8):
+                r = first + (kk * 8 + k8) * LOAD_STEP
+                src = Int64(base)
+                n = Int32(0)
+                if r < valid and cc * 4 < cols:
+                    src = base + (Int64(r0 + r) * row_bytes + Int64((c0 + cc * 4) * 4))
+                    n = Int32(16)
+                cp_async_16_fill(tile + wide_tile_word(r, cc, WIDE_SHIFT), src, n)
         cute.arch.cp_async_commit_group()
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_warp()

@@ -4,10 +4,11 @@ import dataclasses
 
 import pytest
 
-from layouts.buffers import (WIDE_TILE_CHUNKS, WIDE_TILE_ROWS, WIDE_TILE_WORDS, EPConfig,
-                             buffer_sizes, dispatch_outputs, dispatch_rows, dispatch_scale_rows,
-                             dispatch_send_buffer, output_scales, output_tokens,
-                             peer_visible_bytes, total_bytes, wide_tile_word)
+from layouts.buffers import (NARROW_TILE_CHUNKS, NARROW_TILE_WORDS, WIDE_TILE_CHUNKS,
+                             WIDE_TILE_ROWS, WIDE_TILE_WORDS, EPConfig, buffer_sizes,
+                             dispatch_outputs, dispatch_rows, dispatch_scale_rows,
+                             dispatch_send_buffer, narrow_tile_word, output_scales,
+                             output_tokens, peer_visible_bytes, total_bytes, wide_tile_word)
 from layouts.channels import ChannelGeometry
 
 from .conftest import MODELS, RANKS
@@ -188,7 +189,7 @@ def test_the_sources_layout_holds_one_row_per_received_token():
             dataclasses.replace(cfg, **bad)
 
 
-@pytest.mark.parametrize("shift", [0, 2])
+@pytest.mark.parametrize("shift", [2])  # FP8's lanes read rows 4 l + p
 def test_wide_write_out_tiles_hold_every_chunk_once(shift):
     """A write-out tile's 16-byte chunks (`wide_tile_word`) fill its WIDE_TILE_ROWS x
     WIDE_TILE_WORDS words exactly once, every chunk 16-byte aligned inside its own row."""
@@ -200,15 +201,15 @@ def test_wide_write_out_tiles_hold_every_chunk_once(shift):
         assert row == {r}
 
 
-@pytest.mark.parametrize("shift,rows_of", [
-    (0, lambda lane, p: lane + 32 * p),  # NVFP4: lane l reads rows l, l + 32, l + 64, l + 96
-    (2, lambda lane, p: 4 * lane + p),  # FP8: lane l reads rows 4 l .. 4 l + 3
-])
-def test_wide_tile_read_back_is_strided_and_conflict_free(shift, rows_of):
-    """What `_write_wide` relies on: lane l's rows of chunk c lie at a fixed stride from its
-    first row's (one 16-byte shared load per row through a strided layout), and the eight lanes
-    of each quarter-warp read eight different 16-byte bank groups (no bank conflict)."""
-    stride = 32 * WIDE_TILE_WORDS if shift == 0 else WIDE_TILE_WORDS
+def test_wide_tile_read_back_is_strided_and_conflict_free():
+    """What FP8's `_write_wide` relies on: lane l's rows 4 l .. 4 l + 3 of chunk c lie at a
+    fixed stride from row 4 l's (one 16-byte shared load per row through a strided layout), and
+    the eight lanes of each quarter-warp read eight different 16-byte bank groups (no bank
+    conflict)."""
+    shift, stride = 2, WIDE_TILE_WORDS
+
+    def rows_of(lane, p):
+        return 4 * lane + p
     for c in range(WIDE_TILE_CHUNKS):
         for p in range(4):
             at = [wide_tile_word(rows_of(lane, p), c, shift) for lane in range(32)]
@@ -219,7 +220,7 @@ def test_wide_tile_read_back_is_strided_and_conflict_free(shift, rows_of):
                 assert len(groups) == 8, (c, p, quarter)
 
 
-@pytest.mark.parametrize("shift", [0, 2])
+@pytest.mark.parametrize("shift", [2])  # FP8's lanes read rows 4 l + p
 def test_wide_tile_loads_fill_whole_rows(shift):
     """The tile's loads: load k of a warp puts lane l's chunk l % 8 of row l // 8 + 4 k, so
     each eight lanes write one row's eight positions (one whole 128-byte line of staged row)."""
@@ -234,18 +235,44 @@ def test_wide_tile_loads_fill_whole_rows(shift):
     assert len(seen) == WIDE_TILE_ROWS * WIDE_TILE_CHUNKS
 
 
-@pytest.mark.build  # imports kernels/ (the DSL)
-def test_a_lane_walks_its_tile_chunks_by_constant_row_offsets():
-    """NVFP4's `_load_wide` addressing (`kernels.dispatch.scales.wide_chunk_at`): lane first * 8
-    + cc puts its k-th chunk where `wide_tile_word` places chunk cc of row first + 4 k, and each
-    chunk past the first two lies a whole number of rows from one of them, so the shared
-    address is a register plus a constant."""
-    from kernels.dispatch.scales import LOAD_STEP, wide_chunk_at
+def test_narrow_write_out_tiles_hold_every_chunk_once():
+    """NVFP4's write-out tile (`narrow_tile_word`) holds its WIDE_TILE_ROWS x NARROW_TILE_WORDS
+    words exactly once, every chunk 16-byte aligned inside its own row."""
+    words = [narrow_tile_word(r, c) for r in range(WIDE_TILE_ROWS)
+             for c in range(NARROW_TILE_CHUNKS)]
+    assert sorted(words) == list(range(0, WIDE_TILE_ROWS * NARROW_TILE_WORDS, 4))
+    for r in range(WIDE_TILE_ROWS):
+        assert {narrow_tile_word(r, c) // NARROW_TILE_WORDS
+                for c in range(NARROW_TILE_CHUNKS)} == {r}
 
-    for first in range(LOAD_STEP):
-        for cc in range(WIDE_TILE_CHUNKS):
-            at = [wide_chunk_at(first, cc, k) for k in range(WIDE_TILE_ROWS // LOAD_STEP)]
-            assert at == [wide_tile_word(first + LOAD_STEP * k, cc, 0)
-                          for k in range(WIDE_TILE_ROWS // LOAD_STEP)]
-            for k in range(2, len(at)):
-                assert at[k] - at[k % 2] == (k - k % 2) * LOAD_STEP * WIDE_TILE_WORDS
+
+def test_narrow_tile_read_back_is_strided_and_conflict_free():
+    """What `_write_narrow`'s stores rely on: lane l reads chunk c of rows l, l + 32, l + 64,
+    l + 96 (the four rows of its 16 bytes of an atom) at a fixed stride from row l's, and each
+    quarter-warp's eight lanes read eight different 16-byte bank groups."""
+    for c in range(NARROW_TILE_CHUNKS):
+        for p in range(4):
+            at = [narrow_tile_word(lane + 32 * p, c) for lane in range(32)]
+            assert at == [narrow_tile_word(lane, c) + p * 32 * NARROW_TILE_WORDS
+                          for lane in range(32)]
+            for quarter in range(4):
+                assert len({(w // 4) % 8 for w in at[8 * quarter:8 * quarter + 8]}) == 8
+
+
+def test_narrow_tile_loads_walk_whole_rows_a_constant_apart():
+    """`_load_narrow`: lane l copies chunk l % 4 of rows l // 4 + 8 k, so its k-th chunk lies
+    k rows-of-eight past its first (one address plus a constant), each quarter-warp writes two
+    whole rows into eight different bank groups, and the 16 loads fill the tile."""
+    chunks, step = NARROW_TILE_CHUNKS, 32 // NARROW_TILE_CHUNKS
+    seen = set()
+    for k in range(WIDE_TILE_ROWS // step):
+        at = [narrow_tile_word(lane // chunks + step * k, lane % chunks) for lane in range(32)]
+        assert at == [narrow_tile_word(lane // chunks, lane % chunks)
+                      + k * step * NARROW_TILE_WORDS for lane in range(32)]
+        for quarter in range(4):
+            part = at[8 * quarter:8 * quarter + 8]
+            assert len({(w // 4) % 8 for w in part}) == 8
+            assert {w // NARROW_TILE_WORDS for w in part} == \
+                {step * k + 2 * quarter, step * k + 2 * quarter + 1}
+        seen.update(at)
+    assert seen == set(range(0, WIDE_TILE_ROWS * NARROW_TILE_WORDS, 4))
