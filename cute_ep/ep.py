@@ -893,7 +893,10 @@ class Buffer:
         out = self._bf16_like.new_empty(t, k, hidden) if mode == UNREDUCED else \
             self._bf16_like.new_empty(t, hidden)
         fields = handle.__dict__
-        if fields.get("_carve") is self._handle_carve:  # this Buffer's carved handle
+        # This Buffer's carved handle, none of the three read through a field of its own (a
+        # view already made, or a tensor put in its place, as autograd's unit weights are).
+        if fields.get("_carve") is self._handle_carve and "rows" not in fields and \
+                "weights" not in fields and "channels" not in fields:
             base = fields["_flat"].data_ptr()
             rows, weights, channels = (base + at for at in self._combine_reads_at)
         else:

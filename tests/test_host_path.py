@@ -106,6 +106,32 @@ def test_dispatch_and_combine_pass_their_tensors_addresses(cpu_buffer):
         assert (c["topk_ids"], c["id_words"]) == (ids.data_ptr(), 1)
 
 
+def test_combine_reads_a_handle_field_put_in_place_of_its_carved_one(cpu_buffer):
+    """A handle whose rows, weights or channels were replaced by another tensor (autograd's
+    dispatch backward combines with unit weights through a copy of the forward handle)
+    passes that tensor to the combine, the other two still from the carved allocation."""
+    from cute_ep.autograd import _handle_with
+
+    buf = cpu_buffer()
+    x, ids, w = _inputs()
+    h = buf.dispatch(x, ids, w).handle
+    y = torch.zeros(buf.cfg.row_capacity, H, dtype=torch.bfloat16)
+    carved = {"comb_rows": h.rows.data_ptr(), "comb_weights": h.weights.data_ptr(),
+              "chan_msgs": h.channels.data_ptr()}
+    for name, arg in [("rows", "comb_rows"), ("weights", "comb_weights"),
+                      ("channels", "chan_msgs")]:
+        fresh = h.__dict__[name].clone()
+        buf.combine(y, _handle_with(h, **{name: fresh}))
+        got = {k: buf._combine_launch.calls[-1][k] for k in carved}
+        assert got == {**carved, arg: fresh.data_ptr()}, name
+        assert fresh.data_ptr() != carved[arg]
+    # A handle none of whose three fields was read takes the carve's offsets: the same.
+    h2 = buf.dispatch(x, ids, w).handle
+    buf.combine(y, h2)
+    got = [buf._combine_launch.calls[-1][k] for k in carved]
+    assert got == [h2.rows.data_ptr(), h2.weights.data_ptr(), h2.channels.data_ptr()]
+
+
 def test_an_unweighted_dispatch_combines_unreduced_or_weighted_at_home(cpu_buffer):
     buf = cpu_buffer()
     x, ids, w = _inputs()
