@@ -650,9 +650,14 @@ class Buffer:
         if cfg.fused_shared_expert and not weighted:
             raise ValueError("fused_shared_expert needs topk_weights: the unreduced [T, K, H] "
                              "combine output has no slot for the shared expert")
-        shared_begin, shared_end = shared_rows or self._shared_tokens(num_tokens, skip_a2a)
+        if shared_rows is not None:
+            shared_begin, shared_end = shared_rows
+        elif skip_a2a:
+            shared_begin, shared_end = self._shared_tokens(num_tokens, skip_a2a)
+        else:
+            shared_begin, shared_end = 0, num_tokens
         by_source = cfg.layout == "sources"
-        active = self._active_for(num_input_tokens)
+        active = self._active.get(num_input_tokens) or self._active_for(num_input_tokens)
 
         # The rows the senders read (bytes a token, loaded by 16-byte vectors), and the rows of
         # the scales where those come from rows of their own (scale_stride 0: none).
@@ -686,7 +691,7 @@ class Buffer:
         scales_at, offsets_at = self._no_f32_at, self._no_i32_at
         if flat is not None:  # the carved outputs, at fixed offsets in one allocation
             base = flat.data_ptr()
-            carved = [base + at for at in self._carved_at]
+            carved = map(base.__add__, self._carved_at)
             if self._scales_at is not None:
                 scales_at = base + self._scales_at
             if self._scales_offsets_at is not None:
@@ -703,7 +708,7 @@ class Buffer:
         self.calls[0] += 1
         args = (
             source, source_stride, load_bytes, scale_source, scale_stride,
-            topk_ids.data_ptr(), _id_words(topk_ids),
+            topk_ids.data_ptr(), topk_ids.element_size() >> 2,  # `_id_words`
             topk_weights.data_ptr() if weighted else self._no_f32_at,
             out.tokens.data_ptr(), scales_at, offsets_at, *carved,
             out._address("recv_topk_ids") if by_source else self._no_i32_at,
@@ -711,7 +716,9 @@ class Buffer:
             num_tokens, int(skip_a2a), shared_begin, shared_end, int(weighted), active,
             active + self.spare_ctas if num_tokens > FUSED_ENCODE_TOKENS * active else active,
             self._no_i64_at if trace is None else trace.data_ptr(), int(trace is not None))
-        prefixed = self._prefixed_for(num_input_tokens)
+        prefixed = self._prefixed.get(num_input_tokens)
+        if prefixed is None:
+            prefixed = self._prefixed_for(num_input_tokens)
         # The direct input: the senders stage no payload and wait, before the launch ends, for
         # every rank to have pulled theirs (so not for a send part alone, whose receivers run
         # later: `dispatch_send` stages x).
@@ -898,14 +905,15 @@ class Buffer:
         if fields.get("_carve") is self._handle_carve and "rows" not in fields and \
                 "weights" not in fields and "channels" not in fields:
             base = fields["_flat"].data_ptr()
-            rows, weights, channels = (base + at for at in self._combine_reads_at)
+            rows, weights, channels = map(base.__add__, self._combine_reads_at)
         else:
             rows, weights, channels = handle._addresses(_COMBINE_READS)
         trace = self.combine_trace
+        ids = r.topk_ids
         self.calls[1] += 1
         self._combine_launch(
-            y.data_ptr(), rows, weights, channels, r.topk_ids.data_ptr(),
-            _id_words(r.topk_ids), out.data_ptr(),
+            y.data_ptr(), rows, weights, channels, ids.data_ptr(),
+            ids.element_size() >> 2, out.data_ptr(),  # `_id_words`
             home, t, mode, int(r.skip_a2a), r.shared_begin, r.shared_end,
             r.channels, self._no_i64_at if trace is None else trace.data_ptr(),
             int(trace is not None))
