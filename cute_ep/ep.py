@@ -419,8 +419,8 @@ class Buffer:
         # A dispatch's handle, allocated per dispatch.
         self._routes = [*combine_routes(cfg), channel_messages(cfg, self._sms)]
         self._plan_outputs()
-        self._active: dict[int | None, int] = {}  # active_channels by num_input_tokens
-        self._prefixed: dict[int | None, int] = {}  # _prefixed_for by num_input_tokens
+        # (active channels, prefixed counts) of a dispatch by its num_input_tokens (`_bound_for`)
+        self._bounds: dict[int | None, tuple[int, int]] = {}
         # Placeholders for the pointer arguments a call leaves unused, and their addresses.
         self._no_f32 = torch.zeros(4, dtype=torch.float32, device=dev)
         self._no_i32 = torch.zeros(4, dtype=torch.int32, device=dev)
@@ -580,12 +580,19 @@ class Buffer:
                              f"{num_tokens} tokens")
         return num_tokens, direct
 
+    def _bound_for(self, num_input_tokens) -> tuple[int, int]:
+        """(`active_channels`, `_prefixed_for`) of a dispatch bounded by `num_input_tokens`,
+        computed once per bound."""
+        bound = self._bounds.get(num_input_tokens)
+        if bound is None:
+            bound = self._bounds[num_input_tokens] = (
+                self.active_channels(num_input_tokens),
+                int(prefixed_counts(self.cfg.max_tokens_per_rank, num_input_tokens)))
+        return bound
+
     def _active_for(self, num_input_tokens) -> int:
         """`active_channels(num_input_tokens)`, computed once per bound."""
-        active = self._active.get(num_input_tokens)
-        if active is None:
-            active = self._active[num_input_tokens] = self.active_channels(num_input_tokens)
-        return active
+        return self._bound_for(num_input_tokens)[0]
 
     def dispatch_for_operator(self, x, topk_ids, topk_weights, skip_a2a, num_input_tokens,
                               global_scale) -> DispatchOutput:
@@ -657,7 +664,7 @@ class Buffer:
         else:
             shared_begin, shared_end = 0, num_tokens
         by_source = cfg.layout == "sources"
-        active = self._active.get(num_input_tokens) or self._active_for(num_input_tokens)
+        active, prefixed = self._bound_for(num_input_tokens)
 
         # The rows the senders read (bytes a token, loaded by 16-byte vectors), and the rows of
         # the scales where those come from rows of their own (scale_stride 0: none).
@@ -708,7 +715,7 @@ class Buffer:
         self.calls[0] += 1
         args = (
             source, source_stride, load_bytes, scale_source, scale_stride,
-            topk_ids.data_ptr(), topk_ids.element_size() >> 2,  # `_id_words`
+            topk_ids.data_ptr(), _id_words(topk_ids),
             topk_weights.data_ptr() if weighted else self._no_f32_at,
             out.tokens.data_ptr(), scales_at, offsets_at, *carved,
             out._address("recv_topk_ids") if by_source else self._no_i32_at,
@@ -716,9 +723,6 @@ class Buffer:
             num_tokens, int(skip_a2a), shared_begin, shared_end, int(weighted), active,
             active + self.spare_ctas if num_tokens > FUSED_ENCODE_TOKENS * active else active,
             self._no_i64_at if trace is None else trace.data_ptr(), int(trace is not None))
-        prefixed = self._prefixed.get(num_input_tokens)
-        if prefixed is None:
-            prefixed = self._prefixed_for(num_input_tokens)
         # The direct input: the senders stage no payload and wait, before the launch ends, for
         # every rank to have pulled theirs (so not for a send part alone, whose receivers run
         # later: `dispatch_send` stages x).
@@ -912,8 +916,8 @@ class Buffer:
         ids = r.topk_ids
         self.calls[1] += 1
         self._combine_launch(
-            y.data_ptr(), rows, weights, channels, ids.data_ptr(),
-            ids.element_size() >> 2, out.data_ptr(),  # `_id_words`
+            y.data_ptr(), rows, weights, channels, ids.data_ptr(), _id_words(ids),
+            out.data_ptr(),
             home, t, mode, int(r.skip_a2a), r.shared_begin, r.shared_end,
             r.channels, self._no_i64_at if trace is None else trace.data_ptr(),
             int(trace is not None))
@@ -1062,12 +1066,8 @@ class Buffer:
     def _prefixed_for(self, num_input_tokens) -> int:
         """1 where a dispatch bounded by `num_input_tokens` (else max_tokens_per_rank) sends
         prefixed counts (`layouts.channels.prefixed_counts`), else 0: the same on every rank,
-        like `active_channels`; computed once per bound."""
-        prefixed = self._prefixed.get(num_input_tokens)
-        if prefixed is None:
-            prefixed = self._prefixed[num_input_tokens] = int(
-                prefixed_counts(self.cfg.max_tokens_per_rank, num_input_tokens))
-        return prefixed
+        like `active_channels`; computed once per bound (`_bound_for`)."""
+        return self._bound_for(num_input_tokens)[1]
 
     def active_channels(self, num_input_tokens: int | None) -> int:
         """The channels a dispatch splits each rank's tokens over: every channel of the budget,
