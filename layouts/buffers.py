@@ -95,13 +95,13 @@ NARROW_TILE_WORDS = 16
 NARROW_TILE_CHUNKS = NARROW_TILE_WORDS // 4
 
 
-def wide_tile_word(row, chunk, shift):
+def wide_tile_word(row, chunk):
     """Word offset of 16-byte chunk `chunk` of row `row` of an FP8 write-out tile: rows of
-    WIDE_TILE_WORDS words, the chunk at position chunk ^ ((row >> shift) & 7), so that the eight
-    lanes of a quarter-warp reading one chunk of eight rows whose (row >> shift) & 7 differ hit
-    eight different 16-byte bank groups: shift 2 for lanes that read rows 4 l + p. Also takes
-    DSL integers (the kernel evaluates the same function)."""
-    return row * WIDE_TILE_WORDS + ((chunk ^ ((row >> shift) & 7)) * 4)
+    WIDE_TILE_WORDS words, the chunk at position chunk ^ ((row >> 2) & 7), so that the eight
+    lanes of a quarter-warp reading one chunk of rows 4 l + p (eight values of (row >> 2) & 7)
+    hit eight different 16-byte bank groups. Also takes DSL integers (the kernel evaluates the
+    same function)."""
+    return row * WIDE_TILE_WORDS + ((chunk ^ ((row >> 2) & 7)) * 4)
 
 
 def narrow_tile_word(row, chunk):

@@ -22,7 +22,6 @@ PAIR = 2  # FP8 tiles a warp loads before storing the first
 # a warp's lanes.
 SEGMENT_REGS = (MAX_SEGMENTS + WARP - 1) // WARP
 LOAD_STEP = WARP // WIDE_TILE_CHUNKS  # rows one warp-wide 16-byte load covers in a wide tile
-WIDE_SHIFT = 2  # `wide_tile_word`'s swizzle shift for FP8's lanes, which read rows 4 l + p
 NARROW_LOAD_STEP = WARP // NARROW_TILE_CHUNKS  # rows one warp-wide 16-byte load covers
 
 
@@ -111,7 +110,7 @@ class ScalesPhase:
             for c in cutlass.range_constexpr(WIDE_TILE_CHUNKS):
                 if c0 + c * 4 < words:
                     cute.autovec_copy(cute.make_tensor(
-                        (tile + wide_tile_word(lane * 4, c, WIDE_SHIFT)).align(16), mine), w)
+                        (tile + wide_tile_word(lane * 4, c)).align(16), mine), w)
                     for j in cutlass.range_constexpr(4):
                         if c0 + c * 4 + j < words:
                             for p in cutlass.range_constexpr(4):
@@ -255,7 +254,7 @@ class ScalesPhase:
                 if r < valid and cc * 4 < cols:
                     src = base + (Int64(r0 + r) * row_bytes + Int64((c0 + cc * 4) * 4))
                     n = Int32(16)
-                cp_async_16_fill(tile + wide_tile_word(r, cc, WIDE_SHIFT), src, n)
+                cp_async_16_fill(tile + wide_tile_word(r, cc), src, n)
         cute.arch.cp_async_commit_group()
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_warp()

@@ -189,15 +189,14 @@ def test_the_sources_layout_holds_one_row_per_received_token():
             dataclasses.replace(cfg, **bad)
 
 
-@pytest.mark.parametrize("shift", [2])  # FP8's lanes read rows 4 l + p
-def test_wide_write_out_tiles_hold_every_chunk_once(shift):
+def test_wide_write_out_tiles_hold_every_chunk_once():
     """A write-out tile's 16-byte chunks (`wide_tile_word`) fill its WIDE_TILE_ROWS x
     WIDE_TILE_WORDS words exactly once, every chunk 16-byte aligned inside its own row."""
-    words = [wide_tile_word(r, c, shift) for r in range(WIDE_TILE_ROWS)
+    words = [wide_tile_word(r, c) for r in range(WIDE_TILE_ROWS)
              for c in range(WIDE_TILE_CHUNKS)]
     assert sorted(words) == list(range(0, WIDE_TILE_ROWS * WIDE_TILE_WORDS, 4))
     for r in range(WIDE_TILE_ROWS):
-        row = {wide_tile_word(r, c, shift) // WIDE_TILE_WORDS for c in range(WIDE_TILE_CHUNKS)}
+        row = {wide_tile_word(r, c) // WIDE_TILE_WORDS for c in range(WIDE_TILE_CHUNKS)}
         assert row == {r}
 
 
@@ -206,29 +205,24 @@ def test_wide_tile_read_back_is_strided_and_conflict_free():
     fixed stride from row 4 l's (one 16-byte shared load per row through a strided layout), and
     the eight lanes of each quarter-warp read eight different 16-byte bank groups (no bank
     conflict)."""
-    shift, stride = 2, WIDE_TILE_WORDS
-
-    def rows_of(lane, p):
-        return 4 * lane + p
     for c in range(WIDE_TILE_CHUNKS):
         for p in range(4):
-            at = [wide_tile_word(rows_of(lane, p), c, shift) for lane in range(32)]
-            assert at == [wide_tile_word(rows_of(lane, 0), c, shift) + p * stride
+            at = [wide_tile_word(4 * lane + p, c) for lane in range(32)]
+            assert at == [wide_tile_word(4 * lane, c) + p * WIDE_TILE_WORDS
                           for lane in range(32)]
             for quarter in range(4):
                 groups = {(w // 4) % 8 for w in at[8 * quarter:8 * quarter + 8]}
                 assert len(groups) == 8, (c, p, quarter)
 
 
-@pytest.mark.parametrize("shift", [2])  # FP8's lanes read rows 4 l + p
-def test_wide_tile_loads_fill_whole_rows(shift):
+def test_wide_tile_loads_fill_whole_rows():
     """The tile's loads: load k of a warp puts lane l's chunk l % 8 of row l // 8 + 4 k, so
     each eight lanes write one row's eight positions (one whole 128-byte line of staged row)."""
     seen = set()
     for k in range(WIDE_TILE_ROWS * WIDE_TILE_CHUNKS // 32):
         for lane in range(32):
             r, c = lane // WIDE_TILE_CHUNKS + 4 * k, lane % WIDE_TILE_CHUNKS
-            seen.add(wide_tile_word(r, c, shift))
+            seen.add(wide_tile_word(r, c))
         for r in range(4 * k, 4 * k + 4):
             assert {w for w in seen if w // WIDE_TILE_WORDS == r} == \
                 set(range(r * WIDE_TILE_WORDS, (r + 1) * WIDE_TILE_WORDS, 4))
