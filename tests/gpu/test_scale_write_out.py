@@ -13,7 +13,7 @@ pytestmark = pytest.mark.gpu
 H = 7168
 
 
-def _launch(fmt, counts, ctas, seed):
+def _launch(fmt, counts, ctas, seed, hidden=H):
     from cute_ep.runtime.launch import runtime
 
     kernel = runtime().select("scale_write_out", "cuda", format=fmt)
@@ -21,17 +21,17 @@ def _launch(fmt, counts, ctas, seed):
     off, raw, first = (torch.tensor(v, dtype=torch.int32, device="cuda")
                        for v in (offsets, counts, firsts))
     rows = offsets[-1]
-    words = H // 128 if fmt == "fp8" else H // 64
+    words = hidden // 128 if fmt == "fp8" else hidden // 64
     capacity = rows + 8
     gen = torch.Generator(device="cuda").manual_seed(seed)
     staged = torch.rand(capacity, words, device="cuda", generator=gen).view(torch.int32)
     if fmt == "nvfp4":
         staged = torch.randint(-2 ** 31, 2 ** 31 - 1, (capacity, words), dtype=torch.int32,
                                device="cuda", generator=gen)
-    want = scale_layout_of_rows(fmt, staged[:rows], H, counts, capacity)
+    want = scale_layout_of_rows(fmt, staged[:rows], hidden, counts, capacity)
     out = torch.full_like(want, 7) if fmt == "nvfp4" else torch.full_like(want, float("nan"))
     vector_bytes = kernel.spec.sizes["vector_bytes"]
-    payload_vectors = (H // 2 if fmt == "nvfp4" else H) // vector_bytes
+    payload_vectors = (hidden // 2 if fmt == "nvfp4" else hidden) // vector_bytes
     kernel.launch(staged, out, off, raw, first, len(counts),
                   payload_vectors, capacity, ctas)
     torch.cuda.synchronize()
@@ -43,7 +43,10 @@ def _launch(fmt, counts, ctas, seed):
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
 @pytest.mark.parametrize("ctas", [24, 7])
 @pytest.mark.parametrize("size", ["wide", "narrow"])
-def test_the_write_out_gives_the_reference_layout(fmt, ctas, size):
+# H 7168: NVFP4's 112 scale words a row are seven whole 16-word tiles; 7424: 116, the last tile
+# a quarter full (FP8's 58 words are not 16-byte rows: the small tiles).
+@pytest.mark.parametrize("hidden", [H, 7424])
+def test_the_write_out_gives_the_reference_layout(fmt, ctas, size, hidden):
     from cute_ep.runtime.launch import runtime
 
     wide_min_rows = runtime().select("scale_write_out", "cuda",
@@ -61,5 +64,5 @@ def test_the_write_out_gives_the_reference_layout(fmt, ctas, size):
         assert sum(counts) >= wide_min_rows
     else:
         assert sum(counts) < wide_min_rows
-    got, want = _launch(fmt, counts, ctas, seed=ctas)
+    got, want = _launch(fmt, counts, ctas, seed=ctas, hidden=hidden)
     assert torch.equal(got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8))
