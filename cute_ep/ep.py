@@ -93,7 +93,7 @@ DISPATCH_VARYING = ("source", "source_stride", "load_bytes", "scale_source", "sc
                     "tracing", "phases", "x", "global_scale", "encode", "prefixed", "direct")
 COMBINE_VARYING = ("y", "comb_rows", "comb_weights", "chan_msgs", "topk_ids", "id_words",
                    "out", "home_weights", "num_tokens", "weighted", "skip_a2a", "shared_begin",
-                   "shared_end", "active", "trace", "tracing")
+                   "shared_end", "active", "launched", "trace", "tracing")
 
 # The expert ids' dtypes the kernels read as they are (`kernels.routing.load_id`: an int64 id
 # that int32 cannot hold is out of range there; the host never narrows ids).
@@ -352,8 +352,9 @@ class Buffer:
         if sms is not None and (isinstance(sms, bool) or not isinstance(sms, int) or sms < 1):
             raise ValueError(f"sms must be None or a positive int, got {sms!r}")
         self._sms = device_sms if sms is None else min(sms, device_sms)
-        # CTAs launched beyond the budget so that a prefill-sized dispatch runs its channels one
-        # per TPC (kernels/placement.py); they leave at once. CUTE_EP_SPARE_CTAS overrides it.
+        # CTAs launched beyond the budget so that a prefill-sized dispatch or combine runs its
+        # channels one per TPC (kernels/placement.py); the others leave at once.
+        # CUTE_EP_SPARE_CTAS overrides it.
         self.spare_ctas = min(self._sms // 2, device_sms - self._sms)
         if os.environ.get("CUTE_EP_SPARE_CTAS"):
             self.spare_ctas = max(0, min(int(os.environ["CUTE_EP_SPARE_CTAS"]),
@@ -414,6 +415,7 @@ class Buffer:
         control = {b.name: _zeros(b, dev) for b in control_buffers(cfg, self._sms)}
         self.dispatch_epoch = control["dispatch_round"]  # dispatches completed
         self.dispatch_done = control["dispatch_done"]
+        self.combine_place = control["combine_place"]
         self.streams = control["stream_positions"]  # (channel, rank, kind, phase)
         self.error = control["error"]  # ERROR_FIELDS
         # A dispatch's handle, allocated per dispatch.
@@ -469,7 +471,7 @@ class Buffer:
             self._input = self._input_views(sym, off["input"], self.geo.input_rows)
         self._combine_launch = self.k_combine.bind(
             COMBINE_VARYING, **common, hidden=cfg.hidden, row_capacity=cfg.row_capacity,
-            ring_slots=geo.ring_slots,
+            ring_slots=geo.ring_slots, place=self.combine_place,
             chunk_tokens=geo.chunk_tokens, ring_offset=off["combine_rings"])
         self._encode_launch = self.k_encode.bind(
             ("x", "global_scale", "num_tokens", "ctas"), send_buf=self.send_buf,
@@ -918,8 +920,9 @@ class Buffer:
         self._combine_launch(
             y.data_ptr(), rows, weights, channels, ids.data_ptr(), _id_words(ids),
             out.data_ptr(),
-            home, t, mode, int(r.skip_a2a), r.shared_begin, r.shared_end,
-            r.channels, self._no_i64_at if trace is None else trace.data_ptr(),
+            home, t, mode, int(r.skip_a2a), r.shared_begin, r.shared_end, r.channels,
+            r.channels + self.spare_ctas if t > FUSED_ENCODE_TOKENS * r.channels else r.channels,
+            self._no_i64_at if trace is None else trace.data_ptr(),
             int(trace is not None))
         return out
 

@@ -33,7 +33,8 @@ divisions or layout arithmetic, index the steps: the per-value work is what boun
 a small SM budget).
 
 Waits are bounded by `timeout_ns` like dispatch's (the missing rank and phase are recorded). It
-runs on the `active` channels its dispatch used.
+runs on the `active` channels its dispatch used; launched with spare CTAs, as a prefill-sized
+combine is, it places them one per TPC like the dispatch (`kernels/placement.py`).
 """
 
 import cutlass
@@ -44,6 +45,7 @@ from cutlass.cute.nvgpu import cpasync
 from kernels.copy import row_predicate, row_tiled_copy
 from kernels.dispatch.common import MAX_CHUNK, MAX_RANKS, MAX_TOPK, WARP, _wait_at_least
 from kernels.memory import gmem_ptr, load_f32, load_i32, nanosleep, trace_word
+from kernels.placement import claim_channel
 from kernels.nvfp4 import high_bf16, low_bf16
 from kernels.routing import channel_tokens, load_id, route_ids, valid_expert
 from layouts.abi import GridRule, KernelSpec, Param
@@ -161,6 +163,10 @@ class EpCombine:
                 Param("row_capacity", "i32"),
                 Param("channels", "i32"),
                 Param("active", "i32"),
+                # CTAs launched: more than `active` places the channels one per TPC
+                # (`kernels/placement.py`, through the `place` words); the others leave.
+                Param("launched", "i32"),
+                Param("place", "ptr", "int32", align=4, writes=True),
                 Param("ring_slots", "i32"),
                 Param("chunk_tokens", "i32"),
                 Param("ring_offset", "i64"),
@@ -170,7 +176,7 @@ class EpCombine:
                 Param("tracing", "i32"),
             ),
             block=(self.threads, 1, 1),
-            grid=(GridRule(ceil_div=("active", 1)), GridRule(constant=1),
+            grid=(GridRule(ceil_div=("launched", 1)), GridRule(constant=1),
                   GridRule(constant=1)),
             smem_bytes=self.smem_bytes,
             sizes=dict(LIMITS),
@@ -185,16 +191,17 @@ class EpCombine:
                  local_experts: Int32, ranks: Int32, my_rank: Int32, weighted: Int32,
                  skip_a2a: Int32, shared: Int32, shared_begin: Int32, shared_end: Int32,
                  hidden: Int32, row_capacity: Int32, channels: Int32,
-                 active: Int32, ring_slots: Int32, chunk_tokens: Int32, ring_offset: Int64,
+                 active: Int32, launched: Int32, place: cute.Pointer, ring_slots: Int32,
+                 chunk_tokens: Int32, ring_offset: Int64,
                  counters_offset: Int64, timeout_ns: Int64, trace: cute.Pointer,
                  tracing: Int32, stream):
         self.kernel(peer_bases, y, comb_rows, comb_weights, chan_msgs, topk_ids, id_words, out,
                     home_weights, streams, error, num_tokens, max_tokens, topk, local_experts,
                     ranks, my_rank, weighted, skip_a2a, shared, shared_begin, shared_end,
-                    hidden, row_capacity, channels, active, ring_slots, chunk_tokens,
-                    ring_offset, counters_offset, timeout_ns, trace, tracing,
+                    hidden, row_capacity, channels, active, launched, place, ring_slots,
+                    chunk_tokens, ring_offset, counters_offset, timeout_ns, trace, tracing,
                     row_tiled_copy(WARP, BFloat16, ROW_VECTOR)).launch(
-            grid=(active, 1, 1), block=(self.threads, 1, 1), smem=self.smem_bytes,
+            grid=(launched, 1, 1), block=(self.threads, 1, 1), smem=self.smem_bytes,
             min_blocks_per_mp=1, stream=stream)
 
     @cute.kernel
@@ -206,7 +213,8 @@ class EpCombine:
                local_experts: Int32, ranks: Int32, my_rank: Int32, weighted: Int32,
                skip_a2a: Int32, shared: Int32, shared_begin: Int32, shared_end: Int32,
                hidden: Int32, row_capacity: Int32, channels: Int32,
-               active: Int32, ring_slots: Int32, chunk_tokens: Int32, ring_offset: Int64,
+               active: Int32, launched: Int32, place: cute.Pointer, ring_slots: Int32,
+               chunk_tokens: Int32, ring_offset: Int64,
                counters_offset: Int64, timeout_ns: Int64, trace: cute.Pointer, tracing: Int32,
                row_copy: cute.TiledCopy):
         tidx, _, _ = cute.arch.thread_idx()
@@ -246,53 +254,62 @@ class EpCombine:
             (SEND_WARPS + RECV_WARPS) * self.stage_bytes // 2), byte_alignment=128)
         # This warp's stages of row steps for its sums (`_row_sum`).
         stages = (s_stage.iterator + warp * (self.stage_bytes // 2)).align(128)
-        peers = cute.make_tensor(peer_bases, cute.make_layout(ranks))
-        here = peers[my_rank]
-        counters = counters_layout(channels, ranks)
-        ring = ring_layout(hidden * 2, ring_slots, channels, ranks)
-        vectors = hidden // ROW_VECTOR
-        layout = cute.make_layout((vectors, ROW_VECTOR), stride=(ROW_VECTOR, 1))
-        thr = row_copy.get_slice(lane)
-        if tidx < SEND_WARPS:
-            s_prog[tidx] = Int64(-1)
-            s_done[tidx] = Int32(0)
-        if warp == SEND_WARPS + RECV_WARPS and lane < ranks:
-            s_pub[lane] = cute.arch.load(gmem_ptr(Int64, streams.toint() + Int64(
-                counters((channel, lane, TAILS, COMBINE))) * 8, 8), Int64)
-        if tracing != 0:
-            if tidx == 0:
-                _trace_set(trace, channel, "start", cute.arch.globaltimer())
-            if tidx > 0 and tidx < len(COMBINE_TRACE_FIELDS):
-                cute.arch.store(gmem_ptr(Int64, trace.toint() + Int64(trace_layout(
-                    channel + 1, COMBINE_TRACE_FIELDS)((tidx, channel))) * 8, 8), Int64(0))
+        s_channel = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
+        # Spare CTAs: one channel per TPC (kernels/placement.py); the others leave.
+        if tidx == 0:
+            s_channel[0] = channel
+            if launched > active:
+                s_channel[0] = claim_channel(place, active, launched)
         cute.arch.sync_threads()
+        channel = s_channel[0]
+        if channel >= 0:
+            peers = cute.make_tensor(peer_bases, cute.make_layout(ranks))
+            here = peers[my_rank]
+            counters = counters_layout(channels, ranks)
+            ring = ring_layout(hidden * 2, ring_slots, channels, ranks)
+            vectors = hidden // ROW_VECTOR
+            layout = cute.make_layout((vectors, ROW_VECTOR), stride=(ROW_VECTOR, 1))
+            thr = row_copy.get_slice(lane)
+            if tidx < SEND_WARPS:
+                s_prog[tidx] = Int64(-1)
+                s_done[tidx] = Int32(0)
+            if warp == SEND_WARPS + RECV_WARPS and lane < ranks:
+                s_pub[lane] = cute.arch.load(gmem_ptr(Int64, streams.toint() + Int64(
+                    counters((channel, lane, TAILS, COMBINE))) * 8, 8), Int64)
+            if tracing != 0:
+                if tidx == 0:
+                    _trace_set(trace, channel, "start", cute.arch.globaltimer())
+                if tidx > 0 and tidx < len(COMBINE_TRACE_FIELDS):
+                    cute.arch.store(gmem_ptr(Int64, trace.toint() + Int64(trace_layout(
+                        channel + 1, COMBINE_TRACE_FIELDS)((tidx, channel))) * 8, 8), Int64(0))
+            cute.arch.sync_threads()
 
-        # A row's steps, WARP * vectors 16-byte vectors each (both roles walk rows by them).
-        tiler = (WARP * self.vectors, ROW_VECTOR)
-        g_crd = cute.zipped_divide(cute.make_identity_tensor(layout.shape), tiler)
-        steps = cute.ceil_div(vectors, WARP * self.vectors)
-        if warp < SEND_WARPS:
-            self._send(warp, lane, channel, peers, here, y, comb_rows, comb_weights, chan_msgs,
-                       streams, error, max_tokens, topk, ranks, my_rank, weighted, row_capacity,
-                       channels, ring_slots, chunk_tokens, ring_offset, counters_offset, counters,
-                       ring,
-                       timeout_ns, layout, tiler, g_crd, steps, vectors, thr, row_copy,
-                       s_rows, s_w, s_sa, s_prog, s_done, s_pub, stages, trace, tracing)
-        elif warp == SEND_WARPS + RECV_WARPS:
-            self._publish(lane, channel, peers, ranks, my_rank, counters_offset, counters,
-                          s_prog, s_done, s_pub)
-        else:
-            self._receive(warp - SEND_WARPS, lane, channel, peers, here, y, topk_ids, id_words,
-                          out,
-                          home_weights, streams, error, num_tokens, topk, local_experts, ranks,
-                          my_rank, weighted, skip_a2a, shared, shared_begin, shared_end, channels,
-                          active, ring_slots, chunk_tokens, ring_offset, counters_offset, counters,
-                          ring, timeout_ns, layout, tiler, g_crd, steps, vectors, thr, row_copy,
-                          s_first, s_items, s_mask, s_flag, s_pos, s_ids, s_addr, s_hw, stages,
-                          trace, tracing)
-        cute.arch.sync_threads()
-        if tracing != 0 and tidx == 0:
-            _trace_set(trace, channel, "end", cute.arch.globaltimer())
+            # A row's steps, WARP * vectors 16-byte vectors each (both roles walk rows by them).
+            tiler = (WARP * self.vectors, ROW_VECTOR)
+            g_crd = cute.zipped_divide(cute.make_identity_tensor(layout.shape), tiler)
+            steps = cute.ceil_div(vectors, WARP * self.vectors)
+            if warp < SEND_WARPS:
+                self._send(warp, lane, channel, peers, here, y, comb_rows, comb_weights,
+                           chan_msgs, streams, error, max_tokens, topk, ranks, my_rank, weighted,
+                           row_capacity, channels, ring_slots, chunk_tokens, ring_offset,
+                           counters_offset, counters, ring, timeout_ns, layout, tiler, g_crd,
+                           steps, vectors, thr, row_copy, s_rows, s_w, s_sa, s_prog, s_done,
+                           s_pub, stages, trace, tracing)
+            elif warp == SEND_WARPS + RECV_WARPS:
+                self._publish(lane, channel, peers, ranks, my_rank, counters_offset, counters,
+                              s_prog, s_done, s_pub)
+            else:
+                self._receive(warp - SEND_WARPS, lane, channel, peers, here, y, topk_ids,
+                              id_words, out, home_weights, streams, error, num_tokens, topk,
+                              local_experts, ranks, my_rank, weighted, skip_a2a, shared,
+                              shared_begin, shared_end, channels, active, ring_slots,
+                              chunk_tokens, ring_offset, counters_offset, counters, ring,
+                              timeout_ns, layout, tiler, g_crd, steps, vectors, thr, row_copy,
+                              s_first, s_items, s_mask, s_flag, s_pos, s_ids, s_addr, s_hw, stages,
+                              trace, tracing)
+            cute.arch.sync_threads()
+            if tracing != 0 and tidx == 0:
+                _trace_set(trace, channel, "end", cute.arch.globaltimer())
 
     @cute.jit
     def _home_group(self, ring_slots, chunk_tokens, topk):

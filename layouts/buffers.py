@@ -162,6 +162,11 @@ def dispatch_done() -> Buffer:
     return launch_words("dispatch_done", "finished channels and placement of a dispatch")
 
 
+def combine_place() -> Buffer:
+    """LAUNCH_FIELDS of the current combine's placement ("finished" unused)."""
+    return launch_words("combine_place", "placement of a combine")
+
+
 def error_words() -> Buffer:
     """(field): what went wrong on the device, ERROR_FIELDS in order; zero when nothing did."""
     return Buffer("error", "int32", Layout(len(ERROR_FIELDS), 1),
@@ -173,7 +178,7 @@ def control_buffers(cfg: EPConfig, channels: int = DEFAULT_CHANNELS) -> list[Buf
     position (`layouts.channels.counters_layout`: messages sent, messages consumed) and the
     device error record."""
     positions = ChannelGeometry(cfg, channels).counters()
-    return [dispatch_round(), dispatch_done(),
+    return [dispatch_round(), dispatch_done(), combine_place(),
             Buffer("stream_positions", "int64", positions,
                    "messages sent / consumed per (channel, rank, kind, phase)"),
             error_words()]

@@ -807,10 +807,10 @@ def test_bf16_tokens_quantized_in_the_dispatch_or_by_ep_encode_give_the_referenc
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
 @pytest.mark.parametrize("ranks,sms,spare", [(2, 8, 8), (4, 6, 20), (2, 24, 12), (2, 56, 8)])
 def test_spare_ctas_run_every_channel_once_and_match_the_reference(fmt, ranks, sms, spare):
-    """A dispatch launched with spare CTAs (`kernels/placement.py`: one channel per TPC, the
-    rest leave; a CTA takes a channel anyway when too few are left to fill them): exact rows
-    and combine round after round, and the launch's words cleared after each. At 2 x (56 + 8)
-    CTAs the ranks' CTAs fill the GPU, so some channels share TPCs."""
+    """A dispatch and a combine launched with spare CTAs (`kernels/placement.py`: one channel
+    per TPC, the rest leave; a CTA takes a channel anyway when too few are left to fill them):
+    exact rows and combine round after round, and both launches' words cleared after each. At
+    2 x (56 + 8) CTAs the ranks' CTAs fill the GPU, so some channels share TPCs."""
     from cute_ep.ep import Buffer
     from layouts import EPConfig
 
@@ -823,5 +823,5 @@ def test_spare_ctas_run_every_channel_once_and_match_the_reference(fmt, ranks, s
         seed += 1
         _layer(bufs, seed, tokens)
         for r, buf in enumerate(bufs):
-            words = buf.dispatch_done.tolist()
-            assert words == [0] * len(words), f"rank {r}: launch words left {words}"
+            for words in (buf.dispatch_done.tolist(), buf.combine_place.tolist()):
+                assert words == [0] * len(words), f"rank {r}: launch words left {words}"

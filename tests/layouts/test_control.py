@@ -9,8 +9,8 @@ import itertools
 
 import pytest
 
-from layouts.buffers import (ELEMENT_BYTES, ERROR_FIELDS, EPConfig, channel_messages,
-                             combine_routes, control_buffers, error_words)
+from layouts.buffers import (ELEMENT_BYTES, ERROR_FIELDS, LAUNCH_FIELDS, EPConfig,
+                             channel_messages, combine_routes, control_buffers, error_words)
 from layouts.channels import counters_layout
 from layouts.formats import FORMATS, METADATA_FIELDS, message_layout
 
@@ -54,7 +54,11 @@ def test_message_metadata_words(fmt, hidden, topk):
 def test_control_state(cfg, channels):
     r = cfg.ranks
     control = {b.name: b for b in control_buffers(cfg, channels)}
-    assert list(control) == ["dispatch_round", "dispatch_done", "stream_positions", "error"]
+    assert list(control) == ["dispatch_round", "dispatch_done", "combine_place",
+                             "stream_positions", "error"]
+    for name in ("dispatch_done", "combine_place"):
+        assert control[name].dtype == "int32" and \
+            control[name].layout.cosize() == len(LAUNCH_FIELDS)
     assert control["stream_positions"].layout == counters_layout(channels, r)
     for c, rank, kind, phase in coordinates(control["stream_positions"]):
         assert byte_of(control["stream_positions"], (c, rank, kind, phase)) == \
