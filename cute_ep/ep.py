@@ -592,6 +592,12 @@ class Buffer:
                 int(prefixed_counts(self.cfg.max_tokens_per_rank, num_input_tokens)))
         return bound
 
+    def _launched(self, num_tokens: int, active: int) -> int:
+        """The CTAs a dispatch or a combine of `num_tokens` tokens over `active` channels
+        launches: past FUSED_ENCODE_TOKENS tokens a channel (prefill) the spare CTAs too, which
+        place the channels one per TPC (`kernels/placement.py`); else one a channel."""
+        return active + self.spare_ctas if num_tokens > FUSED_ENCODE_TOKENS * active else active
+
     def _active_for(self, num_input_tokens) -> int:
         """`active_channels(num_input_tokens)`, computed once per bound."""
         return self._bound_for(num_input_tokens)[0]
@@ -723,7 +729,7 @@ class Buffer:
             out._address("recv_topk_ids") if by_source else self._no_i32_at,
             out._address("recv_topk_weights") if by_source else self._no_f32_at,
             num_tokens, int(skip_a2a), shared_begin, shared_end, int(weighted), active,
-            active + self.spare_ctas if num_tokens > FUSED_ENCODE_TOKENS * active else active,
+            self._launched(num_tokens, active),
             self._no_i64_at if trace is None else trace.data_ptr(), int(trace is not None))
         # The direct input: the senders stage no payload and wait, before the launch ends, for
         # every rank to have pulled theirs (so not for a send part alone, whose receivers run
@@ -921,7 +927,7 @@ class Buffer:
             y.data_ptr(), rows, weights, channels, ids.data_ptr(), _id_words(ids),
             out.data_ptr(),
             home, t, mode, int(r.skip_a2a), r.shared_begin, r.shared_end, r.channels,
-            r.channels + self.spare_ctas if t > FUSED_ENCODE_TOKENS * r.channels else r.channels,
+            self._launched(t, r.channels),
             self._no_i64_at if trace is None else trace.data_ptr(),
             int(trace is not None))
         return out

@@ -548,3 +548,21 @@ def test_the_rings_depths_a_buffer_asks_for_reach_its_kernels_and_bad_ones_are_r
     assert default._dispatch_launch.constants["stage_batches"] == default.geo.stage_batches < 16
     assert default._combine_launch.constants["ring_slots"] < 8 * default.geo.chunk_tokens
     assert deep.peer_visible_bytes > default.peer_visible_bytes
+
+
+def test_prefill_sized_dispatch_and_combine_launch_the_spare_ctas_decode_sized_do_not(cpu_buffer):
+    """Past FUSED_ENCODE_TOKENS tokens a channel, a dispatch and its combine both launch the
+    Buffer's spare CTAs beside their channels (which place the channels one per TPC:
+    `kernels/placement.py`); at or below it, one CTA a channel."""
+    buf = cpu_buffer(tokens=512)  # 4 channels (sms 4), 2 spare CTAs
+    active = buf._active_for(None)
+    assert (active, buf.spare_ctas) == (4, 2)
+    x, ids, w = _inputs(512)
+    y = torch.zeros(buf.cfg.row_capacity, H, dtype=torch.bfloat16)
+    fused = ep.FUSED_ENCODE_TOKENS * active
+    for t, launched in ((5, active), (fused, active), (fused + 1, active + 2), (512, active + 2)):
+        out = buf.dispatch(x[:t], ids[:t], w[:t])
+        buf.combine(y, out.handle)
+        d, c = buf._dispatch_launch.calls[-1], buf._combine_launch.calls[-1]
+        assert (d["active"], d["launched"]) == (active, launched), t
+        assert (c["active"], c["launched"]) == (active, launched), t
