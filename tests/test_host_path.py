@@ -45,7 +45,7 @@ class _Kernel:
 
 @pytest.fixture
 def cpu_buffer(monkeypatch):
-    def make(fmt="bf16", tokens=T, geometry=None, **cfg):
+    def make(fmt="bf16", tokens=T, geometry=None, direct_input=False, **cfg):
         monkeypatch.setattr(ep, "runtime", lambda: SimpleNamespace(
             select=lambda family, dev, **fields: _Kernel(family, fields)))
         monkeypatch.setattr(ep, "device_arch", lambda dev: "sm_90a")
@@ -53,9 +53,13 @@ def cpu_buffer(monkeypatch):
                             lambda dev: SimpleNamespace(multi_processor_count=132))
         buf = ep.Buffer.__new__(ep.Buffer)
         buf.group = None
-        buf._setup(EPConfig(H, K, E, R, tokens, fmt, **cfg), 0, torch.device("cpu"), 60.0, 4,
-                   geometry)
-        buf._attach(torch.zeros(16, dtype=torch.uint8), [0] * R)
+        config = EPConfig(H, K, E, R, tokens, fmt, **cfg)
+        if direct_input:
+            geometry = ep.ring_geometry(config, True)
+        buf._setup(config, 0, torch.device("cpu"), 60.0, 4, geometry)
+        # The direct input's views need the peer-visible bytes; otherwise nothing reads them.
+        sym_bytes = buf.peer_visible_bytes if direct_input else 16
+        buf._attach(torch.zeros(sym_bytes, dtype=torch.uint8), [0] * R)
         buf._device_index = -1  # what get_device() says of a CPU tensor
         return buf
     return make
@@ -493,6 +497,32 @@ def test_a_pre_quantized_input_passes_its_row_bytes_by_either_check(cpu_buffer, 
         assert (d["source_stride"], d["load_bytes"], d["scale_stride"]) == (
             codes.stride(0) * codes.element_size(), codes.stride(0) * codes.element_size(),
             scales.stride(0) * scales.element_size())
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_the_direct_input_is_pulled_in_place_and_anything_else_staged(cpu_buffer, fmt):
+    """A dispatch of the direct input's first rows passes its views' addresses and message
+    strides with `direct` set; the same rows copied elsewhere are staged from their own
+    addresses and strides; the input's rows from the second on (another address, message
+    strides) are no direct input and, not contiguous, are refused."""
+    buf = cpu_buffer(fmt, direct_input=True)
+    _, ids, w = _inputs()
+    codes, scales = buf.input_buffer()
+    msg = buf.msg.staged_bytes
+    assert codes.stride(0) * codes.element_size() == msg
+    for (c, s), direct in [((codes[:T], scales[:T]), 1),
+                           ((codes[:T].clone(), scales[:T].clone()), 0)]:
+        buf.dispatch((c, s), ids, w)
+        d = buf._dispatch_launch.calls[-1]
+        assert (d["source"], d["scale_source"], d["direct"]) == (
+            c.data_ptr(), s.data_ptr(), direct)
+        assert (d["source_stride"], d["scale_stride"]) == (
+            c.stride(0) * c.element_size(), s.stride(0) * s.element_size())
+    assert buf._dispatch_launch.calls[0]["source_stride"] == msg
+    on = lambda t: t.as_subclass(_OnDevice)  # noqa: E731
+    with pytest.raises(ValueError, match="contiguous"):
+        buf.dispatch((on(codes[1:T + 1]), on(scales[1:T + 1])), ids, w)
+    assert len(buf._dispatch_launch.calls) == 2
 
 
 def test_combine_refuses_a_handle_of_another_configuration(cpu_buffer):
