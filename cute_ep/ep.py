@@ -1215,6 +1215,8 @@ class Buffer:
         """x is the first T rows of this Buffer's direct input (codes, scales), as its views
         give them (compared with the views' addresses, dtypes, shapes and strides, read once
         in `_attach`: each read of a tensor's attribute costs a few tenths of a microsecond)."""
+        if self._direct is None:  # a bf16 layer's direct input: x, not a pair
+            return False
         codes, scales = x
         if type(codes) is not torch.Tensor or type(scales) is not torch.Tensor:
             return False

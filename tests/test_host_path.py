@@ -525,6 +525,18 @@ def test_the_direct_input_is_pulled_in_place_and_anything_else_staged(cpu_buffer
     assert len(buf._dispatch_launch.calls) == 2
 
 
+def test_a_bf16_layers_direct_input_refuses_a_pair_by_name(cpu_buffer):
+    """A (codes, scales) pair given to a bf16 layer with a direct input gets the detailed
+    check's words, not an unpacking error of the direct input's comparison."""
+    buf = cpu_buffer("bf16", direct_input=True)
+    x, ids, w = _inputs()
+    assert buf.input_buffer().shape == (T, H)
+    with pytest.raises(TypeError, match="only for an fp8 or nvfp4 Buffer"):
+        buf.dispatch((x, x[:, :2]), ids, w)
+    buf.dispatch(buf.input_buffer()[:T], ids, w)
+    assert buf._dispatch_launch.calls[-1]["direct"] == 1
+
+
 def test_combine_refuses_a_handle_of_another_configuration(cpu_buffer):
     """Combine reads a handle's tensors at its Buffer's sizes: a handle of a Buffer with another
     configuration (here twice the tokens) is refused by name, not read out of bounds; one of
