@@ -151,11 +151,7 @@ class ScalesPhase:
             self._load_narrow(tile, lane, base, starts, s_off, s_raw, s_first, q, cq, row_bytes,
                               words)
         cute.arch.cp_async_commit_group()
-        ql = q + dq
-        cl = cq + dc
-        if cl >= tiles_c:
-            cl -= tiles_c
-            ql += 1
+        ql, cl = self._next_unit(q, cq, dq, dc, tiles_c)
         i = Int32(0)
         for u in cutlass.range(gw, n_units, nw):
             if u + nw < n_units:
@@ -180,12 +176,19 @@ class ScalesPhase:
             i += 1
             q = ql
             cq = cl
-            cl += dc
-            ql += dq
-            if cl >= tiles_c:
-                cl -= tiles_c
-                ql += 1
+            ql, cl = self._next_unit(ql, cl, dq, dc, tiles_c)
         cute.arch.cp_async_wait_group(0)
+
+    @cute.jit
+    def _next_unit(self, q, c, dq, dc, tiles_c):
+        """The unit nw units past (block q, column tile c), nw = dq * tiles_c + dc (dc <
+        tiles_c): (block, column tile)."""
+        q = q + dq
+        c = c + dc
+        if c >= tiles_c:
+            c -= tiles_c
+            q += 1
+        return q, c
 
     @cute.jit
     def _load_narrow(self, tile, lane, base, starts: cute.Tensor, s_off: cute.Tensor,
