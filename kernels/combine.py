@@ -45,7 +45,7 @@ from cutlass.cute.nvgpu import cpasync
 from kernels.copy import row_predicate, row_tiled_copy
 from kernels.dispatch.common import MAX_CHUNK, MAX_RANKS, MAX_TOPK, WARP, _wait_at_least
 from kernels.memory import gmem_ptr, load_f32, load_i32, nanosleep, trace_word
-from kernels.placement import claim_channel
+from kernels.placement import placed_channel
 from kernels.nvfp4 import high_bf16, low_bf16
 from kernels.routing import channel_tokens, load_id, route_ids, valid_expert
 from layouts.abi import GridRule, KernelSpec, Param
@@ -256,12 +256,7 @@ class EpCombine:
         stages = (s_stage.iterator + warp * (self.stage_bytes // 2)).align(128)
         s_channel = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
         # Spare CTAs: one channel per TPC (kernels/placement.py); the others leave.
-        if tidx == 0:
-            s_channel[0] = channel
-            if launched > active:
-                s_channel[0] = claim_channel(place, active, launched)
-        cute.arch.sync_threads()
-        channel = s_channel[0]
+        channel = placed_channel(place, channel, active, launched, s_channel, tidx)
         if channel >= 0:
             peers = cute.make_tensor(peer_bases, cute.make_layout(ranks))
             here = peers[my_rank]

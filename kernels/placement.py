@@ -86,3 +86,19 @@ def claim_channel(words: cute.Pointer, active, launched) -> Int32:
         for i in cutlass.range_constexpr(TPC_WORDS):
             store_i32(_word(words, TPCS + i).toint(), 0)
     return channel
+
+
+@cute.jit
+def placed_channel(words: cute.Pointer, channel, active, launched, s_channel: cute.Tensor,
+                   tidx) -> Int32:
+    """This CTA's channel, for every thread of it (a CTA-wide barrier): `channel` (the CTA's
+    index) when the launch has no spare CTAs (`launched` == `active`), else `claim_channel`'s
+    (-1: this CTA leaves). `s_channel`: one Int32 of shared memory. Every thread reads the
+    channel back from it after the barrier, spare CTAs or not: a claim and a barrier inside
+    `if launched > active` made the combine's registers spill."""
+    if tidx == 0:
+        s_channel[0] = channel
+        if launched > active:
+            s_channel[0] = claim_channel(words, active, launched)
+    cute.arch.sync_threads()
+    return s_channel[0]

@@ -73,7 +73,7 @@ from kernels.copy import row_tiled_copy
 from kernels.encode import (E2M1_ARCHES, ENCODE_THREADS, NVFP4_AHEAD, encode_fp8_rows,
                             encode_nvfp4_token, prefetch_rows)
 from kernels.memory import load_f32
-from kernels.placement import claim_channel
+from kernels.placement import placed_channel
 from kernels.nvfp4 import SCALE_TABLE_BYTES, fill_scale_table, scale_table_layout
 from kernels.dispatch.common import (BATCH, BULK_FORMATS, COUNT_WORDS, FORMATS, FP8_BLOCK,
                                      LIMITS, MAX_RANKS, MAX_SEGMENTS, MAX_STAGE_BATCHES, MAX_TOPK,
@@ -411,12 +411,8 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                                            byte_alignment=16)
             prefixed = Int32(0)
         s_channel = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
-        if launched > active:
-            # Spare CTAs: one channel per TPC (kernels/placement.py); the others leave.
-            if tidx == 0:
-                s_channel[0] = claim_channel(done, active, launched)
-            cute.arch.sync_threads()
-            channel = s_channel[0]
+        # Spare CTAs: one channel per TPC (kernels/placement.py); the others leave.
+        channel = placed_channel(done, channel, active, launched, s_channel, tidx)
         if channel >= 0:
             if tidx == 0:
                 _stamp(trace, tracing, channel, "start", cute.arch.globaltimer())
