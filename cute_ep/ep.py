@@ -614,9 +614,9 @@ class Buffer:
         computed once per bound."""
         bound = self._bounds.get(num_input_tokens)
         if bound is None:
+            active = self.active_channels(num_input_tokens)
             bound = self._bounds[num_input_tokens] = (
-                self.active_channels(num_input_tokens),
-                int(prefixed_counts(self.cfg.max_tokens_per_rank, num_input_tokens)))
+                active, prefixed_counts(self.cfg.max_tokens_per_rank, num_input_tokens, active))
         return bound
 
     def _launched(self, num_tokens: int, active: int) -> int:
@@ -1030,7 +1030,7 @@ class Buffer:
         Stream positions and peer-visible counters are [phase, kind, rank, channel] (phase:
         dispatch, combine; kind: made ready, done with; `layouts.channels.counters_layout`);
         count flags [parity, source, channel] (`layouts.channels.count_flag`: the round, the
-        channels the source used, whether its counts are prefixed)."""
+        channels the source used, the kind of its counts)."""
         geo, off, r = self.geo, self.channel_offsets, self.cfg.ranks
         side = torch.cuda.Stream(self.device)
         with torch.cuda.stream(side):
@@ -1105,9 +1105,10 @@ class Buffer:
                               none if messages is None else messages, channels)
 
     def _prefixed_for(self, num_input_tokens) -> int:
-        """1 where a dispatch bounded by `num_input_tokens` (else max_tokens_per_rank) sends
-        prefixed counts (`layouts.channels.prefixed_counts`), else 0: the same on every rank,
-        like `active_channels`; computed once per bound (`_bound_for`)."""
+        """The kind of counts a dispatch bounded by `num_input_tokens` (else
+        max_tokens_per_rank) sends (`layouts.channels.prefixed_counts`: 0 its channels' own, 1
+        prefixed, 2 block-prefixed): the same on every rank, like `active_channels`; computed
+        once per bound (`_bound_for`)."""
         return self._bound_for(num_input_tokens)[1]
 
     def active_channels(self, num_input_tokens: int | None) -> int:

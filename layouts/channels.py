@@ -30,7 +30,11 @@ message lands in its rows as it comes. A dispatch of at most PREFIXED_TOKENS tok
 decode step's) sends each entry in three kinds (COUNT_KINDS): the channel's own, the sum over
 the source's channels before it and over all of them (every channel routes all of its rank's
 tokens to know them), so a receiving channel reads its own (channel, source) words only instead
-of summing every channel's.
+of summing every channel's. A larger dispatch over at least BLOCK_PREFIX_CHANNELS channels sends
+block-prefixed counts: the channels go in blocks of COUNT_BLOCK (`count_block`), each channel
+routes the tokens of its block, and its entries' COUNT_BEFORE and COUNT_ALL kinds are the sums
+over its block's channels before it and over its whole block; a receiving channel then reads
+its own words and one channel's COUNT_ALL a block instead of every channel's.
 
 Every function of a layout here also takes DSL integers, so a kernel evaluates the same layout.
 
@@ -66,27 +70,41 @@ COUNT_MESSAGES, COUNT_TOKENS, COUNT_SEGMENTS = 0, 1, 2
 # sum over the source's channels before it and over all its channels.
 COUNT_OWN, COUNT_BEFORE, COUNT_ALL = 0, 1, 2
 COUNT_KINDS = 3
-# A count flag holds the round's epoch, a bit for prefixed counts and, below it, the channels its
+# The kinds of counts a dispatch sends (its `prefixed` argument): each channel's own only,
+# prefixed over all of the rank's channels (a decode step's), prefixed within blocks of
+# COUNT_BLOCK channels (`count_block`).
+PREFIX_NONE, PREFIX_ALL, PREFIX_BLOCKS = 0, 1, 2
+PREFIX_NAMES = ("", ", prefixed counts", ", block-prefixed counts")
+# Channels a block of block-prefixed counts groups: each channel routes its block's tokens (8 x
+# its own), and a receiving channel reads one COUNT_ALL word a block.
+COUNT_BLOCK = 8
+# A count flag holds the round's epoch, the kind of its counts and, below it, the channels its
 # source used: at most this many (`count_flag`).
 MAX_CHANNELS = 255
 FLAG_PREFIXED = MAX_CHANNELS + 1
-FLAG_ROUND = 2 * FLAG_PREFIXED
+FLAG_ROUND = len(PREFIX_NAMES) * FLAG_PREFIXED
 
 
-def count_flag(epoch: int, channels: int, prefixed: bool) -> int:
+def count_flag(epoch: int, channels: int, prefixed: int) -> int:
     """The count flag a source raises for round `epoch` of a dispatch over `channels` channels
-    (`prefixed`: it sent prefixed counts, `counts_layout`)."""
+    with counts of kind `prefixed` (PREFIX_NONE, PREFIX_ALL, PREFIX_BLOCKS; `counts_layout`)."""
     return epoch * FLAG_ROUND + FLAG_PREFIXED * int(prefixed) + channels
 
 
 def read_count_flag(word: int) -> str:
-    """A count flag in words: "round 3, 24 channels" (", prefixed counts" where they are), or
-    "none" for a flag never raised."""
+    """A count flag in words: "round 3, 24 channels" (", prefixed counts" or ", block-prefixed
+    counts" where they are), or "none" for a flag never raised."""
     if word == 0:
         return "none"
     epoch, rest = divmod(word, FLAG_ROUND)
     prefixed, channels = divmod(rest, FLAG_PREFIXED)
-    return f"round {epoch}, {channels} channels" + (", prefixed counts" if prefixed else "")
+    return f"round {epoch}, {channels} channels" + PREFIX_NAMES[prefixed]
+
+
+def count_block(channel):
+    """The first channel of channel `channel`'s block of block-prefixed counts: COUNT_BLOCK
+    channels a block (over `active` channels the last block holds the rest)."""
+    return channel // COUNT_BLOCK * COUNT_BLOCK
 
 
 def ring_layout(item_bytes, slots, channels, ranks) -> Layout:
@@ -135,7 +153,8 @@ def headers_layout(item_bytes, batches, channels) -> Layout:
 def counts_layout(entries, channels, ranks) -> Layout:
     """(entry, kind, channel, source, parity) -> int32 word: what (channel, source) sends here
     in a round of that parity (kind COUNT_OWN, and with prefixed counts COUNT_BEFORE and
-    COUNT_ALL). Round n + 2 reuses round n's words: a rank starts round n + 2 only after its
+    COUNT_ALL: over the source's channels, or over its channel's block with block-prefixed
+    counts). Round n + 2 reuses round n's words: a rank starts round n + 2 only after its
     round n + 1 received every source's counts, which each source sent after it had finished
     round n."""
     per_channel = entries * COUNT_KINDS
@@ -251,7 +270,7 @@ class ChannelGeometry:
         if self.channels > MAX_CHANNELS:
             raise ValueError(f"at most {MAX_CHANNELS} channels (SMs) a Buffer, got "
                              f"{self.channels}: a count flag carries the channels its source "
-                             f"used below its prefixed-counts bit")
+                             f"used below the kind of its counts")
 
     @property
     def ring_slots(self) -> int:
@@ -329,6 +348,11 @@ TOKENS_PER_CHANNEL = 1
 # most 2 a thread at top-8), where summing the counts of every channel cost each receiving
 # channel a chain of loads per channel.
 PREFIXED_TOKENS = 256
+# A larger dispatch over at least this many channels sends block-prefixed counts: summing every
+# channel's counts took a receiving channel 17-20 us over 132 channels on 4 x H200 (5-7 over 24),
+# where routing all of the rank's tokens in every channel cost 10-28 us more
+# (ab-2026-11-28-4xH200-prefixed-prefill.json); a block's tokens are 8 channels' worth.
+BLOCK_PREFIX_CHANNELS = 48
 
 
 def token_bound(max_tokens: int, num_input_tokens: int | None) -> int:
@@ -345,10 +369,13 @@ def active_channels(channels: int, max_tokens: int, num_input_tokens: int | None
     return min(channels, max(1, -(-bound // TOKENS_PER_CHANNEL)))
 
 
-def prefixed_counts(max_tokens: int, num_input_tokens: int | None) -> bool:
-    """Whether a dispatch of that bound sends prefixed counts (`counts_layout`): at most
-    PREFIXED_TOKENS tokens a rank."""
-    return token_bound(max_tokens, num_input_tokens) <= PREFIXED_TOKENS
+def prefixed_counts(max_tokens: int, num_input_tokens: int | None, active: int = 0) -> int:
+    """The kind of counts a dispatch of that bound over `active` channels sends
+    (`counts_layout`): PREFIX_ALL for at most PREFIXED_TOKENS tokens a rank, else PREFIX_BLOCKS
+    over at least BLOCK_PREFIX_CHANNELS channels, else PREFIX_NONE."""
+    if token_bound(max_tokens, num_input_tokens) <= PREFIXED_TOKENS:
+        return PREFIX_ALL
+    return PREFIX_BLOCKS if active >= BLOCK_PREFIX_CHANNELS else PREFIX_NONE
 
 
 def channel_tokens(channel: int, num_tokens: int, channels: int) -> tuple[int, int]:

@@ -333,6 +333,27 @@ def test_a_dispatch_of_a_decode_steps_size_sends_prefixed_counts(cpu_buffer):
         assert send["prefixed"] == receive["prefixed"] == prefixed, bound
 
 
+def test_a_larger_dispatch_over_many_channels_sends_block_prefixed_counts(cpu_buffer,
+                                                                          monkeypatch):
+    """Past PREFIXED_TOKENS tokens a rank, a dispatch over at least BLOCK_PREFIX_CHANNELS
+    channels sends block-prefixed counts (2), over fewer its channels' own (0); a decode step's
+    bound, prefixed ones (1), whatever the channels. The threshold is read at the dispatch's
+    first call with a bound, so lowering it to this Buffer's 4 channels shows the kind."""
+    import layouts.channels as channels
+
+    x, ids, w = _inputs()
+    assert channels.BLOCK_PREFIX_CHANNELS > 4
+    buf = cpu_buffer(tokens=channels.PREFIXED_TOKENS + 1)
+    buf.dispatch(x, ids, w)
+    assert buf._dispatch_launch.calls[-1]["prefixed"] == channels.PREFIX_NONE
+    monkeypatch.setattr(channels, "BLOCK_PREFIX_CHANNELS", 4)
+    low = cpu_buffer(tokens=channels.PREFIXED_TOKENS + 1)
+    for bound, kind in ((None, channels.PREFIX_BLOCKS), (T, channels.PREFIX_ALL)):
+        low.dispatch(x, ids, w, num_input_tokens=bound)
+        assert low._dispatch_launch.calls[-1]["prefixed"] == kind, bound
+    assert channels.prefixed_counts(4096, None, 3) == channels.PREFIX_NONE
+
+
 def test_dispatch_send_refuses_more_tokens_than_the_staging_holds(cpu_buffer):
     """4 channels of one staged batch (16 tokens) hold 64 tokens: 65 would make a sender wait
     for credit that only the receive launch gives."""

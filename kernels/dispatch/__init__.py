@@ -9,7 +9,9 @@ RECV_WARPS_REGISTERS) receiver warps, and runs these parts:
    expert and per destination rank; the counts go to every destination's `counts` table under
    the round's parity, and the channel's count flag there is raised to the round's epoch. A
    dispatch of a decode step's size (PREFIXED_TOKENS) has every channel route all of its rank's
-   tokens and send prefixed counts: its own, the sum over the channels before it and the total.
+   tokens and send prefixed counts: its own, the sum over the channels before it and the total;
+   a larger one over BLOCK_PREFIX_CHANNELS channels or more has every channel route its block's
+   tokens (COUNT_BLOCK channels) and send the same sums over its block (block-prefixed).
 1b. Encode (FP8 and NVFP4 given bf16 tokens, when the host asks for it: a few tokens a channel,
    a decode step's; all warps): the channel's own tokens are quantized into their messages in the
    local send buffer (`kernels.encode`) while the counts travel. More tokens are quantized by
@@ -28,7 +30,7 @@ RECV_WARPS_REGISTERS) receiver warps, and runs these parts:
    finishes a batch last (one shared-memory atomic a warp) fences once at system scope and
    publishes the batch in every destination's `tails`.
 3. Receive (the receiver warps): they wait for every (channel, source)'s counts (prefixed: their
-   own channel's of each source; a count flag's system-scope acquire, then the counts themselves
+   own channel's of each source; block-prefixed: those and one channel's of every other block; a count flag's system-scope acquire, then the counts themselves
    by plain loads, ordered after the acquires by the receivers' barrier), from which each CTA
    derives the whole row layout (segments padded to the format's row alignment, NVFP4 segments
    on fresh 128-row scale blocks) and the first row of every (segment, source) that its channel
@@ -257,8 +259,10 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                 Param("x", "ptr", "bfloat16", align=16),
                 Param("global_scale", "ptr", "float32", align=4),
                 Param("encode", "i32"),
-                # Prefixed counts (`layouts.channels.counts_layout`), the same on every rank:
-                # a dispatch of at most PREFIXED_TOKENS tokens a rank (register receivers: never).
+                # The kind of counts (`layouts.channels.prefixed_counts`), the same on every
+                # rank: prefixed for a dispatch of at most PREFIXED_TOKENS tokens a rank,
+                # block-prefixed over BLOCK_PREFIX_CHANNELS channels or more (register
+                # receivers: never prefixed).
                 Param("prefixed", "i32"),
                 # The Buffer's direct input (`direct` 1): the tokens are rows of this rank's
                 # input part (at `input_offset` of every rank's peer-visible memory, laid out

@@ -10,10 +10,11 @@ from cutlass import Int32, Int64
 from kernels.dispatch.common import (COUNT_UNROLL, COUNT_WORDS, MAX_TOPK, MSGS_AT, SHARED_AT,
                                      _stamp)
 from kernels.memory import error_field, gmem_ptr, load_i32, store_i32
-from kernels.routing import route_token
+from kernels.routing import channel_tokens, route_token
 from layouts.buffers import ERROR_COUNTS
 from layouts.channels import (COUNT_ALL, COUNT_BEFORE, COUNT_KINDS, COUNT_MESSAGES, COUNT_OWN,
-                              COUNT_SEGMENTS, COUNT_TOKENS, FLAG_PREFIXED, FLAG_ROUND)
+                              COUNT_SEGMENTS, COUNT_TOKENS, FLAG_PREFIXED, FLAG_ROUND,
+                              COUNT_BLOCK, PREFIX_BLOCKS, count_block)
 
 
 class CountsPhase:
@@ -31,9 +32,11 @@ class CountsPhase:
         count them per expert and per destination rank in region 0 of `counted` (COUNT_WORDS
         words a region), write this (channel, source)'s `counts` entries into every destination
         under the round's parity, then raise its count flag there to the round's epoch
-        (system-scope release after a fence). With `prefixed` counts every token of the rank is
-        routed, those before t0 counted in region 1 and those from t1 in region 2, and each entry
-        goes out in its three kinds (`layouts.channels.counts_layout`)."""
+        (system-scope release after a fence). With prefixed counts (PREFIX_ALL) every token of
+        the rank is routed, with block-prefixed ones (PREFIX_BLOCKS) every token of the
+        channel's block (`layouts.channels.count_block`): those before t0 counted in region 1
+        and those from t1 in region 2, and each entry goes out in its three kinds
+        (`layouts.channels.counts_layout`)."""
         regions = Int32(1)
         first = t0
         last = t1
@@ -41,6 +44,11 @@ class CountsPhase:
             regions = Int32(COUNT_KINDS)
             first = Int32(0)
             last = num_tokens
+            if prefixed == PREFIX_BLOCKS:
+                block = count_block(channel)
+                first, _ = channel_tokens(block, num_tokens, active)
+                _, last = channel_tokens(cutlass.min(block + COUNT_BLOCK, active) - 1,
+                                         num_tokens, active)
         for i in cutlass.range(tidx, regions * COUNT_WORDS, self.threads):
             counted[i] = Int32(0)
         cute.arch.sync_threads()
@@ -73,15 +81,15 @@ class CountsPhase:
             d = i // (kinds * entries)
             kind = (i - d * kinds * entries) // entries
             entry = i - (d * kinds + kind) * entries
-            value = self._routed(counted, Int32(0), entry, d, t0, t1, num_tokens, local_experts,
-                                 my_rank, shared)
+            value = self._routed(counted, Int32(0), entry, d, t0, t1, first, last,
+                                 local_experts, my_rank, shared)
             if kind == COUNT_BEFORE:
-                value = self._routed(counted, Int32(1), entry, d, t0, t1, num_tokens,
+                value = self._routed(counted, Int32(1), entry, d, t0, t1, first, last,
                                      local_experts, my_rank, shared)
             elif kind == COUNT_ALL:
-                value = value + self._routed(counted, Int32(1), entry, d, t0, t1, num_tokens,
+                value = value + self._routed(counted, Int32(1), entry, d, t0, t1, first, last,
                                              local_experts, my_rank, shared) \
-                    + self._routed(counted, Int32(2), entry, d, t0, t1, num_tokens,
+                    + self._routed(counted, Int32(2), entry, d, t0, t1, first, last,
                                    local_experts, my_rank, shared)
             store_i32(peers[d] + counts_offset
                       + Int64(counts_at((entry, kind, channel, my_rank, parity))) * 4, value)
@@ -102,10 +110,10 @@ class CountsPhase:
             _stamp(trace, tracing, channel, "counts_sent", cute.arch.globaltimer())
 
     @cute.jit
-    def _routed(self, counted: cute.Tensor, region, entry, d, t0, t1, num_tokens, local_experts,
-                my_rank, shared):
+    def _routed(self, counted: cute.Tensor, region, entry, d, t0, t1, first, last,
+                local_experts, my_rank, shared):
         """Entry `entry` of destination d as region `region` of `counted` holds it (0: the
-        channel's tokens [t0, t1), 1: the rank's tokens before t0, 2: those from t1)."""
+        channel's tokens [t0, t1), 1: the routed tokens [first, t0), 2: those of [t1, last))."""
         base = region * COUNT_WORDS
         value = Int32(0)
         if entry == COUNT_MESSAGES:
@@ -113,9 +121,9 @@ class CountsPhase:
         elif entry == COUNT_TOKENS:
             value = t1 - t0
             if region == 1:
-                value = t0
+                value = t0 - first
             elif region == 2:
-                value = num_tokens - t1
+                value = last - t1
         elif shared != 0 and entry == COUNT_SEGMENTS:
             if d == my_rank:
                 value = counted[base + SHARED_AT]
@@ -141,7 +149,10 @@ class CountsPhase:
         `failed`), else `_sum_counts`."""
         part = Int32(0)
         total = Int32(0)
-        if prefixed != 0:
+        if prefixed == PREFIX_BLOCKS:
+            part, total = self._sum_blocks(here, counts_offset, counts_at, entry, s, parity,
+                                           channel, active, max_tokens, error, failed)
+        elif prefixed != 0:
             part = self._count(here, counts_offset, counts_at, entry, channel, s, parity,
                                COUNT_BEFORE)
             total = self._count(here, counts_offset, counts_at, entry, channel, s, parity,
@@ -158,23 +169,65 @@ class CountsPhase:
         return part, total
 
     @cute.jit
+    def _sum_blocks(self, here, counts_offset, counts_at, entry, s, parity, channel, active,
+                    max_tokens, error: cute.Pointer, failed):
+        """`_sum_counts` from block-prefixed counts: this channel's COUNT_BEFORE (the channels
+        before it in its block) plus the COUNT_ALL of every block before its own, and every
+        block's COUNT_ALL in all (a block's read from its first channel, this channel's own
+        block from this channel). Values outside 0 <= before <= all <= max_tokens count 0 and
+        are reported unless the layer already `failed`."""
+        own = count_block(channel)
+        part = self._count(here, counts_offset, counts_at, entry, channel, s, parity,
+                           COUNT_BEFORE)
+        blocks_before, total, bad = self._sum_over(
+            here, counts_offset, counts_at, entry, s, parity, channel, own,
+            (active + COUNT_BLOCK - 1) // COUNT_BLOCK, COUNT_BLOCK, max_tokens, COUNT_ALL)
+        if part < 0:
+            bad = Int32(1)
+        part = part + blocks_before
+        if part > total or total > max_tokens:
+            bad = Int32(1)
+        if bad != 0:
+            part = Int32(0)
+            total = Int32(0)
+            if not failed:
+                cute.arch.atomic_or(error_field(error, "bad_counts"), Int32(ERROR_COUNTS),
+                                    sem="relaxed", scope="gpu")
+        return part, total
+
+    @cute.jit
     def _sum_counts(self, here, counts_offset, counts_at, entry, s, parity, channel, active,
                     max_tokens, error: cute.Pointer, failed):
         """(sum over the channels before `channel`, sum over the `active` channels) of entry
         `entry` of source s's counts. A value outside [0, max_tokens] is counted 0 and reported
-        unless the layer already `failed`. Unrolled by COUNT_UNROLL (32 measured slower)."""
-        part = Int32(0)
-        total = Int32(0)
-        bad = Int32(0)
-        for c in cutlass.range(active, unroll=COUNT_UNROLL):
-            v = self._count(here, counts_offset, counts_at, entry, c, s, parity)
-            if v < 0 or v > max_tokens:
-                bad = Int32(1)
-                v = Int32(0)
-            if c < channel:
-                part = part + v
-            total = total + v
+        unless the layer already `failed`."""
+        part, total, bad = self._sum_over(here, counts_offset, counts_at, entry, s, parity,
+                                          channel, channel, active, 1, max_tokens, COUNT_OWN)
         if bad != 0 and not failed:
             cute.arch.atomic_or(error_field(error, "bad_counts"), Int32(ERROR_COUNTS),
                                 sem="relaxed", scope="gpu")
         return part, total
+
+    @cute.jit
+    def _sum_over(self, here, counts_offset, counts_at, entry, s, parity, channel, own, n, step,
+                  max_tokens, kind: cutlass.Constexpr):
+        """(sum before `own`, sum of all, any out of range) of entry `entry` of source s's
+        words of kind `kind` at channels 0, step, 2 step, ... (n of them), the one at `own` read
+        from `channel` instead; a value outside [0, max_tokens] counts 0. Unrolled by
+        COUNT_UNROLL (32 measured slower)."""
+        part = Int32(0)
+        total = Int32(0)
+        bad = Int32(0)
+        for i in cutlass.range(n, unroll=COUNT_UNROLL):
+            first = i * step
+            c = first
+            if first == own:
+                c = channel
+            v = self._count(here, counts_offset, counts_at, entry, c, s, parity, kind)
+            if v < 0 or v > max_tokens:
+                bad = Int32(1)
+                v = Int32(0)
+            if first < own:
+                part = part + v
+            total = total + v
+        return part, total, bad

@@ -23,8 +23,9 @@ from kernels.memory import error_field, gmem_ptr, store_f32, store_i32
 from kernels.scan import warp_exclusive_scan
 from layouts.buffers import (DIRECT_SCALE_ROWS, ERROR_CAPACITY, ERROR_CHANNELS, ERROR_COUNTS,
                              scale_rows_layout)
-from layouts.channels import (COUNT_MESSAGES, COUNT_SEGMENTS, COUNT_TOKENS, DIRECT_BIT, DISPATCH,
-                              FLAG_PREFIXED, FLAG_ROUND, HEADS, RECV_TIMES, SEND_TIMES, TAILS,
+from layouts.channels import (COUNT_BLOCK, COUNT_MESSAGES, COUNT_SEGMENTS, COUNT_TOKENS,
+                              DIRECT_BIT, DISPATCH, FLAG_PREFIXED, FLAG_ROUND, HEADS,
+                              PREFIX_BLOCKS, RECV_TIMES, SEND_TIMES, TAILS, count_block,
                               batch_header_layout, channel_messages_layout, header_token_word,
                               headers_layout, staging_layout)
 from layouts.config import SOURCE_ROWS
@@ -56,22 +57,33 @@ class ReceivePhase:
                  s_planw: cute.Tensor):
         """The receiver warps (thread rt of recv_warps * 32). `pad_by_senders`: this launch's
         sender warps zero the FP8 alignment rows (`_pad_after_send`), not the receivers.
-        `prefixed`: the sources sent prefixed counts (`layouts.channels.counts_layout`)."""
+        `prefixed`: the kind of counts the sources sent (PREFIX_NONE, PREFIX_ALL,
+        PREFIX_BLOCKS; `layouts.channels.counts_layout`)."""
         threads = self.recv_threads
         rwarp = rt // WARP
         lane = rt % WARP
         segments = local_experts + shared
         # 3a. Every (channel, source)'s counts of this round (prefixed counts: this channel's of
-        # every source). A source that split its tokens over another number of channels (another
-        # num_input_tokens), or sent counts of the other kind, is reported, not waited for past
+        # every source; block-prefixed: those of this channel and of the first channel of every
+        # other block). A source that split its tokens over another number of channels (another
+        # num_input_tokens), or sent counts of another kind, is reported, not waited for past
         # its channels.
+        blocks = (active + COUNT_BLOCK - 1) // COUNT_BLOCK
+        own_block = count_block(channel)
         flags = ranks * active
-        if prefixed != 0:
+        if prefixed == PREFIX_BLOCKS:
+            flags = ranks * blocks
+        elif prefixed != 0:
             flags = ranks
         for i in cutlass.range(rt, flags, threads):
             s = i // active
             c = i - s * active
-            if prefixed != 0:
+            if prefixed == PREFIX_BLOCKS:
+                s = i // blocks
+                c = (i - s * blocks) * COUNT_BLOCK
+                if c == own_block:
+                    c = channel
+            elif prefixed != 0:
                 s = i
                 c = channel
             flag, ok = _wait_at_least(here + flags_offset + Int64(flags_at((c, s, parity))) * 8,

@@ -165,6 +165,31 @@ def test_emulated_shared_expert_at_a_decode_bound_with_prefixed_counts(fmt):
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
+@pytest.mark.parametrize("ranks,sms,hidden", [(2, 20, 1024), (4, 9, 1024), (2, 17, 1152)])
+def test_emulated_block_prefixed_counts(fmt, ranks, sms, hidden, monkeypatch):
+    """Block-prefixed counts (a prefill-sized dispatch over BLOCK_PREFIX_CHANNELS channels or
+    more, the threshold lowered to these budgets): blocks of COUNT_BLOCK channels with a partial
+    last one (20 = 8 + 8 + 4, 9 = 8 + 1, 17 = 8 + 8 + 1), with the fused shared expert, skip_a2a,
+    hot routing, ranks of uneven token counts (channels with no tokens) and a bound past
+    PREFIXED_TOKENS, across rounds; at H 1152 the FP8 and NVFP4 kernels' register receivers, which send their channels'
+    own counts whatever the host asks."""
+    import layouts.channels as channels
+    from cute_ep.ep import Buffer
+    from layouts import EPConfig
+
+    monkeypatch.setattr(channels, "BLOCK_PREFIX_CHANNELS", 2)
+    cfg = EPConfig(hidden, 4, 8 * ranks, ranks, 512, fmt, fused_shared_expert=True)
+    bufs = Buffer.emulated(cfg, timeout_s=20.0, sms=sms)
+    assert bufs[0]._prefixed_for(None) == channels.PREFIX_BLOCKS
+    assert bufs[0]._prefixed_for(400) == channels.PREFIX_BLOCKS
+    uneven = [(512, 3, 0, 200)[r % 4] for r in range(ranks)]
+    _layer(bufs, 91, uneven)
+    _layer(bufs, 92, [500] * ranks, skip_a2a=True)
+    _layer(bufs, 93, [512] * ranks, routing="hot")
+    _layer(bufs, 94, [400, 7, 300, 1][:ranks], num_input_tokens=400)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
 @pytest.mark.parametrize("ranks,sms", [(2, 24), (4, 12), (8, 6)])
 def test_emulated_skip_a2a_without_weights_at_the_experts(fmt, ranks, sms):
     """skip_a2a (every rank holds every token and keeps its own experts) with a combine that

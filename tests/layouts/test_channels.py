@@ -1,5 +1,7 @@
 """Transport v2's ring geometry against plain formulas, and its memory bound."""
 
+import random
+
 import pytest
 
 from layouts.buffers import EPConfig
@@ -107,9 +109,36 @@ def test_a_count_flag_reads_back_as_its_round_channels_and_kind():
     # Distinct (round, channels, kind) give distinct flags, and a later round's is larger: the
     # receivers wait for epoch * FLAG_ROUND or more.
     words = {count_flag(e, c, p) for e in (1, 2, 3) for c in (1, 24, MAX_CHANNELS)
-             for p in (False, True)}
-    assert len(words) == 3 * 3 * 2
-    assert count_flag(2, 1, False) > count_flag(1, MAX_CHANNELS, True)
+             for p in (0, 1, 2)}
+    assert len(words) == 3 * 3 * 3
+    assert count_flag(2, 1, 0) > count_flag(1, MAX_CHANNELS, 2)
+    assert read_count_flag(count_flag(3, 132, 2)) == \
+        "round 3, 132 channels, block-prefixed counts"
+
+
+@pytest.mark.parametrize("active", [1, 7, 8, 9, 48, 131, 132, 255])
+def test_block_prefixed_counts_give_every_channel_its_prefix_and_the_total(active):
+    """What a source sends with block-prefixed counts (each channel: its own count, the sum
+    over its block's channels before it, its block's total) and what a receiving channel makes
+    of them (its own COUNT_BEFORE plus one COUNT_ALL of every block before its own; every
+    block's COUNT_ALL in all) equal the sums over every channel, for random counts."""
+    from layouts.channels import COUNT_BLOCK, count_block
+
+    gen = random.Random(active)
+    own = [gen.randrange(0, 50) for _ in range(active)]
+    blocks = range(0, active, COUNT_BLOCK)
+    assert all(count_block(c) in blocks and count_block(c) <= c < count_block(c) + COUNT_BLOCK
+               for c in range(active))
+    # The source side: a channel counts the tokens of its block, [first, last) of channels.
+    before = [sum(own[count_block(c):c]) for c in range(active)]
+    block_all = [sum(own[count_block(c):min(count_block(c) + COUNT_BLOCK, active)])
+                 for c in range(active)]
+    for c in range(active):
+        # The receiving side: one channel's COUNT_ALL a block (its own for its own block).
+        reads = [c if b == count_block(c) else b for b in blocks]
+        part = before[c] + sum(block_all[r] for r, b in zip(reads, blocks) if b < count_block(c))
+        total = sum(block_all[r] for r in reads)
+        assert (part, total) == (sum(own[:c]), sum(own))
 
 
 @pytest.mark.parametrize("hidden, vectors", [(7168, 7), (1792, 7), (3584, 7), (4096, 4),
