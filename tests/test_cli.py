@@ -481,6 +481,24 @@ def test_a_traced_call_reads_only_the_channels_that_ran(monkeypatch):
     assert out == {"end": 8.0, "wait_us": 0.7}
 
 
+def test_a_traced_call_runs_in_step_behind_untraced_ones(monkeypatch):
+    """The traced call is queued behind TRACE_LEAD untraced calls after the barrier (so the
+    ranks start it in step), and tracing is on for it alone."""
+    import torch
+
+    from cute_ep.tools import bench
+
+    events = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: events.append("sync"))
+    monkeypatch.setattr(torch.distributed, "barrier", lambda *a: events.append("barrier"))
+    trace = torch.tensor([[1000, 5000]], dtype=torch.int64)
+    bench._traced(lambda on: events.append(f"trace {on}"), lambda: trace,
+                  lambda: events.append("run"), ("start", "end"))
+    assert bench.TRACE_LEAD >= 1
+    assert events == ["sync", "barrier", *["run"] * bench.TRACE_LEAD, "trace True", "run",
+                      "sync", "trace False"]
+
+
 def test_bench_groups_the_gpus_into_nodes_on_request():
     """`--gpus-per-node` is parsed (the node run itself needs GPUs and NVSHMEM)."""
     from cute_ep.tools.bench import parser

@@ -15,7 +15,9 @@ For each token format, on every rank, with the same inputs each time:
   is left out, as it is from DeepEP's printed figures;
 - **where dispatch's time goes**: one traced dispatch per budget (`Buffer.trace_dispatch`): when
   each channel sent its counts, had every rank's, knew its row layout, finished sending, ended,
-  and how long its sender waited for ring credit and for its stores;
+  and how long its sender waited for ring credit and for its stores; the traced call follows
+  TRACE_LEAD untraced calls queued back to back, so the ranks run it in step as lockstep times
+  them (one call after a barrier carries the ranks' launch skew into its waits);
 - **baselines in the same run**: NCCL `all_to_all_single` moving the same token bytes (each token
   once to every rank hosting one of its experts; it produces no expert-grouped rows), and a
   copy-engine peer-to-peer copy of this rank's outgoing bytes into every peer's memory, one
@@ -522,9 +524,15 @@ def _gather_us(out, cfg, fmt, iters, flush) -> float:
     return statistics.median(_timed(gather, iters, flush))
 
 
+# Untraced calls queued back to back before a traced one (`_traced`): the ranks wait for each
+# other's data in them, so the traced call starts in step on every rank.
+TRACE_LEAD = 3
+
+
 def _dispatch_trace(buf, x, ids, w, quant) -> dict:
-    """One traced dispatch (`Buffer.trace_dispatch`) after a barrier: per TRACE_FIELDS stamp, the
-    latest channel's time from this rank's earliest start (us); per wait, the longest channel's."""
+    """One traced dispatch (`Buffer.trace_dispatch`) after TRACE_LEAD untraced ones back to back:
+    per TRACE_FIELDS stamp, the latest channel's time from this rank's earliest start (us); per
+    wait, the longest channel's."""
     from layouts.channels import TRACE_FIELDS
 
     return _traced(buf.trace_dispatch, lambda: buf.trace, lambda: buf.dispatch(x, ids, w, **quant),
@@ -540,11 +548,17 @@ def _combine_trace(buf, y, out) -> dict:
 
 
 def _traced(switch, recorded, run, fields) -> dict:
+    """`run` once traced (`switch` on, then off), queued behind TRACE_LEAD untraced calls after a
+    barrier: one traced call straight after the barrier started when its rank's host got there,
+    and a peer that launched milliseconds later (seen on every-SM combines of 2 and 4 H200s)
+    showed up as that long a wait on the others' timelines."""
     import torch.distributed as dist
 
-    switch(True)
     torch.cuda.synchronize()
     dist.barrier()
+    for _ in range(TRACE_LEAD):
+        run()
+    switch(True)  # the trace's zeroing is queued behind the untraced calls
     run()
     torch.cuda.synchronize()
     trace = recorded().double().cpu()
