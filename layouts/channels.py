@@ -369,7 +369,7 @@ def active_channels(channels: int, max_tokens: int, num_input_tokens: int | None
     return min(channels, max(1, -(-bound // TOKENS_PER_CHANNEL)))
 
 
-def prefixed_counts(max_tokens: int, num_input_tokens: int | None, active: int = 0) -> int:
+def prefixed_counts(max_tokens: int, num_input_tokens: int | None, active: int) -> int:
     """The kind of counts a dispatch of that bound over `active` channels sends
     (`counts_layout`): PREFIX_ALL for at most PREFIXED_TOKENS tokens a rank, else PREFIX_BLOCKS
     over at least BLOCK_PREFIX_CHANNELS channels, else PREFIX_NONE."""
