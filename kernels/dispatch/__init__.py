@@ -30,8 +30,9 @@ RECV_WARPS_REGISTERS) receiver warps, and runs these parts:
    finishes a batch last (one shared-memory atomic a warp) fences once at system scope and
    publishes the batch in every destination's `tails`.
 3. Receive (the receiver warps): they wait for every (channel, source)'s counts (prefixed: their
-   own channel's of each source; block-prefixed: those and one channel's of every other block; a count flag's system-scope acquire, then the counts themselves
-   by plain loads, ordered after the acquires by the receivers' barrier), from which each CTA
+   own channel's of each source; block-prefixed: those and one channel's of every other block;
+   a count flag's system-scope acquire, then the counts themselves by plain loads, ordered
+   after the acquires by the receivers' barrier), from which each CTA
    derives the whole row layout (segments padded to the format's row alignment, NVFP4 segments
    on fresh 128-row scale blocks) and the first row of every (segment, source) that its channel
    fills. FP8's alignment rows are zeroed by the sender warps once they have sent (the receivers
