@@ -171,8 +171,8 @@ def test_emulated_block_prefixed_counts(fmt, ranks, sms, hidden, monkeypatch):
     more, the threshold lowered to these budgets): blocks of COUNT_BLOCK channels with a partial
     last one (20 = 8 + 8 + 4, 9 = 8 + 1, 17 = 8 + 8 + 1), with the fused shared expert, skip_a2a,
     hot routing, ranks of uneven token counts (channels with no tokens) and a bound past
-    PREFIXED_TOKENS, across rounds; at H 1152 the FP8 and NVFP4 kernels' register receivers, which send their channels'
-    own counts whatever the host asks."""
+    PREFIXED_TOKENS, across rounds; at H 1152 the FP8 and NVFP4 kernels' register receivers,
+    which send their channels' own counts whatever the host asks."""
     import layouts.channels as channels
     from cute_ep.ep import Buffer
     from layouts import EPConfig
