@@ -573,8 +573,10 @@ class Buffer:
         element, the `gs` of `sf = e4m3(gs * amax / 6)`, `q = e2m1(x * gs / sf)`; the same on
         every rank.
         """
-        return _PendingDispatch(self._checked_dispatch(x, topk_ids, topk_weights, skip_a2a,
-                                                       num_input_tokens, global_scale))
+        out = self._common_dispatch(x, topk_ids, topk_weights, num_input_tokens) \
+            if not skip_a2a and global_scale is None else None
+        return _PendingDispatch(out if out is not None else self._checked_dispatch(
+            x, topk_ids, topk_weights, skip_a2a, num_input_tokens, global_scale))
 
     def _checked_dispatch(self, x, topk_ids, topk_weights, skip_a2a, num_input_tokens,
                           global_scale, separate=False, shared_rows=None) -> DispatchOutput:
@@ -798,6 +800,10 @@ class Buffer:
                         "fp8": {"scales_offsets": None}, "nvfp4": {}}[cfg.format]
         if cfg.layout != "sources":
             self._absent = {**self._absent, "recv_topk_ids": None, "recv_topk_weights": None}
+        # The input `_common_dispatch` takes: bf16 x, or (codes, scales); None for the sources
+        # layout (whose outputs it does not carve).
+        self._common_kind = None if cfg.layout == "sources" else \
+            "bf16" if cfg.format == "bf16" else "quantized"
         outputs = [("row_offsets", (segs + 1,), torch.int32), ("expert_ids", (segs,), torch.int32),
                    ("counts", (segs,), torch.int32), ("src_info", (cap, 2), torch.int32)]
         if cfg.format == "fp8":
@@ -856,9 +862,106 @@ class Buffer:
                                           "only; under torch.compile pass bf16 x")
             return self._dispatch_via_op(x, topk_ids, topk_weights, skip_a2a, num_input_tokens,
                                          global_scale)
+        if not skip_a2a and global_scale is None:
+            out = self._common_dispatch(x, topk_ids, topk_weights, num_input_tokens)
+            if out is not None:
+                return out
         # dispatch_wait(dispatch_async(...)) without the pending object between them.
         return self._checked_dispatch(x, topk_ids, topk_weights, skip_a2a, num_input_tokens,
                                       global_scale)
+
+    def _common_dispatch(self, x, topk_ids, topk_weights, num_input_tokens):
+        """The eager call a model's layer makes, in one pass: a bf16 layer given bf16 x, an FP8
+        or NVFP4 layer given its (codes, scales), each as the kernels take them (the direct
+        input's rows too), ids and weights the same, without skip_a2a or a global scale, no
+        trace on and no receive hook pending. It launches exactly what `_checked_dispatch`
+        launches for the same call (tests/test_host_path.py compares them) with a third less
+        Python (a decode dispatch's host time); any other call, good or bad, returns None
+        before anything is allocated, and the general path takes it."""
+        if self._common_kind is None or self.trace is not None or \
+                self._receive_pending is not None:
+            return None
+        dev, tensor = self._device_index, torch.Tensor
+        weighted = topk_weights is not None
+        direct = 0
+        if self._common_kind == "bf16":
+            if type(x) is not tensor:
+                return None
+            shape = x.shape
+            if not (len(shape) == 2 and x.dtype is torch.bfloat16 and shape[1] == self.cfg.hidden
+                    and x.get_device() == dev and x.is_contiguous()):
+                return None
+            source = x.data_ptr()
+            if source % 16:
+                return None
+            num_tokens = shape[0]
+            source_stride = load_bytes = 2 * self.cfg.hidden
+            scale_source, scale_stride = self._no_f32_at, 0
+            if self._input is not None:
+                direct = int(source == self._input.data_ptr())
+        else:
+            if type(x) is not tuple or len(x) != 2:
+                return None
+            codes, scales = x
+            load_bytes, scale_stride = self._quantized_strides
+            if self._input is not None and self._is_direct_input(x):
+                d = self._direct
+                num_tokens, direct = codes.shape[0], 1
+                source, scale_source = d.codes_at, d.scales_at
+                source_stride, scale_stride = d.codes_row_bytes, d.scales_row_bytes
+            else:
+                fast = self._quantized_fast
+                if fast is None or type(codes) is not tensor or type(scales) is not tensor:
+                    return None
+                shape = codes.shape
+                if len(shape) != 2:
+                    return None
+                num_tokens = shape[0]
+                if not (codes.dtype is fast[0] and shape[1] == fast[1]
+                        and scales.dtype is fast[2] and scales.shape == (num_tokens, fast[3])
+                        and codes.get_device() == dev and scales.get_device() == dev
+                        and codes.is_contiguous() and scales.is_contiguous()):
+                    return None
+                source, scale_source = codes.data_ptr(), scales.data_ptr()
+                if source % 16 or scale_source % 4:
+                    return None
+                source_stride = load_bytes
+                if self._input is not None:  # rows as the tensors' strides space them
+                    source_stride = codes.stride(0) * codes.element_size()
+                    scale_stride = scales.stride(0) * scales.element_size()
+        if not self._routing_ok(topk_ids, topk_weights, num_tokens) or \
+                (self.cfg.fused_shared_expert and not weighted):
+            return None
+        if num_input_tokens is not None and not num_tokens <= int(num_input_tokens):
+            return None
+        bound = self._bounds.get(num_input_tokens)
+        active, prefixed = bound if bound is not None else self._bound_for(num_input_tokens)
+
+        tokens = self._tokens_like.new_empty(*self._tokens_shape)
+        flat = self._bytes_like.new_empty(self._handle_carve.end)
+        handle = DispatchHandle._of({
+            "routing": Routing(active, num_tokens, weighted, False, 0, num_tokens, topk_ids),
+            "_flat": flat, "_carve": self._handle_carve})
+        fields = self._output_fields.copy()  # the absent fields and the carve
+        fields["tokens"], fields["handle"], fields["_flat"] = tokens, handle, flat
+        base = flat.data_ptr()
+        c = self._carved_at
+        self.calls[0] += 1
+        no_f32 = self._no_f32_at
+        self._dispatch_launch(
+            source, source_stride, load_bytes, scale_source, scale_stride,
+            topk_ids.data_ptr(), topk_ids.element_size() >> 2,
+            topk_weights.data_ptr() if weighted else no_f32, tokens.data_ptr(),
+            base + self._scales_at if self._scales_at is not None else no_f32,
+            base + self._scales_offsets_at if self._scales_offsets_at is not None else
+            self._no_i32_at,
+            base + c[0], base + c[1], base + c[2], base + c[3], base + c[4], base + c[5],
+            base + c[6], base + c[7], base + c[8], self._no_i32_at, no_f32,
+            num_tokens, 0, 0, num_tokens, int(weighted), active,
+            active + self.spare_ctas if num_tokens > FUSED_ENCODE_TOKENS * active else active,
+            self._no_i64_at, 0, DISPATCH_SEND | DISPATCH_RECEIVE, self._no_bf16_at, no_f32, 0,
+            prefixed, direct)
+        return DispatchOutput._of(fields)
 
     # Combine ------------------------------------------------------------------------------
 

@@ -629,3 +629,81 @@ def test_prefill_sized_dispatch_and_combine_launch_the_spare_ctas_decode_sized_d
         d, c = buf._dispatch_launch.calls[-1], buf._combine_launch.calls[-1]
         assert (d["active"], d["launched"]) == (active, launched), t
         assert (c["active"], c["launched"]) == (active, launched), t
+
+
+def _normalized(call: dict, out) -> dict:
+    """A recorded dispatch launch with the addresses inside this call's fresh outputs as
+    (part, offset): two calls' launches compare equal where they differ only in allocations."""
+    tokens, flat = out.tokens, out.__dict__["_flat"]
+    spans = [("tokens", tokens.data_ptr(), tokens.numel() * tokens.element_size()),
+             ("flat", flat.data_ptr(), flat.numel())]
+    fixed = {}
+    for name, value in call.items():
+        for part, at, size in spans:
+            if at <= value < at + size:
+                value = (part, value - at)
+                break
+        fixed[name] = value
+    return fixed
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
+@pytest.mark.parametrize("direct_input", [False, True])
+@pytest.mark.parametrize("shared", [False, True])
+def test_the_common_dispatch_launches_what_the_checked_path_launches(cpu_buffer, fmt,
+                                                                     direct_input, shared):
+    """`dispatch`'s one-pass path for a layer's common call takes every input it is meant for
+    (plain tensors, the direct input's rows, copies of them; int32 and int64 ids; weighted or
+    not; bounded or not; decode- and prefill-sized) and launches the same arguments with the
+    same outputs as the checked path given the same call."""
+    buf = cpu_buffer(fmt, direct_input=direct_input, fused_shared_expert=shared)
+    for t in (T, 5, 1, 0):
+        x, ids, w = _inputs(t)
+        if fmt != "bf16":
+            codes, scales = _quantized(fmt)
+            x = (codes[:t], scales[:t])
+        inputs = [x]
+        if direct_input:
+            view = buf.input_buffer()
+            view = view[:t] if fmt == "bf16" else (view[0][:t], view[1][:t])
+            inputs.append(view)
+        for x, ids, w, bound in [(x, i, wt, b) for x in inputs for i in (ids, ids.long())
+                                 for wt in ((w, None) if not shared else (w,))
+                                 for b in (None, t, 2 * T)]:
+            common = buf._common_dispatch(x, ids, w, bound)
+            assert common is not None, (t, bound, w is None)
+            first = _normalized(buf._dispatch_launch.calls[-1], common)
+            checked = buf._checked_dispatch(x, ids, w, False, bound, None)
+            second = _normalized(buf._dispatch_launch.calls[-1], checked)
+            assert first == second, {k: (first[k], second[k]) for k in first
+                                     if first[k] != second[k]}
+            assert common.handle.routing == checked.handle.routing
+            assert common.__dict__.keys() == checked.__dict__.keys()
+            assert (common.tokens.shape, common.tokens.dtype) == (checked.tokens.shape,
+                                                                  checked.tokens.dtype)
+    assert buf.calls[0] == len(buf._dispatch_launch.calls)
+
+
+def test_the_common_dispatch_leaves_other_calls_to_the_checked_path(cpu_buffer):
+    """Calls the one-pass path is not for return None from it, launching nothing: a bf16 x of
+    an FP8 layer (quantized first), a sources layout, a trace on, a receive hook pending, a
+    token count over the bound, and bad input (the checked path says what is wrong)."""
+    buf = cpu_buffer("fp8")
+    x, ids, w = _inputs()
+    codes, scales = _quantized("fp8")
+    before = len(buf._dispatch_launch.calls)
+    assert buf._common_dispatch(x, ids, w, None) is None
+    assert buf._common_dispatch((codes, scales), ids, w, T - 1) is None
+    assert buf._common_dispatch((codes, scales.half()), ids, w, None) is None
+    assert buf._common_dispatch((codes, scales), ids[:, :1].contiguous(), w, None) is None
+    assert buf._common_dispatch((codes, scales), ids, w.double(), None) is None
+    buf.trace = torch.zeros(4, dtype=torch.int64)
+    assert buf._common_dispatch((codes, scales), ids, w, None) is None
+    buf.trace = None
+    buf._receive_pending = ((), (), 0, 0)
+    assert buf._common_dispatch((codes, scales), ids, w, None) is None
+    buf._receive_pending = None
+    assert len(buf._dispatch_launch.calls) == before
+    assert buf._common_dispatch((codes, scales), ids, w, None) is not None
+    sources = cpu_buffer("bf16", layout="sources")
+    assert sources._common_dispatch(x, ids, w, None) is None
