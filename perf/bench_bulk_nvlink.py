@@ -11,31 +11,14 @@ slowest rank. GB/s = bytes this rank sends to other ranks / time (what crosses i
 """
 
 import argparse
-import statistics
 
 import torch
-from timing import report_copies
+from timing import barrier_median_us, report_copies
 
 from cute_ep.tools.spawn import run_ranks
 from layouts.transport import bulk_chunks
 
 CONFIGS = [(16384, 8), (32768, 6)]
-
-
-def _time(fn, reps):
-    import torch.distributed as dist
-
-    times = []
-    for _ in range(reps + 2):
-        torch.cuda.synchronize()
-        dist.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times[2:])
 
 
 def _rank(rank, world, per_rank, reps, ctas_list):
@@ -59,7 +42,7 @@ def _rank(rank, world, per_rank, reps, ctas_list):
                 src[d * per_rank:(d + 1) * per_rank])
 
     rows.append({"kernel": "copy engine (copy_ to each peer)", "ctas": "-",
-                 "us": _time(copy_engine, reps)})
+                 "us": barrier_median_us(copy_engine, reps)})
     # Pull: this rank's source in peer-visible memory, the peers' CTAs read it from there.
     staged = symm_mem.empty(total, dtype=torch.uint8, device="cuda")
     staged.copy_(src)
@@ -74,8 +57,8 @@ def _rank(rank, world, per_rank, reps, ctas_list):
                                       pull=int(pull))
             peers_of, local = (staged_bases, pulled) if pull else (bases, src)
             for ctas in ctas_list:
-                us = _time(lambda: kernel.launch(peers_of, local, chunks, world, rank, ctas),
-                           reps)
+                us = barrier_median_us(
+                    lambda: kernel.launch(peers_of, local, chunks, world, rank, ctas), reps)
                 rows.append({"kernel": f"bulk_{'pull' if pull else 'send'} {chunk >> 10} KiB "
                                        f"x {stages}", "ctas": ctas, "us": us})
     torch.cuda.synchronize()

@@ -1,4 +1,4 @@
-"""Timing shared by the single-GPU benchmarks."""
+"""Timing shared by the benchmarks."""
 
 import statistics
 import time
@@ -16,6 +16,25 @@ def sleep_cycles(us: float) -> int:
     end.record()
     end.synchronize()
     return max(1, int(probe * us / (start.elapsed_time(end) * 1e3)))
+
+
+def barrier_median_us(fn, reps: int) -> float:
+    """Median CUDA-event time of `fn` in us over `reps` runs (2 warm-up runs first) of a
+    multi-GPU benchmark, each started after a synchronisation and a barrier of the default
+    process group (so every rank starts it together, the host's launch path included)."""
+    import torch.distributed as dist
+
+    times = []
+    for _ in range(reps + 2):
+        torch.cuda.synchronize()
+        dist.barrier()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times[2:])
 
 
 def median_ms(fn, reps: int, flush: torch.Tensor, gate_us: float = 200.0, prep=None) -> float:
