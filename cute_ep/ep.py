@@ -711,18 +711,8 @@ class Buffer:
             source, source_stride = x.data_ptr(), 2 * cfg.hidden
             load_bytes = source_stride
         elif type(x) is tuple:  # pre-quantized: (codes, scales), a row of each per token
-            codes, scales = x
-            load_bytes, scale_stride = self._quantized_strides
-            source_stride = load_bytes
-            if direct_tuple:  # the direct input's rows are messages apart
-                d = self._direct
-                source, scale_source = d.codes_at, d.scales_at
-                source_stride, scale_stride = d.codes_row_bytes, d.scales_row_bytes
-            else:
-                source, scale_source = codes.data_ptr(), scales.data_ptr()
-                if self._input is not None:  # rows as the tensors' strides space them
-                    source_stride = codes.stride(0) * codes.element_size()
-                    scale_stride = scales.stride(0) * scales.element_size()
+            load_bytes = self._quantized_strides[0]
+            source, source_stride, scale_source, scale_stride = self._pair_source(x, direct_tuple)
         else:  # bf16 tokens, quantized into the send buffer before the senders stream them
             gs_at = global_scale.data_ptr() if global_scale is not None else self._no_f32_at
             if num_tokens <= FUSED_ENCODE_TOKENS * active:
@@ -875,93 +865,62 @@ class Buffer:
         or NVFP4 layer given its (codes, scales), each as the kernels take them (the direct
         input's rows too), ids and weights the same, without skip_a2a or a global scale, no
         trace on and no receive hook pending. It launches exactly what `_checked_dispatch`
-        launches for the same call (tests/test_host_path.py compares them) with about a fifth
-        less Python (a decode dispatch's host time); any other call, good or bad, returns None
-        before anything is allocated, and the general path takes it."""
+        launches for the same call (tests/test_host_path.py compares them), through the same
+        quick checks, sources and outputs, with fewer steps between (a tenth to a sixth less
+        Python a call on a CPU); any other call, good or bad, returns None before anything is
+        allocated, and the general path takes it."""
         if self._common_kind is None or self.trace is not None or \
                 self._receive_pending is not None:
             return None
-        dev, tensor = self._device_index, torch.Tensor
         weighted = topk_weights is not None
         direct = 0
         if self._common_kind == "bf16":
-            if type(x) is not tensor:
-                return None
-            shape = x.shape
-            if not (len(shape) == 2 and x.dtype is torch.bfloat16 and shape[1] == self.cfg.hidden
-                    and x.get_device() == dev and x.is_contiguous()):
+            num_tokens = self._quick_bf16(x)
+            if num_tokens is None:
                 return None
             source = x.data_ptr()
-            if source % 16:
-                return None
-            num_tokens = shape[0]
             source_stride = load_bytes = 2 * self.cfg.hidden
             scale_source, scale_stride = self._no_f32_at, 0
             if self._input is not None:
                 direct = int(source == self._input.data_ptr())
         else:
-            if type(x) is not tuple or len(x) != 2:
+            if type(x) is not tuple:
                 return None
-            codes, scales = x
-            load_bytes, scale_stride = self._quantized_strides
             if self._input is not None and self._is_direct_input(x):
-                d = self._direct
-                num_tokens, direct = codes.shape[0], 1
-                source, scale_source = d.codes_at, d.scales_at
-                source_stride, scale_stride = d.codes_row_bytes, d.scales_row_bytes
+                num_tokens, direct = x[0].shape[0], 1
             else:
-                fast = self._quantized_fast
-                if fast is None or type(codes) is not tensor or type(scales) is not tensor:
+                num_tokens = self._quick_pair(x)
+                if num_tokens is None:
                     return None
-                shape = codes.shape
-                if len(shape) != 2:
-                    return None
-                num_tokens = shape[0]
-                if not (codes.dtype is fast[0] and shape[1] == fast[1]
-                        and scales.dtype is fast[2] and scales.shape == (num_tokens, fast[3])
-                        and codes.get_device() == dev and scales.get_device() == dev
-                        and codes.is_contiguous() and scales.is_contiguous()):
-                    return None
-                source, scale_source = codes.data_ptr(), scales.data_ptr()
-                if source % 16 or scale_source % 4:
-                    return None
-                source_stride = load_bytes
-                if self._input is not None:  # rows as the tensors' strides space them
-                    source_stride = codes.stride(0) * codes.element_size()
-                    scale_stride = scales.stride(0) * scales.element_size()
+            load_bytes = self._quantized_strides[0]
+            source, source_stride, scale_source, scale_stride = self._pair_source(x, direct)
         if not self._routing_ok(topk_ids, topk_weights, num_tokens) or \
                 (self.cfg.fused_shared_expert and not weighted):
             return None
         if num_input_tokens is not None and not num_tokens <= int(num_input_tokens):
             return None
-        bound = self._bounds.get(num_input_tokens)
-        active, prefixed = bound if bound is not None else self._bound_for(num_input_tokens)
+        active, prefixed = self._bound_for(num_input_tokens)
 
-        tokens = self._tokens_like.new_empty(*self._tokens_shape)
-        flat = self._bytes_like.new_empty(self._handle_carve.end)
-        handle = DispatchHandle._of({
-            "routing": Routing(active, num_tokens, weighted, False, 0, num_tokens, topk_ids),
-            "_flat": flat, "_carve": self._handle_carve})
-        fields = self._output_fields.copy()  # the absent fields and the carve
-        fields["tokens"], fields["handle"], fields["_flat"] = tokens, handle, flat
-        base = flat.data_ptr()
+        out = self._dispatch_outputs(Routing(active, num_tokens, weighted, False, 0, num_tokens,
+                                             topk_ids))
+        base = out.__dict__["_flat"].data_ptr()
         c = self._carved_at
         self.calls[0] += 1
         no_f32 = self._no_f32_at
         self._dispatch_launch(
             source, source_stride, load_bytes, scale_source, scale_stride,
-            topk_ids.data_ptr(), topk_ids.element_size() >> 2,
-            topk_weights.data_ptr() if weighted else no_f32, tokens.data_ptr(),
+            topk_ids.data_ptr(), _id_words(topk_ids),
+            topk_weights.data_ptr() if weighted else no_f32, out.tokens.data_ptr(),
             base + self._scales_at if self._scales_at is not None else no_f32,
             base + self._scales_offsets_at if self._scales_offsets_at is not None else
             self._no_i32_at,
             base + c[0], base + c[1], base + c[2], base + c[3], base + c[4], base + c[5],
             base + c[6], base + c[7], base + c[8], self._no_i32_at, no_f32,
             num_tokens, 0, 0, num_tokens, int(weighted), active,
-            active + self.spare_ctas if num_tokens > FUSED_ENCODE_TOKENS * active else active,
+            self._launched(num_tokens, active),
             self._no_i64_at, 0, DISPATCH_SEND | DISPATCH_RECEIVE, self._no_bf16_at, no_f32, 0,
             prefixed, direct)
-        return DispatchOutput._of(fields)
+        return out
 
     # Combine ------------------------------------------------------------------------------
 
@@ -1267,43 +1226,73 @@ class Buffer:
     def _check_dispatch_inputs(self, x, topk_ids, topk_weights) -> tuple[int, bool]:
         """The token count, and whether x is this Buffer's direct (codes, scales) input."""
         cfg, dev = self.cfg, self._device_index
-        # The common cases in one expression of cheap reads (a microsecond or two); anything
-        # else, good or bad, takes the detailed checks below, which say what is wrong.
-        tensor = torch.Tensor
+        # The common cases by cheap reads (`_quick_bf16`, `_quick_pair`, `_routing_ok`: a
+        # microsecond or two); anything else, good or bad, takes the detailed checks below,
+        # which say what is wrong.
         if type(x) is tuple:
             if self._input is not None and self._is_direct_input(x):
                 t = x[0].shape[0]
                 if not self._routing_ok(topk_ids, topk_weights, t):
                     self._check_routing(topk_ids, topk_weights, t)
                 return t, True
-            fast = self._quantized_fast
-            if fast is not None and len(x) == 2:
-                codes, scales = x
-                if type(codes) is tensor and type(scales) is tensor and \
-                        len(shape := codes.shape) == 2:
-                    t = shape[0]
-                    if (codes.dtype is fast[0] and shape[1] == fast[1]
-                            and scales.dtype is fast[2] and scales.shape == (t, fast[3])
-                            and codes.get_device() == dev and scales.get_device() == dev
-                            and codes.is_contiguous() and scales.is_contiguous()
-                            and not codes.data_ptr() % 16 and not scales.data_ptr() % 4
-                            and self._routing_ok(topk_ids, topk_weights, t)):
-                        return t, False
+            t = self._quick_pair(x)
+            if t is not None and self._routing_ok(topk_ids, topk_weights, t):
+                return t, False
             num_tokens = self._check_quantized_input(x)
             self._check_routing(topk_ids, topk_weights, num_tokens)
             return num_tokens, False
-        if type(x) is tensor and len(shape := x.shape) == 2:
-            t = shape[0]
-            if (x.dtype is torch.bfloat16 and shape[1] == cfg.hidden
-                    and x.get_device() == dev and x.is_contiguous() and not x.data_ptr() % 16
-                    and self._routing_ok(topk_ids, topk_weights, t)):
-                return t, False
+        t = self._quick_bf16(x)
+        if t is not None and self._routing_ok(topk_ids, topk_weights, t):
+            return t, False
         check_tensor(x, name="x", dtype="bfloat16", align=16, device_index=dev)
         if x.dim() != 2 or x.shape[1] != cfg.hidden:
             raise ValueError(f"x must be bf16 [T, {cfg.hidden}], got {tuple(x.shape)}")
         num_tokens = x.shape[0]
         self._check_routing(topk_ids, topk_weights, num_tokens)
         return num_tokens, False
+
+    def _quick_bf16(self, x) -> int | None:
+        """The token count of a bf16 x [T, H] the kernels read as it is (this device,
+        contiguous, 16-byte aligned), by cheap reads; None for anything else, good or bad."""
+        if type(x) is torch.Tensor and len(shape := x.shape) == 2 and \
+                x.dtype is torch.bfloat16 and shape[1] == self.cfg.hidden and \
+                x.get_device() == self._device_index and x.is_contiguous() and \
+                not x.data_ptr() % 16:
+            return shape[0]
+        return None
+
+    def _quick_pair(self, x: tuple) -> int | None:
+        """The token count of a pre-quantized (codes, scales) the kernels read as they are
+        (`_quantized_fast`'s dtypes and columns, this device, contiguous, aligned), by cheap
+        reads; None for anything else, good or bad."""
+        fast, dev, tensor = self._quantized_fast, self._device_index, torch.Tensor
+        if fast is None or len(x) != 2:
+            return None
+        codes, scales = x
+        if type(codes) is tensor and type(scales) is tensor and len(shape := codes.shape) == 2:
+            t = shape[0]
+            if (codes.dtype is fast[0] and shape[1] == fast[1]
+                    and scales.dtype is fast[2] and scales.shape == (t, fast[3])
+                    and codes.get_device() == dev and scales.get_device() == dev
+                    and codes.is_contiguous() and scales.is_contiguous()
+                    and not codes.data_ptr() % 16 and not scales.data_ptr() % 4):
+                return t
+        return None
+
+    def _pair_source(self, x: tuple, direct: bool) -> tuple[int, int, int, int]:
+        """Where the senders read a checked pre-quantized input: (codes address, their row
+        bytes, scales address, their row bytes). `direct`: the direct input's rows, messages
+        apart; else the tensors' own rows, as their strides space them where the Buffer has a
+        direct input (a view of it may be given), else as their shapes give."""
+        if direct:
+            d = self._direct
+            return d.codes_at, d.codes_row_bytes, d.scales_at, d.scales_row_bytes
+        codes, scales = x
+        if self._input is not None:
+            return (codes.data_ptr(), codes.stride(0) * codes.element_size(),
+                    scales.data_ptr(), scales.stride(0) * scales.element_size())
+        code_bytes, scale_bytes = self._quantized_strides
+        return codes.data_ptr(), code_bytes, scales.data_ptr(), scale_bytes
 
     def _routing_ok(self, topk_ids, topk_weights, t: int) -> bool:
         """Whether `t` tokens fit and their ids and weights are what the kernels take as they
