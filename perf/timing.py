@@ -18,17 +18,22 @@ def sleep_cycles(us: float) -> int:
     return max(1, int(probe * us / (start.elapsed_time(end) * 1e3)))
 
 
-def barrier_median_us(fn, reps: int) -> float:
+def barrier_median_us(fn, reps: int, gate_us: float = 0.0) -> float:
     """Median CUDA-event time of `fn` in us over `reps` runs (2 warm-up runs first) of a
     multi-GPU benchmark, each started after a synchronisation and a barrier of the default
-    process group (so every rank starts it together, the host's launch path included)."""
+    process group (so every rank starts it together). The host's launch path is in the time
+    unless `gate_us` > 0: the start event and `fn`'s launches then queue behind a device sleep
+    that long (as `median_ms` gates them), for launches that take the host a while."""
     import torch.distributed as dist
 
+    cycles = sleep_cycles(gate_us) if gate_us > 0 else 0
     times = []
     for _ in range(reps + 2):
         torch.cuda.synchronize()
         dist.barrier()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if cycles:
+            torch.cuda._sleep(cycles)
         start.record()
         fn()
         end.record()
