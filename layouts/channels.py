@@ -107,6 +107,11 @@ def count_block(channel):
     return channel // COUNT_BLOCK * COUNT_BLOCK
 
 
+def count_blocks(active):
+    """The blocks of block-prefixed counts over `active` channels (the last may be partial)."""
+    return (active + COUNT_BLOCK - 1) // COUNT_BLOCK
+
+
 def ring_layout(item_bytes, slots, channels, ranks) -> Layout:
     """(byte, slot, channel, peer rank) -> byte offset of a set of rings: one ring of `slots`
     items per (channel, peer)."""

@@ -14,7 +14,7 @@ from kernels.routing import channel_tokens, route_token
 from layouts.buffers import ERROR_COUNTS
 from layouts.channels import (COUNT_ALL, COUNT_BEFORE, COUNT_KINDS, COUNT_MESSAGES, COUNT_OWN,
                               COUNT_SEGMENTS, COUNT_TOKENS, FLAG_PREFIXED, FLAG_ROUND,
-                              COUNT_BLOCK, PREFIX_BLOCKS, count_block)
+                              COUNT_BLOCK, PREFIX_BLOCKS, count_block, count_blocks)
 
 
 class CountsPhase:
@@ -149,51 +149,44 @@ class CountsPhase:
         `failed`), else `_sum_counts`."""
         part = Int32(0)
         total = Int32(0)
-        if prefixed == PREFIX_BLOCKS:
-            part, total = self._sum_blocks(here, counts_offset, counts_at, entry, s, parity,
+        if prefixed == 0:
+            part, total = self._sum_counts(here, counts_offset, counts_at, entry, s, parity,
                                            channel, active, max_tokens, error, failed)
-        elif prefixed != 0:
-            part = self._count(here, counts_offset, counts_at, entry, channel, s, parity,
-                               COUNT_BEFORE)
-            total = self._count(here, counts_offset, counts_at, entry, channel, s, parity,
-                                COUNT_ALL)
-            if part < 0 or part > total or total > max_tokens:
+        else:
+            bad = Int32(0)
+            if prefixed == PREFIX_BLOCKS:
+                part, total, bad = self._sum_blocks(here, counts_offset, counts_at, entry, s,
+                                                    parity, channel, active, max_tokens)
+            else:
+                part = self._count(here, counts_offset, counts_at, entry, channel, s, parity,
+                                   COUNT_BEFORE)
+                total = self._count(here, counts_offset, counts_at, entry, channel, s, parity,
+                                    COUNT_ALL)
+            if bad != 0 or part < 0 or part > total or total > max_tokens:
                 part = Int32(0)
                 total = Int32(0)
                 if not failed:
                     cute.arch.atomic_or(error_field(error, "bad_counts"), Int32(ERROR_COUNTS),
                                         sem="relaxed", scope="gpu")
-        else:
-            part, total = self._sum_counts(here, counts_offset, counts_at, entry, s, parity,
-                                           channel, active, max_tokens, error, failed)
         return part, total
 
     @cute.jit
     def _sum_blocks(self, here, counts_offset, counts_at, entry, s, parity, channel, active,
-                    max_tokens, error: cute.Pointer, failed):
-        """`_sum_counts` from block-prefixed counts: this channel's COUNT_BEFORE (the channels
-        before it in its block) plus the COUNT_ALL of every block before its own, and every
-        block's COUNT_ALL in all (a block's read from its first channel, this channel's own
-        block from this channel). Values outside 0 <= before <= all <= max_tokens count 0 and
-        are reported unless the layer already `failed`."""
+                    max_tokens):
+        """From block-prefixed counts: (this channel's COUNT_BEFORE (the channels before it in
+        its block) plus the COUNT_ALL of every block before its own, every block's COUNT_ALL in
+        all (a block's read from its first channel, this channel's own block from this
+        channel), whether a word read was out of range: a COUNT_ALL outside [0, max_tokens] or a
+        negative COUNT_BEFORE)."""
         own = count_block(channel)
         part = self._count(here, counts_offset, counts_at, entry, channel, s, parity,
                            COUNT_BEFORE)
         blocks_before, total, bad = self._sum_over(
             here, counts_offset, counts_at, entry, s, parity, channel, own,
-            (active + COUNT_BLOCK - 1) // COUNT_BLOCK, COUNT_BLOCK, max_tokens, COUNT_ALL)
+            count_blocks(active), COUNT_BLOCK, max_tokens, COUNT_ALL)
         if part < 0:
             bad = Int32(1)
-        part = part + blocks_before
-        if part > total or total > max_tokens:
-            bad = Int32(1)
-        if bad != 0:
-            part = Int32(0)
-            total = Int32(0)
-            if not failed:
-                cute.arch.atomic_or(error_field(error, "bad_counts"), Int32(ERROR_COUNTS),
-                                    sem="relaxed", scope="gpu")
-        return part, total
+        return part + blocks_before, total, bad
 
     @cute.jit
     def _sum_counts(self, here, counts_offset, counts_at, entry, s, parity, channel, active,

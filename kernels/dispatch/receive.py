@@ -26,8 +26,8 @@ from layouts.buffers import (DIRECT_SCALE_ROWS, ERROR_CAPACITY, ERROR_CHANNELS, 
 from layouts.channels import (COUNT_BLOCK, COUNT_MESSAGES, COUNT_SEGMENTS, COUNT_TOKENS,
                               DIRECT_BIT, DISPATCH, FLAG_PREFIXED, FLAG_ROUND, HEADS,
                               PREFIX_BLOCKS, RECV_TIMES, SEND_TIMES, TAILS, count_block,
-                              batch_header_layout, channel_messages_layout, header_token_word,
-                              headers_layout, staging_layout)
+                              count_blocks, batch_header_layout, channel_messages_layout,
+                              header_token_word, headers_layout, staging_layout)
 from layouts.config import SOURCE_ROWS
 from layouts.scales import ATOM_ROWS
 
@@ -68,7 +68,7 @@ class ReceivePhase:
         # other block). A source that split its tokens over another number of channels (another
         # num_input_tokens), or sent counts of another kind, is reported, not waited for past
         # its channels.
-        blocks = (active + COUNT_BLOCK - 1) // COUNT_BLOCK
+        blocks = count_blocks(active)
         own_block = count_block(channel)
         flags = ranks * active
         if prefixed == PREFIX_BLOCKS:
