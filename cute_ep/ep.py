@@ -573,10 +573,19 @@ class Buffer:
         element, the `gs` of `sf = e4m3(gs * amax / 6)`, `q = e2m1(x * gs / sf)`; the same on
         every rank.
         """
-        out = self._common_dispatch(x, topk_ids, topk_weights, num_input_tokens) \
-            if not skip_a2a and global_scale is None else None
-        return _PendingDispatch(out if out is not None else self._checked_dispatch(
-            x, topk_ids, topk_weights, skip_a2a, num_input_tokens, global_scale))
+        return _PendingDispatch(self._eager_dispatch(x, topk_ids, topk_weights, skip_a2a,
+                                                     num_input_tokens, global_scale))
+
+    def _eager_dispatch(self, x, topk_ids, topk_weights, skip_a2a, num_input_tokens,
+                        global_scale) -> DispatchOutput:
+        """An eager dispatch's launch: the one-pass path (`_common_dispatch`) where it takes
+        the call, else the checked one."""
+        if not skip_a2a and global_scale is None:
+            out = self._common_dispatch(x, topk_ids, topk_weights, num_input_tokens)
+            if out is not None:
+                return out
+        return self._checked_dispatch(x, topk_ids, topk_weights, skip_a2a, num_input_tokens,
+                                      global_scale)
 
     def _checked_dispatch(self, x, topk_ids, topk_weights, skip_a2a, num_input_tokens,
                           global_scale, separate=False, shared_rows=None) -> DispatchOutput:
@@ -852,13 +861,9 @@ class Buffer:
                                           "only; under torch.compile pass bf16 x")
             return self._dispatch_via_op(x, topk_ids, topk_weights, skip_a2a, num_input_tokens,
                                          global_scale)
-        if not skip_a2a and global_scale is None:
-            out = self._common_dispatch(x, topk_ids, topk_weights, num_input_tokens)
-            if out is not None:
-                return out
         # dispatch_wait(dispatch_async(...)) without the pending object between them.
-        return self._checked_dispatch(x, topk_ids, topk_weights, skip_a2a, num_input_tokens,
-                                      global_scale)
+        return self._eager_dispatch(x, topk_ids, topk_weights, skip_a2a, num_input_tokens,
+                                    global_scale)
 
     def _common_dispatch(self, x, topk_ids, topk_weights, num_input_tokens):
         """The eager call a model's layer makes, in one pass: a bf16 layer given bf16 x, an FP8
