@@ -3,6 +3,7 @@
     python perf/profile_host.py [--ranks 2] [--tokens 4096] [--format bf16] [--calls 200]
                                 [--json FILE]
     python perf/profile_host.py --launch-cost [--json FILE]
+    python perf/profile_host.py --paths [--formats bf16,fp8-input,nvfp4-input] [--json FILE]
 
 Every rank of the layer is emulated on this GPU (`Buffer.emulated`, a stream per rank), so the
 host path is exactly the one a multi-GPU run takes. Each round launches every rank's dispatch
@@ -20,6 +21,11 @@ path `Buffer` takes) of the same tiny `block_memcpy`.
 by no-ops) each alone, cold (after a synchronisation and a 1 ms sleep, as `cute-ep bench`'s host
 column calls after its barrier) and hot (bursts of 32): a bound launch, torch.empty, the
 dispatch's two output allocations, its input checks, the whole dispatch and combine calls.
+
+`--paths` compares, in one process on one Buffer (2 ranks emulated, `--tokens` 128, launches
+replaced by no-ops), a decode dispatch through the one-pass path (`Buffer.dispatch`) and
+through the general, checked path (`Buffer._checked_dispatch`): bursts of 32 calls of each,
+alternated 60 times, so a host whose speed drifts between processes still compares them.
 """
 
 import argparse
@@ -105,25 +111,51 @@ def _cold_us(fn, n=200):
     return statistics.median(per)
 
 
+def _decode_buffer(fmt: str, tokens: int, sms: int):
+    """(buffer, dispatch args, its keywords) of a decode call in bench format `fmt`, 2 ranks
+    emulated, launches replaced by no-ops."""
+    from cute_ep.ep import Buffer
+    from layouts import EPConfig
+
+    cfg = EPConfig(7168, 8, 256, 2, tokens, fmt.removesuffix("-input"))
+    buf = Buffer.emulated(cfg, sms=sms, timeout_s=60.0)[0]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    args, quant = _inputs(cfg, tokens, gen, fmt)
+    quant["num_input_tokens"] = tokens
+    buf._dispatch_launch = buf._combine_launch = buf._encode_launch = lambda *values: None
+    return buf, args, quant
+
+
+def host_paths(formats: list[str], tokens: int, sms: int, reps: int = 60) -> dict:
+    """{format: {path: (least, median) us a call}}: the one-pass and the general path of the
+    same decode dispatch, bursts of 32 alternated `reps` times."""
+    result = {}
+    for fmt in formats:
+        buf, (x, ids, w), quant = _decode_buffer(fmt, tokens, sms)
+        gs = quant.get("global_scale")
+        if gs is None and buf._common_dispatch(x, ids, w, tokens) is None:
+            raise SystemExit(f"{fmt}: this call does not take the one-pass path")
+        calls = {"one-pass": lambda: buf.dispatch(x, ids, w, **quant),
+                 "general": lambda: buf._checked_dispatch(x, ids, w, False, tokens, gs)}
+        times = {name: [] for name in calls}
+        for _ in range(reps):
+            for name, fn in calls.items():
+                times[name].append(_burst_us(fn, reps=1)[0])
+        result[fmt] = {name: (min(ts), statistics.median(ts)) for name, ts in times.items()}
+    return result
+
+
 def cold_steps(fmt: str, tokens: int, sms: int) -> dict:
     """{step: (cold us, hot us)} of a decode call's host steps, launches replaced by no-ops."""
-    from cute_ep.ep import Buffer
     from cute_ep.runtime.launch import runtime
-    from layouts import EPConfig
 
     dev = torch.device("cuda", torch.cuda.current_device())
     kernel = runtime().select("block_memcpy", dev)
     src = torch.zeros(16, dtype=torch.uint8, device=dev)
     dst = torch.zeros_like(src)
     bound = kernel.bind(tuple(p.name for p in kernel.spec.params))
-    cfg = EPConfig(7168, 8, 256, 2, tokens, fmt.removesuffix("-input"))
-    buf = Buffer.emulated(cfg, sms=sms, timeout_s=60.0)[0]
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    (x, ids, w), quant = _inputs(cfg, tokens, gen, fmt)
-    quant["num_input_tokens"] = tokens
-    y = torch.randn(cfg.row_capacity, cfg.hidden, device="cuda", generator=gen).to(
-        torch.bfloat16)
-    buf._dispatch_launch = buf._combine_launch = buf._encode_launch = lambda *values: None
+    buf, (x, ids, w), quant = _decode_buffer(fmt, tokens, sms)
+    y = torch.randn(buf.cfg.row_capacity, buf.cfg.hidden, device="cuda").to(torch.bfloat16)
     out = buf.dispatch(x, ids, w, **quant)
     steps = {
         "bound Launcher call (block_memcpy)": lambda: bound(dst.data_ptr(), src.data_ptr(), 1),
@@ -156,7 +188,28 @@ def main():
                         help="time single host steps (a launch, an allocation) instead")
     parser.add_argument("--cold", action="store_true",
                         help="time a decode call's host steps cold and hot instead")
+    parser.add_argument("--paths", action="store_true",
+                        help="compare the one-pass and the general dispatch path instead")
+    parser.add_argument("--formats", default="bf16,fp8-input,nvfp4-input",
+                        help="--paths: the bench formats to compare")
     args = parser.parse_args()
+    if args.paths:
+        tokens = 128 if args.tokens == 4096 else args.tokens  # a decode call unless told
+        paths = host_paths(args.formats.split(","), tokens, args.sms)
+        table = Table(title=f"host us per dispatch call, {tokens} tokens, launches no-op'd: "
+                            f"least and median of 60 bursts of 32, the paths alternated")
+        for col in ("format", "one-pass", "general", "one-pass / general"):
+            table.add_column(col)
+        for fmt, p in paths.items():
+            table.add_row(fmt, *(f"{lo:.1f} ({med:.1f})" for lo, med in p.values()),
+                          f"{p['one-pass'][1] / p['general'][1]:.2f}")
+        Console().print(table)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"date": time.strftime("%Y-%m-%d"),
+                           "device": torch.cuda.get_device_name(), "tokens": tokens,
+                           "us_least_median": paths}, f, indent=1)
+        return
     if args.cold:
         steps = cold_steps(args.format, args.tokens, args.sms)
         table = Table(title=f"host us per step, {args.format}, {args.tokens} tokens: cold "
