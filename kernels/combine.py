@@ -16,21 +16,25 @@ sender warps, RECV_WARPS receiver warps and a publisher warp:
   home rank to the chunk all of them have written, with the system-scope fence that the senders
   then never wait for. On more, a home's warps meet after each chunk (a named barrier) and
   their first warp fences and advances the tail.
-- Receivers (the home side): a chunk of this channel's tokens at a time (unreduced, as many
-  tokens as the ring holds K rows of), routed by warp 0 while the warps sum the chunk before
-  (two chunks' routes in shared memory), each token by the warp that claims it next (a shared
-  counter: warp 0 joins once it has routed): a weighted combine adds, in
-  fp32, the row of every rank the token went to and the shared expert's row (this rank's `y`,
-  unweighted); an unreduced one copies each k's row (zeros where none), and one weighted at
-  home (`AT_HOME`: the weights are the home side's, given to combine, not dispatch's) sums, in
-  fp32 and k order, home_weights[t, k] times each k's row. Credit returns to every rank after
-  the chunk.
+- Receivers (the home side): a chunk of this channel's tokens at a time (unreduced or
+  weighted at home, as many tokens as bring at most half a ring from every rank), routed by
+  warp 0 while the warps sum the chunk before (two chunks' routes in shared memory), each token
+  by the warp that claims it next (a shared counter: warp 0 joins once it has routed): a
+  weighted combine adds, in fp32, the row of every rank the token went to and the shared
+  expert's row (this rank's `y`, unweighted); an unreduced one copies each k's row (zeros where
+  none), and one weighted at home (`AT_HOME`: the weights are the home side's, given to
+  combine, not dispatch's) sums, in fp32 and k order, home_weights[t, k] times each k's row.
+  Credit returns to every rank after the chunk.
 
 Both sums run through one routine (`EpCombine._row_sum`): a warp streams the listed rows a step
 at a time through its own shared-memory stages by cp.async, several steps in flight, and adds
 them in fp32 with little more than a conversion and a multiply-add per value (counters, not
 divisions or layout arithmetic, index the steps: the per-value work is what bounds a combine on
-a small SM budget).
+a small SM budget). The rows that go or come home as they are (unreduced, weighted at home)
+stream through the same stages (`EpCombine._copy_rows`), several steps a warp in flight where a
+load and then its store of each step kept one: with the chunks above, a decode step's combine
+weighted at home took 50 us instead of 105 and unreduced 55 instead of 203 on 2 emulated ranks
+(emulated-2026-11-29-H200-decode-combines.json in perf/results).
 
 Waits are bounded by `timeout_ns` like dispatch's (the missing rank and phase are recorded). It
 runs on the `active` channels its dispatch used; launched with spare CTAs, as a prefill-sized
@@ -42,7 +46,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync
 
-from kernels.copy import row_predicate, row_tiled_copy
+from kernels.copy import row_tiled_copy
 from kernels.dispatch.common import MAX_CHUNK, MAX_RANKS, MAX_TOPK, WARP, _wait_at_least
 from kernels.memory import gmem_ptr, load_f32, load_i32, nanosleep, trace_word
 from kernels.placement import placed_channel
@@ -68,6 +72,8 @@ STAGES = 8  # row steps (4 vectors a lane) a warp's sum has in flight (cp.async 
 PHASE_COMBINE = 2  # the error record's phase (1-based, layouts.buffers.PHASES order)
 # s_flag's word of the receivers' next token of a chunk (after alive and the per-rank counts).
 CLAIM_AT = 4 * MAX_RANKS + 4
+# s_flag's words of the two routed chunks' token counts (`_route_chunk`), one a buffer.
+LENGTH_AT = CLAIM_AT + 1
 LIMITS = {"max_ranks": MAX_RANKS, "max_topk": MAX_TOPK, "max_chunk": MAX_CHUNK}
 
 
@@ -122,6 +128,7 @@ class EpCombine:
                  + RECV_WARPS * MAX_TOPK  # receivers: a token's home weights
                  + SEND_WARPS)  # senders: done
         return (4 * words + 8 * 2 * MAX_RANKS + 8 * SEND_WARPS * MAX_TOPK
+                + 8 * (SEND_WARPS + RECV_WARPS) * MAX_TOPK  # the row copies' destinations
                 + 8 * SEND_WARPS + 8 * MAX_RANKS  # senders: progress; the tails at the start
                 + 19 * 16 + 128
                 + self.stage_bytes * (SEND_WARPS + RECV_WARPS))
@@ -199,8 +206,8 @@ class EpCombine:
                     home_weights, streams, error, num_tokens, max_tokens, topk, local_experts,
                     ranks, my_rank, weighted, skip_a2a, shared, shared_begin, shared_end,
                     hidden, row_capacity, channels, active, launched, place, ring_slots,
-                    chunk_tokens, ring_offset, counters_offset, timeout_ns, trace, tracing,
-                    row_tiled_copy(WARP, BFloat16, ROW_VECTOR)).launch(
+                    chunk_tokens, ring_offset, counters_offset, timeout_ns, trace,
+                    tracing).launch(
             grid=(launched, 1, 1), block=(self.threads, 1, 1), smem=self.smem_bytes,
             min_blocks_per_mp=1, stream=stream)
 
@@ -215,8 +222,7 @@ class EpCombine:
                hidden: Int32, row_capacity: Int32, channels: Int32,
                active: Int32, launched: Int32, place: cute.Pointer, ring_slots: Int32,
                chunk_tokens: Int32, ring_offset: Int64,
-               counters_offset: Int64, timeout_ns: Int64, trace: cute.Pointer, tracing: Int32,
-               row_copy: cute.TiledCopy):
+               counters_offset: Int64, timeout_ns: Int64, trace: cute.Pointer, tracing: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         channel, _, _ = cute.arch.block_idx()
         warp = tidx // WARP
@@ -243,6 +249,10 @@ class EpCombine:
                                     byte_alignment=16)
         s_sa = smem.allocate_tensor(Int64, cute.make_layout(SEND_WARPS * MAX_TOPK),
                                     byte_alignment=16)
+        # Where each listed row goes, for the row copies (`_copy_rows`): a sender warp's
+        # MAX_TOPK ring slots, then a receiver warp's MAX_TOPK output rows.
+        s_da = smem.allocate_tensor(Int64, cute.make_layout(
+            (SEND_WARPS + RECV_WARPS) * MAX_TOPK), byte_alignment=16)
         # Each sender warp's stream position after its last chunk (-1: none yet), and whether
         # it is done: what `_publish` publishes from.
         s_prog = smem.allocate_tensor(Int64, cute.make_layout(SEND_WARPS), byte_alignment=16)
@@ -263,8 +273,6 @@ class EpCombine:
             counters = counters_layout(channels, ranks)
             ring = ring_layout(hidden * 2, ring_slots, channels, ranks)
             vectors = hidden // ROW_VECTOR
-            layout = cute.make_layout((vectors, ROW_VECTOR), stride=(ROW_VECTOR, 1))
-            thr = row_copy.get_slice(lane)
             if tidx < SEND_WARPS:
                 s_prog[tidx] = Int64(-1)
                 s_done[tidx] = Int32(0)
@@ -280,16 +288,14 @@ class EpCombine:
             cute.arch.sync_threads()
 
             # A row's steps, WARP * vectors 16-byte vectors each (both roles walk rows by them).
-            tiler = (WARP * self.vectors, ROW_VECTOR)
-            g_crd = cute.zipped_divide(cute.make_identity_tensor(layout.shape), tiler)
             steps = cute.ceil_div(vectors, WARP * self.vectors)
             if warp < SEND_WARPS:
                 self._send(warp, lane, channel, peers, here, y, comb_rows, comb_weights,
                            chan_msgs, streams, error, max_tokens, topk, ranks, my_rank, weighted,
                            row_capacity, channels, ring_slots, chunk_tokens, ring_offset,
-                           counters_offset, counters, ring, timeout_ns, layout, tiler, g_crd,
-                           steps, vectors, thr, row_copy, s_rows, s_w, s_sa, s_prog, s_done,
-                           s_pub, stages, trace, tracing)
+                           counters_offset, counters, ring, timeout_ns, steps, vectors,
+                           s_rows, s_w, s_sa, s_da, s_prog, s_done, s_pub, stages, trace,
+                           tracing)
             elif warp == SEND_WARPS + RECV_WARPS:
                 self._publish(lane, channel, peers, ranks, my_rank, counters_offset, counters,
                               s_prog, s_done, s_pub)
@@ -299,26 +305,24 @@ class EpCombine:
                               local_experts, ranks, my_rank, weighted, skip_a2a, shared,
                               shared_begin, shared_end, channels, active, ring_slots,
                               chunk_tokens, ring_offset, counters_offset, counters, ring,
-                              timeout_ns, layout, tiler, g_crd, steps, vectors, thr, row_copy,
-                              s_first, s_items, s_mask, s_flag, s_pos, s_ids, s_addr, s_hw, stages,
-                              trace, tracing)
+                              timeout_ns, steps, vectors, s_first, s_items, s_mask, s_flag,
+                              s_pos, s_ids, s_addr, s_hw, s_da, stages, trace, tracing)
             cute.arch.sync_threads()
             if tracing != 0 and tidx == 0:
                 _trace_set(trace, channel, "end", cute.arch.globaltimer())
 
     @cute.jit
-    def _home_group(self, ring_slots, chunk_tokens, topk):
-        """Tokens a home chunk takes when unreduced or weighted at home, where a token brings
-        up to K rows from a rank: as many as half a ring holds the rows of (one a receiver warp,
-        at most chunk_tokens), or one token when K rows fill more than half a ring. The senders
-        then fill at most half a ring a chunk (`_send`): every sender chunk holding a row of a
-        home chunk starts within that chunk's rows, so it ends within a ring of its first row
-        and goes out without waiting for the home side (for the slowest warp of the senders,
-        whose progress is the published tail; a faster one may wait for credit)."""
-        group = Int32(1)
-        if topk <= ring_slots // 2:
-            group = cutlass.max(Int32(1), cutlass.min(chunk_tokens, ring_slots // 2 // topk))
-        return group
+    def _fits_half(self, ring_slots, topk):
+        """1 where a token's K rows from a rank fit in half a ring. Unreduced or weighted at
+        home, where a token brings up to K rows from a rank, a home chunk then takes as many
+        tokens (up to chunk_tokens) as bring at most half a ring from every rank
+        (`_route_chunk`), and a sender's chunk as many messages as fill at most half a ring
+        (`_send`): every sender chunk holding a row of a home chunk starts within that chunk's
+        rows, so it ends within a ring of the chunk's first row and goes out without waiting
+        for the home side (for the slowest warp of the senders, whose progress is the published
+        tail; a faster one may wait for credit). Where K rows fill more than half a ring (tiny
+        rings), a home chunk is one token and a sender's chunk fills up to the whole ring."""
+        return Int32(topk <= ring_slots // 2)
 
     # Expert side ---------------------------------------------------------------------------
 
@@ -327,11 +331,9 @@ class EpCombine:
               comb_rows: cute.Pointer, comb_weights: cute.Pointer, chan_msgs: cute.Pointer,
               streams: cute.Pointer, error: cute.Pointer, max_tokens, topk, ranks, my_rank,
               weighted, row_capacity, channels, ring_slots, chunk_tokens, ring_offset,
-              counters_offset, counters, ring, timeout_ns, layout, tiler, g_crd, steps, vectors,
-              thr,
-              row_copy: cute.TiledCopy, s_rows: cute.Tensor, s_w: cute.Tensor,
-              s_sa: cute.Tensor, s_prog: cute.Tensor, s_done: cute.Tensor,
-              s_pub: cute.Tensor, stages, trace: cute.Pointer, tracing):
+              counters_offset, counters, ring, timeout_ns, steps, vectors, s_rows: cute.Tensor,
+              s_w: cute.Tensor, s_sa: cute.Tensor, s_da: cute.Tensor, s_prog: cute.Tensor,
+              s_done: cute.Tensor, s_pub: cute.Tensor, stages, trace: cute.Pointer, tracing):
         per_home = SEND_WARPS // ranks
         waited = Int64(0)
         s = w % ranks
@@ -356,12 +358,11 @@ class EpCombine:
             at = w * MAX_CHUNK * MAX_TOPK
             # A chunk is up to chunk_tokens messages whose items fit a ring: weighted, one item
             # a message; unreduced, a message's rows here (at most K, which the ring holds), as
-            # many messages as fit in `fill` slots: half a ring where the home side takes
-            # several tokens' rows a chunk (`_home_group`), so the chunks that hold a home
-            # chunk's rows, each starting before its last row, all fit while the home side
-            # has not handed back any of them.
+            # many messages as fit in `fill` slots: half a ring where K rows fit in half a ring
+            # (`_fits_half`), so the chunks that hold a home chunk's rows, each starting
+            # before its last row, all fit while the home side has not handed back any of them.
             fill = ring_slots
-            if weighted != AT_EXPERTS and self._home_group(ring_slots, chunk_tokens, topk) > 1:
+            if weighted != AT_EXPERTS and self._fits_half(ring_slots, topk) != 0:
                 fill = ring_slots // 2
             j0 = Int32(0)
             while j0 < n:
@@ -444,10 +445,9 @@ class EpCombine:
                                                          ring_slots, channel, my_rank, item),
                                           steps, vectors, stages)
                         else:
-                            self._send_rows(lane, peers[s], ring_offset, ring, item, ring_slots,
-                                            channel, my_rank, y, live, s_rows, mat, layout,
-                                            tiler, g_crd, steps, vectors, thr, row_copy,
-                                            row_capacity)
+                            self._send_rows(lane, w, peers[s], ring_offset, ring, item,
+                                            ring_slots, channel, my_rank, y, live, s_rows, mat,
+                                            s_sa, s_da, steps, vectors, stages, row_capacity)
                         cute.arch.sync_warp()
                 if ranks > PUBLISH_MAX_RANKS:
                     # Every warp of s has written its share of the chunk: warp 0 of s fences
@@ -695,31 +695,81 @@ class EpCombine:
         return pred
 
     @cute.jit
-    def _send_rows(self, lane, peer, ring_offset, ring, item, ring_slots, channel, my_rank,
-                   y: cute.Pointer, live, s_rows: cute.Tensor, at, layout, tiler, g_crd, steps,
-                   vectors, thr, row_copy: cute.TiledCopy, row_capacity):
+    def _send_rows(self, lane, w, peer, ring_offset, ring, item, ring_slots, channel, my_rank,
+                   y: cute.Pointer, live, s_rows: cute.Tensor, at, s_sa: cute.Tensor,
+                   s_da: cute.Tensor, steps, vectors, stages, row_capacity):
         """Unreduced: each of the message's `live` rows here (s_rows[at ..], in k order), to
-        items item, item + 1...; a row past the output's capacity as zeros."""
-        idx = Int64(0)
-        for k in cutlass.range(live):
-            row = s_rows[at + k]
-            if row >= 0:
-                dst = cute.zipped_divide(cute.make_tensor(gmem_ptr(
-                    BFloat16, peer + ring_offset + Int64(ring((0, Int32((item + idx) % Int64(
-                        ring_slots)), channel, my_rank))), 16), layout), tiler)
-                src = cute.zipped_divide(cute.make_tensor(
-                    gmem_ptr(BFloat16, y.toint() + Int64(row) * Int64(vectors * 16), 16),
-                    layout), tiler)
-                for step in cutlass.range(steps):
-                    crd = thr.partition_S(g_crd[((None, None), step)])
-                    t_src = thr.partition_S(src[((None, None), step)])
-                    regs = cute.make_fragment_like(t_src)
-                    regs.fill(0.0)
-                    if row < row_capacity:
-                        cute.copy(row_copy, t_src, regs, pred=row_predicate(crd, vectors))
-                    cute.copy(row_copy, regs, thr.partition_D(dst[((None, None), step)]),
-                              pred=row_predicate(crd, vectors))
-                idx = idx + 1
+        items item, item + 1...; a row past the output's capacity as zeros (`_copy_rows`)."""
+        zero = Int32(0)
+        if lane < live:
+            row = s_rows[at + lane]
+            zero = Int32(row >= row_capacity)
+            s_sa[w * MAX_TOPK + lane] = y.toint() + Int64(
+                cutlass.min(row, row_capacity - 1)) * Int64(vectors * 16)
+            s_da[w * MAX_TOPK + lane] = self._ring_row(peer, ring_offset, ring, ring_slots,
+                                                       channel, my_rank, item + Int64(lane))
+        zeros = cute.arch.vote_ballot_sync(zero != 0)
+        cute.arch.sync_warp()
+        self._copy_rows(lane, live, s_sa, w * MAX_TOPK, s_da, w * MAX_TOPK, zeros, steps,
+                        vectors, stages)
+
+    @cute.jit
+    def _copy_rows(self, lane, n, s_a: cute.Tensor, at, s_d: cute.Tensor, dat, zeros, steps,
+                   vectors, stages):
+        """The n bf16 rows at addresses s_a[at ..] to the addresses s_d[dat ..], as they are
+        (row k as zeros where bit k of `zeros` is set: its source is read, not used). The rows
+        stream through this warp's shared-memory `stages` by cp.async as `_row_sum`'s do,
+        stages - 1 (step, row) units in flight, so a warp moving rows keeps as many loads
+        outstanding as one summing them."""
+        if n > 0:
+            if vectors % (WARP * self.vectors) == 0:
+                self._copy_steps(lane, n, s_a, at, s_d, dat, zeros, steps, vectors, stages, True)
+            else:
+                self._copy_steps(lane, n, s_a, at, s_d, dat, zeros, steps, vectors, stages,
+                                 False)
+        cute.arch.sync_warp()  # the caller's next list reuses the addresses
+
+    @cute.jit
+    def _copy_steps(self, lane, n, s_a: cute.Tensor, at, s_d: cute.Tensor, dat, zeros, steps,
+                    vectors, stages, whole: cutlass.Constexpr):
+        """`_copy_rows`' n >= 1 rows, step after step; `whole`: every step lies inside the row."""
+        step_vectors = WARP * self.vectors
+        step_bytes = step_vectors * 16
+        mine = cute.make_layout((self.vectors, ROW_VECTOR), stride=(WARP * ROW_VECTOR, 1))
+        stage_elems = step_vectors * ROW_VECTOR
+        lane_stage = stages + lane * ROW_VECTOR
+        load_one = row_tiled_copy(1, BFloat16, ROW_VECTOR, cpasync.CopyG2SOp(
+            cache_mode=cpasync.LoadCacheMode.GLOBAL)).get_slice(0)
+        lane_offset = Int64(lane * 16)
+        l_k = Int32(0)
+        l_step = Int32(0)
+        l_slot = Int32(0)
+        for _ in cutlass.range_constexpr(self.stages - 1):
+            l_k, l_step, l_slot = self._load_next(
+                l_k, l_step, l_slot, n, steps, step_vectors, step_bytes, vectors,
+                lane_offset, s_a, at, lane, lane_stage, stage_elems, mine, load_one, whole)
+        c_slot = Int32(0)
+        for step in cutlass.range(steps):
+            remaining = vectors - step * step_vectors
+            for k in cutlass.range(n):
+                l_k, l_step, l_slot, c_slot, x = self._next_unit(
+                    l_k, l_step, l_slot, c_slot, n, steps, step_vectors, step_bytes,
+                    vectors, lane_offset, s_a, at, lane, lane_stage, stage_elems, mine,
+                    load_one, whole)
+                if (zeros >> k) & 1 != 0:
+                    x.fill(0)
+                dst = s_d[dat + k] + lane_offset + Int64(step * step_bytes)
+                for v in cutlass.range_constexpr(self.vectors):
+                    if cutlass.const_expr(whole):
+                        cute.autovec_copy(x[v, None], cute.make_tensor(
+                            gmem_ptr(Int32, dst + Int64(v * WARP * 16), 16),
+                            cute.make_layout(PAIRS)))
+                    else:
+                        if lane + WARP * v < remaining:
+                            cute.autovec_copy(x[v, None], cute.make_tensor(
+                                gmem_ptr(Int32, dst + Int64(v * WARP * 16), 16),
+                                cute.make_layout(PAIRS)))
+        cute.arch.cp_async_wait_group(0)  # the loader's empty groups past the last unit
 
     # Home side -----------------------------------------------------------------------------
 
@@ -730,19 +780,25 @@ class EpCombine:
                  num_tokens, topk, local_experts,
                  ranks, my_rank, weighted,
                  skip_a2a, shared, shared_begin, shared_end, channels, active, ring_slots,
-                 chunk_tokens, ring_offset, counters_offset, counters, ring, timeout_ns, layout,
-                 tiler, g_crd, steps, vectors, thr, row_copy: cute.TiledCopy, s_first: cute.Tensor,
+                 chunk_tokens, ring_offset, counters_offset, counters, ring, timeout_ns, steps,
+                 vectors, s_first: cute.Tensor,
                  s_items: cute.Tensor, s_mask: cute.Tensor, s_flag: cute.Tensor,
                  s_pos: cute.Tensor, s_ids: cute.Tensor, s_addr: cute.Tensor,
-                 s_hw: cute.Tensor, stages, trace: cute.Pointer, tracing):
+                 s_hw: cute.Tensor, s_da: cute.Tensor, stages, trace: cute.Pointer, tracing):
         threads = WARP * RECV_WARPS
         waited = Int64(0)
         routing = Int64(0)
         experts = local_experts * ranks
         t0, t1 = channel_tokens(channel, num_tokens, active)  # as dispatch split them
+        # Chunks of chunk_tokens tokens; unreduced or weighted at home, as many of them as
+        # bring at most half a ring from every rank (`_fits_half`), or one token where K rows
+        # fill more than half a ring.
         group = chunk_tokens
+        fitted = Int32(0)
         if weighted != AT_EXPERTS:
-            group = self._home_group(ring_slots, chunk_tokens, topk)
+            fitted = self._fits_half(ring_slots, topk)
+            if fitted == 0:
+                group = Int32(1)
         if rw == 0 and lane < ranks:
             s_pos[lane] = cute.arch.load(gmem_ptr(Int64, streams.toint() + Int64(
                 counters((channel, lane, HEADS, COMBINE))) * 8, 8), Int64)  # consumed
@@ -756,17 +812,17 @@ class EpCombine:
         if rw == 0 and t0 < t1:
             self._load_ids(lane, topk_ids, id_words, t0, cutlass.min(group, t1 - t0) * topk,
                            topk, n_ids)
-            routing = self._route_chunk(lane, t0, t1, group, 0, topk, topk_ids, id_words,
-                                        experts,
-                                        local_experts, my_rank, skip_a2a, shared, shared_begin,
-                                        shared_end, ranks, weighted, n_ids, s_first, s_items,
-                                        s_mask, s_ids, routing, tracing)
+            routing = self._route_chunk(lane, t0, t1, group, fitted, ring_slots, 0, topk,
+                                        topk_ids, id_words, experts, local_experts, my_rank,
+                                        skip_a2a, shared, shared_begin, shared_end, ranks,
+                                        weighted, n_ids, s_first, s_items, s_mask, s_flag,
+                                        s_ids, routing, tracing)
+        cute.arch.barrier(barrier_id=9, number_of_threads=threads)
         chunk = Int32(0)
-        for base in cutlass.range(t0, t1, group):
-            g = t1 - base
-            if g > group:
-                g = group
+        base = t0
+        while base < t1:
             buf = chunk % 2
+            g = s_flag[LENGTH_AT + buf]  # as warp 0 routed it
             # Where each token's items start in each rank's stream (warp 0 routed the chunk
             # while the receivers summed the one before), then wait for them to arrive.
             if rw == 0:
@@ -795,12 +851,12 @@ class EpCombine:
                 if lane == 0:
                     s_flag[CLAIM_AT] = Int32(0)
             cute.arch.barrier(barrier_id=9, number_of_threads=threads)
-            if rw == 0 and base + group < t1:
-                routing = self._route_chunk(lane, base + group, t1, group, 1 - buf, topk,
-                                            topk_ids, id_words, experts, local_experts,
-                                            my_rank, skip_a2a,
-                                            shared, shared_begin, shared_end, ranks, weighted,
-                                            n_ids, s_first, s_items, s_mask, s_ids, routing,
+            if rw == 0 and base + g < t1:
+                routing = self._route_chunk(lane, base + g, t1, group, fitted, ring_slots,
+                                            1 - buf, topk, topk_ids, id_words, experts,
+                                            local_experts, my_rank, skip_a2a, shared,
+                                            shared_begin, shared_end, ranks, weighted, n_ids,
+                                            s_first, s_items, s_mask, s_flag, s_ids, routing,
                                             tracing)
             # The chunk's tokens, a warp each as they claim them (warp 0 joins once it has
             # routed the next chunk); their ids, as routed, in buffer `buf` of s_ids.
@@ -825,8 +881,9 @@ class EpCombine:
                 if t < t1 and weighted == UNREDUCED:
                     self._copy_token(lane, t, i, here, ring_offset, ring, ring_slots, channel,
                                      topk, experts, local_experts, skip_a2a, my_rank, out,
-                                     layout, tiler, g_crd, steps, vectors, thr, row_copy,
-                                     chunk_ids, s_first, s_pos)
+                                     steps, vectors, chunk_ids, s_first, s_pos, s_addr,
+                                     rw * (MAX_TOPK + 1), s_da, (SEND_WARPS + rw) * MAX_TOPK,
+                                     stages)
                 i = self._claim(lane, s_flag)
             cute.arch.barrier(barrier_id=9, number_of_threads=threads)
             # Credit back to every rank the chunk read from. Relaxed, as dispatch's: every
@@ -840,6 +897,7 @@ class EpCombine:
                             counters((channel, my_rank, HEADS, COMBINE))) * 8, 8), s_pos[lane],
                             sem="relaxed", scope="sys")
             cute.arch.barrier(barrier_id=9, number_of_threads=threads)
+            base = base + g
             chunk = chunk + 1
         if rw == 0 and lane < ranks:
             cute.arch.store(gmem_ptr(Int64, streams.toint() + Int64(
@@ -852,15 +910,19 @@ class EpCombine:
                 _trace_max(trace, channel, "route_ns", routing)
 
     @cute.jit
-    def _route_chunk(self, lane, base, t1, group, buf, topk, topk_ids: cute.Pointer, id_words,
-                     experts,
-                     local_experts, my_rank, skip_a2a, shared, shared_begin, shared_end, ranks,
-                     weighted, n_ids: cute.Tensor, s_first: cute.Tensor, s_items: cute.Tensor,
-                     s_mask: cute.Tensor, s_ids: cute.Tensor, routing, tracing):
+    def _route_chunk(self, lane, base, t1, group, fitted, ring_slots, buf, topk,
+                     topk_ids: cute.Pointer, id_words, experts, local_experts, my_rank,
+                     skip_a2a, shared, shared_begin, shared_end, ranks, weighted,
+                     n_ids: cute.Tensor, s_first: cute.Tensor, s_items: cute.Tensor,
+                     s_mask: cute.Tensor, s_flag: cute.Tensor, s_ids: cute.Tensor, routing,
+                     tracing):
         """Warp 0: the routes of the chunk of tokens from `base` into buffer `buf` of s_ids,
         s_mask and s_items (each token's rank mask and its items per rank), its ids from `n_ids`
-        (loaded a chunk ahead), and the next chunk's ids into `n_ids`. Returns `routing` plus
-        the time it took (tracing on)."""
+        (loaded a chunk ahead), its token count into s_flag[LENGTH_AT + buf], and the next
+        chunk's ids into `n_ids`. A chunk is `group` tokens (fewer at the channel's end), or
+        where `fitted`, the most of them whose items from every rank fill at most half a ring
+        (at least one token): `_send`'s chunks then always go out (`_fits_half`). Returns
+        `routing` plus the time it took (tracing on)."""
         routed = Int64(0)
         if tracing != 0:
             routed = cute.arch.globaltimer()
@@ -871,21 +933,50 @@ class EpCombine:
             if q * WARP + lane < words:
                 ids[q * WARP + lane] = n_ids[q]
         cute.arch.sync_warp()
-        if base + group < t1:
-            self._load_ids(lane, topk_ids, id_words, base + group,
-                           cutlass.min(group, t1 - base - group) * topk, topk, n_ids)
         if lane < g:
-            # (route_ids counts nothing: s_first stands in for its unused counts.)
+            # A lane a token: its rank mask (`route_ids`; it counts nothing: s_first stands in
+            # for its unused counts) and its items per rank: one where the mask has it, or
+            # (unreduced, weighted at home) its valid pairs there, none from another rank
+            # under skip_a2a (every rank dispatched only to its own experts; `_lane_pair`
+            # agrees), counted in one pass over the pairs.
             mask, _ = route_ids(ids, lane, topk, base + lane, topk, experts, local_experts,
                                 my_rank, skip_a2a, shared, shared_begin, shared_end, s_first,
                                 False)
             s_mask[buf * MAX_CHUNK + lane] = mask
+            # (The counts: a byte a rank, MAX_RANKS of them, in one word.)
+            counts = Int64(0)
+            if weighted != AT_EXPERTS:
+                for k in cutlass.range(topk):
+                    if valid_expert(ids, lane, k, topk, experts) != 0:
+                        d = ids[lane * topk + k] // local_experts
+                        if skip_a2a == 0 or d == my_rank:
+                            counts = counts + (Int64(1) << Int64(8 * d))
             for d in cutlass.range(ranks):
                 items = (mask >> d) & 1
                 if weighted != AT_EXPERTS:
-                    items = self._pairs_at(ids, lane, topk, experts, local_experts, d, skip_a2a,
-                                           my_rank)
+                    items = Int32((counts >> Int64(8 * d)) & Int64(255))
                 s_items[(buf * MAX_CHUNK + lane) * MAX_RANKS + d] = items
+        cute.arch.sync_warp()
+        if fitted != 0:
+            # The longest prefix of the tokens whose items from each rank, added, stay within
+            # half a ring (the sums only grow along the lanes, so the lanes within are a prefix).
+            within = Int32(lane < g)
+            for d in cutlass.range(ranks):
+                incl = Int32(0)
+                if lane < g:
+                    incl = s_items[(buf * MAX_CHUNK + lane) * MAX_RANKS + d]
+                for shift in cutlass.range_constexpr(3):  # g <= MAX_CHUNK = 8 lanes
+                    up = cute.arch.shuffle_sync_up(incl, 1 << shift)
+                    if lane >= (1 << shift):
+                        incl = incl + up
+                if incl > ring_slots // 2:
+                    within = Int32(0)
+            g = cutlass.max(Int32(1), cute.arch.popc(cute.arch.vote_ballot_sync(within != 0)))
+        if lane == 0:
+            s_flag[LENGTH_AT + buf] = g
+        if base + g < t1:
+            self._load_ids(lane, topk_ids, id_words, base + g,
+                           cutlass.min(group, t1 - base - g) * topk, topk, n_ids)
         cute.arch.sync_warp()
         if tracing != 0:
             routing = routing + cute.arch.globaltimer() - routed
@@ -915,20 +1006,6 @@ class EpCombine:
         for q in cutlass.range_constexpr(MAX_CHUNK * MAX_TOPK // WARP):
             regs[q] = load_id(topk_ids.toint(), Int64(base) * Int64(topk) + Int64(
                 cutlass.min(q * WARP + lane, words - 1)), id_words)
-
-    @cute.jit
-    def _pairs_at(self, ids: cute.Tensor, row, topk, experts, local_experts, d, skip_a2a,
-                  my_rank):
-        """Unreduced or weighted at home: how many rows of the token whose ids are row `row` of
-        `ids` come back from rank d: its valid pairs there, none from another rank under
-        skip_a2a (every rank dispatched only to its own experts; `_item_of` agrees)."""
-        count = Int32(0)
-        if skip_a2a == 0 or d == my_rank:
-            for k in cutlass.range(topk):
-                if valid_expert(ids, row, k, topk, experts) != 0:
-                    if ids[row * topk + k] // local_experts == d:
-                        count = count + 1
-        return count
 
     @cute.jit
     def _sum_token(self, lane, t, i, here, ring_offset, ring, ring_slots, channel, ranks,
@@ -966,46 +1043,59 @@ class EpCombine:
 
     @cute.jit
     def _copy_token(self, lane, t, i, here, ring_offset, ring, ring_slots, channel, topk,
-                    experts, local_experts, skip_a2a, my_rank, out: cute.Pointer, layout, tiler,
-                    g_crd, steps, vectors, thr, row_copy: cute.TiledCopy,
-                    ids: cute.Tensor, s_first: cute.Tensor, s_pos: cute.Tensor):
+                    experts, local_experts, skip_a2a, my_rank, out: cute.Pointer, steps,
+                    vectors, ids: cute.Tensor, s_first: cute.Tensor, s_pos: cute.Tensor,
+                    s_addr: cute.Tensor, at, s_da: cute.Tensor, dat, stages):
         """Unreduced: out[t, k] = the row of (t, k) from its expert's rank, zeros where none
-        (t's ids: row i of the chunk's `ids`)."""
-        for k in cutlass.range(topk):
-            live, d, item = self._item_of(ids, k, i, topk, experts, local_experts, skip_a2a,
-                                          my_rank, s_first, s_pos)
-            slot = self._ring_row(here, ring_offset, ring, ring_slots, channel, d, item)
-            src = cute.zipped_divide(cute.make_tensor(gmem_ptr(BFloat16, slot, 16), layout),
-                                     tiler)
-            dst = cute.zipped_divide(cute.make_tensor(gmem_ptr(
-                BFloat16, out.toint() + (Int64(t) * Int64(topk) + Int64(k))
-                * Int64(vectors * 16), 16), layout), tiler)
-            for step in cutlass.range(steps):
-                crd = thr.partition_S(g_crd[((None, None), step)])
-                t_src = thr.partition_S(src[((None, None), step)])
-                regs = cute.make_fragment_like(t_src)
-                regs.fill(0.0)
-                cute.copy(row_copy, t_src, regs, pred=row_predicate(crd, vectors * live))
-                cute.copy(row_copy, regs, thr.partition_D(dst[((None, None), step)]),
-                          pred=row_predicate(crd, vectors))
+        (t's ids: row i of the chunk's `ids`). Lane k < topk lists pair k's ring slot (a pair
+        that went nowhere: slot 0 of this rank's own stream, read and not used) and its
+        output row; then `_copy_rows` moves them."""
+        live, d, item = self._lane_pair(lane, ids, i, topk, experts, local_experts, skip_a2a,
+                                        my_rank, s_first, s_pos)
+        if live == 0:
+            d = my_rank
+            item = Int64(0)
+        if lane < topk:
+            s_addr[at + lane] = self._ring_row(here, ring_offset, ring, ring_slots, channel, d,
+                                               item)
+            s_da[dat + lane] = out.toint() + (Int64(t) * Int64(topk) + Int64(lane)) * Int64(
+                vectors * 16)
+        zeros = cute.arch.vote_ballot_sync(live == 0)
+        cute.arch.sync_warp()
+        self._copy_rows(lane, topk, s_addr, at, s_da, dat, zeros, steps, vectors, stages)
 
     @cute.jit
-    def _item_of(self, ids: cute.Tensor, k, i, topk, experts, local_experts, skip_a2a,
-                 my_rank, s_first: cute.Tensor, s_pos: cute.Tensor):
-        """(1, rank, stream item) of pair k of the chunk's token i (its ids: row i of the
-        chunk's `ids`) as its rank returns it (a token's pairs to one rank come in k order), or
-        (0, 0, 0) for a pair that went nowhere."""
-        live = valid_expert(ids, i, k, topk, experts)
+    def _lane_pair(self, lane, ids: cute.Tensor, i, topk, experts, local_experts, skip_a2a,
+                   my_rank, s_first: cute.Tensor, s_pos: cute.Tensor):
+        """Every lane of the warp: (1, rank, stream item) of pair k = lane of the chunk's token
+        i (its ids: row i of the chunk's `ids`) as its rank returns it (a token's pairs to one
+        rank come in k order), or (0, 0, 0) for a pair that went nowhere and for lanes past K.
+        Each lane reads its own id; the checks against earlier pairs (`kernels.routing.
+        valid_expert`'s rule) take them from the other lanes."""
+        e = Int32(-1)
+        if lane < topk:
+            e = ids[i * topk + lane]
+        if e < 0 or e >= experts:
+            e = Int32(-1)
+        twice = Int32(0)
+        for j in cutlass.range_constexpr(MAX_TOPK):
+            other = cute.arch.shuffle_sync(e, j)
+            if j < lane and other == e:
+                twice = Int32(1)
+        if twice != 0:
+            e = Int32(-1)
+        live = Int32(e >= 0)
         d = Int32(0)
-        idx = Int32(0)
         if live != 0:
-            d = ids[i * topk + k] // local_experts
-            if skip_a2a != 0 and d != my_rank:
-                live = Int32(0)
-            for k2 in cutlass.range(k):
-                if valid_expert(ids, i, k2, topk, experts) != 0 and \
-                        ids[i * topk + k2] // local_experts == d:
-                    idx = idx + 1
+            d = e // local_experts
+        low = d * local_experts
+        idx = Int32(0)
+        for j in cutlass.range_constexpr(MAX_TOPK):
+            other = cute.arch.shuffle_sync(e, j)  # -1 where pair j is not valid
+            if j < lane and other >= low and other < low + local_experts:
+                idx = idx + 1
+        if skip_a2a != 0 and d != my_rank:
+            live = Int32(0)
         item = Int64(0)
         if live != 0:
             item = s_pos[d] + Int64(s_first[i * MAX_RANKS + d] + idx)
@@ -1021,15 +1111,13 @@ class EpCombine:
         home_weights[t, k] * the row of (t, k)). Lane k < topk finds pair k's row and weight;
         the live ones are listed first (s_addr, s_hw), then summed (`_row_sum`). t's ids: row i
         of the chunk's `ids`."""
-        live = Int32(0)
         addr = Int64(0)
         wk = Float32(0.0)
-        if lane < topk:
-            live, d, item = self._item_of(ids, lane, i, topk, experts, local_experts,
-                                          skip_a2a, my_rank, s_first, s_pos)
-            if live != 0:
-                addr = self._ring_row(here, ring_offset, ring, ring_slots, channel, d, item)
-                wk = load_f32(home_weights.toint() + (Int64(t) * Int64(topk) + Int64(lane)) * 4)
+        live, d, item = self._lane_pair(lane, ids, i, topk, experts, local_experts, skip_a2a,
+                                        my_rank, s_first, s_pos)
+        if live != 0:
+            addr = self._ring_row(here, ring_offset, ring, ring_slots, channel, d, item)
+            wk = load_f32(home_weights.toint() + (Int64(t) * Int64(topk) + Int64(lane)) * 4)
         bits = cute.arch.vote_ballot_sync(live != 0)
         n = cute.arch.popc(bits)
         if live != 0:

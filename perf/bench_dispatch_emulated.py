@@ -3,6 +3,8 @@ kernels without NVLink, so a time here is what the kernels themselves cost (coun
 expansion, reduction), not the link.
 
     python perf/bench_dispatch_emulated.py [--ranks 2,4] [--sms 24] [--tokens 4096] [--json FILE]
+    python perf/bench_dispatch_emulated.py --combines [--tokens 128] [--experts 288] [--sms 20]
+                                           [--ring-chunks 4] [--json FILE]
 
 Each emulated rank runs its dispatch on its own CUDA stream; time = median over --reps of all
 ranks' dispatches started together (events on a joining stream; the launches queued behind a
@@ -10,6 +12,12 @@ device sleep first, so the time is the GPU's and not the serial host launches').
 traced dispatch (`Buffer.trace_dispatch`) then gives where a channel's time goes: the latest
 channel's %globaltimer stamps from the kernel's start, and every measured wait or step (`_ns`
 fields of `layouts.channels.TRACE_FIELDS`, the longest channel's).
+
+`--combines` times instead the three combines of a decode step's bf16 tokens (slabs layout, every
+token's ids distinct random experts): weighted at the experts (dispatch given the weights), weighted
+at home (the weights given to combine: DeepEP's low-latency combine, the DeepEP face's) and
+unreduced (no weights: each (token, k) row comes home); each with its traced channels' mean
+finish of the senders and receivers and their waits (`layouts.channels.COMBINE_TRACE_FIELDS`).
 """
 
 import argparse
@@ -72,6 +80,49 @@ def _dispatch_all(bufs, call):
     return outs
 
 
+def combines(ranks: int, sms: int, tokens: int, experts: int, hidden: int, reps: int,
+              ring_chunks: int | None) -> dict:
+    """`--combines`' row: us of each combine mode over every rank (median of `reps`), and the
+    weighted-at-home combine's traced channels (mean over the ranks' active channels, us)."""
+    from cute_ep.ep import Buffer
+    from layouts import EPConfig
+    from layouts.channels import COMBINE_TRACE_FIELDS
+
+    cfg = EPConfig(hidden, 8, experts, ranks, tokens, "bf16", layout="slabs")
+    geometry = {} if ring_chunks is None else {"ring_chunks": ring_chunks}
+    bufs = Buffer.emulated(cfg, sms=sms, timeout_s=30.0, **geometry)
+    gen = torch.Generator(device="cuda").manual_seed(ranks)
+    weighted, plain, weights = [], [], []
+    for _ in range(ranks):
+        x = torch.randn(tokens, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+        ids = torch.rand(tokens, experts, device="cuda", generator=gen).argsort(1)[:, :8].int()
+        w = torch.rand(tokens, 8, device="cuda", generator=gen)
+        weighted.append(((x, ids, w), {"num_input_tokens": tokens}))
+        plain.append(((x, ids, None), {"num_input_tokens": tokens}))
+        weights.append(w)
+    y = torch.randn(cfg.row_capacity, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+    row = {"ranks": ranks, "sms": sms, "tokens": tokens, "experts": experts,
+           "ring_chunks": bufs[0].geo.ring_chunks}
+    outs = _dispatch_all(bufs, weighted)
+    row["at_experts_us"] = _time_all(bufs, outs, reps, lambda b, o: b.combine(y, o.handle))
+    outs = _dispatch_all(bufs, plain)
+    row["unreduced_us"] = _time_all(bufs, outs, reps, lambda b, o: b.combine(y, o.handle))
+    at_home = list(zip(outs, weights))
+
+    def home(b, ow):
+        return b.combine(y, ow[0].handle, topk_weights=ow[1])
+    row["at_home_us"] = _time_all(bufs, at_home, reps, home)
+    for b in bufs:
+        b.trace_combine(True)
+    _time_all(bufs, at_home, 0, home)
+    active = outs[0].handle.routing.channels
+    trace = torch.stack([b.combine_trace[:active] for b in bufs]).double() / 1e3
+    trace[:, :, 1:4] -= trace[:, :, :1]  # the stamps from each channel's start
+    row["at_home_trace_mean_us"] = {f: round(trace[:, :, i].mean().item(), 1)
+                                    for i, f in enumerate(COMBINE_TRACE_FIELDS) if i > 0}
+    return row
+
+
 def main():
     from cute_ep.ep import Buffer
     from cute_ep.tools.bench import quantized_input
@@ -86,10 +137,39 @@ def main():
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("--combines", action="store_true",
+                        help="time the combines of a decode step's bf16 tokens instead")
+    parser.add_argument("--experts", type=int, default=None,
+                        help="experts (default 256; --combines: 288)")
+    parser.add_argument("--ring-chunks", type=int, default=None,
+                        help="--combines: the combine rings' chunks (default: the Buffer's)")
     args = parser.parse_args()
+    if args.combines:
+        tokens = 128 if args.tokens == 4096 else args.tokens  # a decode step unless told
+        rows = [combines(r, sms, tokens, args.experts or 288, args.hidden, args.reps,
+                         args.ring_chunks)
+                for r in map(int, args.ranks.split(",")) for sms in map(int, args.sms.split(","))]
+        table = Table(title=f"{torch.cuda.get_device_name()}: emulated ranks, {tokens} tokens a "
+                            f"rank, H={args.hidden} K=8, combine us (median of {args.reps}); "
+                            f"weighted at home: its channels' mean finish and waits")
+        fields = list(rows[0]["at_home_trace_mean_us"])
+        for col in ("ranks", "SMs", "ring chunks", "at experts", "at home", "unreduced",
+                    *fields):
+            table.add_column(col)
+        for r in rows:
+            table.add_row(str(r["ranks"]), str(r["sms"]), str(r["ring_chunks"]),
+                          *(f"{r[k]:.1f}" for k in ("at_experts_us", "at_home_us",
+                                                    "unreduced_us")),
+                          *(f"{v}" for v in r["at_home_trace_mean_us"].values()))
+        Console().print(table)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "hidden": args.hidden,
+                           "reps": args.reps, "combines": rows}, f, indent=1)
+        return
     records = []
     table = Table(title=f"{torch.cuda.get_device_name()}: emulated ranks, "
-                        f"{args.tokens} tokens/rank, H={args.hidden} K=8 E=256, "
+                        f"{args.tokens} tokens/rank, H={args.hidden} K=8 E={args.experts or 256}, "
                         f"median of {args.reps}")
     from layouts.channels import TRACE_FIELDS
 
@@ -102,14 +182,14 @@ def main():
         fmt = name.removesuffix("-input")
         for r in map(int, args.ranks.split(",")):
             for sms in map(int, args.sms.split(",")):
-                cfg = EPConfig(args.hidden, 8, 256, r, args.tokens, fmt)
+                cfg = EPConfig(args.hidden, 8, args.experts or 256, r, args.tokens, fmt)
                 bufs = Buffer.emulated(cfg, sms=sms, timeout_s=30.0)
                 gen = torch.Generator(device="cuda").manual_seed(r)
                 call = []
                 for _ in range(r):
                     x = torch.randn(args.tokens, args.hidden, device="cuda",
                                     generator=gen).to(torch.bfloat16)
-                    ids = torch.rand(args.tokens, 256, device="cuda",
+                    ids = torch.rand(args.tokens, cfg.experts, device="cuda",
                                      generator=gen).argsort(1)[:, :8].int()
                     w = torch.rand(args.tokens, 8, device="cuda", generator=gen)
                     quant = {"global_scale": torch.tensor([100.0], device="cuda")} \

@@ -523,6 +523,30 @@ def test_tiny_staging_and_rings_wrap_on_every_batch(fmt, ranks, sms):
     _layer(bufs, seed + 1, [400] * ranks, "hot")
 
 
+@pytest.mark.parametrize("ring_chunks", [1, 2, 3])
+@pytest.mark.parametrize("ranks,sms", [(2, 6), (4, 4)])
+def test_home_chunks_take_what_half_a_ring_holds(ranks, sms, ring_chunks):
+    """Combines that bring each (token, k) row home (weighted at home, unreduced) take as many
+    tokens a chunk as bring at most half a ring from every rank: rings of 8, 16 and 24 slots
+    with K = 8 (one token a chunk where K rows fill more than half the ring; else cut where a
+    rank's rows, added, pass half of it), uniform and one-rank ("hot") routing, empty slots,
+    round after round: every output as the reference's."""
+    from cute_ep.ep import Buffer
+    from layouts import EPConfig
+
+    cfg = EPConfig(1024, 8, 8 * ranks, ranks, 128, "bf16", layout="slabs")
+    bufs = Buffer.emulated(cfg, timeout_s=20.0, sms=sms, chunk_tokens=8, ring_chunks=ring_chunks)
+    seed = 900 + 10 * ranks + ring_chunks
+    for tokens, routing, slots in (([128] * ranks, "uniform", 0.0), ([128] * ranks, "hot", 0.0),
+                                   ([(5, 128, 0, 77)[r % 4] for r in range(ranks)], "uniform",
+                                    0.3)):
+        seed += 1
+        _layer(bufs, seed, tokens, routing, at_home=True, empty_slots=slots,
+               num_input_tokens=128)
+        _layer(bufs, seed, tokens, routing, weighted=False, empty_slots=slots,
+               num_input_tokens=128)
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
 def test_a_destination_done_early_credits_the_rest_unread(fmt):
     """Rank 0 hosts experts of only a few early tokens of each channel (t % 64 < 4): once its
