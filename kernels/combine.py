@@ -569,23 +569,9 @@ class EpCombine:
                    weigh: cutlass.Constexpr, dst_lane, steps, vectors, stages, acc: cute.Tensor,
                    res: cute.Tensor, whole: cutlass.Constexpr):
         """`_row_sum`'s n >= 1 rows, step after step; `whole`: every step lies inside the row."""
-        step_vectors = WARP * self.vectors
-        step_bytes = step_vectors * 16
-        mine = cute.make_layout((self.vectors, ROW_VECTOR), stride=(WARP * ROW_VECTOR, 1))
-        stage_elems = step_vectors * ROW_VECTOR
-        lane_stage = stages + lane * ROW_VECTOR
-        load_one = row_tiled_copy(1, BFloat16, ROW_VECTOR, cpasync.CopyG2SOp(
-            cache_mode=cpasync.LoadCacheMode.GLOBAL)).get_slice(0)
+        (step_vectors, step_bytes, mine, stage_elems, lane_stage, load_one, lane_offset, l_k,
+         l_step, l_slot) = self._start_loader(lane, n, s_a, at, steps, vectors, stages, whole)
         store_one = row_tiled_copy(1, BFloat16, ROW_VECTOR).get_slice(0)
-        lane_offset = Int64(lane * 16)
-        # The loader's next unit: row l_k of step l_step, into stage l_slot.
-        l_k = Int32(0)
-        l_step = Int32(0)
-        l_slot = Int32(0)
-        for _ in cutlass.range_constexpr(self.stages - 1):
-            l_k, l_step, l_slot = self._load_next(
-                l_k, l_step, l_slot, n, steps, step_vectors, step_bytes, vectors,
-                lane_offset, s_a, at, lane, lane_stage, stage_elems, mine, load_one, whole)
         c_slot = Int32(0)
         for step in cutlass.range(steps):
             l_k, l_step, l_slot, c_slot, x = self._next_unit(
@@ -602,6 +588,31 @@ class EpCombine:
             self._store_step(res, dst_lane, step, lane, vectors, step_vectors, mine,
                              store_one, whole)
         cute.arch.cp_async_wait_group(0)  # the loader's empty groups past the last unit
+
+    def _start_loader(self, lane, n, s_a: cute.Tensor, at, steps, vectors, stages,
+                      whole: cutlass.Constexpr):
+        """The cp.async loader of a warp's row steps (`_sum_steps`, `_copy_steps`), started:
+        stages - 1 (step, row) units of the n rows at s_a[at ..] in flight. Returns its fixed
+        terms (a step's vectors and bytes, this lane's part of a unit, a stage's elements, this
+        lane's stage, the copy atom, this lane's byte offset) and its next unit's counters (row
+        l_k of step l_step, into stage l_slot). Plain Python: traced where it is called."""
+        step_vectors = WARP * self.vectors
+        step_bytes = step_vectors * 16
+        mine = cute.make_layout((self.vectors, ROW_VECTOR), stride=(WARP * ROW_VECTOR, 1))
+        stage_elems = step_vectors * ROW_VECTOR
+        lane_stage = stages + lane * ROW_VECTOR
+        load_one = row_tiled_copy(1, BFloat16, ROW_VECTOR, cpasync.CopyG2SOp(
+            cache_mode=cpasync.LoadCacheMode.GLOBAL)).get_slice(0)
+        lane_offset = Int64(lane * 16)
+        l_k = Int32(0)
+        l_step = Int32(0)
+        l_slot = Int32(0)
+        for _ in range(self.stages - 1):  # (unrolled as it is traced)
+            l_k, l_step, l_slot = self._load_next(
+                l_k, l_step, l_slot, n, steps, step_vectors, step_bytes, vectors,
+                lane_offset, s_a, at, lane, lane_stage, stage_elems, mine, load_one, whole)
+        return (step_vectors, step_bytes, mine, stage_elems, lane_stage, load_one, lane_offset,
+                l_k, l_step, l_slot)
 
     @cute.jit
     def _store_step(self, res: cute.Tensor, dst_lane, step, lane, vectors, step_vectors, mine,
@@ -733,21 +744,8 @@ class EpCombine:
     def _copy_steps(self, lane, n, s_a: cute.Tensor, at, s_d: cute.Tensor, dat, zeros, steps,
                     vectors, stages, whole: cutlass.Constexpr):
         """`_copy_rows`' n >= 1 rows, step after step; `whole`: every step lies inside the row."""
-        step_vectors = WARP * self.vectors
-        step_bytes = step_vectors * 16
-        mine = cute.make_layout((self.vectors, ROW_VECTOR), stride=(WARP * ROW_VECTOR, 1))
-        stage_elems = step_vectors * ROW_VECTOR
-        lane_stage = stages + lane * ROW_VECTOR
-        load_one = row_tiled_copy(1, BFloat16, ROW_VECTOR, cpasync.CopyG2SOp(
-            cache_mode=cpasync.LoadCacheMode.GLOBAL)).get_slice(0)
-        lane_offset = Int64(lane * 16)
-        l_k = Int32(0)
-        l_step = Int32(0)
-        l_slot = Int32(0)
-        for _ in cutlass.range_constexpr(self.stages - 1):
-            l_k, l_step, l_slot = self._load_next(
-                l_k, l_step, l_slot, n, steps, step_vectors, step_bytes, vectors,
-                lane_offset, s_a, at, lane, lane_stage, stage_elems, mine, load_one, whole)
+        (step_vectors, step_bytes, mine, stage_elems, lane_stage, load_one, lane_offset, l_k,
+         l_step, l_slot) = self._start_loader(lane, n, s_a, at, steps, vectors, stages, whole)
         c_slot = Int32(0)
         for step in cutlass.range(steps):
             remaining = vectors - step * step_vectors
