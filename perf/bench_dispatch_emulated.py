@@ -80,6 +80,15 @@ def _dispatch_all(bufs, call):
     return outs
 
 
+def _rank_inputs(gen, cfg, tokens: int):
+    """One rank's bf16 x [tokens, H], top-8 ids (distinct random experts) and fp32 weights,
+    drawn from `gen` in that order."""
+    x = torch.randn(tokens, cfg.hidden, device="cuda", generator=gen).to(torch.bfloat16)
+    ids = torch.rand(tokens, cfg.experts, device="cuda", generator=gen).argsort(1)[:, :8].int()
+    w = torch.rand(tokens, 8, device="cuda", generator=gen)
+    return x, ids, w
+
+
 def combines(ranks: int, sms: int, tokens: int, experts: int, hidden: int, reps: int,
               ring_chunks: int | None) -> dict:
     """`--combines`' row: us of each combine mode over every rank (median of `reps`), and the
@@ -94,9 +103,7 @@ def combines(ranks: int, sms: int, tokens: int, experts: int, hidden: int, reps:
     gen = torch.Generator(device="cuda").manual_seed(ranks)
     weighted, plain, weights = [], [], []
     for _ in range(ranks):
-        x = torch.randn(tokens, hidden, device="cuda", generator=gen).to(torch.bfloat16)
-        ids = torch.rand(tokens, experts, device="cuda", generator=gen).argsort(1)[:, :8].int()
-        w = torch.rand(tokens, 8, device="cuda", generator=gen)
+        x, ids, w = _rank_inputs(gen, cfg, tokens)
         weighted.append(((x, ids, w), {"num_input_tokens": tokens}))
         plain.append(((x, ids, None), {"num_input_tokens": tokens}))
         weights.append(w)
@@ -187,11 +194,7 @@ def main():
                 gen = torch.Generator(device="cuda").manual_seed(r)
                 call = []
                 for _ in range(r):
-                    x = torch.randn(args.tokens, args.hidden, device="cuda",
-                                    generator=gen).to(torch.bfloat16)
-                    ids = torch.rand(args.tokens, cfg.experts, device="cuda",
-                                     generator=gen).argsort(1)[:, :8].int()
-                    w = torch.rand(args.tokens, 8, device="cuda", generator=gen)
+                    x, ids, w = _rank_inputs(gen, cfg, args.tokens)
                     quant = {"global_scale": torch.tensor([100.0], device="cuda")} \
                         if fmt == "nvfp4" else {}
                     call.append(((quantized_input(x, name, quant), ids, w), quant))
