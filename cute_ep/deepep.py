@@ -23,7 +23,9 @@ up to a power of two in the encoder (`EPConfig.fp8_scales="pow2"`); `use_ue8m0` 
 scales' exponent bytes packed four to an int32; `zero_copy` combines read the shape's combine
 buffer (`get_next_low_latency_combine_buffer`). `Config`'s
 chunk sizes describe DeepEP's own ring geometry; cute-ep's rings have theirs (`layouts.channels`),
-so only `Config.num_sms` (the SMs the transport occupies) changes what runs. Everything runs on
+so only `Config.num_sms` (the SMs the transport occupies) changes what runs; the low-latency
+calls take every SM of the GPU, as DeepEP's low-latency kernels size their grids by the experts
+and not by `num_sms` (`_low_latency_sms`). Everything runs on
 the current stream: `async_finish` returns an event recorded there, `previous_event` is waited
 for there. A low-latency dispatch's `return_recv_hook` sends now and receives when the hook is
 called (`cute_ep.Buffer.dispatch_send`); a low-latency combine's hook has nothing left to do
@@ -244,10 +246,11 @@ class Buffer:
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int,
                                        num_ranks: int, num_experts: int) -> int:
-        """Peer-visible bytes of the low-latency transports at the current `num_sms`, for any
-        top-k up to 16: one each for BF16, FP8 and FP8 with rounded scales (`round_scale`), the
-        shapes a caller like DeepEP's test_low_latency.py makes side by side."""
-        return sum(_peer_bytes(hidden, num_ranks, Buffer.num_sms, fmt, 16, num_experts,
+        """Peer-visible bytes of the low-latency transports (every SM of the current GPU,
+        `_low_latency_sms`), for any top-k up to 16: one each for BF16, FP8 and FP8 with rounded
+        scales (`round_scale`), the shapes a caller like DeepEP's test_low_latency.py makes side
+        by side."""
+        return sum(_peer_bytes(hidden, num_ranks, _low_latency_sms(), fmt, 16, num_experts,
                                num_max_dispatch_tokens_per_rank, "slabs")
                    for fmt in ("bf16", "fp8", "fp8"))
 
@@ -518,7 +521,7 @@ class Buffer:
         scales = "pow2" if use_fp8 and round_scale else "exact"
         core = self._core(("ll", hidden, fmt, topk_idx.shape[1], num_experts, m, scales),
                           EPConfig(hidden, topk_idx.shape[1], num_experts, r, m, fmt,
-                                   layout="slabs", fp8_scales=scales), self.num_sms)
+                                   layout="slabs", fp8_scales=scales), _low_latency_sms())
         ids = topk_idx.contiguous()  # int32 or int64: the kernels read either
         if return_recv_hook:  # the receive launch waits for the hook
             out, receive = core.dispatch_send(x, ids, None, num_input_tokens=m)
@@ -633,6 +636,17 @@ class Buffer:
                                  f"taken by other shapes); the Buffer was given {name}={budget}")
             core = self._cores[key] = _Core(cfg, self.group, sms=sms)
         return core
+
+
+def _low_latency_sms() -> int:
+    """The SMs a low-latency transport occupies: every SM of the current GPU. DeepEP's
+    low-latency kernels launch as many CTAs as their experts need (96 of an H200's 132 for 288
+    experts), whatever `num_sms` says, and are timed so; the face's decode-sized transports
+    keep that budget instead of normal mode's 20."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("the low-latency transports take every SM of the GPU they run on; "
+                           "ask where that GPU is visible")
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
 
 def _combine_buffer(core: _Core) -> torch.Tensor:

@@ -97,6 +97,12 @@ def _face(rank, world):
     err = (got.float() - ref).abs().max().item()
     results["ll combine"] = got.data_ptr() == out.data_ptr() and \
         err <= 2 ** -7 * ref.abs().max().item()
+    # DeepEP's low-latency kernels take the SMs their experts need, whatever num_sms says: the
+    # face's low-latency transports every SM, its normal-mode ones the config's num_sms.
+    device_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    sms = {(k[0], c.sms) for k, c in buf._cores.items()}
+    results["ll sms"] = ({n for k, n in sms if k == "ll"} == {device_sms}
+                         and {n for k, n in sms if k != "ll"} == {cfg.num_sms}) or sorted(sms)
     (fq, fs), _, _, _, _ = buf.low_latency_dispatch(lx, lids, m, E, use_fp8=True)
     e0 = int(lids[0, 0])
     toks = (lids == e0).any(dim=1).nonzero().flatten()
