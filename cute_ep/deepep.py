@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from cute_ep.ep import Buffer as _Core
 from cute_ep.ep import DispatchHandle
+from cute_ep.quant import sm_count
 from layouts import EPConfig
 from layouts.buffers import ERROR_CAPACITY, peer_visible_bytes
 
@@ -624,9 +625,7 @@ class Buffer:
             if not normal and not self.low_latency_mode:
                 raise ValueError("low-latency calls need a Buffer made with "
                                  "low_latency_mode=True")
-            device_sms = torch.cuda.get_device_properties(
-                torch.cuda.current_device()).multi_processor_count
-            need = peer_visible_bytes(cfg, min(sms, device_sms))
+            need = peer_visible_bytes(cfg, min(sms, sm_count(torch.device("cuda"))))
             used = sum(c.peer_visible_bytes for c in self._cores.values()
                        if (c.cfg.layout != "slabs") == normal)
             name, budget = ("num_nvl_bytes", self.num_nvl_bytes) if normal else \
@@ -646,7 +645,7 @@ def _low_latency_sms() -> int:
     if not torch.cuda.is_available():
         raise RuntimeError("the low-latency transports take every SM of the GPU they run on; "
                            "ask where that GPU is visible")
-    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    return sm_count(torch.device("cuda"))
 
 
 def _combine_buffer(core: _Core) -> torch.Tensor:
