@@ -39,7 +39,8 @@ def _layer(bufs, seed, tokens, routing="uniform", weighted=True, skip_a2a=False,
     them (`"kernel"`: nvfp4 by `cute_ep.quantize_nvfp4`, linear scales);
     `at_home`: dispatch carries no weights and combine weighs at home with them (DeepEP's
     low-latency combine); `empty_slots`: that share of the (token, k) ids is -1 (nothing is
-    reported for them); `direct`: the ranks whose x is their Buffer's direct input."""
+    reported for them); `direct`: the ranks whose x is their Buffer's direct input. Returns the
+    reference's dispatch outputs."""
     from cute_ep.reference import ep as reference
     from cute_ep.reference.ep import dispatch_mismatch
 
@@ -112,6 +113,7 @@ def _layer(bufs, seed, tokens, routing="uniform", weighted=True, skip_a2a=False,
                 f"{what}, rank {r}: combine off by {err.max().item():g}"
         else:
             assert torch.equal(combined[r], want[r]), f"{what}, rank {r}: unreduced combine"
+    return refs
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
@@ -828,6 +830,29 @@ def test_fp8_scales_straight_to_the_output_or_by_the_write_out_alternate_exactly
     for seed, tokens in enumerate(([small, small], [large, large], [small, 0], [large, small],
                                    [3, 5])):
         _layer(bufs, 900 + seed, tokens, prequantized=prequantized)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("hidden,prequantized", [(7168, False), (7168, True), (10240, False)])
+def test_prefill_sized_scales_go_out_through_the_receivers_pieces_exactly(fmt, hidden,
+                                                                          prequantized):
+    """From the write-out's row threshold on every rank (`wide_min_rows`), the scales go out
+    through tiles in the receivers' pieces (FP8's wide ones, NVFP4's narrow ones; H 10240:
+    NVFP4's 160 words a row in ten tiles, FP8's 80 in two and a half): every scale word as the
+    reference's, on rounds that alternate with a small one on the same Buffers."""
+    from cute_ep.ep import Buffer
+    from cute_ep.runtime.launch import runtime
+    from layouts import EPConfig
+
+    # The dispatch's threshold, as the write-out kernel built from the same code states it.
+    min_rows = runtime().select("scale_write_out", "cuda",
+                                format=fmt).spec.sizes["wide_min_rows"]
+    cfg = EPConfig(hidden, 8, 32, 2, 1024, fmt)
+    bufs = Buffer.emulated(cfg, timeout_s=20.0, sms=24)
+    for seed, tokens in enumerate(([1024, 1024], [5, 9], [1024, 800])):
+        refs = _layer(bufs, 950 + seed, tokens, prequantized=prequantized)
+        if tokens[0] > 100:
+            assert min(d.num_rows for d in refs) >= min_rows, [d.num_rows for d in refs]
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])

@@ -44,8 +44,10 @@ def _launch(fmt, counts, ctas, seed, hidden=H):
 @pytest.mark.parametrize("ctas", [24, 7])
 @pytest.mark.parametrize("size", ["wide", "narrow"])
 # H 7168: NVFP4's 112 scale words a row are seven whole 16-word tiles; 7424: 116, the last tile
-# a quarter full (FP8's 58 words are not 16-byte rows: the small tiles).
-@pytest.mark.parametrize("hidden", [H, 7424])
+# a quarter full (FP8's 58 words are not 16-byte rows: the small tiles); 8192: NVFP4's 128 words
+# in eight tiles, FP8's 64 in two wide ones; 18432: NVFP4's 288 in 18, FP8's 144 in four and a
+# half.
+@pytest.mark.parametrize("hidden", [H, 7424, 8192, 18432])
 def test_the_write_out_gives_the_reference_layout(fmt, ctas, size, hidden):
     from cute_ep.runtime.launch import runtime
 
