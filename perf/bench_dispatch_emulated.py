@@ -130,6 +130,22 @@ def combines(ranks: int, sms: int, tokens: int, experts: int, hidden: int, reps:
     return row
 
 
+def dispatch_table(title: str, records: list[dict]) -> Table:
+    """The dispatch records as a table a terminal of any width shows whole: a row per figure
+    (the times, then the traced stamps from the start and the longest waits, us), a column per
+    format, ranks and SMs."""
+    table = Table(title=title)
+    table.add_column("us", no_wrap=True)
+    for r in records:
+        table.add_column(f"{r['format']} {r['ranks']} ranks {r['sms']} SMs", justify="right")
+    table.add_row("dispatch, all ranks", *(f"{r['dispatch_us']:.1f}" for r in records))
+    table.add_row("combine", *(f"{r['combine_us']:.1f}" for r in records))
+    for f in (list(records[0]["trace_us"]) if records else []):
+        label = f"{f[:-3]}, longest" if f.endswith("_ns") else f"{f}, at"
+        table.add_row(label, *(f"{r['trace_us'][f]:.1f}" for r in records))
+    return table
+
+
 def main():
     from cute_ep.ep import Buffer
     from cute_ep.tools.bench import quantized_input
@@ -175,16 +191,10 @@ def main():
                            "reps": args.reps, "combines": rows}, f, indent=1)
         return
     records = []
-    table = Table(title=f"{torch.cuda.get_device_name()}: emulated ranks, "
-                        f"{args.tokens} tokens/rank, H={args.hidden} K=8 E={args.experts or 256}, "
-                        f"median of {args.reps}")
     from layouts.channels import TRACE_FIELDS
 
     stamps = [f for f in TRACE_FIELDS[1:] if not f.endswith("_ns")]
     waits = [f for f in TRACE_FIELDS if f.endswith("_ns")]
-    for col in ("format", "ranks", "SMs per rank", "dispatch us (all ranks)", "combine us",
-                *(f"{f} us" for f in stamps), *(f"{f[:-3]} us" for f in waits)):
-        table.add_column(col)
     for name in args.formats.split(","):
         fmt = name.removesuffix("-input")
         for r in map(int, args.ranks.split(",")):
@@ -216,13 +226,13 @@ def main():
                          for f in stamps]
                 longest = [f"{trace[:, :, TRACE_FIELDS.index(f)].max().item():.1f}"
                            for f in waits]
-                table.add_row(name, str(r), str(sms), f"{us:.1f}", f"{combine_us:.1f}", *cells,
-                              *longest)
                 records.append({"format": name, "ranks": r, "sms": sms, "dispatch_us": us,
                                 "combine_us": combine_us,
                                 "trace_us": dict(zip(stamps + waits, map(float, cells + longest)))})
                 del bufs
-    Console().print(table)
+    Console().print(dispatch_table(
+        f"{torch.cuda.get_device_name()}: emulated ranks, {args.tokens} tokens/rank, "
+        f"H={args.hidden} K=8 E={args.experts or 256}, median of {args.reps}", records))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "tokens": args.tokens,

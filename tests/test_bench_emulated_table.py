@@ -1,0 +1,49 @@
+"""perf/bench_dispatch_emulated.py's table: every figure of every configuration readable in an
+80-column terminal (a figure a row, a configuration a column), as its records hold them."""
+
+import io
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "perf"))
+import bench_dispatch_emulated as bde  # noqa: E402
+
+from layouts.channels import TRACE_FIELDS  # noqa: E402
+
+
+def _records():
+    stamps = [f for f in TRACE_FIELDS[1:] if not f.endswith("_ns")]
+    waits = [f for f in TRACE_FIELDS if f.endswith("_ns")]
+    out = []
+    for i, (fmt, ranks) in enumerate([("nvfp4-input", 2), ("fp8-input", 2), ("bf16", 4)]):
+        trace = {f: 100.0 * (i + 1) + j + 0.25 for j, f in enumerate(stamps + waits)}
+        out.append({"format": fmt, "ranks": ranks, "sms": 24, "dispatch_us": 171.04 + i,
+                    "combine_us": 401.96 + i, "trace_us": trace})
+    return out
+
+
+def test_every_figure_shows_in_an_80_column_terminal():
+    records = _records()
+    console = Console(width=80, record=True, file=io.StringIO())
+    console.print(bde.dispatch_table("emulated ranks", records))
+    text = console.export_text()
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    for r in records:
+        assert f"{r['dispatch_us']:.1f}" in text and f"{r['combine_us']:.1f}" in text
+    # A row per figure: the two times and every traced field, each once, on one line with its
+    # value for every configuration.
+    for f in TRACE_FIELDS[1:]:
+        label = f"{f[:-3]}, longest" if f.endswith("_ns") else f"{f}, at"
+        rows = [line for line in lines if f"│ {label} " in line]
+        assert len(rows) == 1, f
+        for r in records:
+            assert f"{r['trace_us'][f]:.1f}" in rows[0], (r["format"], f)
+
+
+def test_no_records_is_an_empty_table_not_an_error():
+    console = Console(width=80, record=True, file=io.StringIO())
+    console.print(bde.dispatch_table("none", []))
+    assert "dispatch, all ranks" in console.export_text()
