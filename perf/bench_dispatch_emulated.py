@@ -2,7 +2,8 @@
 kernels without NVLink, so a time here is what the kernels themselves cost (counts, flow control,
 expansion, reduction), not the link.
 
-    python perf/bench_dispatch_emulated.py [--ranks 2,4] [--sms 24] [--tokens 4096] [--json FILE]
+    python perf/bench_dispatch_emulated.py [--ranks 2,4] [--sms 24] [--tokens 4096] [--traces 5]
+                                           [--json FILE]
     python perf/bench_dispatch_emulated.py --combines [--tokens 128] [--experts 288] [--sms 20]
                                            [--ring-chunks 4] [--json FILE]
 
@@ -11,7 +12,9 @@ ranks' dispatches started together (events on a joining stream; the launches que
 device sleep first, so the time is the GPU's and not the serial host launches'). One more
 traced dispatch (`Buffer.trace_dispatch`) then gives where a channel's time goes: the latest
 channel's %globaltimer stamps from the kernel's start, and every measured wait or step (`_ns`
-fields of `layouts.channels.TRACE_FIELDS`, the longest channel's).
+fields of `layouts.channels.TRACE_FIELDS`, the longest channel's). With `--traces N`, N traced
+dispatches, and the record's `channels_us` gives each stamp's median and latest channel (the
+median over the N: one trace's stamps move by a microsecond or so).
 
 `--combines` times instead the three combines of a decode step's bf16 tokens (slabs layout, every
 token's ids distinct random experts): weighted at the experts (dispatch given the weights), weighted
@@ -130,6 +133,23 @@ def combines(ranks: int, sms: int, tokens: int, experts: int, hidden: int, reps:
     return row
 
 
+def channel_stamps(traces: list, stamps: list[str], fields: tuple) -> dict:
+    """Where the channels were at each stamp, from traced dispatches (`traces`: each a [ranks,
+    channels, fields] tensor of %globaltimer ns, `fields` naming its last dimension): per stamp,
+    [the median channel's, the latest channel's] us from the earliest channel's start, each the
+    median over the traces."""
+    per = {f: ([], []) for f in stamps}
+    for trace in traces:
+        us = trace.double() / 1e3
+        start = us[:, :, fields.index("start")].min()
+        for f in stamps:
+            at = (us[:, :, fields.index(f)] - start).flatten().tolist()
+            per[f][0].append(statistics.median(at))
+            per[f][1].append(max(at))
+    return {f: [round(statistics.median(m), 2), round(statistics.median(x), 2)]
+            for f, (m, x) in per.items()}
+
+
 def dispatch_table(title: str, records: list[dict]) -> Table:
     """The dispatch records as a table a terminal of any width shows whole: a row per figure
     (the times, then the traced stamps from the start and the longest waits, us), a column per
@@ -159,6 +179,9 @@ def main():
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--traces", type=int, default=1,
+                        help="traced dispatches a configuration: its record's channels_us gives "
+                             "each stamp's median and latest channel, the median over them")
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--combines", action="store_true",
                         help="time the combines of a decode step's bf16 tokens instead")
@@ -219,8 +242,11 @@ def main():
                 del outs
                 for buf in bufs:
                     buf.trace_dispatch(True)
-                _time_all(bufs, call, 0)
-                trace = torch.stack([buf.trace for buf in bufs]).double() / 1e3  # us
+                traces = []
+                for _ in range(args.traces):
+                    _time_all(bufs, call, 0)
+                    traces.append(torch.stack([buf.trace for buf in bufs]).cpu())
+                trace = traces[-1].double() / 1e3  # us
                 start = trace[:, :, 0].min()
                 cells = [f"{(trace[:, :, TRACE_FIELDS.index(f)].max() - start).item():.1f}"
                          for f in stamps]
@@ -228,7 +254,8 @@ def main():
                            for f in waits]
                 records.append({"format": name, "ranks": r, "sms": sms, "dispatch_us": us,
                                 "combine_us": combine_us,
-                                "trace_us": dict(zip(stamps + waits, map(float, cells + longest)))})
+                                "trace_us": dict(zip(stamps + waits, map(float, cells + longest))),
+                                "channels_us": channel_stamps(traces, stamps, TRACE_FIELDS)})
                 del bufs
     Console().print(dispatch_table(
         f"{torch.cuda.get_device_name()}: emulated ranks, {args.tokens} tokens/rank, "

@@ -47,3 +47,19 @@ def test_no_records_is_an_empty_table_not_an_error():
     console = Console(width=80, record=True, file=io.StringIO())
     console.print(bde.dispatch_table("none", []))
     assert "dispatch, all ranks" in console.export_text()
+
+
+def test_channel_stamps_are_the_median_and_latest_channel_from_the_earliest_start():
+    import torch
+
+    fields = ("start", "routed", "end")
+    # Two ranks of three channels, times in ns; the earliest start 1000 ns.
+    a = torch.tensor([[[1000, 3000, 9000], [2000, 5000, 8000], [1500, 4000, 7000]],
+                      [[1200, 2000, 6000], [1100, 6000, 10000], [1300, 3500, 7500]]])
+    got = bde.channel_stamps([a], ["routed", "end"], fields)
+    # routed - 1000: 2000, 4000, 3000, 1000, 5000, 2500 ns -> median 2.75 us, latest 5.0
+    assert got == {"routed": [2.75, 5.0], "end": [6.75, 9.0]}
+    # Over several traces, the median of each: a trace 1 us later everywhere and one 3 us later.
+    got = bde.channel_stamps([a, a + 1000, a + 3000 * (torch.arange(3) == 1)], ["routed"],
+                             fields)
+    assert got == {"routed": [2.75, 5.0]}
