@@ -1,4 +1,6 @@
 import importlib.util
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +17,34 @@ def _supported_gpus() -> int:
 
 GPUS = _supported_gpus()
 HAS_DSL = importlib.util.find_spec("cutlass") is not None
+# The source tree around the tests (the README, docs/, perf/, the kernels' sources). A test file
+# that reads it says so with a module-level `pytestmark` naming `pytest.mark.source_tree` on one
+# line; where the tests run away from the tree (the installed wheel's test run) such a file is
+# not collected at all, since it may import from perf/ as it is loaded.
+ROOT = Path(__file__).resolve().parent.parent
+SOURCE_TREE = all((ROOT / part).exists() for part in ("README.md", "docs", "perf", "kernels"))
+_SOURCE_TREE_MARK = re.compile(r"^pytestmark\s*=.*\bpytest\.mark\.source_tree\b", re.M)
+_LEFT_OUT: list[str] = []
+
+
+def reads_source_tree(path: Path) -> bool:
+    """Whether the test file at `path` is marked as reading the source tree."""
+    return path.suffix == ".py" and path.name.startswith("test_") and \
+        _SOURCE_TREE_MARK.search(path.read_text()) is not None
+
+
+def pytest_ignore_collect(collection_path, config):
+    if not SOURCE_TREE and reads_source_tree(Path(collection_path)):
+        _LEFT_OUT.append(Path(collection_path).name)
+        return True
+    return None
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if _LEFT_OUT:
+        terminalreporter.write_line(
+            f"no source tree beside the tests: {len(_LEFT_OUT)} files marked source_tree not "
+            f"collected ({', '.join(sorted(_LEFT_OUT))})")
 
 
 def pytest_collection_modifyitems(config, items):

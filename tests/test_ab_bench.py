@@ -3,9 +3,13 @@ decode, gathered per side, and the summary's ranges and median changes."""
 
 import sys
 
+import pytest
+
 sys.path.insert(0, "perf")
 from ab_bench import bench_times, collect, trace_rows, trace_times  # noqa: E402
 from ab_quant import summary_rows  # noqa: E402
+
+pytestmark = pytest.mark.source_tree  # reads the source tree (tests/conftest.py)
 
 
 def _rank(dispatch, combine, decode):

@@ -11,6 +11,8 @@ sys.path.insert(0, "perf")
 from ab_quant import (bench_arguments, parse_side, percent_of_copy, recorded_argv,  # noqa: E402
                       summary_rows)
 
+pytestmark = pytest.mark.source_tree  # reads the source tree (tests/conftest.py)
+
 
 def _record(kernel, us, copy_us, i=2048, l2="zero"):
     return {"kernel": kernel, "intermediate": i, "l2": l2, "us": us, "copy_us": copy_us}

@@ -5,12 +5,15 @@ import io
 import sys
 from pathlib import Path
 
+import pytest
 from rich.console import Console
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "perf"))
 import bench_dispatch_emulated as bde  # noqa: E402
 
 from layouts.channels import TRACE_FIELDS  # noqa: E402
+
+pytestmark = pytest.mark.source_tree  # reads the source tree (tests/conftest.py)
 
 
 def _records():

@@ -10,6 +10,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "perf"))
 import bench_remote_stores as brs  # noqa: E402
 
+pytestmark = pytest.mark.source_tree  # reads the source tree (tests/conftest.py)
+
 
 @pytest.mark.parametrize("budget,world,per_peer,want", [
     (24, 4, 64 << 20, (8, 8 << 20)),       # 3 peers: 8 CTAs each, 8 MiB a CTA

@@ -9,6 +9,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "perf"))
 import bounds  # noqa: E402
 
+pytestmark = pytest.mark.source_tree  # reads the source tree (tests/conftest.py)
+
 
 def _records(deepep_bf16_us: float):
     tp = {"message_bytes": 2100, "sent_tokens_to_peers": 80, "p2p_copy_gbps": 200.0,

@@ -8,7 +8,7 @@ import pytest
 
 from layouts.abi import ARCHES
 
-pytestmark = pytest.mark.build
+pytestmark = [pytest.mark.build, pytest.mark.source_tree]  # (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

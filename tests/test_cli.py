@@ -4,6 +4,8 @@ import pytest
 
 from cute_ep.tools.cli import main
 
+pytestmark = pytest.mark.source_tree  # reads the source tree (tests/conftest.py)
+
 
 def test_layouts_prints_the_byte_map_and_sizes(capsys):
     assert main(["layouts", "--format", "nvfp4", "--hidden", "7168", "--ranks", "4"]) == 0

@@ -7,6 +7,8 @@ import pytest
 sys.path.insert(0, "perf")
 from compare_libraries import parse  # noqa: E402
 
+pytestmark = pytest.mark.source_tree  # reads the source tree (tests/conftest.py)
+
 HEAD = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream",'
         '"Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit",'
         '"Metric Value"')

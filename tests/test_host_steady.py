@@ -2,8 +2,12 @@
 
 import sys
 
+import pytest
+
 sys.path.insert(0, "perf")
 import host_steady  # noqa: E402
+
+pytestmark = pytest.mark.source_tree  # reads the source tree (tests/conftest.py)
 
 
 def test_each_rank_pins_itself_to_a_cpu_of_its_own(monkeypatch):

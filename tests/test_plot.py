@@ -11,6 +11,8 @@ import pytest
 
 from cute_ep.tools.plot import bench_series, quant_records
 
+pytestmark = pytest.mark.source_tree  # reads the source tree (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parent.parent
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -3,8 +3,12 @@ tests/multigpu/test_readme.py)."""
 
 import ast
 
+import pytest
+
 import cute_ep
 from tests.multigpu.test_readme import quickstart
+
+pytestmark = pytest.mark.source_tree  # reads the source tree (tests/conftest.py)
 
 
 def test_the_quickstart_parses_and_names_only_public_api():

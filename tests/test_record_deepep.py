@@ -10,6 +10,8 @@ import pytest
 sys.path.insert(0, "perf")
 from record_deepep import parse, parse_low_latency  # noqa: E402
 
+pytestmark = pytest.mark.source_tree  # reads the source tree (tests/conftest.py)
+
 LOG = """[config] num_tokens=4096, hidden=7168, num_topk=8
 [layout] Kernel performance: 0.034 ms
 [testing] Running with BF16, without top-k (async=False, previous=False) ... passed

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.source_tree  # reads the source tree (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("cute_ep", "kernels", "layouts")
 
@@ -199,3 +201,41 @@ def test_benchmarks_run_without_the_dsl():
     for path in sorted((ROOT / "perf").glob("*.py")):
         found = {m for m in imports_of(path, modules) if m.split(".")[0] == "kernels"}
         assert not found, f"perf/{path.name} imports {sorted(found)}"
+
+
+# What a test file reads of the source tree: perf/'s tools and records, the README, docs/.
+READS_SOURCE_TREE = ('sys.path.insert(0, "perf")', '/ "perf"', '"perf/', "README.md", '/ "docs"',
+                     '"docs/')
+
+
+def test_every_test_file_that_reads_the_source_tree_is_marked_so():
+    """A test file that loads perf/, the README or docs/ carries a `pytestmark` naming
+    `pytest.mark.source_tree`, so the installed wheel's test run, away from the tree, leaves it
+    out (tests/conftest.py) instead of failing to import it or to find its files."""
+    from tests.conftest import reads_source_tree
+
+    unmarked = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "tests").rglob("test_*.py"))
+                if any(s in p.read_text() for s in READS_SOURCE_TREE) and not reads_source_tree(p)]
+    assert not unmarked, f"read the source tree without pytest.mark.source_tree: {unmarked}"
+
+
+def test_away_from_the_tree_the_marked_files_are_not_collected(tmp_path):
+    """The wheel's test run (.ci/run): tests/ and pyproject.toml copied elsewhere. Collection
+    succeeds, leaves out exactly the files marked source_tree, says so, and keeps the rest."""
+    import shutil
+
+    from tests.conftest import reads_source_tree
+
+    shutil.copytree(ROOT / "tests", tmp_path / "tests",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    run = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
+                          "-p", "no:cacheprovider"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    files = {line.split("::")[0] for line in run.stdout.splitlines() if "::" in line}
+    marked = {str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py")
+              if reads_source_tree(p)}
+    assert marked and not files & marked, sorted(files & marked)
+    assert {"tests/test_carve.py", "tests/test_reference.py"} <= files
+    assert f"{len(marked)} files marked source_tree not collected" in run.stdout

@@ -10,6 +10,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "perf"))
 import trace_channels as tc  # noqa: E402
 
+pytestmark = pytest.mark.source_tree  # reads the source tree (tests/conftest.py)
+
 
 def test_rows_per_channel_counts_every_sources_pairs_whose_expert_lives_here():
     gen = torch.Generator().manual_seed(3)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = pytest.mark.multigpu
+pytestmark = [pytest.mark.multigpu, pytest.mark.source_tree]  # (tests/conftest.py)
 
 ROOT = Path(__file__).resolve().parents[2]
 TESTS = ROOT / "build" / "deepep" / "tests"

@@ -11,7 +11,7 @@ import pytest
 
 from cute_ep.tools.spawn import SAFE_ENV
 
-pytestmark = pytest.mark.multigpu
+pytestmark = [pytest.mark.multigpu, pytest.mark.source_tree]  # (tests/conftest.py)
 
 ROOT = Path(__file__).resolve().parents[2]
 
