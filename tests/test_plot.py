@@ -1,20 +1,10 @@
 """Figures from records (`cute_ep.tools.plot`, the plot extra): the numbers drawn are the
 record's (the slowest rank's time at each SM budget, NCCL's per format, DeepEP's best; a
-quantize run's median over its runs), and each figure is a PNG."""
+quantize run's median over its runs), and each figure is a PNG (`tests/test_plot_records.py`)."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
-import pytest
-
 from cute_ep.tools.plot import bench_series, quant_records
-
-pytestmark = pytest.mark.source_tree  # reads the source tree (tests/conftest.py)
-
-ROOT = Path(__file__).resolve().parent.parent
-PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def _rank(dispatch, combine, nccl):
@@ -51,21 +41,3 @@ def test_quant_records_of_both_kinds_of_run():
                                      "us": 11.0, "copy_us": 8.0}]
     assert quant_records(sides, side="main")[0]["us"] == 1.0
     assert quant_records(sides, l2="read") == []
-
-
-def test_figures_are_pngs(tmp_path):
-    pytest.importorskip("matplotlib")
-    from cute_ep.tools.cli import main
-
-    deepep = tmp_path / "deepep.json"
-    deepep.write_text(json.dumps({"best": {"dispatch_bf16": {"sms": 24, "us": 330.0}}}))
-    record = tmp_path / "bench.json"
-    record.write_text(json.dumps(RECORD))
-    bench_png, quant_png = tmp_path / "bench.png", tmp_path / "quant.png"
-    assert main(["plot", "bench", str(record), "--deepep", str(deepep), "-o",
-                 str(bench_png)]) == 0
-    quant = ROOT / "perf/results/quant-2026-11-26-H200-padding.json"
-    assert main(["plot", "quant", str(quant), "--key", "lease_11", "-o", str(quant_png)]) == 0
-    for png in (bench_png, quant_png):
-        data = png.read_bytes()
-        assert data.startswith(PNG) and len(data) > 10_000, png
