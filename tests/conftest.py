@@ -35,7 +35,7 @@ def reads_source_tree(path: Path) -> bool:
 
 def pytest_ignore_collect(collection_path, config):
     if not SOURCE_TREE and reads_source_tree(Path(collection_path)):
-        _LEFT_OUT.append(Path(collection_path).name)
+        _LEFT_OUT.append(Path(collection_path).relative_to(ROOT).as_posix())
         return True
     return None
 
