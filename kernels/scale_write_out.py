@@ -101,8 +101,10 @@ class ScaleWriteOut(EpDispatch):
             if g < segments:
                 s_raw[g] = raws[g]
         cute.arch.sync_threads()
+        # Rows staged a row at a time (the harness stages no messages).
         self._write_scales(warp, lane, cta, ctas, scales, scale_rows, s_off, s_raw, s_first,
-                           s_tile, segments, row_capacity, payload_vectors)
+                           s_tile, segments, row_capacity, payload_vectors, False, scale_rows,
+                           s_raw, Int32(1), Int32(0))
 
 
 def scale_write_out_kernels() -> list:

@@ -181,7 +181,7 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
         """Shared memory of the receiver warps' pieces, their mbarriers and what each holds,
         with the alignment of the three allocations."""
         pieces, piece = self.ring_shape
-        return pieces * (piece + 8 + 4) + 3 * 128
+        return pieces * (piece + 8 + 8) + 3 * 128
 
     def spec(self) -> KernelSpec:
         return KernelSpec(
@@ -399,7 +399,9 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
         s_planw = smem.allocate_tensor(
             Int32, cute.make_layout(PLAN_SOURCES * PLAN_WORDS if self.bulk else 4),
             byte_alignment=16)
-        s_piece = smem.allocate_tensor(Int32, cute.make_layout(pieces), byte_alignment=16)
+        # What each piece holds (its rows and part), then the staged row of its message's
+        # scales (SCALES_MESSAGES).
+        s_piece = smem.allocate_tensor(Int32, cute.make_layout(2 * pieces), byte_alignment=16)
         s_table = s_piece  # the NVFP4 encoder's e4m3 scale table (other formats: unused)
         if cutlass.const_expr(self.fmt == "nvfp4"):
             s_table = smem.allocate_tensor(Float32, scale_table_layout(), byte_alignment=16)
@@ -550,9 +552,13 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
                             # write the same shared memory.
                             cute.arch.fence_proxy("async.shared", space="cta")
                         cute.arch.sync_threads()
+                        messages = self._message_scales(
+                            segment_rows, s_off, local_experts + shared, scales, scale_rows,
+                            payload_vectors, ranks, max_tokens, row_capacity)
                         self._write_scales(warp, lane, channel, active, scales, scale_rows, s_off,
                                            s_raw, s_first, s_tile, local_experts + shared,
-                                           row_capacity, payload_vectors)
+                                           row_capacity, payload_vectors, messages, src_info,
+                                           s_totals, ranks, max_tokens)
             if tracing != 0:
                 cute.arch.sync_threads()  # "end" after every warp's share of the write-out
             if tidx == 0:

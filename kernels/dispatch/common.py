@@ -67,8 +67,10 @@ assert WIDE_TILE_ROWS * WIDE_TILE_WORDS * 4 <= PIECES * PIECE  # a warp's wide t
 # How a bulk-moved FP8 / NVFP4 message's scale bytes reach each row (`_store_piece`): bulk
 # stores into `scale_rows` (rows of 16-byte multiples), the lanes' word stores there (NVFP4's
 # padding bytes cleared), the lanes' stores into FP8's transposed slabs output, or the lanes'
-# 16-byte stores into `scale_rows` (rows of 16-byte multiples; the placer/mover split).
-SCALES_BULK, SCALES_LANES, SCALES_SLABS, SCALES_VECTORS = 0, 1, 2, 3
+# 16-byte stores into `scale_rows` (rows of 16-byte multiples; the placer/mover split), or
+# those stores once a message, into its own row of `scale_rows` (NVFP4's message scales,
+# `ScalesPhase._message_scales`).
+SCALES_BULK, SCALES_LANES, SCALES_SLABS, SCALES_VECTORS, SCALES_MESSAGES = 0, 1, 2, 3, 4
 ROWS = MAX_TOPK + 1  # rows a message can land in: its K experts and the shared expert
 FP8_BLOCK = 128
 NVFP4_BLOCK = 16
@@ -100,14 +102,16 @@ SROWS_AT = ROWS_AT + 2 * BATCH * ROWS
 # hold their messages' rows in the scratch of the source's first warps, PLAN_SLOTS_A_WARP plans
 # a warp at ROWS_AT (over the rows' halves and the scale rows, which that path does not use);
 # per source, PLAN_WORDS words of their own (bulk kernels only) hold each plan's messages'
-# staging slots, its message count (-1: the stream is over) and its batch.
+# staging slots, its message count (-1: the stream is over), its batch and its messages' source
+# tokens.
 PLAN_SLOTS = 6
 PLAN_SLOTS_A_WARP = 3
 assert PLAN_SLOTS_A_WARP * BATCH * ROWS <= SROWS_AT + BATCH * ROWS - ROWS_AT
 PLAN_STAGE_AT = 0
 PLAN_CNT_AT = PLAN_STAGE_AT + PLAN_SLOTS * BATCH
 PLAN_BATCH_AT = PLAN_CNT_AT + PLAN_SLOTS
-PLAN_WORDS = (PLAN_BATCH_AT + PLAN_SLOTS + 3) // 4 * 4
+PLAN_TOK_AT = PLAN_BATCH_AT + PLAN_SLOTS
+PLAN_WORDS = (PLAN_TOK_AT + PLAN_SLOTS * BATCH + 3) // 4 * 4
 SCRATCH = SROWS_AT + BATCH * ROWS
 SPLIT_MIN_WARPS = 3  # a placer and at least two movers
 assert -(-PLAN_SLOTS // PLAN_SLOTS_A_WARP) <= SPLIT_MIN_WARPS  # the plans' rows in s's warps

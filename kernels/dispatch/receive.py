@@ -14,8 +14,9 @@ from kernels.dispatch.common import (BATCH, DONE_AT, FP8_BLOCK, HEADER_REGS, IDS
                                      MAP_AT, MAX_RANKS, MAX_SEGMENTS, MAX_STAGE_BATCHES, MAX_TOPK,
                                      NVFP4_BLOCK, PAD_BARRIER, PHASE_DISPATCH, PIECE, PIECES,
                                      PLAN_BATCH_AT, PLAN_CNT_AT, PLAN_SLOTS, PLAN_SLOTS_A_WARP,
-                                     PLAN_STAGE_AT, PLAN_WORDS, RECV_TIME_WORDS, ROWS, ROWS_AT,
-                                     SCALES_BULK, SCALES_LANES, SCALES_SLABS, SCALES_VECTORS,
+                                     PLAN_STAGE_AT, PLAN_TOK_AT, PLAN_WORDS, RECV_TIME_WORDS,
+                                     ROWS, ROWS_AT, SCALES_BULK, SCALES_LANES, SCALES_MESSAGES,
+                                     SCALES_SLABS, SCALES_VECTORS,
                                      SCALE_REGS, SCRATCH, SEGS_AT, SEND_WARPS, SPLIT_MIN_WARPS,
                                      SROWS_AT, STAGE_AT, TOKS_AT, WARP, WEIGHTS, _lap, _stamp,
                                      _stamp_max, _wait_at_least)
@@ -470,6 +471,12 @@ class ReceivePhase:
         msg_bytes, scale_bytes, scale_mode, pieces = self._message_moves(
             payload_bytes, stage_bytes, blocks, rk, scale_cols, segment_rows, s_off,
             local_experts + shared, True)
+        if cutlass.const_expr(self.fmt == "nvfp4"):
+            if scale_mode == SCALES_VECTORS:
+                if self._message_scales(segment_rows, s_off, local_experts + shared, scales,
+                                        scale_rows, payload_vectors, ranks, max_tokens,
+                                        row_capacity):
+                    scale_mode = Int32(SCALES_MESSAGES)
         pieces_at = s_ring.iterator + rwarp * PIECES * PIECE
         full = s_full + rwarp * PIECES
         held = rwarp * PIECES
@@ -522,6 +529,7 @@ class ReceivePhase:
                         if direct != 0:
                             at_stage = -1 - tok
                         s_planw[pw + PLAN_STAGE_AT + slot3 * BATCH + m_of] = at_stage
+                        s_planw[pw + PLAN_TOK_AT + slot3 * BATCH + m_of] = tok
                     self._place_plan(lane, s, cnt, first_msg + placed, topk, my_rank, shared,
                                      shared_begin, shared_end, segment_rows, row_capacity,
                                      s_next, s_off, s_first, s_scratch, scratch,
@@ -604,9 +612,12 @@ class ReceivePhase:
                         msg = self._message_at(staging, inputs, stage, channel,
                                                s_planw[pw + PLAN_STAGE_AT + slot3 * BATCH + m],
                                                msg_bytes)
+                        # Its scales' staged row (SCALES_MESSAGES): source s's token.
+                        msg_row = s * max_tokens + s_planw[pw + PLAN_TOK_AT + slot3 * BATCH + m]
                         for p in cutlass.range(pieces):
                             issued, drained = self._pull_piece(
-                                lane, msg, rows0 + m * ROWS, p, issued, drained, msg_bytes,
+                                lane, msg, rows0 + m * ROWS, p, issued, drained, msg_row,
+                                msg_bytes,
                                 payload_bytes, pieces_at, full, s_piece, held, tokens, topk,
                                 s_scratch, scale_rows, scales, scale_mode, scales_offset,
                                 scale_bytes, scale_cols, row_capacity, s_time, times, tracing)
@@ -996,7 +1007,7 @@ class ReceivePhase:
                                        s_scratch[scratch + STAGE_AT + m], msg_bytes)
                 for p in cutlass.range(pieces):
                     issued, drained = self._pull_piece(
-                        lane, msg, rows0 + m * ROWS, p, issued, drained, msg_bytes,
+                        lane, msg, rows0 + m * ROWS, p, issued, drained, Int32(-1), msg_bytes,
                         payload_bytes, pieces_at, full, s_piece, held, tokens, topk, s_scratch,
                         scale_rows, scales, scale_mode, scales_offset, scale_bytes,
                         scale_cols, row_capacity, s_time, times, tracing)
@@ -1041,7 +1052,8 @@ class ReceivePhase:
         return msg
 
     @cute.jit
-    def _pull_piece(self, lane, msg, rows_at, p, issued, drained, msg_bytes, payload_bytes,
+    def _pull_piece(self, lane, msg, rows_at, p, issued, drained, msg_row, msg_bytes,
+                    payload_bytes,
                     ring: cute.Pointer, full: cute.Pointer, s_piece: cute.Tensor, held,
                     tokens: cute.Pointer, topk, s_scratch: cute.Tensor,
                     scale_rows: cute.Pointer, scales: cute.Pointer, scale_mode, scales_offset,
@@ -1069,6 +1081,7 @@ class ReceivePhase:
             cute.arch.mbarrier_arrive_and_expect_tx(full + at, nbytes)
             bulk_load(ring + at * PIECE, msg + offset, nbytes, full + at)
         s_piece[held + at] = rows_at * 64 + p  # (its rows, the piece): every lane writes it
+        s_piece[self.ring_shape[0] + held + at] = msg_row  # its scales' staged row
         cute.arch.sync_warp()  # ... before any lane reads it back in `_store_piece`
         issued = issued + 1
         if issued - drained > LAG:
@@ -1135,22 +1148,31 @@ class ReceivePhase:
                                    Int32(sc_hi - sc_lo))
         cute.arch.cp_async_bulk_commit_group()
         if cutlass.const_expr(self.fmt != "bf16"):
-            if scale_mode == SCALES_VECTORS and sc_hi > sc_lo:
+            if (scale_mode == SCALES_VECTORS or scale_mode == SCALES_MESSAGES) and \
+                    sc_hi > sc_lo:
                 # A 16-byte vector of the piece's scale bytes a lane, loaded once and stored to
-                # every row of the message.
+                # every row of the message (SCALES_MESSAGES: once, to the message's own row).
+                msg_row = s_piece[self.ring_shape[0] + held + at]
                 vec = cute.make_rmem_tensor(cute.make_layout(4), Int32)
                 for v in cutlass.range(lane, Int32(sc_hi - sc_lo) // 16, WARP):
                     cute.autovec_copy(cute.make_tensor(cute.recast_ptr(
                         (ring + at * PIECE + Int32(sc_lo - offset) + v * 16).align(16),
                         dtype=Int32), cute.make_layout(4)), vec)
-                    for k in cutlass.range(topk + 1):
-                        r = s_scratch[rows_at + k]
-                        if r >= 0:
-                            cute.autovec_copy(vec, cute.make_tensor(gmem_ptr(
-                                Int32, scale_rows.toint() + Int64(r) * Int64(scale_bytes)
-                                + sc_lo - Int64(scales_offset) + Int64(v) * 16, 16),
-                                cute.make_layout(4)))
-            if scale_mode != SCALES_BULK and scale_mode != SCALES_VECTORS and sc_hi > sc_lo:
+                    if scale_mode == SCALES_MESSAGES:
+                        cute.autovec_copy(vec, cute.make_tensor(gmem_ptr(
+                            Int32, scale_rows.toint() + Int64(msg_row) * Int64(scale_bytes)
+                            + sc_lo - Int64(scales_offset) + Int64(v) * 16, 16),
+                            cute.make_layout(4)))
+                    else:
+                        for k in cutlass.range(topk + 1):
+                            r = s_scratch[rows_at + k]
+                            if r >= 0:
+                                cute.autovec_copy(vec, cute.make_tensor(gmem_ptr(
+                                    Int32, scale_rows.toint() + Int64(r) * Int64(scale_bytes)
+                                    + sc_lo - Int64(scales_offset) + Int64(v) * 16, 16),
+                                    cute.make_layout(4)))
+            if scale_mode != SCALES_BULK and scale_mode != SCALES_VECTORS and \
+                    scale_mode != SCALES_MESSAGES and sc_hi > sc_lo:
                 words = cute.make_tensor(cute.recast_ptr((ring + at * PIECE).align(16),
                                                          dtype=Int32),
                                          cute.make_layout(PIECE // 4))

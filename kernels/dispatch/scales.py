@@ -6,9 +6,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 
-from kernels.dispatch.common import (FP8_BLOCK, MAX_SEGMENTS, NVFP4_BLOCK, PIECE, PIECES,
-                                     SEND_WARPS, TILE_COLS, TILE_ROWS, TILE_STRIDE, WARP,
-                                     WIDE_MIN_ROWS)
+from kernels.dispatch.common import (BATCH, FP8_BLOCK, MAX_SEGMENTS, NVFP4_BLOCK, PIECE, PIECES,
+                                     SEND_WARPS, SPLIT_MIN_WARPS, TILE_COLS, TILE_ROWS,
+                                     TILE_STRIDE, WARP, WIDE_MIN_ROWS)
 from kernels.bulk_copy import bulk_prefetch_l2, cp_async_16_fill
 from kernels.memory import gmem_ptr, load_i32, scale_offset, store_i32
 from kernels.nvfp4 import segment_of
@@ -38,14 +38,39 @@ class ScalesPhase:
         return word
 
     @cute.jit
+    def _message_scales(self, segment_rows, s_off: cute.Tensor, segments, scales: cute.Pointer,
+                        scale_rows: cute.Pointer, payload_vectors, ranks, max_tokens,
+                        row_capacity):
+        """Whether this dispatch's NVFP4 receivers stage each message's scales once, in row
+        s * max_tokens + t of `scale_rows` for source s's token t (SCALES_MESSAGES), and the
+        write-out gathers every output row's from its message (`_write_narrow`), instead of a
+        staged copy a row: packed rows of at least WIDE_MIN_ROWS in all (the narrow write-out),
+        whole 16-byte staged rows, the placer/mover split (ranks <= 2), and a `scale_rows` of
+        at least ranks * max_tokens rows. Read from the row layout every CTA derives alike: the
+        same answer in every receiver and at the kernel's end."""
+        on = False
+        if cutlass.const_expr(self.fmt == "nvfp4" and self.tiles_in_ring):
+            words = self._staged_words(payload_vectors)
+            scale_cols = payload_vectors * self.vector_bytes * 2 // NVFP4_BLOCK
+            per_source = cutlass.min(self.recv_warps // ranks, BATCH)
+            on = (segment_rows == 0 and s_off[segments] >= WIDE_MIN_ROWS
+                  and s_off[segments] <= row_capacity and words % 4 == 0
+                  and scale_cols % 4 == 0 and scale_rows.toint() % 16 == 0
+                  and scales.toint() % 16 == 0 and per_source >= SPLIT_MIN_WARPS
+                  and Int64(ranks) * Int64(max_tokens) <= Int64(row_capacity))
+        return on
+
+    @cute.jit
     def _write_scales(self, warp, lane, channel, active, scales: cute.Pointer,
                       scale_rows: cute.Pointer, s_off: cute.Tensor, s_raw: cute.Tensor,
                       s_first: cute.Tensor, s_tile: cute.Tensor, segments, row_capacity,
-                      payload_vectors):
+                      payload_vectors, messages, src_info: cute.Pointer, s_totals: cute.Tensor,
+                      ranks, max_tokens):
         """Once every CTA's receivers are done: the received rows' scales from `scale_rows` into
         the output's layout. Bulk receivers (`tiles_in_ring`) of at least WIDE_MIN_ROWS rows
         whose staged rows are whole 16-byte chunks take wide tiles (`_write_wide`), everything
-        else `_write_tiles`."""
+        else `_write_tiles`. `messages` (`_message_scales`): NVFP4's scales were staged a
+        message at a time."""
         if cutlass.const_expr(self.tiles_in_ring):
             words = self._staged_words(payload_vectors)
             aligned = (s_off[segments] >= WIDE_MIN_ROWS and words % 4 == 0
@@ -58,7 +83,8 @@ class ScalesPhase:
                     if cutlass.const_expr(self.fmt == "nvfp4"):
                         self._write_narrow(warp - SEND_WARPS, lane, channel, active, scales,
                                            scale_rows, s_off, s_raw, s_first, s_tile,
-                                           segments, words)
+                                           segments, words, messages, src_info, s_totals,
+                                           ranks, max_tokens)
                     else:
                         self._write_wide(warp - SEND_WARPS, lane, channel, active, scales,
                                          scale_rows, s_off, segments, s_tile, row_capacity,
@@ -124,11 +150,14 @@ class ScalesPhase:
     @cute.jit
     def _write_narrow(self, rw, lane, channel, active, scales: cute.Pointer,
                       scale_rows: cute.Pointer, s_off: cute.Tensor, s_raw: cute.Tensor,
-                      s_first: cute.Tensor, s_tile: cute.Tensor, segments, words):
+                      s_first: cute.Tensor, s_tile: cute.Tensor, segments, words, messages,
+                      src_info: cute.Pointer, s_totals: cute.Tensor, ranks, max_tokens):
         """NVFP4's write-out by the receiver warps through two narrow tiles a warp (the halves
         of its pieces): NARROW_TILE_WORDS columns of a 128-row block each, the next unit's
         loads in flight while this one's atoms are stored. A unit is column tile u % tiles_c
-        of block u // tiles_c, and H 7168's 112 columns are seven whole tiles (no half tile)."""
+        of block u // tiles_c, and H 7168's 112 columns are seven whole tiles (no half tile).
+        `messages`: each row's scales are its message's (`_unit_messages`, read a unit ahead
+        of the loads that need them)."""
         gw = channel * self.recv_warps + rw
         nw = active * self.recv_warps
         half = PIECES * PIECE // 8  # words of one narrow tile
@@ -141,23 +170,39 @@ class ScalesPhase:
         w = cute.make_rmem_tensor(cute.make_layout((4, 4), stride=(4, 1)), Int32)
         four = cute.make_rmem_tensor(cute.make_layout(4), Int32)
         starts = cute.make_rmem_tensor(cute.make_layout(SEGMENT_REGS), Int32)
+        # Message rows: a unit's (source base, token) for rows lane + 32 j of its block.
+        m_base = cute.make_rmem_tensor(cute.make_layout(ATOM_ROWS // WARP), Int32)
+        m_tok = cute.make_rmem_tensor(cute.make_layout(ATOM_ROWS // WARP), Int32)
         self._load_segment_starts(starts, s_first, segments, lane)
         dq = nw // tiles_c
         dc = nw % tiles_c
         # The unit being loaded (ql, cl) runs one ahead of the unit being stored (q, cq).
         q = gw // tiles_c
         cq = gw % tiles_c
+        if messages:
+            self._unit_messages(lane, starts, s_off, s_raw, s_first, s_totals, src_info, ranks,
+                                max_tokens, q, m_base, m_tok)
         if gw < n_units:
             self._load_narrow(tile, lane, base, starts, s_off, s_raw, s_first, q, cq, row_bytes,
-                              words)
+                              words, messages, m_base, m_tok, max_tokens)
         cute.arch.cp_async_commit_group()
         ql, cl = self._next_unit(q, cq, dq, dc, tiles_c)
+        if messages:
+            self._unit_messages(lane, starts, s_off, s_raw, s_first, s_totals, src_info, ranks,
+                                max_tokens, ql, m_base, m_tok)
         i = Int32(0)
         for u in cutlass.range(gw, n_units, nw):
             if u + nw < n_units:
                 self._load_narrow(tile + ((i + 1) & 1) * half, lane, base, starts, s_off, s_raw,
-                                  s_first, ql, cl, row_bytes, words)
+                                  s_first, ql, cl, row_bytes, words, messages, m_base, m_tok,
+                                  max_tokens)
             cute.arch.cp_async_commit_group()
+            qn, cn = self._next_unit(ql, cl, dq, dc, tiles_c)
+            if messages:
+                # The unit after next's message rows, while this one is stored.
+                if u + 2 * nw < n_units:
+                    self._unit_messages(lane, starts, s_off, s_raw, s_first, s_totals,
+                                        src_info, ranks, max_tokens, qn, m_base, m_tok)
             cute.arch.cp_async_wait_group(1)
             cute.arch.sync_warp()
             now = tile + (i & 1) * half
@@ -176,8 +221,39 @@ class ScalesPhase:
             i += 1
             q = ql
             cq = cl
-            ql, cl = self._next_unit(ql, cl, dq, dc, tiles_c)
+            ql = qn
+            cl = cn
         cute.arch.cp_async_wait_group(0)
+
+    @cute.jit
+    def _unit_messages(self, lane, starts: cute.Tensor, s_off: cute.Tensor, s_raw: cute.Tensor,
+                       s_first: cute.Tensor, s_totals: cute.Tensor, src_info: cute.Pointer,
+                       ranks, max_tokens, q, m_base: cute.Tensor, m_tok: cute.Tensor):
+        """For rows lane + 32 j of 128-row block q: m_base[j] = s * max_tokens for the row's
+        source s (a segment's rows come source after source, s_totals[s][g] of each), -1 past
+        the segment's rows; m_tok[j] its source token (its `src_info` word), loaded here and
+        read only when the unit's loads are issued (`_load_narrow`), so the loads' round trip
+        overlaps a unit's stores. Called by every lane (`_block_segment`)."""
+        g = self._block_segment(starts, q)
+        first_row = (q - s_first[g]) * ATOM_ROWS
+        valid = s_raw[g] - first_row
+        r0 = s_off[g] + first_row
+        for j in cutlass.range_constexpr(ATOM_ROWS // WARP):
+            rho = lane + j * WARP
+            b = Int32(-1)
+            t = Int32(0)
+            if rho < valid:
+                t = load_i32(src_info.toint() + Int64(r0 + rho) * 8)
+                at = first_row + rho  # the row within its segment
+                src = Int32(0)
+                edge = s_totals[g]  # the rows of the sources before source 1
+                for sv in cutlass.range(1, ranks):
+                    if at >= edge:
+                        src = sv
+                    edge = edge + s_totals[sv * MAX_SEGMENTS + g]
+                b = src * max_tokens
+            m_base[j] = b
+            m_tok[j] = t
 
     @cute.jit
     def _next_unit(self, q, c, dq, dc, tiles_c):
@@ -192,31 +268,48 @@ class ScalesPhase:
 
     @cute.jit
     def _load_narrow(self, tile, lane, base, starts: cute.Tensor, s_off: cute.Tensor,
-                     s_raw: cute.Tensor, s_first: cute.Tensor, q, cq, row_bytes, words):
+                     s_raw: cute.Tensor, s_first: cute.Tensor, q, cq, row_bytes, words, messages,
+                     m_base: cute.Tensor, m_tok: cute.Tensor, max_tokens):
         """Issue (not wait for) the loads of narrow tile (block q, column tile cq): lane l
         copies 16-byte chunk l % 4 of rows l // 4 + 8 k, k < 16, one address walked down the
         rows, each chunk at `narrow_tile_word` (whose swizzle is the same for all of a lane's
-        rows); rows past the segment's count as zeros, not read."""
-        g = self._block_segment(starts, q)
-        first_row = (q - s_first[g]) * WIDE_TILE_ROWS
-        r0 = s_off[g] + first_row
-        valid = s_raw[g] - first_row
+        rows); rows past the segment's count as zeros, not read. `messages`: row r's scales at
+        its message's staged row (`_unit_messages`' m_base + m_tok of lane r % 32, register
+        r // 32), a token out of range as zeros."""
         cc = lane % NARROW_TILE_CHUNKS
         first = lane // NARROW_TILE_CHUNKS
         col = cq * NARROW_TILE_WORDS + cc * 4
-        if col < words:
-            src = Int64(base) + Int64(r0 + first) * row_bytes + Int64(col * 4)
-            stride = row_bytes * NARROW_LOAD_STEP
-            left = valid - first
-            dst = tile + narrow_tile_word(first, cc)
+        dst = tile + narrow_tile_word(first, cc)
+        if messages:
+            # Every lane takes part in the shuffles; lanes past the last column load nothing.
             for k in cutlass.range_constexpr(WIDE_TILE_ROWS // NARROW_LOAD_STEP):
-                at = src
-                n = Int32(16)
-                if k * NARROW_LOAD_STEP >= left:
-                    at = Int64(base)
-                    n = Int32(0)
+                j = k * NARROW_LOAD_STEP // WARP
+                holder = first + (k * NARROW_LOAD_STEP) % WARP
+                b = cute.arch.shuffle_sync(m_base[j], holder)
+                t = cute.arch.shuffle_sync(m_tok[j], holder)
+                at = Int64(base)
+                n = Int32(0)
+                if b >= 0 and t >= 0 and t < max_tokens and col < words:
+                    at = Int64(base) + Int64(b + t) * row_bytes + Int64(col * 4)
+                    n = Int32(16)
                 cp_async_16_fill(dst + k * NARROW_LOAD_STEP * NARROW_TILE_WORDS, at, n)
-                src = src + stride
+        else:
+            g = self._block_segment(starts, q)
+            first_row = (q - s_first[g]) * WIDE_TILE_ROWS
+            r0 = s_off[g] + first_row
+            valid = s_raw[g] - first_row
+            if col < words:
+                src = Int64(base) + Int64(r0 + first) * row_bytes + Int64(col * 4)
+                stride = row_bytes * NARROW_LOAD_STEP
+                left = valid - first
+                for k in cutlass.range_constexpr(WIDE_TILE_ROWS // NARROW_LOAD_STEP):
+                    at = src
+                    n = Int32(16)
+                    if k * NARROW_LOAD_STEP >= left:
+                        at = Int64(base)
+                        n = Int32(0)
+                    cp_async_16_fill(dst + k * NARROW_LOAD_STEP * NARROW_TILE_WORDS, at, n)
+                    src = src + stride
 
     @cute.jit
     def _load_segment_starts(self, starts: cute.Tensor, s_first: cute.Tensor, segments, lane):
