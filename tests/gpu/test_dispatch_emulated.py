@@ -853,6 +853,30 @@ def test_prefill_sized_scales_go_out_through_the_receivers_pieces_exactly(fmt, h
         refs = _layer(bufs, 950 + seed, tokens, prequantized=prequantized)
         if tokens[0] > 100:
             assert min(d.num_rows for d in refs) >= min_rows, [d.num_rows for d in refs]
+            if fmt == "nvfp4":
+                _assert_message_scales(cfg, bufs, refs)
+
+
+def _assert_message_scales(cfg, bufs, refs):
+    """NVFP4 at prefill size on two ranks stages each message's scales once, at row
+    source * max_tokens + source token of the Buffer's `scale_rows`: those rows, taken in the
+    output's row order (each row's source and token as the reference routed it) and written out
+    by the reference, are the reference's scale output byte for byte (rows staged a row at a
+    time would sit at the rows' own indices instead)."""
+    from cute_ep.reference.ep import scale_layout_of_rows
+
+    for buf, want in zip(bufs, refs):
+        n = want.num_rows
+        words = buf.scale_rows.numel() // cfg.row_capacity
+        staged = buf.scale_rows.view(cfg.row_capacity, words)
+        at = want.source_rank[:n].long() * cfg.max_tokens + want.src_info[:n, 0].long()
+        rows = staged[at]
+        got = scale_layout_of_rows("nvfp4", rows, cfg.hidden, want.counts.tolist(),
+                                   cfg.row_capacity)
+        used = got.numel()
+        assert torch.equal(got.view(torch.uint8).flatten(),
+                           want.scales.view(torch.uint8).flatten()[:used]), \
+            "NVFP4 scales were not staged a message at a time"
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
