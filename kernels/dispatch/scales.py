@@ -240,20 +240,18 @@ class ScalesPhase:
         r0 = s_off[g] + first_row
         for j in cutlass.range_constexpr(ATOM_ROWS // WARP):
             rho = lane + j * WARP
-            b = Int32(-1)
-            t = Int32(0)
-            if rho < valid:
-                t = load_i32(src_info.toint() + Int64(r0 + rho) * 8)
-                at = first_row + rho  # the row within its segment
-                src = Int32(0)
-                edge = s_totals[g]  # the rows of the sources before source 1
-                for sv in cutlass.range(1, ranks):
-                    if at >= edge:
-                        src = sv
-                    edge = edge + s_totals[sv * MAX_SEGMENTS + g]
-                b = src * max_tokens
-            m_base[j] = b
-            m_tok[j] = t
+            # A load on every lane, row 0's past the segment (no branch around it, whose join
+            # would wait for the load).
+            inside = Int32(rho < valid)
+            m_tok[j] = load_i32(src_info.toint() + Int64((r0 + rho) * inside) * 8)
+            at = first_row + rho  # the row within its segment
+            src = Int32(0)
+            edge = s_totals[g]  # the rows of the sources before source 1
+            for sv in cutlass.range(1, ranks):
+                if at >= edge:
+                    src = sv
+                edge = edge + s_totals[sv * MAX_SEGMENTS + g]
+            m_base[j] = (src * max_tokens + 1) * inside - 1
 
     @cute.jit
     def _next_unit(self, q, c, dq, dc, tiles_c):
