@@ -869,7 +869,7 @@ def _assert_message_scales(cfg, bufs, refs):
         n = want.num_rows
         words = buf.scale_rows.numel() // cfg.row_capacity
         staged = buf.scale_rows.view(cfg.row_capacity, words)
-        at = want.source_rank[:n].long() * cfg.max_tokens + want.src_info[:n, 0].long()
+        at = want.source_rank[:n].long() * cfg.max_tokens_per_rank + want.src_info[:n, 0].long()
         rows = staged[at]
         got = scale_layout_of_rows("nvfp4", rows, cfg.hidden, want.counts.tolist(),
                                    cfg.row_capacity)
