@@ -81,10 +81,15 @@ class ScalesPhase:
             if aligned:
                 if warp >= SEND_WARPS:
                     if cutlass.const_expr(self.fmt == "nvfp4"):
-                        self._write_narrow(warp - SEND_WARPS, lane, channel, active, scales,
-                                           scale_rows, s_off, s_raw, s_first, s_tile,
-                                           segments, words, messages, src_info, s_totals,
-                                           ranks, max_tokens)
+                        if messages:
+                            self._write_narrow_messages(
+                                warp - SEND_WARPS, lane, channel, active, scales, scale_rows,
+                                s_off, s_raw, s_first, s_tile, segments, words, src_info,
+                                s_totals, ranks, max_tokens)
+                        else:
+                            self._write_narrow(warp - SEND_WARPS, lane, channel, active,
+                                               scales, scale_rows, s_off, s_raw, s_first,
+                                               s_tile, segments, words)
                     else:
                         self._write_wide(warp - SEND_WARPS, lane, channel, active, scales,
                                          scale_rows, s_off, segments, s_tile, row_capacity,
@@ -150,14 +155,11 @@ class ScalesPhase:
     @cute.jit
     def _write_narrow(self, rw, lane, channel, active, scales: cute.Pointer,
                       scale_rows: cute.Pointer, s_off: cute.Tensor, s_raw: cute.Tensor,
-                      s_first: cute.Tensor, s_tile: cute.Tensor, segments, words, messages,
-                      src_info: cute.Pointer, s_totals: cute.Tensor, ranks, max_tokens):
+                      s_first: cute.Tensor, s_tile: cute.Tensor, segments, words):
         """NVFP4's write-out by the receiver warps through two narrow tiles a warp (the halves
         of its pieces): NARROW_TILE_WORDS columns of a 128-row block each, the next unit's
         loads in flight while this one's atoms are stored. A unit is column tile u % tiles_c
-        of block u // tiles_c, and H 7168's 112 columns are seven whole tiles (no half tile).
-        `messages`: each row's scales are its message's (`_unit_messages`, read a unit ahead
-        of the loads that need them)."""
+        of block u // tiles_c, and H 7168's 112 columns are seven whole tiles (no half tile)."""
         gw = channel * self.recv_warps + rw
         nw = active * self.recv_warps
         half = PIECES * PIECE // 8  # words of one narrow tile
@@ -166,69 +168,123 @@ class ScalesPhase:
         row_bytes = Int64(words) * 4
         n_units = s_first[segments] * tiles_c
         base = scale_rows.toint()
-        mine = cute.make_layout((4, 4), stride=(WARP * NARROW_TILE_WORDS, 1))
-        w = cute.make_rmem_tensor(cute.make_layout((4, 4), stride=(4, 1)), Int32)
-        four = cute.make_rmem_tensor(cute.make_layout(4), Int32)
         starts = cute.make_rmem_tensor(cute.make_layout(SEGMENT_REGS), Int32)
-        # Message rows: a unit's (source base, token) for rows lane + 32 j of its block.
-        m_base = cute.make_rmem_tensor(cute.make_layout(ATOM_ROWS // WARP), Int32)
-        m_tok = cute.make_rmem_tensor(cute.make_layout(ATOM_ROWS // WARP), Int32)
         self._load_segment_starts(starts, s_first, segments, lane)
         dq = nw // tiles_c
         dc = nw % tiles_c
         # The unit being loaded (ql, cl) runs one ahead of the unit being stored (q, cq).
         q = gw // tiles_c
         cq = gw % tiles_c
-        if messages:
-            self._unit_messages(lane, starts, s_off, s_raw, s_first, s_totals, src_info, ranks,
-                                max_tokens, q, m_base, m_tok)
         if gw < n_units:
             self._load_narrow(tile, lane, base, starts, s_off, s_raw, s_first, q, cq, row_bytes,
-                              words, messages, m_base, m_tok, max_tokens)
+                              words)
         cute.arch.cp_async_commit_group()
         ql, cl = self._next_unit(q, cq, dq, dc, tiles_c)
-        if messages:
-            self._unit_messages(lane, starts, s_off, s_raw, s_first, s_totals, src_info, ranks,
-                                max_tokens, ql, m_base, m_tok)
         i = Int32(0)
         for u in cutlass.range(gw, n_units, nw):
             if u + nw < n_units:
                 self._load_narrow(tile + ((i + 1) & 1) * half, lane, base, starts, s_off, s_raw,
-                                  s_first, ql, cl, row_bytes, words, messages, m_base, m_tok,
-                                  max_tokens)
+                                  s_first, ql, cl, row_bytes, words)
             cute.arch.cp_async_commit_group()
-            qn, cn = self._next_unit(ql, cl, dq, dc, tiles_c)
-            if messages:
-                # The unit after next's message rows, while this one is stored.
-                if u + 2 * nw < n_units:
-                    self._unit_messages(lane, starts, s_off, s_raw, s_first, s_totals,
-                                        src_info, ranks, max_tokens, qn, m_base, m_tok)
             cute.arch.cp_async_wait_group(1)
             cute.arch.sync_warp()
-            now = tile + (i & 1) * half
-            c0 = cq * NARROW_TILE_WORDS
-            out_at = scales.toint() + scale_offset(q * ATOM_ROWS + lane, 0, words)
-            for c in cutlass.range_constexpr(NARROW_TILE_CHUNKS):
-                if c0 + c * 4 < words:
-                    cute.autovec_copy(cute.make_tensor(
-                        (now + narrow_tile_word(lane, c)).align(16), mine), w)
-                    for j in cutlass.range_constexpr(4):
-                        if c0 + c * 4 + j < words:
-                            for p in cutlass.range_constexpr(4):
-                                four[p] = w[p, j]
-                            self._store_atom_rows(out_at, c0 + c * 4 + j, four)
+            self._store_narrow(tile + (i & 1) * half, lane, q, cq, scales, words)
             cute.arch.sync_warp()  # read back before the loads two units on overwrite it
             i += 1
             q = ql
             cq = cl
-            ql = qn
-            cl = cn
+            ql, cl = self._next_unit(ql, cl, dq, dc, tiles_c)
+        cute.arch.cp_async_wait_group(0)
+
+    @cute.jit
+    def _store_narrow(self, now, lane, q, cq, scales: cute.Pointer, words):
+        """Narrow tile (block q, column tile cq), landed at `now`, stored as atoms: lane l's
+        16-byte runs of rows l, l + 32, l + 64, l + 96, one a column word."""
+        mine = cute.make_layout((4, 4), stride=(WARP * NARROW_TILE_WORDS, 1))
+        w = cute.make_rmem_tensor(cute.make_layout((4, 4), stride=(4, 1)), Int32)
+        four = cute.make_rmem_tensor(cute.make_layout(4), Int32)
+        c0 = cq * NARROW_TILE_WORDS
+        out_at = scales.toint() + scale_offset(q * ATOM_ROWS + lane, 0, words)
+        for c in cutlass.range_constexpr(NARROW_TILE_CHUNKS):
+            if c0 + c * 4 < words:
+                cute.autovec_copy(cute.make_tensor(
+                    (now + narrow_tile_word(lane, c)).align(16), mine), w)
+                for j in cutlass.range_constexpr(4):
+                    if c0 + c * 4 + j < words:
+                        for p in cutlass.range_constexpr(4):
+                            four[p] = w[p, j]
+                        self._store_atom_rows(out_at, c0 + c * 4 + j, four)
+
+    @cute.jit
+    def _write_narrow_messages(self, rw, lane, channel, active, scales: cute.Pointer,
+                               scale_rows: cute.Pointer, s_off: cute.Tensor, s_raw: cute.Tensor,
+                               s_first: cute.Tensor, s_tile: cute.Tensor, segments, words,
+                               src_info: cute.Pointer, s_totals: cute.Tensor, ranks,
+                               max_tokens):
+        """`_write_narrow` from scales staged a message at a time (SCALES_MESSAGES): a row's
+        scales gathered from its message's staged row. The units (block-major) go to the warps
+        in contiguous runs, so a warp's consecutive units mostly share their block and its rows'
+        messages (`_unit_messages`), looked up once a block: set a for the block being loaded,
+        set b for the block after it, read a block ahead."""
+        gw = channel * self.recv_warps + rw
+        nw = active * self.recv_warps
+        half = PIECES * PIECE // 8  # words of one narrow tile
+        tile = s_tile.iterator + rw * (PIECES * PIECE // 4)
+        tiles_c = (words + NARROW_TILE_WORDS - 1) // NARROW_TILE_WORDS
+        row_bytes = Int64(words) * 4
+        n_units = s_first[segments] * tiles_c
+        base = scale_rows.toint()
+        starts = cute.make_rmem_tensor(cute.make_layout(SEGMENT_REGS), Int32)
+        self._load_segment_starts(starts, s_first, segments, lane)
+        a_base = cute.make_rmem_tensor(cute.make_layout(ATOM_ROWS // WARP), Int32)
+        a_tok = cute.make_rmem_tensor(cute.make_layout(ATOM_ROWS // WARP), Int32)
+        b_base = cute.make_rmem_tensor(cute.make_layout(ATOM_ROWS // WARP), Int32)
+        b_tok = cute.make_rmem_tensor(cute.make_layout(ATOM_ROWS // WARP), Int32)
+        lo = Int32(Int64(gw) * Int64(n_units) // Int64(nw))
+        hi = Int32(Int64(gw + 1) * Int64(n_units) // Int64(nw))
+        q = lo // tiles_c
+        cq = lo - q * tiles_c
+        if lo < hi:
+            self._unit_messages(lane, starts, s_off, s_raw, s_first, s_totals, src_info, ranks,
+                                q, max_tokens, a_base, a_tok)
+            self._unit_messages(lane, starts, s_off, s_raw, s_first, s_totals, src_info, ranks,
+                                q + 1, max_tokens, b_base, b_tok)
+            self._load_narrow_messages(tile, lane, base, cq, row_bytes, words, a_base, a_tok,
+                                       max_tokens)
+        cute.arch.cp_async_commit_group()
+        i = Int32(0)
+        for u in cutlass.range(lo, hi):
+            # The next unit, the block after this one's where this one is its last column.
+            cl = cq + 1
+            ql = q
+            if cl == tiles_c:
+                cl = Int32(0)
+                ql = q + 1
+            if u + 1 < hi:
+                if cl == 0:
+                    # Its block's rows are set b's; the block after it goes to b.
+                    for j in cutlass.range_constexpr(ATOM_ROWS // WARP):
+                        a_base[j] = b_base[j]
+                        a_tok[j] = b_tok[j]
+                    if u + 1 + tiles_c < hi:
+                        self._unit_messages(lane, starts, s_off, s_raw, s_first, s_totals,
+                                            src_info, ranks, ql + 1, max_tokens, b_base, b_tok)
+                self._load_narrow_messages(tile + ((i + 1) & 1) * half, lane, base, cl,
+                                           row_bytes, words, a_base, a_tok, max_tokens)
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(1)
+            cute.arch.sync_warp()
+            self._store_narrow(tile + (i & 1) * half, lane, q, cq, scales, words)
+            cute.arch.sync_warp()  # read back before the loads two units on overwrite it
+            i += 1
+            q = ql
+            cq = cl
         cute.arch.cp_async_wait_group(0)
 
     @cute.jit
     def _unit_messages(self, lane, starts: cute.Tensor, s_off: cute.Tensor, s_raw: cute.Tensor,
                        s_first: cute.Tensor, s_totals: cute.Tensor, src_info: cute.Pointer,
-                       ranks, max_tokens, q, m_base: cute.Tensor, m_tok: cute.Tensor):
+                       ranks, q, max_tokens, m_base: cute.Tensor, m_tok: cute.Tensor):
         """For rows lane + 32 j of 128-row block q: m_base[j] = s * max_tokens for the row's
         source s (a segment's rows come source after source, s_totals[s][g] of each), -1 past
         the segment's rows; m_tok[j] its source token (its `src_info` word), loaded here and
@@ -266,48 +322,55 @@ class ScalesPhase:
 
     @cute.jit
     def _load_narrow(self, tile, lane, base, starts: cute.Tensor, s_off: cute.Tensor,
-                     s_raw: cute.Tensor, s_first: cute.Tensor, q, cq, row_bytes, words, messages,
-                     m_base: cute.Tensor, m_tok: cute.Tensor, max_tokens):
+                     s_raw: cute.Tensor, s_first: cute.Tensor, q, cq, row_bytes, words):
         """Issue (not wait for) the loads of narrow tile (block q, column tile cq): lane l
         copies 16-byte chunk l % 4 of rows l // 4 + 8 k, k < 16, one address walked down the
         rows, each chunk at `narrow_tile_word` (whose swizzle is the same for all of a lane's
-        rows); rows past the segment's count as zeros, not read. `messages`: row r's scales at
-        its message's staged row (`_unit_messages`' m_base + m_tok of lane r % 32, register
-        r // 32), a token out of range as zeros."""
+        rows); rows past the segment's count as zeros, not read."""
+        g = self._block_segment(starts, q)
+        first_row = (q - s_first[g]) * WIDE_TILE_ROWS
+        r0 = s_off[g] + first_row
+        valid = s_raw[g] - first_row
+        cc = lane % NARROW_TILE_CHUNKS
+        first = lane // NARROW_TILE_CHUNKS
+        col = cq * NARROW_TILE_WORDS + cc * 4
+        if col < words:
+            src = Int64(base) + Int64(r0 + first) * row_bytes + Int64(col * 4)
+            stride = row_bytes * NARROW_LOAD_STEP
+            left = valid - first
+            dst = tile + narrow_tile_word(first, cc)
+            for k in cutlass.range_constexpr(WIDE_TILE_ROWS // NARROW_LOAD_STEP):
+                at = src
+                n = Int32(16)
+                if k * NARROW_LOAD_STEP >= left:
+                    at = Int64(base)
+                    n = Int32(0)
+                cp_async_16_fill(dst + k * NARROW_LOAD_STEP * NARROW_TILE_WORDS, at, n)
+                src = src + stride
+
+    @cute.jit
+    def _load_narrow_messages(self, tile, lane, base, cq, row_bytes, words,
+                              m_base: cute.Tensor, m_tok: cute.Tensor, max_tokens):
+        """`_load_narrow` of column tile cq of the block whose rows' messages `_unit_messages`
+        put in (m_base, m_tok): row r's chunk from its message's staged row (m_base + m_tok of
+        lane r % 32, register r // 32); rows past the segment, or a token out of range, as
+        zeros. Every lane takes part in the shuffles; lanes past the last column load
+        nothing."""
         cc = lane % NARROW_TILE_CHUNKS
         first = lane // NARROW_TILE_CHUNKS
         col = cq * NARROW_TILE_WORDS + cc * 4
         dst = tile + narrow_tile_word(first, cc)
-        if messages:
-            # Every lane takes part in the shuffles; lanes past the last column load nothing.
-            for k in cutlass.range_constexpr(WIDE_TILE_ROWS // NARROW_LOAD_STEP):
-                j = k * NARROW_LOAD_STEP // WARP
-                holder = first + (k * NARROW_LOAD_STEP) % WARP
-                b = cute.arch.shuffle_sync(m_base[j], holder)
-                t = cute.arch.shuffle_sync(m_tok[j], holder)
-                at = Int64(base)
-                n = Int32(0)
-                if b >= 0 and t >= 0 and t < max_tokens and col < words:
-                    at = Int64(base) + Int64(b + t) * row_bytes + Int64(col * 4)
-                    n = Int32(16)
-                cp_async_16_fill(dst + k * NARROW_LOAD_STEP * NARROW_TILE_WORDS, at, n)
-        else:
-            g = self._block_segment(starts, q)
-            first_row = (q - s_first[g]) * WIDE_TILE_ROWS
-            r0 = s_off[g] + first_row
-            valid = s_raw[g] - first_row
-            if col < words:
-                src = Int64(base) + Int64(r0 + first) * row_bytes + Int64(col * 4)
-                stride = row_bytes * NARROW_LOAD_STEP
-                left = valid - first
-                for k in cutlass.range_constexpr(WIDE_TILE_ROWS // NARROW_LOAD_STEP):
-                    at = src
-                    n = Int32(16)
-                    if k * NARROW_LOAD_STEP >= left:
-                        at = Int64(base)
-                        n = Int32(0)
-                    cp_async_16_fill(dst + k * NARROW_LOAD_STEP * NARROW_TILE_WORDS, at, n)
-                    src = src + stride
+        for k in cutlass.range_constexpr(WIDE_TILE_ROWS // NARROW_LOAD_STEP):
+            j = k * NARROW_LOAD_STEP // WARP
+            holder = first + (k * NARROW_LOAD_STEP) % WARP
+            b = cute.arch.shuffle_sync(m_base[j], holder)
+            t = cute.arch.shuffle_sync(m_tok[j], holder)
+            at = Int64(base)
+            n = Int32(0)
+            if b >= 0 and t >= 0 and t < max_tokens and col < words:
+                at = Int64(base) + Int64(b + t) * row_bytes + Int64(col * 4)
+                n = Int32(16)
+            cp_async_16_fill(dst + k * NARROW_LOAD_STEP * NARROW_TILE_WORDS, at, n)
 
     @cute.jit
     def _load_segment_starts(self, starts: cute.Tensor, s_first: cute.Tensor, segments, lane):
