@@ -45,7 +45,8 @@ class ScalesPhase:
         s * max_tokens + t of `scale_rows` for source s's token t (SCALES_MESSAGES), and the
         write-out gathers every output row's from its message (`_write_narrow`), instead of a
         staged copy a row: packed rows of at least WIDE_MIN_ROWS in all (the narrow write-out),
-        whole 16-byte staged rows, the placer/mover split (ranks <= 2), and a `scale_rows` of
+        whole 16-byte staged rows, the placer/mover split (at most two ranks: a row's source is
+        then the first unless the row lies past the first source's rows), and a `scale_rows` of
         at least ranks * max_tokens rows. Read from the row layout every CTA derives alike: the
         same answer in every receiver and at the kernel's end."""
         on = False
@@ -56,7 +57,7 @@ class ScalesPhase:
             on = (segment_rows == 0 and s_off[segments] >= WIDE_MIN_ROWS
                   and s_off[segments] <= row_capacity and words % 4 == 0
                   and scale_cols % 4 == 0 and scale_rows.toint() % 16 == 0
-                  and scales.toint() % 16 == 0 and per_source >= SPLIT_MIN_WARPS
+                  and scales.toint() % 16 == 0 and per_source >= SPLIT_MIN_WARPS and ranks <= 2
                   and Int64(ranks) * Int64(max_tokens) <= Int64(row_capacity))
         return on
 
@@ -225,7 +226,8 @@ class ScalesPhase:
         scales gathered from its message's staged row. The units (block-major) go to the warps
         in contiguous runs, so a warp's consecutive units mostly share their block and its rows'
         messages (`_unit_messages`), looked up once a block: set a for the block being loaded,
-        set b for the block after it, read a block ahead."""
+        set b for the block after it, read a block ahead, each as staged rows in m_row once
+        its loads are needed."""
         gw = channel * self.recv_warps + rw
         nw = active * self.recv_warps
         half = PIECES * PIECE // 8  # words of one narrow tile
@@ -240,6 +242,7 @@ class ScalesPhase:
         a_tok = cute.make_rmem_tensor(cute.make_layout(ATOM_ROWS // WARP), Int32)
         b_base = cute.make_rmem_tensor(cute.make_layout(ATOM_ROWS // WARP), Int32)
         b_tok = cute.make_rmem_tensor(cute.make_layout(ATOM_ROWS // WARP), Int32)
+        m_row = cute.make_rmem_tensor(cute.make_layout(ATOM_ROWS // WARP), Int32)
         lo = Int32(Int64(gw) * Int64(n_units) // Int64(nw))
         hi = Int32(Int64(gw + 1) * Int64(n_units) // Int64(nw))
         q = lo // tiles_c
@@ -249,8 +252,8 @@ class ScalesPhase:
                                 q, max_tokens, a_base, a_tok)
             self._unit_messages(lane, starts, s_off, s_raw, s_first, s_totals, src_info, ranks,
                                 q + 1, max_tokens, b_base, b_tok)
-            self._load_narrow_messages(tile, lane, base, cq, row_bytes, words, a_base, a_tok,
-                                       max_tokens)
+            self._message_rows(a_base, a_tok, m_row, max_tokens)
+            self._load_narrow_messages(tile, lane, base, cq, row_bytes, words, m_row)
         cute.arch.cp_async_commit_group()
         i = Int32(0)
         for u in cutlass.range(lo, hi):
@@ -263,14 +266,12 @@ class ScalesPhase:
             if u + 1 < hi:
                 if cl == 0:
                     # Its block's rows are set b's; the block after it goes to b.
-                    for j in cutlass.range_constexpr(ATOM_ROWS // WARP):
-                        a_base[j] = b_base[j]
-                        a_tok[j] = b_tok[j]
+                    self._message_rows(b_base, b_tok, m_row, max_tokens)
                     if u + 1 + tiles_c < hi:
                         self._unit_messages(lane, starts, s_off, s_raw, s_first, s_totals,
                                             src_info, ranks, ql + 1, max_tokens, b_base, b_tok)
                 self._load_narrow_messages(tile + ((i + 1) & 1) * half, lane, base, cl,
-                                           row_bytes, words, a_base, a_tok, max_tokens)
+                                           row_bytes, words, m_row)
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(1)
             cute.arch.sync_warp()
@@ -286,28 +287,35 @@ class ScalesPhase:
                        s_first: cute.Tensor, s_totals: cute.Tensor, src_info: cute.Pointer,
                        ranks, q, max_tokens, m_base: cute.Tensor, m_tok: cute.Tensor):
         """For rows lane + 32 j of 128-row block q: m_base[j] = s * max_tokens for the row's
-        source s (a segment's rows come source after source, s_totals[s][g] of each), -1 past
-        the segment's rows; m_tok[j] its source token (its `src_info` word), loaded here and
-        read only when the unit's loads are issued (`_load_narrow`), so the loads' round trip
-        overlaps a unit's stores. Called by every lane (`_block_segment`)."""
+        source s (a segment's rows come source after source, s_totals[s][g] of each; at most
+        two sources, `_message_scales`), -1 past the segment's rows; m_tok[j] its source token
+        (its `src_info` word), loaded here and read only a block later (`_message_rows`), so
+        the loads' round trip overlaps the block before. Called by every lane
+        (`_block_segment`)."""
         g = self._block_segment(starts, q)
         first_row = (q - s_first[g]) * ATOM_ROWS
         valid = s_raw[g] - first_row
         r0 = s_off[g] + first_row
+        firsts = s_totals[g]  # the first source's rows of the segment
         for j in cutlass.range_constexpr(ATOM_ROWS // WARP):
             rho = lane + j * WARP
             # A load on every lane, row 0's past the segment (no branch around it, whose join
             # would wait for the load).
             inside = Int32(rho < valid)
             m_tok[j] = load_i32(src_info.toint() + Int64((r0 + rho) * inside) * 8)
-            at = first_row + rho  # the row within its segment
-            src = Int32(0)
-            edge = s_totals[g]  # the rows of the sources before source 1
-            for sv in cutlass.range(1, ranks):
-                if at >= edge:
-                    src = sv
-                edge = edge + s_totals[sv * MAX_SEGMENTS + g]
+            src = Int32(ranks > 1 and first_row + rho >= firsts)
             m_base[j] = (src * max_tokens + 1) * inside - 1
+
+    @cute.jit
+    def _message_rows(self, m_base: cute.Tensor, m_tok: cute.Tensor, m_row: cute.Tensor,
+                      max_tokens):
+        """`_unit_messages`' registers as staged rows: base + token, -1 past the segment or
+        for a token out of range (then read as zeros)."""
+        for j in cutlass.range_constexpr(ATOM_ROWS // WARP):
+            row = m_base[j] + m_tok[j]
+            if m_base[j] < 0 or m_tok[j] < 0 or m_tok[j] >= max_tokens:
+                row = Int32(-1)
+            m_row[j] = row
 
     @cute.jit
     def _next_unit(self, q, c, dq, dc, tiles_c):
@@ -349,26 +357,22 @@ class ScalesPhase:
                 src = src + stride
 
     @cute.jit
-    def _load_narrow_messages(self, tile, lane, base, cq, row_bytes, words,
-                              m_base: cute.Tensor, m_tok: cute.Tensor, max_tokens):
-        """`_load_narrow` of column tile cq of the block whose rows' messages `_unit_messages`
-        put in (m_base, m_tok): row r's chunk from its message's staged row (m_base + m_tok of
-        lane r % 32, register r // 32); rows past the segment, or a token out of range, as
-        zeros. Every lane takes part in the shuffles; lanes past the last column load
+    def _load_narrow_messages(self, tile, lane, base, cq, row_bytes, words, m_row: cute.Tensor):
+        """`_load_narrow` of column tile cq of the block whose rows' staged rows `_message_rows`
+        put in m_row: row r's chunk from staged row m_row[r // 32] of lane r % 32; rows at -1
+        as zeros. Every lane takes part in the shuffles; lanes past the last column load
         nothing."""
         cc = lane % NARROW_TILE_CHUNKS
         first = lane // NARROW_TILE_CHUNKS
         col = cq * NARROW_TILE_WORDS + cc * 4
         dst = tile + narrow_tile_word(first, cc)
         for k in cutlass.range_constexpr(WIDE_TILE_ROWS // NARROW_LOAD_STEP):
-            j = k * NARROW_LOAD_STEP // WARP
-            holder = first + (k * NARROW_LOAD_STEP) % WARP
-            b = cute.arch.shuffle_sync(m_base[j], holder)
-            t = cute.arch.shuffle_sync(m_tok[j], holder)
+            row = cute.arch.shuffle_sync(m_row[k * NARROW_LOAD_STEP // WARP],
+                                         first + (k * NARROW_LOAD_STEP) % WARP)
             at = Int64(base)
             n = Int32(0)
-            if b >= 0 and t >= 0 and t < max_tokens and col < words:
-                at = Int64(base) + Int64(b + t) * row_bytes + Int64(col * 4)
+            if row >= 0 and col < words:
+                at = Int64(base) + Int64(row) * row_bytes + Int64(col * 4)
                 n = Int32(16)
             cp_async_16_fill(dst + k * NARROW_LOAD_STEP * NARROW_TILE_WORDS, at, n)
 
