@@ -56,7 +56,9 @@ RECV_WARPS_REGISTERS) receiver warps, and runs these parts:
    whole lines at a time (a scale word stored straight into FP8's transposed or NVFP4's 128x4
    layout is a 32-byte sector of its own: what FP8 and NVFP4 receivers spent most on); NVFP4 by
    a 16-byte store per lane and atom, and a 128-row block of at most 32 rows (a decode's
-   experts) straight from its staged rows, the rest of the block zero.
+   experts) straight from its staged rows, the rest of the block zero. NVFP4 at prefill size on
+   at most two ranks stages a message's scales once, not once a row (`_message_scales`), and
+   the write-out gathers each row's from its message's.
 
 The kernel body below says the protocol in order; each phase is a class of its own module that
 `EpDispatch` is composed of: `counts.py` (phase 1, and the receivers' reading of the counts),

@@ -854,22 +854,51 @@ def test_prefill_sized_scales_go_out_through_the_receivers_pieces_exactly(fmt, h
         if tokens[0] > 100:
             assert min(d.num_rows for d in refs) >= min_rows, [d.num_rows for d in refs]
             if fmt == "nvfp4":
-                _assert_message_scales(cfg, bufs, refs)
+                assert _assert_message_scales(cfg, bufs, refs, min_rows) == cfg.ranks
 
 
-def _assert_message_scales(cfg, bufs, refs):
-    """NVFP4 at prefill size on two ranks stages each message's scales once, at row
-    source * max_tokens + source token of the Buffer's `scale_rows`: those rows, taken in the
-    output's row order (each row's source and token as the reference routed it) and written out
-    by the reference, are the reference's scale output byte for byte (rows staged a row at a
-    time would sit at the rows' own indices instead)."""
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_nvfp4_message_scales_with_a_shared_expert_skip_a2a_and_a_direct_input(ranks):
+    """NVFP4 scales staged a message at a time (prefill-sized rows on at most two ranks) under
+    what changes a row's message: the fused shared expert's rows, skip_a2a (every rank the same
+    tokens), hot routing, one rank's tokens in its direct input, pre-quantized or not, and a
+    round of too few rows between (a row at a time): every scale byte the reference's."""
+    from cute_ep.ep import Buffer
+    from cute_ep.runtime.launch import runtime
+    from layouts import EPConfig
+
+    min_rows = runtime().select("scale_write_out", "cuda",
+                                format="nvfp4").spec.sizes["wide_min_rows"]
+    cfg = EPConfig(1024, 8, 32, ranks, 2048, "nvfp4", fused_shared_expert=True)
+    bufs = Buffer.emulated(cfg, timeout_s=20.0, sms=16, input_rows=2048)
+    big = [2048] * ranks
+    for seed, kw in enumerate(({}, {"skip_a2a": True}, {"routing": "hot"},
+                               {"direct": (0,), "prequantized": True}, {"prequantized": True})):
+        refs = _layer(bufs, 1300 + seed, big, **kw)
+        # (Hot routing leaves rank 0 of two only its shared expert's rows: a row at a time.)
+        assert _assert_message_scales(cfg, bufs, refs, min_rows) >= 1
+        _layer(bufs, 1350 + seed, [7] * ranks, **kw)
+
+
+def _assert_message_scales(cfg, bufs, refs, min_rows):
+    """NVFP4 at prefill size on at most two ranks stages each message's scales once, at row
+    source * max_tokens + source token of the Buffer's `scale_rows`: on every rank with at
+    least `min_rows` rows, those rows, taken in the output's row order (each row's source and
+    token as the reference routed it) and written out by the reference, are the reference's
+    scale output byte for byte (rows staged a row at a time would sit at the rows' own indices
+    instead). Returns the ranks checked."""
     from cute_ep.reference.ep import scale_layout_of_rows
 
+    checked = 0
     for buf, want in zip(bufs, refs):
         n = want.num_rows
+        if n < min_rows:
+            continue
+        checked += 1
         words = buf.scale_rows.numel() // cfg.row_capacity
         staged = buf.scale_rows.view(cfg.row_capacity, words)
-        at = want.source_rank[:n].long() * cfg.max_tokens_per_rank + want.src_info[:n, 0].long()
+        tokens = want.src_info[:n, 0].long()
+        at = want.source_rank[:n].long() * cfg.max_tokens_per_rank + tokens
         rows = staged[at]
         got = scale_layout_of_rows("nvfp4", rows, cfg.hidden, want.counts.tolist(),
                                    cfg.row_capacity)
@@ -877,6 +906,7 @@ def _assert_message_scales(cfg, bufs, refs):
         assert torch.equal(got.view(torch.uint8).flatten(),
                            want.scales.view(torch.uint8).flatten()[:used]), \
             "NVFP4 scales were not staged a message at a time"
+    return checked
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
