@@ -864,11 +864,8 @@ def test_nvfp4_message_scales_with_a_shared_expert_skip_a2a_and_a_direct_input(r
     tokens), hot routing, one rank's tokens in its direct input, pre-quantized or not, and a
     round of too few rows between (a row at a time): every scale byte the reference's."""
     from cute_ep.ep import Buffer
-    from cute_ep.runtime.launch import runtime
     from layouts import EPConfig
 
-    min_rows = runtime().select("scale_write_out", "cuda",
-                                format="nvfp4").spec.sizes["wide_min_rows"]
     cfg = EPConfig(1024, 8, 32, ranks, 2048, "nvfp4", fused_shared_expert=True)
     bufs = Buffer.emulated(cfg, timeout_s=20.0, sms=16, input_rows=2048)
     big = [2048] * ranks
@@ -876,8 +873,41 @@ def test_nvfp4_message_scales_with_a_shared_expert_skip_a2a_and_a_direct_input(r
                                {"direct": (0,), "prequantized": True}, {"prequantized": True})):
         refs = _layer(bufs, 1300 + seed, big, **kw)
         # (Hot routing leaves rank 0 of two only its shared expert's rows: a row at a time.)
-        assert _assert_message_scales(cfg, bufs, refs, min_rows) >= 1
+        assert _assert_message_scales(cfg, bufs, refs, _wide_min_rows("nvfp4")) >= 1
         _layer(bufs, 1350 + seed, [7] * ranks, **kw)
+
+
+def test_nvfp4_message_scales_under_block_prefixed_and_prefixed_counts():
+    """Message scales where the counts come block-prefixed (a prefill over every one of 60
+    channels a rank) and prefixed (a bound of PREFIXED_TOKENS tokens whose rows, at top-16 of
+    32 experts, still pass the write-out's threshold: every row slot of a message taken)."""
+    import layouts.channels as channels
+    from cute_ep.ep import Buffer
+    from layouts import EPConfig
+
+    min_rows = _wide_min_rows("nvfp4")
+    cfg = EPConfig(1024, 8, 32, 2, 2048, "nvfp4", fused_shared_expert=True)
+    bufs = Buffer.emulated(cfg, timeout_s=20.0, sms=60)
+    assert bufs[0]._prefixed_for(None) == channels.PREFIX_BLOCKS
+    for seed, tokens in enumerate(([2048, 2048], [2048, 1500], [900, 2048])):
+        refs = _layer(bufs, 1400 + seed, tokens)
+        assert _assert_message_scales(cfg, bufs, refs, min_rows) == 2
+    bound = channels.PREFIXED_TOKENS
+    cfg = EPConfig(1024, 16, 32, 2, 2048, "nvfp4", fused_shared_expert=True)
+    bufs = Buffer.emulated(cfg, timeout_s=20.0, sms=16)
+    assert bufs[0]._prefixed_for(bound) == channels.PREFIX_ALL
+    for seed in range(2):
+        refs = _layer(bufs, 1450 + seed, [bound] * 2, num_input_tokens=bound)
+        assert min(d.num_rows for d in refs) >= min_rows, [d.num_rows for d in refs]
+        assert _assert_message_scales(cfg, bufs, refs, min_rows) == 2
+
+
+def _wide_min_rows(fmt):
+    """The dispatch's row threshold of the wide and narrow write-outs, as the write-out kernel
+    built from the same code states it."""
+    from cute_ep.runtime.launch import runtime
+
+    return runtime().select("scale_write_out", "cuda", format=fmt).spec.sizes["wide_min_rows"]
 
 
 def _assert_message_scales(cfg, bufs, refs, min_rows):
