@@ -841,12 +841,9 @@ def test_prefill_sized_scales_go_out_through_the_receivers_pieces_exactly(fmt, h
     NVFP4's 160 words a row in ten tiles, FP8's 80 in two and a half): every scale word as the
     reference's, on rounds that alternate with a small one on the same Buffers."""
     from cute_ep.ep import Buffer
-    from cute_ep.runtime.launch import runtime
     from layouts import EPConfig
 
-    # The dispatch's threshold, as the write-out kernel built from the same code states it.
-    min_rows = runtime().select("scale_write_out", "cuda",
-                                format=fmt).spec.sizes["wide_min_rows"]
+    min_rows = _wide_min_rows(fmt)
     cfg = EPConfig(hidden, 8, 32, 2, 1024, fmt)
     bufs = Buffer.emulated(cfg, timeout_s=20.0, sms=24)
     for seed, tokens in enumerate(([1024, 1024], [5, 9], [1024, 800])):
