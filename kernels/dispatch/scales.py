@@ -23,6 +23,7 @@ PAIR = 2  # FP8 tiles a warp loads before storing the first
 SEGMENT_REGS = (MAX_SEGMENTS + WARP - 1) // WARP
 LOAD_STEP = WARP // WIDE_TILE_CHUNKS  # rows one warp-wide 16-byte load covers in a wide tile
 NARROW_LOAD_STEP = WARP // NARROW_TILE_CHUNKS  # rows one warp-wide 16-byte load covers
+NARROW_HALF = PIECES * PIECE // 8  # words of one narrow tile, half a receiver warp's pieces
 
 
 class ScalesPhase:
@@ -161,16 +162,8 @@ class ScalesPhase:
         of its pieces): NARROW_TILE_WORDS columns of a 128-row block each, the next unit's
         loads in flight while this one's atoms are stored. A unit is column tile u % tiles_c
         of block u // tiles_c, and H 7168's 112 columns are seven whole tiles (no half tile)."""
-        gw = channel * self.recv_warps + rw
-        nw = active * self.recv_warps
-        half = PIECES * PIECE // 8  # words of one narrow tile
-        tile = s_tile.iterator + rw * (PIECES * PIECE // 4)
-        tiles_c = (words + NARROW_TILE_WORDS - 1) // NARROW_TILE_WORDS
-        row_bytes = Int64(words) * 4
-        n_units = s_first[segments] * tiles_c
-        base = scale_rows.toint()
-        starts = cute.make_rmem_tensor(cute.make_layout(SEGMENT_REGS), Int32)
-        self._load_segment_starts(starts, s_first, segments, lane)
+        gw, nw, tile, tiles_c, row_bytes, n_units, base, starts = self._narrow_units(
+            rw, lane, channel, active, scale_rows, s_first, s_tile, segments, words)
         dq = nw // tiles_c
         dc = nw % tiles_c
         # The unit being loaded (ql, cl) runs one ahead of the unit being stored (q, cq).
@@ -184,18 +177,37 @@ class ScalesPhase:
         i = Int32(0)
         for u in cutlass.range(gw, n_units, nw):
             if u + nw < n_units:
-                self._load_narrow(tile + ((i + 1) & 1) * half, lane, base, starts, s_off, s_raw,
-                                  s_first, ql, cl, row_bytes, words)
+                self._load_narrow(tile + ((i + 1) & 1) * NARROW_HALF, lane, base, starts, s_off,
+                                  s_raw, s_first, ql, cl, row_bytes, words)
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(1)
             cute.arch.sync_warp()
-            self._store_narrow(tile + (i & 1) * half, lane, q, cq, scales, words)
+            self._store_narrow(tile + (i & 1) * NARROW_HALF, lane, q, cq, scales, words)
             cute.arch.sync_warp()  # read back before the loads two units on overwrite it
             i += 1
             q = ql
             cq = cl
             ql, cl = self._next_unit(ql, cl, dq, dc, tiles_c)
         cute.arch.cp_async_wait_group(0)
+
+    @cute.jit
+    def _narrow_units(self, rw, lane, channel, active, scale_rows: cute.Pointer,
+                      s_first: cute.Tensor, s_tile: cute.Tensor, segments, words):
+        """What both narrow write-outs start from: (gw, nw, tile, tiles_c, row_bytes, n_units,
+        base, starts): this warp's index among the nw receiver warps of the active channels,
+        its two narrow tiles (NARROW_HALF words apart), the column tiles a block, a staged
+        row's bytes, the units (blocks x column tiles), the staged rows' address, and the
+        segments' first blocks in registers (`_load_segment_starts`)."""
+        gw = channel * self.recv_warps + rw
+        nw = active * self.recv_warps
+        tile = s_tile.iterator + rw * (PIECES * PIECE // 4)
+        tiles_c = (words + NARROW_TILE_WORDS - 1) // NARROW_TILE_WORDS
+        row_bytes = Int64(words) * 4
+        n_units = s_first[segments] * tiles_c
+        base = scale_rows.toint()
+        starts = cute.make_rmem_tensor(cute.make_layout(SEGMENT_REGS), Int32)
+        self._load_segment_starts(starts, s_first, segments, lane)
+        return gw, nw, tile, tiles_c, row_bytes, n_units, base, starts
 
     @cute.jit
     def _store_narrow(self, now, lane, q, cq, scales: cute.Pointer, words):
@@ -228,16 +240,8 @@ class ScalesPhase:
         messages (`_unit_messages`), looked up once a block: set a for the block being loaded,
         set b for the block after it, read a block ahead, each as staged rows in m_row once
         its loads are needed."""
-        gw = channel * self.recv_warps + rw
-        nw = active * self.recv_warps
-        half = PIECES * PIECE // 8  # words of one narrow tile
-        tile = s_tile.iterator + rw * (PIECES * PIECE // 4)
-        tiles_c = (words + NARROW_TILE_WORDS - 1) // NARROW_TILE_WORDS
-        row_bytes = Int64(words) * 4
-        n_units = s_first[segments] * tiles_c
-        base = scale_rows.toint()
-        starts = cute.make_rmem_tensor(cute.make_layout(SEGMENT_REGS), Int32)
-        self._load_segment_starts(starts, s_first, segments, lane)
+        gw, nw, tile, tiles_c, row_bytes, n_units, base, starts = self._narrow_units(
+            rw, lane, channel, active, scale_rows, s_first, s_tile, segments, words)
         a_base = cute.make_rmem_tensor(cute.make_layout(ATOM_ROWS // WARP), Int32)
         a_tok = cute.make_rmem_tensor(cute.make_layout(ATOM_ROWS // WARP), Int32)
         b_base = cute.make_rmem_tensor(cute.make_layout(ATOM_ROWS // WARP), Int32)
@@ -270,12 +274,12 @@ class ScalesPhase:
                     if u + 1 + tiles_c < hi:
                         self._unit_messages(lane, starts, s_off, s_raw, s_first, s_totals,
                                             src_info, ranks, ql + 1, max_tokens, b_base, b_tok)
-                self._load_narrow_messages(tile + ((i + 1) & 1) * half, lane, base, cl,
+                self._load_narrow_messages(tile + ((i + 1) & 1) * NARROW_HALF, lane, base, cl,
                                            row_bytes, words, m_row)
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(1)
             cute.arch.sync_warp()
-            self._store_narrow(tile + (i & 1) * half, lane, q, cq, scales, words)
+            self._store_narrow(tile + (i & 1) * NARROW_HALF, lane, q, cq, scales, words)
             cute.arch.sync_warp()  # read back before the loads two units on overwrite it
             i += 1
             q = ql
