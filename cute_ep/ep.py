@@ -146,8 +146,12 @@ class _Carve:
         self.end = at
 
     def view(self, flat: torch.Tensor, name: str) -> torch.Tensor:
-        at, shape, dtype, nbytes = self.parts[name]
-        return flat[at:at + nbytes].view(dtype).view(shape)
+        """Part `name` of `flat` (uint8) as a tensor of its dtype and shape on flat's storage:
+        two cheap calls (an empty tensor set to the storage) where slicing then viewing as
+        the dtype and the shape took three, about twice the host time."""
+        at, shape, dtype, _ = self.parts[name]
+        return flat.new_empty(0, dtype=dtype).set_(
+            flat.untyped_storage(), (flat.storage_offset() + at) // dtype.itemsize, shape)
 
     def address(self, base: int, name: str) -> int:
         return base + self.parts[name][0]

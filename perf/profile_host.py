@@ -15,7 +15,8 @@ first).
 `--launch-cost` instead times single host steps in bursts of 32 after a synchronisation (far
 below the launch queue's depth, so no call waits for the GPU): a torch kernel (`add_` on one
 element), `torch.empty`, `Kernel.launch` (the checked path) and a bound `Launcher` call (the
-path `Buffer` takes) of the same tiny `block_memcpy`.
+path `Buffer` takes) of the same tiny `block_memcpy`, and the first read of a carved output
+field (an FP8 decode call's scales) as `_Carve.view` makes it and as it made it before.
 
 `--cold` times a decode call's host steps (`--tokens` 128, 2 ranks emulated, launches replaced
 by no-ops) each alone, cold (after a synchronisation and a 1 ms sleep, as `cute-ep bench`'s host
@@ -90,13 +91,36 @@ def launch_cost() -> dict:
     dst = torch.zeros_like(src)
     bound = kernel.bind(tuple(p.name for p in kernel.spec.params))
     one = torch.zeros(1, device=dev)
+    carve, flat = _fp8_decode_carve(dev)
     steps = {
         "torch add_ (one element)": lambda: one.add_(1),
         "torch.empty (1 MiB)": lambda: torch.empty(1 << 20, dtype=torch.uint8, device=dev),
         "Kernel.launch (checked)": lambda: kernel.launch(dst, src, 1),
         "bound Launcher call": lambda: bound(dst.data_ptr(), src.data_ptr(), 1),
+        "output field read (sliced, viewed: before)": lambda: _sliced_view(carve, flat, "scales"),
+        "output field read (_Carve.view)": lambda: carve.view(flat, "scales"),
     }
     return {name: [_burst_us(fn) for _ in range(3)] for name, fn in steps.items()}
+
+
+def _fp8_decode_carve(dev):
+    """The carve of an FP8 decode Buffer's small outputs (128 tokens a rank, 2 ranks, H 7168,
+    top-8 of 256) and one allocation of it."""
+    from cute_ep.ep import _Carve
+
+    segs, cap, h = 128, 2432, 7168
+    carve = _Carve([("row_offsets", (segs + 1,), torch.int32),
+                    ("expert_ids", (segs,), torch.int32), ("counts", (segs,), torch.int32),
+                    ("src_info", (cap, 2), torch.int32),
+                    ("scales", (h // 128, cap), torch.float32)])
+    return carve, torch.empty(carve.end, dtype=torch.uint8, device=dev)
+
+
+def _sliced_view(carve, flat, name):
+    """A carved field made as `_Carve.view` made it before 2026-11-29: the byte block sliced,
+    then viewed as the dtype and as the shape."""
+    at, shape, dtype, nbytes = carve.parts[name]
+    return flat[at:at + nbytes].view(dtype).view(shape)
 
 
 def _cold_us(fn, n=200):

@@ -28,6 +28,19 @@ def test_parts_are_aligned_disjoint_and_shaped():
     assert spans[-1][1] <= carve.end
 
 
+def test_parts_of_a_block_that_starts_inside_its_storage():
+    """A part is read at the block's own offset in its storage plus the part's."""
+    carve = _Carve(PARTS)
+    whole = torch.zeros(carve.end + 512, dtype=torch.uint8)
+    flat = whole[512:]
+    for i, (name, shape, dtype) in enumerate(PARTS):
+        view = carve.view(flat, name)
+        assert view.data_ptr() == carve.address(flat.data_ptr(), name)
+        assert view.shape == shape and view.dtype == dtype
+        view.fill_(i + 1)
+    assert not whole[:512].any()  # nothing before the block written
+
+
 def test_writes_through_one_view_touch_no_other():
     carve = _Carve(PARTS)
     flat = torch.zeros(carve.end, dtype=torch.uint8)
