@@ -90,15 +90,17 @@ def main(argv=None) -> int:
     ranks = run_ranks(rank_host, world, limit_s=60 + 20 * len(formats), formats=formats,
                       layers=args.layers, tokens=args.tokens, pin=args.pin)
     t = Table(title=f"steady host us per call, {args.tokens} tokens/rank, {args.layers} layers"
-                    f"{', pinned' if args.pin else ''} (wall / thread CPU; probe = the CPU "
-                    f"probe's us)")
-    for col in ("rank", "cpu", "format", "dispatch", "combine", "probe"):
+                    f"{', pinned' if args.pin else ''} (medians, wall / thread CPU; the wall "
+                    f"times' 10th-90th percentiles; probe = the CPU probe's us)")
+    for col in ("rank", "cpu", "format", "dispatch", "p10-p90", "combine", "p10-p90", "probe"):
         t.add_column(col, justify="left" if col == "format" else "right")
     for r, res in enumerate(ranks):
         for fmt, v in res["formats"].items():
             t.add_row(str(r), str(v["cpu"]), fmt,
                       f"{v['dispatch_us']:.1f} / {v['dispatch_cpu_us']:.1f}",
+                      f"{v['dispatch_p10_us']:.1f}-{v['dispatch_p90_us']:.1f}",
                       f"{v['combine_us']:.1f} / {v['combine_cpu_us']:.1f}",
+                      f"{v['combine_p10_us']:.1f}-{v['combine_p90_us']:.1f}",
                       f"{v['probe_us']:.0f}")
     Console().print(t)
     if args.json:

@@ -392,8 +392,10 @@ def test_steady_host_time_is_calls_queued_back_to_back_after_one_barrier(monkeyp
     quant = {"num_input_tokens": 8}
     clocks()
     got = bench._host_us(Buf(), None, None, None, None, quant, 3, barrier_each=False)
+    # Medians, and the wall times' nearest-rank 10th and 90th percentiles.
     assert got == pytest.approx({"dispatch": 20.0, "combine": 5.0, "dispatch_cpu": 12.0,
-                                 "combine_cpu": 4.0})
+                                 "combine_cpu": 4.0, "dispatch_p10": 10.0, "dispatch_p90": 30.0,
+                                 "combine_p10": 4.0, "combine_p90": 9.0})
     # Both outputs are released after the combine's timer and before the next dispatch.
     layer = [("dispatch", {"num_input_tokens": 8}), "combine", "released", "released"]
     assert events == ["sync", "barrier"] + layer * 3 + ["sync"]
@@ -402,7 +404,8 @@ def test_steady_host_time_is_calls_queued_back_to_back_after_one_barrier(monkeyp
     clocks()
     got = bench._host_us(Buf(), None, None, None, None, quant, 3, barrier_each=True)
     assert got == pytest.approx({"dispatch": 20.0, "combine": 5.0, "dispatch_cpu": 12.0,
-                                 "combine_cpu": 4.0})
+                                 "combine_cpu": 4.0, "dispatch_p10": 10.0, "dispatch_p90": 30.0,
+                                 "combine_p10": 4.0, "combine_p90": 9.0})
     assert events == (["sync", "barrier"] + layer) * 3 + ["sync"]
 
     record = json.loads(Path("perf/results/bench-2026-11-26-2xH100-publisher.json").read_text())

@@ -746,6 +746,10 @@ def _decode(rank, world, args, fmt, flush) -> dict:
             "steady_host_combine_us": steady["combine"],
             "steady_host_dispatch_cpu_us": steady["dispatch_cpu"],
             "steady_host_combine_cpu_us": steady["combine_cpu"],
+            "steady_host_dispatch_p10_us": steady["dispatch_p10"],
+            "steady_host_dispatch_p90_us": steady["dispatch_p90"],
+            "steady_host_combine_p10_us": steady["combine_p10"],
+            "steady_host_combine_p90_us": steady["combine_p90"],
             "steady_host_probe_us": probe}
 
 
@@ -803,7 +807,18 @@ def _host_us(buf, x, ids, w, y, quant, layers: int, barrier_each: bool) -> dict[
         times["combine_cpu"].append((c2 - c1) * 1e6)
         del out, res
     torch.cuda.synchronize()
-    return {k: statistics.median(v) for k, v in times.items()}
+    got = {k: statistics.median(v) for k, v in times.items()}
+    # The spread of the calls' wall times: a host whose vCPU slows for part of the layers shows
+    # it here, where the median alone cannot tell a slow phase from a slow call.
+    for k in ("dispatch", "combine"):
+        got[f"{k}_p10"], got[f"{k}_p90"] = _quantile(times[k], 0.1), _quantile(times[k], 0.9)
+    return got
+
+
+def _quantile(values: list[float], q: float) -> float:
+    """The value at rank round(q * (n - 1)) of the sorted values (nearest rank)."""
+    ordered = sorted(values)
+    return ordered[round(q * (len(ordered) - 1))]
 
 
 def card_name(device: str) -> str:
