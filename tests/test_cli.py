@@ -473,7 +473,9 @@ def test_a_rank_records_its_gpus_sm_clocks_or_none(monkeypatch):
 
 def test_a_traced_call_reads_only_the_channels_that_ran(monkeypatch):
     """A decode step runs fewer channels than its Buffer has: the rows of those that never
-    started (start 0) are left out, so the stamps stay relative to the first channel's start."""
+    started (start 0) are left out, so the stamps stay relative to the first channel's start;
+    each stamp as the latest channel's and as the median channel's (waits: the longest and the
+    median)."""
     import torch
 
     from cute_ep.tools import bench
@@ -481,9 +483,11 @@ def test_a_traced_call_reads_only_the_channels_that_ran(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     monkeypatch.setattr(torch.distributed, "barrier", lambda *a: None)
     fields = ("start", "end", "wait_ns")
-    trace = torch.tensor([[1000, 5000, 700], [2000, 9000, 300], [0, 0, 0]], dtype=torch.int64)
-    out = bench._traced(lambda on: None, lambda: trace, lambda: None, fields)
-    assert out == {"end": 8.0, "wait_us": 0.7}
+    trace = torch.tensor([[1000, 5000, 700], [2000, 9000, 300], [1500, 6000, 500], [0, 0, 0]],
+                         dtype=torch.int64)
+    latest, median = bench._traced(lambda on: None, lambda: trace, lambda: None, fields)
+    assert latest == {"end": 8.0, "wait_us": 0.7}
+    assert median == {"end": 5.0, "wait_us": 0.5}
 
 
 def test_a_traced_call_runs_in_step_behind_untraced_ones(monkeypatch):

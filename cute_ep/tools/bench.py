@@ -388,8 +388,7 @@ def _throughput(rank, world, args, fmt, budgets, flush) -> dict:
             "combine_deepep_gbps": received * 2 * cfg.hidden / t["combine_us"] / 1e3,
             "combine_nvlink_gbps": from_peers * 2 * cfg.hidden / t["combine_us"] / 1e3,
             "ctas": _ctas(buf, args.tokens),
-            "dispatch_trace_us": _dispatch_trace(buf, x, ids, w, quant),
-            "combine_trace_us": _combine_trace(buf, y, out),
+            **_dispatch_trace(buf, x, ids, w, quant), **_combine_trace(buf, y, out),
         })
         del buf
 
@@ -531,23 +530,27 @@ TRACE_LEAD = 3
 
 def _dispatch_trace(buf, x, ids, w, quant) -> dict:
     """One traced dispatch (`Buffer.trace_dispatch`) after TRACE_LEAD untraced ones back to back:
-    per TRACE_FIELDS stamp, the latest channel's time from this rank's earliest start (us); per
-    wait, the longest channel's."""
+    `dispatch_trace_us`, per TRACE_FIELDS stamp the latest channel's time from this rank's
+    earliest start (us), per wait the longest channel's; `dispatch_trace_median_us`, the median
+    channel's of each (one late channel sets the first, not the second)."""
     from layouts.channels import TRACE_FIELDS
 
-    return _traced(buf.trace_dispatch, lambda: buf.trace, lambda: buf.dispatch(x, ids, w, **quant),
-                   TRACE_FIELDS)
+    latest, median = _traced(buf.trace_dispatch, lambda: buf.trace,
+                             lambda: buf.dispatch(x, ids, w, **quant), TRACE_FIELDS)
+    return {"dispatch_trace_us": latest, "dispatch_trace_median_us": median}
 
 
 def _combine_trace(buf, y, out) -> dict:
-    """The same for one combine of `out` (`Buffer.trace_combine`, COMBINE_TRACE_FIELDS)."""
+    """The same for one combine of `out` (`Buffer.trace_combine`, COMBINE_TRACE_FIELDS):
+    `combine_trace_us`, `combine_trace_median_us`."""
     from layouts.channels import COMBINE_TRACE_FIELDS
 
-    return _traced(buf.trace_combine, lambda: buf.combine_trace,
-                   lambda: buf.combine(y, out.handle), COMBINE_TRACE_FIELDS)
+    latest, median = _traced(buf.trace_combine, lambda: buf.combine_trace,
+                             lambda: buf.combine(y, out.handle), COMBINE_TRACE_FIELDS)
+    return {"combine_trace_us": latest, "combine_trace_median_us": median}
 
 
-def _traced(switch, recorded, run, fields) -> dict:
+def _traced(switch, recorded, run, fields) -> tuple[dict, dict]:
     """`run` once traced (`switch` on, then off), queued behind TRACE_LEAD untraced calls after a
     barrier: one traced call straight after the barrier started when its rank's host got there,
     and a peer that launched milliseconds later (seen on every-SM combines of 2 and 4 H200s)
@@ -567,13 +570,15 @@ def _traced(switch, recorded, run, fields) -> dict:
     if ran.any():
         trace = trace[ran]
     start = trace[:, 0].min()
-    out = {}
+    latest, median = {}, {}
     for i, field in enumerate(fields):
         if field.endswith("_ns"):
-            out[field[:-3] + "_us"] = trace[:, i].max().item() / 1e3
+            latest[field[:-3] + "_us"] = trace[:, i].max().item() / 1e3
+            median[field[:-3] + "_us"] = trace[:, i].median().item() / 1e3
         elif field != "start":
-            out[field] = (trace[:, i].max() - start).item() / 1e3
-    return out
+            latest[field] = (trace[:, i].max() - start).item() / 1e3
+            median[field] = (trace[:, i].median() - start).item() / 1e3
+    return latest, median
 
 
 def _batches(buf, tokens) -> int:
@@ -732,8 +737,8 @@ def _decode(rank, world, args, fmt, flush) -> dict:
     graph_l = statistics.median(_timed(g_layer.replay, args.iters, flush))
     buf.check()
     del g_dispatch, g_layer
-    traces = {"dispatch_trace_us": _dispatch_trace(buf, x, ids, w, quant),
-              "combine_trace_us": _combine_trace(buf, y, buf.dispatch(x, ids, w, **quant))}
+    traces = {**_dispatch_trace(buf, x, ids, w, quant),
+              **_combine_trace(buf, y, buf.dispatch(x, ids, w, **quant))}
     buf.check()
     kernels = _lockstep_kernel_us(buf, x, ids, w, y, quant)
     del buf
