@@ -185,10 +185,14 @@ def load_segment_blocks(row_offsets: cute.Pointer, num_segments, s_off: cute.Ten
     cute.arch.sync_threads()
 
 
-def _e2m1_word_ptx(saturate: bool) -> str:
-    """PTX of e2m1_word: `$1..$8` the values, `$9..$16` their sign sources, `$0` the word.
-    Without `saturate` the values must be below 7 in magnitude."""
-    lines = ["{ .reg .f32 a<8>, c<8>, d<8>; .reg .b32 k<8>, t<4>, ev, od, sv, so;"]
+def _e2m1_code_lines(saturate: bool) -> list[str]:
+    """PTX lines giving `k<i>` the e2m1 code of |`$<i+1>`| in its low byte, i < 8 (f32
+    registers a, c, d and b32 k declared by the caller): |x| rounded to nearest at each of
+    e2m1's steps (0.5, 1, 2) by adding it, scaled by the step's inverse, to 1.5 * 2^23 plus
+    the offset that maps that step's values onto their codes (0, 2, 4), so a code lands in the
+    low mantissa bits; the least of the three is the code.
+    Without `saturate` the value must be below 7."""
+    lines = []
     for i in range(8):
         cap = f"min.f32 d{i}, d{i}, 0f4B400007; " if saturate else ""
         lines.append(
@@ -196,6 +200,14 @@ def _e2m1_word_ptx(saturate: bool) -> str:
             f"add.rn.f32 d{i}, a{i}, 0f4B400002; min.f32 c{i}, c{i}, d{i}; "
             f"fma.rn.f32 d{i}, a{i}, 0f3F000000, 0f4B400004; {cap}"
             f"min.f32 c{i}, c{i}, d{i}; mov.b32 k{i}, c{i};")
+    return lines
+
+
+def _e2m1_word_ptx(saturate: bool) -> str:
+    """PTX of e2m1_word: `$1..$8` the values, `$9..$16` their sign sources, `$0` the word.
+    Without `saturate` the values must be below 7 in magnitude."""
+    lines = ["{ .reg .f32 a<8>, c<8>, d<8>; .reg .b32 k<8>, t<4>, ev, od, sv, so;"]
+    lines += _e2m1_code_lines(saturate)
     # Byte 0 of each k is its code: gather the even elements' codes into the four bytes of
     # `ev`, the odd ones' into `od`; the same selectors with bit 3 set copy each value's sign
     # bit (the top bit of its byte 3) across a byte, masked to bit 3 of the nibble.
@@ -367,13 +379,7 @@ def _e2m1_pairs_word_ptx(saturate: bool) -> str:
     take (element 2k the low half of pair k, 2k + 1 the high half), `$0` the word. Without
     `saturate` the values must be below 7 in magnitude (no code above 7 can arise)."""
     lines = ["{ .reg .f32 a<8>, c<8>, d<8>; .reg .b32 k<8>, p<4>, t<2>, u<2>, w, se, so;"]
-    for i in range(8):
-        cap = f"min.f32 d{i}, d{i}, 0f4B400007; " if saturate else ""
-        lines.append(
-            f"abs.f32 a{i}, ${i + 1}; fma.rn.f32 c{i}, a{i}, 0f40000000, 0f4B400000; "
-            f"add.rn.f32 d{i}, a{i}, 0f4B400002; min.f32 c{i}, c{i}, d{i}; "
-            f"fma.rn.f32 d{i}, a{i}, 0f3F000000, 0f4B400004; {cap}"
-            f"min.f32 c{i}, c{i}, d{i}; mov.b32 k{i}, c{i};")
+    lines += _e2m1_code_lines(saturate)
     # Byte 0 of each k is its code and bits 3..7 are zero, so k_even + (k_odd << 4) has the
     # pair's byte in byte 0 (the bits above only carry upwards); then the four bytes gathered.
     for j in range(4):

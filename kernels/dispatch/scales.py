@@ -179,11 +179,7 @@ class ScalesPhase:
             if u + nw < n_units:
                 self._load_narrow(tile + ((i + 1) & 1) * NARROW_HALF, lane, base, starts, s_off,
                                   s_raw, s_first, ql, cl, row_bytes, words)
-            cute.arch.cp_async_commit_group()
-            cute.arch.cp_async_wait_group(1)
-            cute.arch.sync_warp()
-            self._store_narrow(tile + (i & 1) * NARROW_HALF, lane, q, cq, scales, words)
-            cute.arch.sync_warp()  # read back before the loads two units on overwrite it
+            self._store_landed(tile + (i & 1) * NARROW_HALF, lane, q, cq, scales, words)
             i += 1
             q = ql
             cq = cl
@@ -208,6 +204,17 @@ class ScalesPhase:
         starts = cute.make_rmem_tensor(cute.make_layout(SEGMENT_REGS), Int32)
         self._load_segment_starts(starts, s_first, segments, lane)
         return gw, nw, tile, tiles_c, row_bytes, n_units, base, starts
+
+    @cute.jit
+    def _store_landed(self, now, lane, q, cq, scales: cute.Pointer, words):
+        """The narrow write-outs' step once the next unit's loads are issued: those committed,
+        the unit at `now` waited for (its loads were the group before), stored as atoms
+        (`_store_narrow`), and read back before the loads two units on overwrite it."""
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(1)
+        cute.arch.sync_warp()
+        self._store_narrow(now, lane, q, cq, scales, words)
+        cute.arch.sync_warp()
 
     @cute.jit
     def _store_narrow(self, now, lane, q, cq, scales: cute.Pointer, words):
@@ -276,11 +283,7 @@ class ScalesPhase:
                                             src_info, ranks, ql + 1, max_tokens, b_base, b_tok)
                 self._load_narrow_messages(tile + ((i + 1) & 1) * NARROW_HALF, lane, base, cl,
                                            row_bytes, words, m_row)
-            cute.arch.cp_async_commit_group()
-            cute.arch.cp_async_wait_group(1)
-            cute.arch.sync_warp()
-            self._store_narrow(tile + (i & 1) * NARROW_HALF, lane, q, cq, scales, words)
-            cute.arch.sync_warp()  # read back before the loads two units on overwrite it
+            self._store_landed(tile + (i & 1) * NARROW_HALF, lane, q, cq, scales, words)
             i += 1
             q = ql
             cq = cl
