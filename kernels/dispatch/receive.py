@@ -1159,18 +1159,14 @@ class ReceivePhase:
                         (ring + at * PIECE + Int32(sc_lo - offset) + v * 16).align(16),
                         dtype=Int32), cute.make_layout(4)), vec)
                     if scale_mode == SCALES_MESSAGES:
-                        cute.autovec_copy(vec, cute.make_tensor(gmem_ptr(
-                            Int32, scale_rows.toint() + Int64(msg_row) * Int64(scale_bytes)
-                            + sc_lo - Int64(scales_offset) + Int64(v) * 16, 16),
-                            cute.make_layout(4)))
+                        self._store_scale_vector(vec, scale_rows, msg_row, scale_bytes, sc_lo,
+                                                 scales_offset, v)
                     else:
                         for k in cutlass.range(topk + 1):
                             r = s_scratch[rows_at + k]
                             if r >= 0:
-                                cute.autovec_copy(vec, cute.make_tensor(gmem_ptr(
-                                    Int32, scale_rows.toint() + Int64(r) * Int64(scale_bytes)
-                                    + sc_lo - Int64(scales_offset) + Int64(v) * 16, 16),
-                                    cute.make_layout(4)))
+                                self._store_scale_vector(vec, scale_rows, r, scale_bytes, sc_lo,
+                                                         scales_offset, v)
             if scale_mode != SCALES_BULK and scale_mode != SCALES_VECTORS and \
                     scale_mode != SCALES_MESSAGES and sc_hi > sc_lo:
                 words = cute.make_tensor(cute.recast_ptr((ring + at * PIECE).align(16),
@@ -1190,6 +1186,15 @@ class ReceivePhase:
                             else:
                                 store_i32(self._fp8_scale_at(scales, c, r, row_capacity), word)
         return drained + 1
+
+    @cute.jit
+    def _store_scale_vector(self, vec: cute.Tensor, scale_rows: cute.Pointer, row, scale_bytes,
+                            sc_lo, scales_offset, v):
+        """Scale vector v (16 bytes, from the message's scale byte sc_lo on) into staged row
+        `row` of `scale_rows`."""
+        cute.autovec_copy(vec, cute.make_tensor(gmem_ptr(
+            Int32, scale_rows.toint() + Int64(row) * Int64(scale_bytes)
+            + sc_lo - Int64(scales_offset) + Int64(v) * 16, 16), cute.make_layout(4)))
 
     @cute.jit
     def _record(self, lane, s, first, cnt, topk, max_tokens, src_info: cute.Pointer,
