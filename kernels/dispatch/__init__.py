@@ -401,9 +401,11 @@ class EpDispatch(CountsPhase, SendPhase, ReceivePhase, ScalesPhase):
         s_planw = smem.allocate_tensor(
             Int32, cute.make_layout(PLAN_SOURCES * PLAN_WORDS if self.bulk else 4),
             byte_alignment=16)
-        # What each piece holds (its rows and part), then the staged row of its message's
-        # scales (SCALES_MESSAGES).
-        s_piece = smem.allocate_tensor(Int32, cute.make_layout(2 * pieces), byte_alignment=16)
+        # What each piece holds (its rows and part), then (NVFP4) the staged row of its
+        # message's scales (SCALES_MESSAGES, the only format that stages them a message).
+        s_piece = smem.allocate_tensor(
+            Int32, cute.make_layout((2 if self.fmt == "nvfp4" else 1) * pieces),
+            byte_alignment=16)
         s_table = s_piece  # the NVFP4 encoder's e4m3 scale table (other formats: unused)
         if cutlass.const_expr(self.fmt == "nvfp4"):
             s_table = smem.allocate_tensor(Float32, scale_table_layout(), byte_alignment=16)

@@ -1081,7 +1081,8 @@ class ReceivePhase:
             cute.arch.mbarrier_arrive_and_expect_tx(full + at, nbytes)
             bulk_load(ring + at * PIECE, msg + offset, nbytes, full + at)
         s_piece[held + at] = rows_at * 64 + p  # (its rows, the piece): every lane writes it
-        s_piece[self.ring_shape[0] + held + at] = msg_row  # its scales' staged row
+        if cutlass.const_expr(self.fmt == "nvfp4"):  # its scales' staged row (SCALES_MESSAGES)
+            s_piece[self.ring_shape[0] + held + at] = msg_row
         cute.arch.sync_warp()  # ... before any lane reads it back in `_store_piece`
         issued = issued + 1
         if issued - drained > LAG:
