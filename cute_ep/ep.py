@@ -145,13 +145,16 @@ class _Carve:
             at = -(-(at + nbytes) // self.ALIGN) * self.ALIGN
         self.end = at
 
-    def view(self, flat: torch.Tensor, name: str) -> torch.Tensor:
-        """Part `name` of `flat` (uint8) as a tensor of its dtype and shape on flat's storage:
-        two cheap calls (an empty tensor set to the storage) where slicing then viewing as
-        the dtype and the shape took three, about twice the host time."""
+    def view(self, flat: torch.UntypedStorage | torch.Tensor, name: str) -> torch.Tensor:
+        """Part `name` of `flat` (a call's storage, or a uint8 tensor) as a tensor of its dtype
+        and shape on that storage: an empty tensor set to it, two cheap calls where slicing
+        then viewing as the dtype and the shape took three, about twice the host time."""
         at, shape, dtype, _ = self.parts[name]
-        return flat.new_empty(0, dtype=dtype).set_(
-            flat.untyped_storage(), (flat.storage_offset() + at) // dtype.itemsize, shape)
+        if type(flat) is not torch.UntypedStorage:
+            at += flat.storage_offset()
+            flat = flat.untyped_storage()
+        return torch.empty(0, dtype=dtype, device=flat.device).set_(flat, at // dtype.itemsize,
+                                                                    shape)
 
     def address(self, base: int, name: str) -> int:
         return base + self.parts[name][0]
@@ -796,7 +799,6 @@ class Buffer:
         # Zero-element tensors whose new_empty allocates a call's outputs: dtype and device come
         # with them (torch.empty's keywords cost a few tenths of a microsecond to parse).
         self._tokens_like = torch.empty(0, dtype=self._tokens_dtype, device=self.device)
-        self._bytes_like = torch.empty(0, dtype=torch.uint8, device=self.device)
         self._bf16_like = torch.empty(0, dtype=torch.bfloat16, device=self.device)
         # The DispatchOutput fields this format leaves None.
         self._absent = {"bf16": {"scales": None, "scales_offsets": None},
@@ -846,7 +848,7 @@ class Buffer:
                                        "_carve": None})
         # The rows on their own (a caller may free them after its GEMM while it keeps the
         # handle for combine); scales, metadata and handle in one allocation.
-        flat = self._bytes_like.new_empty(self._handle_carve.end)
+        flat = torch.UntypedStorage(self._handle_carve.end, device=self.device)
         handle = DispatchHandle._of({"routing": route, "_flat": flat,
                                      "_carve": self._handle_carve})
         fields = self._output_fields.copy()  # the absent fields and the carve

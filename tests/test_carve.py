@@ -41,6 +41,21 @@ def test_parts_of_a_block_that_starts_inside_its_storage():
     assert not whole[:512].any()  # nothing before the block written
 
 
+def test_a_call_storage_gives_the_views_a_uint8_block_gives():
+    """A dispatch's block is an UntypedStorage (one allocation call, no tensor made): each part
+    is read at the same offset, dtype and shape as from a uint8 tensor over the same bytes."""
+    carve = _Carve(PARTS, start=256)
+    storage = torch.UntypedStorage(carve.end)
+    as_tensor = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (carve.end,))
+    for i, (name, shape, dtype) in enumerate(PARTS):
+        view = carve.view(storage, name)
+        assert view.data_ptr() == carve.address(storage.data_ptr(), name)
+        assert view.data_ptr() == carve.view(as_tensor, name).data_ptr()
+        assert view.shape == shape and view.dtype == dtype
+        view.fill_(i + 1)
+        assert torch.equal(carve.view(as_tensor, name), torch.full(shape, i + 1, dtype=dtype))
+
+
 def test_writes_through_one_view_touch_no_other():
     carve = _Carve(PARTS)
     flat = torch.zeros(carve.end, dtype=torch.uint8)

@@ -636,7 +636,7 @@ def _normalized(call: dict, out) -> dict:
     (part, offset): two calls' launches compare equal where they differ only in allocations."""
     tokens, flat = out.tokens, out.__dict__["_flat"]
     spans = [("tokens", tokens.data_ptr(), tokens.numel() * tokens.element_size()),
-             ("flat", flat.data_ptr(), flat.numel())]
+             ("flat", flat.data_ptr(), flat.nbytes())]
     fixed = {}
     for name, value in call.items():
         for part, at, size in spans:
