@@ -92,6 +92,15 @@ DISPATCH_VARYING = ("source", "source_stride", "load_bytes", "scale_source", "sc
                     "skip_a2a", "shared_begin", "shared_end", "has_weights", "active", "launched",
                     "trace",
                     "tracing", "phases", "x", "global_scale", "encode", "prefixed", "direct")
+# What the one-pass path (`Buffer._common_dispatch`) passes per call: DISPATCH_VARYING but for
+# what that path always passes the same (no sources-layout outputs, no skip_a2a, no trace, both
+# phases, nothing quantized in the call), which its own bound block holds as constants.
+COMMON_DISPATCH_VARYING = ("source", "source_stride", "load_bytes", "scale_source", "scale_stride",
+                           "topk_ids", "id_words", "topk_weights", "tokens", "scales",
+                           "scales_offsets", "row_offsets", "expert_ids", "seg_counts",
+                           "src_info", "comb_rows", "comb_weights", "comb_tokens",
+                           "comb_counts", "chan_msgs", "num_tokens", "shared_end",
+                           "has_weights", "active", "launched", "prefixed", "direct")
 COMBINE_VARYING = ("y", "comb_rows", "comb_weights", "chan_msgs", "topk_ids", "id_words",
                    "out", "home_weights", "num_tokens", "weighted", "skip_a2a", "shared_begin",
                    "shared_end", "active", "launched", "trace", "tracing")
@@ -482,8 +491,8 @@ class Buffer:
                       local_experts=cfg.local_experts, ranks=cfg.ranks, my_rank=self.rank,
                       shared=int(cfg.fused_shared_expert), channels=geo.channels,
                       counters_offset=off["counters"], timeout_ns=self._timeout_ns)
-        self._dispatch_launch = self.k_dispatch.bind(
-            DISPATCH_VARYING, **common, rounds=self.dispatch_epoch, done=self.dispatch_done,
+        fixed = dict(
+            **common, rounds=self.dispatch_epoch, done=self.dispatch_done,
             header_bytes=geo.header_bytes, stage_bytes=self.msg.staged_bytes,
             stage_batches=geo.stage_batches,
             payload_vectors=self.payload_vectors, scales_offset=self.scales_at,
@@ -492,6 +501,13 @@ class Buffer:
             headers_offset=off["batch_headers"],
             staging_offset=off["staging"], counts_offset=off["counts"],
             flags_offset=off["count_flags"], input_offset=off.get("input", 0))
+        self._dispatch_launch = self.k_dispatch.bind(DISPATCH_VARYING, **fixed)
+        # The one-pass path's own argument block: a launch packs 27 values instead of 37.
+        self._common_launch = self.k_dispatch.bind(
+            COMMON_DISPATCH_VARYING, **fixed, recv_ids=self._no_i32, recv_weights=self._no_f32,
+            skip_a2a=0, shared_begin=0, trace=self._no_i64, tracing=0,
+            phases=DISPATCH_SEND | DISPATCH_RECEIVE, x=self._no_bf16, global_scale=self._no_f32,
+            encode=0)
         self._input = None
         self._direct = None
         if "input" in off:
@@ -876,11 +892,13 @@ class Buffer:
         or NVFP4 layer given its (codes, scales), each as the kernels take them (the direct
         input's rows too), ids and weights the same, without skip_a2a or a global scale, no
         trace on and no receive hook pending. It launches exactly what `_checked_dispatch`
-        launches for the same call (tests/test_host_path.py compares them), through the same
-        quick checks, sources and outputs, with fewer steps between (4-9% less host time a
-        decode call on an H200 host, perf/results/host-2026-11-29-H200-paths.json; a tenth
-        to a sixth on a steady CPU); any other call, good or bad, returns None before anything is
-        allocated, and the general path takes it."""
+        launches for the same call (tests/test_host_path.py compares them), by its own bound
+        argument block (`COMMON_DISPATCH_VARYING`: what such a call always passes the same is
+        written once), through the same quick checks, sources and outputs, with fewer steps
+        between (4-9% less host time a decode call on an H200 host,
+        perf/results/host-2026-11-29-H200-paths.json; a tenth to a sixth on a steady CPU); any
+        other call, good or bad, returns None before anything is allocated, and the general
+        path takes it."""
         if self._common_kind is None or self.trace is not None or \
                 self._receive_pending is not None:
             return None
@@ -919,7 +937,7 @@ class Buffer:
         c = self._carved_at
         self.calls[0] += 1
         no_f32 = self._no_f32_at
-        self._dispatch_launch(
+        self._common_launch(
             source, source_stride, load_bytes, scale_source, scale_stride,
             topk_ids.data_ptr(), _id_words(topk_ids),
             topk_weights.data_ptr() if weighted else no_f32, out.tokens.data_ptr(),
@@ -927,10 +945,8 @@ class Buffer:
             base + self._scales_offsets_at if self._scales_offsets_at is not None else
             self._no_i32_at,
             base + c[0], base + c[1], base + c[2], base + c[3], base + c[4], base + c[5],
-            base + c[6], base + c[7], base + c[8], self._no_i32_at, no_f32,
-            num_tokens, 0, 0, num_tokens, int(weighted), active,
-            self._launched(num_tokens, active),
-            self._no_i64_at, 0, DISPATCH_SEND | DISPATCH_RECEIVE, self._no_bf16_at, no_f32, 0,
+            base + c[6], base + c[7], base + c[8],
+            num_tokens, num_tokens, int(weighted), active, self._launched(num_tokens, active),
             prefixed, direct)
         return out
 

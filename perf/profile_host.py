@@ -23,6 +23,14 @@ by no-ops) each alone, cold (after a synchronisation and a 1 ms sleep, as `cute-
 column calls after its barrier) and hot (bursts of 32): a bound launch, torch.empty, the
 dispatch's two output allocations, its input checks, the whole dispatch and combine calls.
 
+`--split` splits a decode call's host time (one rank, `--tokens` 128, real launches, no
+profiler) by replacing its parts in turn, in rounds that interleave every variant so the host's
+drifting speed falls on all alike: the whole call; its launch replaced by a no-op; that and its
+tokens allocation replaced by one tensor made once; beside them, the same launch alone, the tokens
+allocation alone, a one-element torch `add_` (a torch kernel launch's cost on this host) and the
+CPU probe (`cpu_probe_us`). Bursts of 32 calls, outputs kept until the burst ends (released
+untimed); the median and the least burst over `--rounds`.
+
 `--paths` compares, in one process on one Buffer (2 ranks emulated, `--tokens` 128, launches
 replaced by no-ops), a decode dispatch through the one-pass path (`Buffer.dispatch`) and
 through the general, checked path (`Buffer._checked_dispatch`): bursts of 32 calls of each,
@@ -36,6 +44,7 @@ import json
 import pstats
 import statistics
 import time
+from types import SimpleNamespace
 
 import torch
 from rich.console import Console
@@ -146,7 +155,8 @@ def _decode_buffer(fmt: str, tokens: int, sms: int):
     gen = torch.Generator(device="cuda").manual_seed(0)
     args, quant = _inputs(cfg, tokens, gen, fmt)
     quant["num_input_tokens"] = tokens
-    buf._dispatch_launch = buf._combine_launch = buf._encode_launch = lambda *values: None
+    buf._dispatch_launch = buf._common_launch = buf._combine_launch = buf._encode_launch = \
+        lambda *values: None
     return buf, args, quant
 
 
@@ -195,6 +205,72 @@ def cold_steps(fmt: str, tokens: int, sms: int) -> dict:
     return {name: (_cold_us(fn), _burst_us(fn)[0]) for name, fn in steps.items()}
 
 
+def split_call(formats: list[str], tokens: int, rounds: int) -> dict:
+    """{format: {part: (median, least) us a call}} of `--split` (see the module docstring)."""
+    from cute_ep.ep import Buffer
+    from cute_ep.tools.bench import _inputs as bench_inputs, _layer_format, cpu_probe_us
+    from layouts import EPConfig
+
+    result = {}
+    for fmt in formats:
+        cfg = EPConfig(7168, 8, 256, 1, tokens, _layer_format(fmt))
+        buf = Buffer.emulated(cfg, timeout_s=60.0)[0]
+        x, ids, w, y, quant = bench_inputs(cfg, tokens, 100, fmt)  # as `host_steady` calls
+        quant = dict(quant, num_input_tokens=tokens)
+        for _ in range(20):
+            buf.combine(y, buf.dispatch(x, ids, w, **quant).handle)
+        # The launch the call makes: the one-pass path's (`Buffer._common_dispatch`).
+        launch, tokens_like = buf._common_launch, buf._tokens_like
+        captured = []
+        buf._common_launch = lambda *values: captured.append(values)
+        out = buf.dispatch(x, ids, w, **quant)
+        buf._common_launch = launch
+        if not captured:
+            raise SystemExit(f"{fmt}: this call does not take the one-pass path")
+        one_tokens = tokens_like.new_empty(*buf._tokens_shape)
+        one = torch.zeros(1, device="cuda")
+        kept = []
+
+        def burst(fn, n=32):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(n):
+                kept.append(fn())
+            us = (time.perf_counter() - start) / n * 1e6
+            kept.clear()
+            return us
+
+        def call(no_launch=False, no_alloc=False):
+            if no_launch:
+                buf._common_launch = lambda *values: None
+            if no_alloc:
+                buf._tokens_like = SimpleNamespace(new_empty=lambda *shape: one_tokens)
+            try:
+                return burst(lambda: buf.dispatch(x, ids, w, **quant))
+            finally:
+                buf._common_launch, buf._tokens_like = launch, tokens_like
+
+        parts = {
+            "dispatch call": call,
+            "dispatch call, launch a no-op": lambda: call(no_launch=True),
+            "dispatch call, launch a no-op, tokens made once": lambda: call(True, True),
+            "combine call": lambda: burst(lambda: buf.combine(y, out.handle)),
+            "the dispatch's launch alone": lambda: burst(lambda: launch(*captured[0])),
+            "the tokens allocation alone": lambda: burst(
+                lambda: tokens_like.new_empty(*buf._tokens_shape)),
+            "torch add_ (one element)": lambda: burst(lambda: one.add_(1)),
+            "CPU probe / 100": lambda: cpu_probe_us() / 100,
+        }
+        times = {name: [] for name in parts}
+        for _ in range(rounds):
+            for name, fn in parts.items():
+                times[name].append(fn())
+        torch.cuda.synchronize()
+        buf.check()
+        result[fmt] = {name: (statistics.median(ts), min(ts)) for name, ts in times.items()}
+    return result
+
+
 def main():
     from cute_ep.ep import Buffer
     from layouts import EPConfig
@@ -214,9 +290,30 @@ def main():
                         help="time a decode call's host steps cold and hot instead")
     parser.add_argument("--paths", action="store_true",
                         help="compare the one-pass and the general dispatch path instead")
+    parser.add_argument("--split", action="store_true",
+                        help="split a decode call's host time into its parts instead")
+    parser.add_argument("--rounds", type=int, default=30, help="--split: interleaved rounds")
     parser.add_argument("--formats", default="bf16,fp8-input,nvfp4-input",
-                        help="--paths: the bench formats to compare")
+                        help="--paths, --split: the bench formats")
     args = parser.parse_args()
+    if args.split:
+        tokens = 128 if args.tokens == 4096 else args.tokens  # a decode call unless told
+        split = split_call(args.formats.split(","), tokens, args.rounds)
+        table = Table(title=f"host us a call, {tokens} tokens, one rank: median (least) of "
+                            f"{args.rounds} interleaved rounds of bursts of 32")
+        table.add_column("part")
+        for fmt in split:
+            table.add_column(fmt, justify="right")
+        for name in next(iter(split.values())):
+            table.add_row(name, *(f"{split[f][name][0]:.1f} ({split[f][name][1]:.1f})"
+                                  for f in split))
+        Console().print(table)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"date": time.strftime("%Y-%m-%d"),
+                           "device": torch.cuda.get_device_name(), "tokens": tokens,
+                           "rounds": args.rounds, "us_median_least": split}, f, indent=1)
+        return
     if args.paths:
         tokens = 128 if args.tokens == 4096 else args.tokens  # a decode call unless told
         paths = host_paths(args.formats.split(","), tokens, args.sms)

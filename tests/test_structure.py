@@ -143,7 +143,8 @@ def _names_of(node, module, function) -> tuple[str, ...]:
 
 
 def _keywords_of(call, function) -> set[str]:
-    """A call's keyword names, `**d` resolved through `d = dict(...)` in the same function."""
+    """A call's keyword names, `**d` resolved through `d = dict(...)` in the same function (and
+    that call's own `**`s the same way)."""
     names = set()
     for kw in call.keywords:
         if kw.arg is not None:
@@ -152,7 +153,7 @@ def _keywords_of(call, function) -> set[str]:
         assigned = [n.value for n in ast.walk(function) if isinstance(n, ast.Assign)
                     and getattr(n.targets[0], "id", None) == kw.value.id]
         assert assigned and isinstance(assigned[0], ast.Call), kw.value.id
-        names |= {k.arg for k in assigned[0].keywords}
+        names |= _keywords_of(assigned[0], function)
     return names
 
 

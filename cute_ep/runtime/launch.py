@@ -294,29 +294,55 @@ class Launcher:
         # the active channels, encode: the token count) instead of evaluating the rules.
         inputs = sorted({dim[0] for dim in self._grid if dim.__class__ is not int})
         self._grid_key = operator.itemgetter(*inputs) if inputs else _no_grid_key
-        self._grids: dict = {}
+        self._heads: dict = {}  # `_head` by the grid's scalars
         self._lock = threading.Lock()
+        # torch's current stream when last launched on, and the driver argument made of it.
+        self._stream: int | None = None
+        self._stream_arg: ctypes.c_void_p | None = None
         self._tail = kernel._tail
         self._function = kernel._handle
         self._device_index = kernel.device_index
         self._argv_address = ctypes.c_void_p(ctypes.addressof(self._argv))
 
     def __call__(self, *values: int) -> None:
-        if len(values) != self._count:
-            raise TypeError(f"{self.kernel.spec.key}: a bound launch takes {self._count} "
-                            f"varying arguments, got {len(values)}")
-        key = self._grid_key(values)
-        grid = self._grids.get(key)
-        if grid is None:
-            if len(self._grids) >= _GRIDS_REMEMBERED:
-                self._grids.clear()
-            grid = self._grids[key] = _launch_grid(self.kernel.spec.key, self.grid_of(values))
-        if 0 in grid:
+        try:
+            head = self._heads.get(self._grid_key(values))
+        except IndexError:  # too few values for the grid's scalars: `_head` says so
+            head = None
+        if head is None:
+            head = self._head(values)
+        if not head:  # a zero grid: nothing to launch
             return
         stream = _current_raw_stream(self._device_index)
         with self._lock:
-            self._pack(self._packed, 0, *values)
-            _launch_kernel(self._function, grid, self._tail, stream, self._argv_address)
+            if stream != self._stream:
+                self._stream, self._stream_arg = stream, ctypes.c_void_p(stream)
+            try:
+                self._pack(self._packed, 0, *values)
+            except struct.error:
+                if len(values) != self._count:
+                    raise self._count_error(values) from None
+                raise  # a value that its parameter's type cannot hold
+            err = (_LAUNCH or _launcher())(*head, self._stream_arg, self._argv_address, None)
+        if err:
+            check(driver.CUresult(err))
+
+    def _head(self, values) -> tuple:
+        """The launch's leading driver arguments for these varying values (the function, the
+        grid, the block and the shared memory bytes), remembered by the scalars the grid rules
+        read; () for a zero grid."""
+        if len(values) != self._count:
+            raise self._count_error(values)
+        if len(self._heads) >= _GRIDS_REMEMBERED:
+            self._heads.clear()
+        grid = _launch_grid(self.kernel.spec.key, self.grid_of(values))
+        head = () if 0 in grid else (self._function, *grid, *self._tail)
+        self._heads[self._grid_key(values)] = head
+        return head
+
+    def _count_error(self, values) -> TypeError:
+        return TypeError(f"{self.kernel.spec.key}: a bound launch takes {self._count} varying "
+                         f"arguments, got {len(values)}")
 
     def grid_of(self, values) -> list[int]:
         """The launch grid for these varying arguments (the spec's grid rules)."""
