@@ -113,15 +113,13 @@ def launch_cost() -> dict:
 
 
 def _fp8_decode_carve(dev):
-    """The carve of an FP8 decode Buffer's small outputs (128 tokens a rank, 2 ranks, H 7168,
-    top-8 of 256) and one allocation of it."""
-    from cute_ep.ep import _Carve
+    """The carve of an FP8 decode Buffer's small outputs (128 tokens a rank, 2 ranks emulated,
+    H 7168, top-8 of 256), as the Buffer plans it, and one allocation of it."""
+    from cute_ep.ep import Buffer
+    from layouts import EPConfig
 
-    segs, cap, h = 128, 2432, 7168
-    carve = _Carve([("row_offsets", (segs + 1,), torch.int32),
-                    ("expert_ids", (segs,), torch.int32), ("counts", (segs,), torch.int32),
-                    ("src_info", (cap, 2), torch.int32),
-                    ("scales", (h // 128, cap), torch.float32)])
+    buf = Buffer.emulated(EPConfig(7168, 8, 256, 2, 128, "fp8"), timeout_s=60.0)[0]
+    carve = buf._output_carve
     return carve, torch.empty(carve.end, dtype=torch.uint8, device=dev)
 
 
