@@ -514,3 +514,60 @@ def test_bench_groups_the_gpus_into_nodes_on_request():
 
     assert parser().parse_args([]).gpus_per_node is None
     assert parser().parse_args(["--gpus-per-node", "2"]).gpus_per_node == 2
+
+
+@pytest.mark.parametrize("fmt,direct", [("bf16", False), ("bf16", True), ("fp8-input", True)])
+def test_a_throughput_trace_dispatches_what_the_timed_calls_dispatch(monkeypatch, fmt, direct):
+    """`_throughput` traces the dispatch it times: with `--direct-input` both read the direct
+    input's rows (the layer before wrote x there), not x itself, which would be staged."""
+    from types import SimpleNamespace
+
+    import torch
+
+    import cute_ep.ep
+    from cute_ep.tools import bench
+
+    made = {}
+
+    def inputs(cfg, tokens, seed, fmt):
+        x = torch.ones(tokens, 128)
+        made["x"] = x if fmt == "bf16" else (x, torch.ones(tokens, 1))
+        return made["x"], None, None, None, {}
+
+    class Buf:
+        geo = SimpleNamespace(header_bytes=0)
+
+        def __init__(self, cfg, sms, direct_input, **geometry):
+            made["buf"] = self
+            self.view = (torch.zeros(8, 128), torch.zeros(8, 1)) if direct_input else None
+
+        def input_buffer(self):
+            return self.view[0] if fmt == "bf16" else self.view
+
+    def record(step, result):
+        return lambda buf, x, *rest: made.setdefault(step, x) is not None and result
+
+    out = SimpleNamespace(handle=SimpleNamespace(messages=torch.tensor([1])),
+                          row_offsets=torch.tensor([0, 1]))
+    monkeypatch.setattr(cute_ep.ep, "Buffer", Buf)
+    monkeypatch.setattr(bench, "_inputs", inputs)
+    monkeypatch.setattr(bench, "_wire", lambda cfg, fmt, ids: (16, [torch.ones(1)]))
+    monkeypatch.setattr(bench, "_layer_times",
+                        record("timed", {"dispatch_us": 1.0, "combine_us": 1.0, "out": out}))
+    monkeypatch.setattr(bench, "_lockstep_times", record("lockstep", {}))
+    monkeypatch.setattr(bench, "_dispatch_trace", record("traced", {}))
+    monkeypatch.setattr(bench, "_combine_trace", lambda *a: {})
+    monkeypatch.setattr(bench, "_batches", lambda buf, tokens: 1)
+    monkeypatch.setattr(bench, "_ctas", lambda buf, tokens: {})
+    monkeypatch.setattr(bench, "_nccl_all_to_all", lambda *a: (1.0, 1))
+    monkeypatch.setattr(bench, "_p2p_copy_us", lambda *a: None)
+    monkeypatch.setattr(bench, "_gather_us", lambda *a: None)
+    args = SimpleNamespace(hidden=128, topk=1, experts=2, tokens=4, direct_input=direct,
+                           stage_batches=None, ring_chunks=None, iters=1)
+    bench._throughput(0, 1, args, fmt, [24], None)
+    assert made["timed"] is made["lockstep"] is made["traced"]
+    traced = made["traced"] if fmt == "bf16" else made["traced"][0]
+    if direct:  # the direct input's first rows
+        assert traced.data_ptr() == made["buf"].view[0].data_ptr() and traced.shape[0] == 4
+    else:
+        assert made["traced"] is made["x"]

@@ -388,7 +388,9 @@ def _throughput(rank, world, args, fmt, budgets, flush) -> dict:
             "combine_deepep_gbps": received * 2 * cfg.hidden / t["combine_us"] / 1e3,
             "combine_nvlink_gbps": from_peers * 2 * cfg.hidden / t["combine_us"] / 1e3,
             "ctas": _ctas(buf, args.tokens),
-            **_dispatch_trace(buf, x, ids, w, quant), **_combine_trace(buf, y, out),
+            # The traced dispatch is the timed one's call: the direct input's rows where the
+            # timed calls read them there (x would be staged, a different dispatch).
+            **_dispatch_trace(buf, x_in, ids, w, quant), **_combine_trace(buf, y, out),
         })
         del buf
 
