@@ -190,6 +190,8 @@ def main():
     parser.add_argument("--ring-chunks", type=int, default=None,
                         help="--combines: the combine rings' chunks (default: the Buffer's)")
     args = parser.parse_args()
+    if args.traces < 1:
+        parser.error("--traces: at least 1 (the table's stamps come from the traced dispatches)")
     if args.combines:
         tokens = 128 if args.tokens == 4096 else args.tokens  # a decode step unless told
         rows = [combines(r, sms, tokens, args.experts or 288, args.hidden, args.reps,

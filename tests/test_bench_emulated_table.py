@@ -66,3 +66,12 @@ def test_channel_stamps_are_the_median_and_latest_channel_from_the_earliest_star
     got = bde.channel_stamps([a, a + 1000, a + 3000 * (torch.arange(3) == 1)], ["routed"],
                              fields)
     assert got == {"routed": [2.75, 5.0]}
+
+
+def test_no_traced_dispatch_is_refused_before_anything_runs(monkeypatch, capsys):
+    """`--traces 0` would leave the table without its stamps: refused at once, with why."""
+    monkeypatch.setattr(sys, "argv", ["bench_dispatch_emulated.py", "--traces", "0"])
+    with pytest.raises(SystemExit) as stop:
+        bde.main()
+    assert stop.value.code == 2
+    assert "--traces: at least 1" in capsys.readouterr().err
