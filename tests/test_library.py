@@ -298,3 +298,30 @@ def test_launch_ex_structs_match_the_driver_abi():
         driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_ACCESS_POLICY_WINDOW)
     assert launch._ACCESS_PROPERTY_STREAMING == int(
         driver.CUaccessProperty.CU_ACCESS_PROPERTY_STREAMING)
+
+
+def test_a_bound_launch_follows_torch_current_stream(monkeypatch):
+    """The stream argument a bound launch keeps is remade when torch's current stream changes:
+    each launch goes to the stream current at its call, also after switching back."""
+    from cute_ep.runtime import launch
+
+    calls = _recorded_launches(monkeypatch)
+    streams = iter([77, 77, 91, 77, 0])
+    monkeypatch.setattr(launch, "_current_raw_stream", lambda device_index: next(streams))
+    spec = KernelSpec(
+        family="f", config={}, params=(Param("out", "ptr", "int32", align=16), Param("n", "i32")),
+        block=(32, 1, 1), grid=(GridRule(ceil_div=("n", 8)), GridRule(constant=1),
+                                GridRule(constant=1)),
+        smem_bytes=0, sizes={})
+    entry = Entry(spec=spec, arch="sm_90a", symbol="k", cubin=Path("k.cubin"), sha256="")
+    launcher = Kernel(entry, function=0x1234, device_index=0).bind(("out", "n"))
+    for _ in range(5):
+        launcher(0x5000, 17)
+    assert [args[-3].value for args in calls] == [77, 77, 91, 77, None]  # 0: the default stream
+    # A value its parameter cannot hold is refused as such, not as a wrong count.
+    import struct
+
+    monkeypatch.setattr(launch, "_current_raw_stream", lambda device_index: 77)
+    with pytest.raises(struct.error):
+        launcher(0x5000, 1 << 31)
+    assert len(calls) == 5
