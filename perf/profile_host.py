@@ -21,7 +21,8 @@ field (an FP8 decode call's scales) as `_Carve.view` makes it and as it made it 
 `--cold` times a decode call's host steps (`--tokens` 128, 2 ranks emulated, launches replaced
 by no-ops) each alone, cold (after a synchronisation and a 1 ms sleep, as `cute-ep bench`'s host
 column calls after its barrier) and hot (bursts of 32): a bound launch, torch.empty, the
-dispatch's two output allocations, its input checks, the whole dispatch and combine calls.
+dispatch's outputs (its two allocations and their objects), its input checks, the whole
+dispatch and combine calls.
 
 `--split` splits a decode call's host time (one rank, `--tokens` 128, real launches, no
 profiler) by replacing its parts in turn, in rounds that interleave every variant so the host's
@@ -192,9 +193,8 @@ def cold_steps(fmt: str, tokens: int, sms: int) -> dict:
     steps = {
         "bound Launcher call (block_memcpy)": lambda: bound(dst.data_ptr(), src.data_ptr(), 1),
         "torch.empty (1 MiB)": lambda: torch.empty(1 << 20, dtype=torch.uint8, device=dev),
-        "the dispatch's two output allocations": lambda: (
-            buf._tokens_like.new_empty(*buf._tokens_shape),
-            buf._bytes_like.new_empty(buf._handle_carve.end)),
+        # Through the Buffer's own method, so the step times what a dispatch allocates.
+        "the dispatch's outputs": lambda: buf._dispatch_outputs(out.handle.routing),
         "dispatch input checks": lambda: buf._checked_inputs(
             x, ids, w, tokens, quant.get("global_scale")),
         "dispatch call, no launch": lambda: buf.dispatch(x, ids, w, **quant),
