@@ -3,7 +3,7 @@ kernels without NVLink, so a time here is what the kernels themselves cost (coun
 expansion, reduction), not the link.
 
     python perf/bench_dispatch_emulated.py [--ranks 2,4] [--sms 24] [--tokens 4096] [--traces 5]
-                                           [--json FILE]
+                                           [--direct-input] [--json FILE]
     python perf/bench_dispatch_emulated.py --combines [--tokens 128] [--experts 288] [--sms 20]
                                            [--ring-chunks 4] [--json FILE]
 
@@ -168,7 +168,7 @@ def dispatch_table(title: str, records: list[dict]) -> Table:
 
 def main():
     from cute_ep.ep import Buffer
-    from cute_ep.tools.bench import quantized_input
+    from cute_ep.tools.bench import direct_input, quantized_input
     from layouts import EPConfig
 
     parser = argparse.ArgumentParser()
@@ -187,6 +187,10 @@ def main():
                         help="time the combines of a decode step's bf16 tokens instead")
     parser.add_argument("--experts", type=int, default=None,
                         help="experts (default 256; --combines: 288)")
+    parser.add_argument("--direct-input", action="store_true",
+                        help="x (bf16, or a -input format's codes and scales) written into each "
+                             "rank's direct input (Buffer input_rows), which dispatch reads in "
+                             "place, as `cute-ep bench --direct-input`")
     parser.add_argument("--ring-chunks", type=int, default=None,
                         help="--combines: the combine rings' chunks (default: the Buffer's)")
     args = parser.parse_args()
@@ -225,14 +229,18 @@ def main():
         for r in map(int, args.ranks.split(",")):
             for sms in map(int, args.sms.split(",")):
                 cfg = EPConfig(args.hidden, 8, args.experts or 256, r, args.tokens, fmt)
-                bufs = Buffer.emulated(cfg, sms=sms, timeout_s=30.0)
+                # The direct input: bf16 x, or pre-quantized (codes, scales) ("-input").
+                direct = args.direct_input and (fmt == "bf16" or name.endswith("-input"))
+                bufs = Buffer.emulated(cfg, sms=sms, timeout_s=30.0,
+                                       **({"input_rows": args.tokens} if direct else {}))
                 gen = torch.Generator(device="cuda").manual_seed(r)
                 call = []
-                for _ in range(r):
+                for buf in bufs:
                     x, ids, w = _rank_inputs(gen, cfg, args.tokens)
                     quant = {"global_scale": torch.tensor([100.0], device="cuda")} \
                         if fmt == "nvfp4" else {}
-                    call.append(((quantized_input(x, name, quant), ids, w), quant))
+                    x = quantized_input(x, name, quant)
+                    call.append(((direct_input(buf, x) if direct else x, ids, w), quant))
                 us = _time_all(bufs, call, args.reps)
                 # Combine of one dispatch, repeated; random expert outputs (one tensor all
                 # ranks read, to keep memory to one row_capacity x H).

@@ -359,15 +359,7 @@ def _throughput(rank, world, args, fmt, budgets, flush) -> dict:
     for sms in budgets:
         buf = Buffer(cfg, sms=sms, direct_input=direct, stage_batches=args.stage_batches,
                      ring_chunks=args.ring_chunks)
-        x_in = x
-        if direct:  # the layer before wrote x there
-            if type(x) is tuple:
-                x_in = tuple(v[:x[0].shape[0]] for v in buf.input_buffer())
-                for view, part in zip(x_in, x):
-                    view.copy_(part)
-            else:
-                x_in = buf.input_buffer()[:x.shape[0]]
-                x_in.copy_(x)
+        x_in = direct_input(buf, x) if direct else x
         t = _layer_times(buf, x_in, ids, w, y, quant, args.iters, flush)
         out = t.pop("out")
         t.update(_lockstep_times(buf, x_in, ids, w, y, quant, args.iters, flush))
@@ -415,6 +407,19 @@ def _throughput(rank, world, args, fmt, budgets, flush) -> dict:
         "sent_tokens_to_peers": sent_peers,
         "message_bytes": msg.size,
     }
+
+
+def direct_input(buf, x):
+    """x written into `buf`'s direct input, as the layer before would have written it: its
+    first rows (bf16 x, or (codes, scales)), the views a dispatch then reads in place."""
+    if type(x) is tuple:
+        views = tuple(v[:x[0].shape[0]] for v in buf.input_buffer())
+        for view, part in zip(views, x):
+            view.copy_(part)
+        return views
+    view = buf.input_buffer()[:x.shape[0]]
+    view.copy_(x)
+    return view
 
 
 def _wire(cfg, fmt, ids) -> tuple[int, list]:
