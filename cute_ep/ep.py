@@ -154,14 +154,11 @@ class _Carve:
             at = -(-(at + nbytes) // self.ALIGN) * self.ALIGN
         self.end = at
 
-    def view(self, flat: torch.UntypedStorage | torch.Tensor, name: str) -> torch.Tensor:
-        """Part `name` of `flat` (a call's storage, or a uint8 tensor) as a tensor of its dtype
-        and shape on that storage: an empty tensor set to it, two cheap calls where slicing
-        then viewing as the dtype and the shape took three, about twice the host time."""
+    def view(self, flat: torch.UntypedStorage, name: str) -> torch.Tensor:
+        """Part `name` of a call's allocation `flat` as a tensor of its dtype and shape on that
+        storage: an empty tensor set to it, two cheap calls where slicing a uint8 tensor then
+        viewing it as the dtype and the shape took three, about twice the host time."""
         at, shape, dtype, _ = self.parts[name]
-        if type(flat) is not torch.UntypedStorage:
-            at += flat.storage_offset()
-            flat = flat.untyped_storage()
         return torch.empty(0, dtype=dtype, device=flat.device).set_(flat, at // dtype.itemsize,
                                                                     shape)
 

@@ -2,6 +2,8 @@
 field becomes a tensor view only when read: the views must be disjoint, aligned, shaped as the
 unshared tensors would be, and the addresses the kernels get must be those of the views."""
 
+import math
+
 import pytest
 import torch
 
@@ -12,9 +14,18 @@ PARTS = [("row_offsets", (5,), torch.int32), ("src_info", (7, 2), torch.int32),
          ("stamps", (2,), torch.int64)]
 
 
+def _block(nbytes: int) -> tuple[torch.UntypedStorage, torch.Tensor]:
+    """A call's allocation, as a dispatch makes it, and a uint8 tensor over the same bytes (the
+    reference's reading of them), zeroed."""
+    storage = torch.UntypedStorage(nbytes)
+    as_bytes = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,))
+    as_bytes.zero_()
+    return storage, as_bytes
+
+
 def test_parts_are_aligned_disjoint_and_shaped():
     carve = _Carve(PARTS, start=512)
-    flat = torch.empty(carve.end, dtype=torch.uint8)
+    flat, _ = _block(carve.end)
     spans = []
     for name, shape, dtype in PARTS:
         view = carve.view(flat, name)
@@ -28,37 +39,28 @@ def test_parts_are_aligned_disjoint_and_shaped():
     assert spans[-1][1] <= carve.end
 
 
-def test_parts_of_a_block_that_starts_inside_its_storage():
-    """A part is read at the block's own offset in its storage plus the part's."""
-    carve = _Carve(PARTS)
-    whole = torch.zeros(carve.end + 512, dtype=torch.uint8)
-    flat = whole[512:]
-    for i, (name, shape, dtype) in enumerate(PARTS):
-        view = carve.view(flat, name)
-        assert view.data_ptr() == carve.address(flat.data_ptr(), name)
-        assert view.shape == shape and view.dtype == dtype
-        view.fill_(i + 1)
-    assert not whole[:512].any()  # nothing before the block written
-
-
-def test_a_call_storage_gives_the_views_a_uint8_block_gives():
-    """A dispatch's block is an UntypedStorage (one allocation call, no tensor made): each part
-    is read at the same offset, dtype and shape as from a uint8 tensor over the same bytes."""
+def test_each_part_reads_its_own_bytes():
+    """A part's view reads the bytes at its planned offset as its dtype and shape: the bytes are
+    written through a plain uint8 view of the allocation (sliced and reinterpreted, independent
+    of `_Carve.view`), and nothing before the carve's start is touched by writes to the parts."""
     carve = _Carve(PARTS, start=256)
-    storage = torch.UntypedStorage(carve.end)
-    as_tensor = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (carve.end,))
+    flat, as_bytes = _block(carve.end)
     for i, (name, shape, dtype) in enumerate(PARTS):
-        view = carve.view(storage, name)
-        assert view.data_ptr() == carve.address(storage.data_ptr(), name)
-        assert view.data_ptr() == carve.view(as_tensor, name).data_ptr()
-        assert view.shape == shape and view.dtype == dtype
-        view.fill_(i + 1)
-        assert torch.equal(carve.view(as_tensor, name), torch.full(shape, i + 1, dtype=dtype))
+        at, _, _, nbytes = carve.parts[name]
+        expect = torch.arange(math.prod(shape)).reshape(shape).to(dtype) + i
+        as_bytes[at:at + nbytes] = expect.flatten().view(torch.uint8)
+        assert torch.equal(carve.view(flat, name), expect)
+    for i, (name, shape, dtype) in enumerate(PARTS):
+        carve.view(flat, name).fill_(i + 1)
+        at, _, _, nbytes = carve.parts[name]
+        assert torch.equal(as_bytes[at:at + nbytes].view(dtype).view(shape),
+                           torch.full(shape, i + 1, dtype=dtype))
+    assert not as_bytes[:256].any()
 
 
 def test_writes_through_one_view_touch_no_other():
     carve = _Carve(PARTS)
-    flat = torch.zeros(carve.end, dtype=torch.uint8)
+    flat, _ = _block(carve.end)
     for i, (name, _, _) in enumerate(PARTS):
         carve.view(flat, name).fill_(i + 1)
     for i, (name, _, _) in enumerate(PARTS):
@@ -79,7 +81,7 @@ def test_carved_fields_are_views_made_on_first_read():
     handle_carve = _Carve([("rows", (2, 4, 1), torch.int32), ("weights", (2, 4, 1), torch.float32),
                            ("tokens", (2, 4), torch.int32), ("messages", (2,), torch.int32),
                            ("channels", (1, 2), torch.int32)], start=out_carve.end)
-    flat = torch.zeros(handle_carve.end, dtype=torch.uint8)
+    flat, _ = _block(handle_carve.end)
     route = Routing(1, 4, True, False, 0, 4, torch.zeros(4, 1, dtype=torch.int32))
     handle = DispatchHandle._of({"routing": route, "_flat": flat, "_carve": handle_carve})
     tokens = torch.zeros(4, 8, dtype=torch.bfloat16)
@@ -102,7 +104,7 @@ def test_addresses_follow_a_replaced_field_and_an_uncarved_handle():
     into a view, or replaced in a copy (autograd's `_handle_with` swaps the weights)."""
     carve = _Carve([("rows", (2, 4), torch.int32), ("weights", (2, 4), torch.float32),
                     ("channels", (1, 2), torch.int32)])
-    flat = torch.zeros(carve.end, dtype=torch.uint8)
+    flat, _ = _block(carve.end)
     route = Routing(1, 4, True, False, 0, 4, torch.zeros(4, 1, dtype=torch.int32))
     handle = DispatchHandle._of({"routing": route, "_flat": flat, "_carve": carve})
     names = ("rows", "weights", "channels")
